@@ -1,0 +1,44 @@
+# Two entry points: `make quickstart` and `make test`; both install into a local virtual environment first.
+# Reuse an environment that already has torch with `make test VENV=/path/to/env`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev,deepspeed,bnb,bench
+PYTEST_ARGS ?=
+
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hf_llmkit-installed
+
+.PHONY: install quickstart test bench lint format clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Installs torch only when none is importable, so a bare `torch` requirement never pulls a CUDA build.
+$(STAMP): pyproject.toml setup.py | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install -e ".[$(EXTRAS)]"
+	touch $@
+
+install: $(STAMP)
+
+quickstart: install
+	$(PY) examples/run_clm.py
+
+test: install
+	$(PY) -m ruff check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: install
+	@set -e; for script in benchmarks/*.py; do echo "== $$script"; $(PY) $$script; done
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: install
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+clean:
+	rm -rf outputs .pytest_cache .ruff_cache *.egg-info

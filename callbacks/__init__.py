@@ -1,0 +1,3 @@
+"""Trainer callbacks, one per file (installed as `hf_llmkit.callbacks`)."""
+
+__all__: list[str] = []

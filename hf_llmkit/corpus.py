@@ -1,0 +1,88 @@
+"""The embedded English corpus and a tokenizer trained on it, so every example runs with no download.
+
+Every CPython ships `pydoc_data.topics.topics`: about 465K characters of English prose and Python code
+(the text behind `help()`). `corpus_texts()` splits it into paragraphs; `corpus_tokenizer()` trains a
+byte-level BPE tokenizer on it once with the `tokenizers` library and caches it as a regular
+`PreTrainedTokenizerFast` folder, which `AutoTokenizer.from_pretrained` reloads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerFast
+
+BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
+DEFAULT_VOCAB_SIZE = 4096
+
+
+def corpus_texts(*, min_chars: int = 40) -> list[str]:
+    """Paragraphs of the embedded corpus, in a fixed order (deterministic across runs and machines)."""
+    from pydoc_data.topics import topics
+
+    texts = []
+    for key in sorted(topics):
+        for paragraph in topics[key].split("\n\n"):
+            paragraph = paragraph.strip()
+            if len(paragraph) >= min_chars:
+                texts.append(paragraph)
+    return texts
+
+
+def default_cache_dir() -> Path:
+    """Where built artefacts are cached: `$HF_LLMKIT_CACHE`, else `$XDG_CACHE_HOME/hf_llmkit`, else `~/.cache`."""
+    root = os.environ.get("HF_LLMKIT_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hf_llmkit"
+
+
+def corpus_tokenizer(
+    *, vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: str | os.PathLike | None = None
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on the embedded corpus, built once and cached on disk.
+
+    The cache key includes the corpus content and vocab size, so a different Python version (different
+    corpus) builds its own tokenizer instead of reusing a mismatched one.
+    """
+    if vocab_size < 300:
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small for a byte-level BPE (256 bytes + specials); use >= 300"
+        )
+    texts = corpus_texts()
+    digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:12]
+    folder = Path(cache_dir or default_cache_dir()) / "tokenizers" / f"pydoc-bpe-{vocab_size}-{digest}"
+    if (folder / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    tokenizer = _train_bpe(texts, vocab_size)
+    # Write to a temporary folder and rename, so a concurrent rank never reads a half-written tokenizer.
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process won the race; its copy is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return PreTrainedTokenizerFast.from_pretrained(folder)
+
+
+def _train_bpe(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    core = Tokenizer(models.BPE(unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, BOS, EOS, UNK],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(texts, trainer=trainer)
+    core.post_processor = processors.ByteLevel(trim_offsets=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK, model_max_length=2048
+    )

@@ -1,0 +1,220 @@
+"""Shared by tests, benchmarks and examples: a CPU multi-rank launcher and tiny model / corpus factories.
+
+`launch(fn, nprocs=2)` runs an importable function on N real `torch.distributed` gloo ranks on 127.0.0.1
+and returns every rank's result; `launch_script(path, nprocs=2)` does the same for a script under
+`torchrun` or `accelerate launch`. Both pick a free port, bound the run in time, and raise
+`DistributedRunError` with every rank's stderr when a rank fails or hangs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from hf_llmkit.corpus import corpus_texts, corpus_tokenizer
+
+__all__ = [
+    "DistributedRunError",
+    "corpus_texts",
+    "corpus_tokenizer",
+    "free_port",
+    "launch",
+    "launch_script",
+    "tiny_llama",
+    "tiny_llama_config",
+]
+
+
+class DistributedRunError(RuntimeError):
+    """A multi-rank run failed or timed out; the message holds every rank's exit code and stderr tail."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+    )
+    env.update(extra or {})
+    return env
+
+
+def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float, what: str) -> None:
+    """Wait for every rank; on a failure or timeout kill the rest and raise with all stderr."""
+    deadline = time.monotonic() + timeout
+    failed = timed_out = False
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            timed_out = True
+            break
+        if any(p.poll() not in (None, 0) for p in procs):
+            failed = True
+            time.sleep(2.0)  # let the peers print their own error before they are killed
+            break
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    if timed_out or failed or any(p.returncode != 0 for p in procs):
+        reason = f"timed out after {timeout:.0f}s" if timed_out else "failed"
+        parts = [f"{what} {reason} on {len(procs)} ranks"]
+        for rank, (p, log) in enumerate(zip(procs, logs)):
+            tail = log.read_text(errors="replace")[-6000:]
+            parts.append(f"--- rank {rank} (exit code {p.returncode}) stderr ---\n{tail}")
+        raise DistributedRunError("\n".join(parts))
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    nprocs: int = 2,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+    init_process_group: bool = True,
+) -> list[Any]:
+    """Run `fn(*args)` on `nprocs` gloo ranks and return the per-rank results (rank order).
+
+    `fn` must be importable by module and name (defined at a module's top level) and its arguments and
+    result picklable. Each rank is a fresh interpreter with RANK/WORLD_SIZE/MASTER_* set; with
+    `init_process_group` the gloo group is created before `fn` runs and destroyed after.
+    """
+    module, name = fn.__module__, fn.__qualname__
+    if module == "__main__" or "<locals>" in name:
+        raise ValueError(f"launch() needs a function defined at module top level, got {module}.{name}")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="hf_llmkit_launch_") as tmp:
+        work = Path(tmp)
+        (work / "call.pkl").write_bytes(pickle.dumps((module, name, args, init_process_group)))
+        procs, logs = [], []
+        for rank in range(nprocs):
+            log = work / f"rank{rank}.stderr"
+            logs.append(log)
+            cmd = [sys.executable, "-m", "hf_llmkit.testing", str(work)]
+            with open(log, "wb") as err:
+                procs.append(
+                    subprocess.Popen(cmd, env=_rank_env(rank, nprocs, port, env), stdout=err, stderr=subprocess.STDOUT)
+                )
+        _wait_all(procs, logs, timeout, f"{module}.{name}")
+        return [pickle.loads((work / f"result{rank}.pkl").read_bytes()) for rank in range(nprocs)]
+
+
+def launch_script(
+    script: str | os.PathLike,
+    args: Sequence[str] = (),
+    *,
+    nprocs: int = 2,
+    launcher: str = "torchrun",
+    timeout: float = 600.0,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> subprocess.CompletedProcess:
+    """Run a script on `nprocs` CPU ranks with `torchrun` or `accelerate launch` (MULTI_CPU, gloo).
+
+    Returns the completed launcher process (stdout and stderr merged into `.stdout`); raises
+    `DistributedRunError` with the output when it fails or runs past `timeout`.
+    """
+    port = free_port()
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}"]
+        cmd += ["--master-addr=127.0.0.1", f"--master-port={port}"]
+    elif launcher == "accelerate":
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={nprocs}"]
+        cmd += ["--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={port}"]
+    else:
+        raise ValueError(f"launcher must be 'torchrun' or 'accelerate', got {launcher!r}")
+    cmd += [str(script), *args]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    full_env.update(env or {})
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(
+            cmd, env=full_env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+    if proc.returncode != 0:
+        reason = f"exit code {proc.returncode}" if proc.returncode > 0 else f"killed (timeout {timeout:.0f}s?)"
+        raise DistributedRunError(f"{launcher} {script} on {nprocs} ranks: {reason}\n{text[-12000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout=text, stderr="")
+
+
+def tiny_llama_config(**overrides: Any):
+    """A LlamaConfig small enough for CPU unit tests (GQA: 4 query heads, 2 key/value heads)."""
+    from transformers import LlamaConfig
+
+    kwargs = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def tiny_llama(*, seed: int = 0, **overrides: Any):
+    """A randomly initialised tiny `LlamaForCausalLM` (fp32, eval mode), deterministic for a given seed."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(**overrides))
+    return model.eval()
+
+
+def _worker(work: Path) -> None:
+    """Entry point of one rank started by `launch` (`python -m hf_llmkit.testing WORKDIR`)."""
+    import torch.distributed as dist
+
+    module, name, args, init_pg = pickle.loads((work / "call.pkl").read_bytes())
+    fn: Any = importlib.import_module(module)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    if init_pg:
+        dist.init_process_group("gloo")
+    try:
+        result = fn(*args)
+    finally:
+        if init_pg and dist.is_initialized():
+            dist.destroy_process_group()
+    (work / f"result{os.environ['RANK']}.pkl").write_bytes(pickle.dumps(result))
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))

@@ -1,0 +1,21 @@
+"""Package discovery for hf-llmkit; everything else is declared in pyproject.toml.
+
+`callbacks/` and `trainers/` sit at the repository's top level (the product's layout) but install as
+`hf_llmkit.callbacks` and `hf_llmkit.trainers`. setuptools cannot combine automatic discovery with such a
+mapping in pyproject.toml alone, so the list is computed here: every package under `hf_llmkit/`, plus the two
+mapped folders and their own subpackages.
+"""
+
+from setuptools import find_packages, setup
+
+MAPPED = {"hf_llmkit.callbacks": "callbacks", "hf_llmkit.trainers": "trainers"}
+
+packages = find_packages(include=["hf_llmkit", "hf_llmkit.*"])
+package_dir = {"hf_llmkit": "hf_llmkit"}
+for name, folder in MAPPED.items():
+    packages.append(name)
+    package_dir[name] = folder
+    for sub in find_packages(where=folder):
+        packages.append(f"{name}.{sub}")
+
+setup(packages=packages, package_dir=package_dir)
