@@ -1,0 +1,8 @@
+"""PEFT methods registered with peft: one folder each, in peft's config/layer/model layout.
+
+Each method's `__init__.py` calls `register_tuner(...)`; importing this package registers them all.
+"""
+
+from hf_llmkit.tuners.registration import extend_peft_type, register_tuner
+
+__all__ = ["extend_peft_type", "register_tuner"]
