@@ -5,7 +5,9 @@ transformers) exactly once; importing it again, or importing peft/transformers b
 """
 
 from hf_llmkit.args import LLMKitTrainingArguments
+from hf_llmkit.tuners.bitfit import BitFitConfig
+from hf_llmkit.tuners.bottleneck import BottleneckConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["LLMKitTrainingArguments", "__version__"]
+__all__ = ["BitFitConfig", "BottleneckConfig", "LLMKitTrainingArguments", "__version__"]

@@ -23,6 +23,7 @@ def extend_peft_type(name: str) -> PeftType:
     member._value_ = name
     member.__objclass__ = PeftType
     member.__init__(name)
+    member._sort_order_ = len(PeftType._member_names_)
     PeftType._member_map_[name] = member
     PeftType._value2member_map_[name] = member
     PeftType._member_names_.append(name)
@@ -39,8 +40,18 @@ def register_tuner(*, name: str, config_cls: type, model_cls: type, is_mixed_com
     from peft.utils import register_peft_method
 
     peft_type = extend_peft_type(name.upper())
-    if PEFT_TYPE_TO_CONFIG_MAPPING.get(peft_type) is config_cls:
+    registered = PEFT_TYPE_TO_CONFIG_MAPPING.get(peft_type)
+    if registered is config_cls:
         return
+    if registered is not None:
+        if _qualname(registered) != _qualname(config_cls):
+            raise ValueError(
+                f"PEFT method {name!r} is already registered with {_qualname(registered)}; register "
+                f"{_qualname(config_cls)} under another name."
+            )
+        # Same class re-created (importlib.reload, or a module imported twice under two names): point peft's
+        # mappings at the new objects instead of failing with peft's "already registered" KeyError.
+        _unregister(peft_type)
     register_peft_method(
         name=name,
         config_cls=config_cls,
@@ -48,3 +59,19 @@ def register_tuner(*, name: str, config_cls: type, model_cls: type, is_mixed_com
         prefix=model_cls.prefix,
         is_mixed_compatible=is_mixed_compatible,
     )
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _unregister(peft_type: PeftType) -> None:
+    from peft import mapping
+
+    for table in (
+        mapping.PEFT_TYPE_TO_CONFIG_MAPPING,
+        mapping.PEFT_TYPE_TO_TUNER_MAPPING,
+        mapping.PEFT_TYPE_TO_MIXED_MODEL_MAPPING,
+        mapping.PEFT_TYPE_TO_PREFIX_MAPPING,
+    ):
+        table.pop(peft_type, None)

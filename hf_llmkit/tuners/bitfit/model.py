@@ -1,0 +1,93 @@
+"""`BitFitModel`: the peft tuner that makes (a subset of) the model's biases trainable."""
+
+from __future__ import annotations
+
+import re
+
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, _ExcludedModule, check_target_module_exists
+from torch import nn
+
+from hf_llmkit.tuners.bitfit.config import BitFitConfig
+from hf_llmkit.tuners.bitfit.layer import BitFitLayer, bias_shape
+from hf_llmkit.tuners.matching import check_targets_exist, module_names
+
+
+class BitFitModel(BaseTuner):
+    """BitFit (Ben Zaken et al. 2022) for `get_peft_model`: only bias terms train.
+
+    Example:
+        >>> import hf_llmkit
+        >>> from peft import get_peft_model
+        >>> from hf_llmkit.testing import tiny_llama
+        >>> model = get_peft_model(tiny_llama(), hf_llmkit.BitFitConfig(add_missing_biases=True))
+        >>> merged = model.merge_and_unload()  # Linear layers now carry the trained biases
+    """
+
+    prefix: str = "bitfit_"
+    tuner_layer_cls = BitFitLayer
+    target_module_mapping: dict = {}  # default targets are computed from the model (every eligible module)
+
+    def _eligible(self, module: nn.Module, config: BitFitConfig) -> bool:
+        base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
+        if base is self._output_embeddings():
+            return False
+        return bias_shape(base, add_missing=config.add_missing_biases) is not None
+
+    def _output_embeddings(self) -> nn.Module | None:
+        get = getattr(self.model, "get_output_embeddings", None)
+        out = get() if callable(get) else None
+        return out.get_base_layer() if isinstance(out, BaseTunerLayer) else out
+
+    def _prepare_adapter_config(self, peft_config: BitFitConfig, model_config: dict) -> BitFitConfig:
+        if peft_config.target_modules is None:
+            # Every eligible module, written as the leaf names so the saved config stays short and portable.
+            leaves = {
+                name.rsplit(".", 1)[-1]
+                for name in module_names(self.model)
+                if self._eligible(self.model.get_submodule(name), peft_config)
+            }
+            if not leaves:
+                raise ValueError(
+                    "BitFit found no module with a bias; set add_missing_biases=True to add trainable biases to "
+                    "the Linear layers (e.g. for Llama), or name target_modules."
+                )
+            peft_config.target_modules = leaves
+        return peft_config
+
+    def _prepare_model(self, peft_config: BitFitConfig, model: nn.Module) -> None:
+        check_targets_exist(model, peft_config.target_modules, "BitFitConfig")
+        matched = [n for n in module_names(model) if _matches(peft_config, n)]
+        if matched and not any(self._eligible(model.get_submodule(n), peft_config) for n in matched):
+            raise ValueError(
+                f"target_modules={peft_config.target_modules} only match modules without a bias (e.g. "
+                f"{matched[0]!r}); set add_missing_biases=True to add trainable zero-initialised biases there."
+            )
+
+    def _check_target_module_exists(self, peft_config: BitFitConfig, key: str):
+        found = check_target_module_exists(peft_config, key)
+        if not found or isinstance(found, _ExcludedModule):
+            return found
+        return self._eligible(self.model.get_submodule(key), peft_config)
+
+    def _create_and_replace(
+        self,
+        peft_config: BitFitConfig,
+        adapter_name: str,
+        target: nn.Module,
+        target_name: str,
+        parent: nn.Module,
+        current_key: str,
+        **kwargs,
+    ) -> None:
+        if isinstance(target, BitFitLayer):
+            target.update_layer(adapter_name, peft_config)
+            return
+        new_module = BitFitLayer(target, adapter_name, peft_config)
+        if adapter_name not in self.active_adapters:
+            new_module.requires_grad_(False)  # an added, inactive adapter is not trainable
+        self._replace_module(parent, target_name, new_module, target)
+
+
+def _matches(config: BitFitConfig, name: str) -> bool:
+    found = check_target_module_exists(config, name)
+    return bool(found) and not isinstance(found, _ExcludedModule) and not re.search(r"\.base_layer$", name)

@@ -1,0 +1,10 @@
+"""Bottleneck adapters (Houlsby / Pfeiffer / parallel) registered with peft as `BOTTLENECK`."""
+
+from hf_llmkit.tuners.bottleneck.config import BOTTLENECK_TARGET_MODULES, PLACEMENTS, BottleneckConfig
+from hf_llmkit.tuners.bottleneck.layer import BottleneckLayer
+from hf_llmkit.tuners.bottleneck.model import BottleneckModel
+from hf_llmkit.tuners.registration import register_tuner
+
+register_tuner(name="bottleneck", config_cls=BottleneckConfig, model_cls=BottleneckModel)
+
+__all__ = ["BOTTLENECK_TARGET_MODULES", "PLACEMENTS", "BottleneckConfig", "BottleneckLayer", "BottleneckModel"]
