@@ -7,7 +7,18 @@ transformers) exactly once; importing it again, or importing peft/transformers b
 from hf_llmkit.args import LLMKitTrainingArguments
 from hf_llmkit.tuners.bitfit import BitFitConfig
 from hf_llmkit.tuners.bottleneck import BottleneckConfig
+from hf_llmkit.tuners.ptuning import PTuningConfig, PTuningTemplate, build_ptuning_template
+from hf_llmkit.tuners.ptuning_v2 import PTuningV2Config
 
 __version__ = "0.1.0"
 
-__all__ = ["BitFitConfig", "BottleneckConfig", "LLMKitTrainingArguments", "__version__"]
+__all__ = [
+    "BitFitConfig",
+    "BottleneckConfig",
+    "LLMKitTrainingArguments",
+    "PTuningConfig",
+    "PTuningTemplate",
+    "PTuningV2Config",
+    "__version__",
+    "build_ptuning_template",
+]

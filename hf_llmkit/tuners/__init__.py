@@ -6,5 +6,14 @@ Each method's `__init__.py` calls `register_tuner(...)`; importing this package 
 from hf_llmkit.tuners.registration import extend_peft_type, register_tuner  # noqa: I001 (registration first)
 from hf_llmkit.tuners.bitfit import BitFitConfig
 from hf_llmkit.tuners.bottleneck import BottleneckConfig
+from hf_llmkit.tuners.ptuning import PTuningConfig
+from hf_llmkit.tuners.ptuning_v2 import PTuningV2Config
 
-__all__ = ["BitFitConfig", "BottleneckConfig", "extend_peft_type", "register_tuner"]
+__all__ = [
+    "BitFitConfig",
+    "BottleneckConfig",
+    "PTuningConfig",
+    "PTuningV2Config",
+    "extend_peft_type",
+    "register_tuner",
+]

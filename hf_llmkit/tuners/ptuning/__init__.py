@@ -1,0 +1,20 @@
+"""P-tuning v1 ("GPT Understands, Too") registered with peft as `PTUNING`: a prompt encoder behind virtual tokens."""
+
+from hf_llmkit.tuners.ptuning.config import PTuningConfig
+from hf_llmkit.tuners.ptuning.encoder import PromptEncoder
+from hf_llmkit.tuners.ptuning.layer import PTuningEmbedding, PTuningLayer
+from hf_llmkit.tuners.ptuning.model import PTuningModel
+from hf_llmkit.tuners.ptuning.template import PTuningTemplate, build_ptuning_template
+from hf_llmkit.tuners.registration import register_tuner
+
+register_tuner(name="ptuning", config_cls=PTuningConfig, model_cls=PTuningModel)
+
+__all__ = [
+    "PTuningConfig",
+    "PTuningEmbedding",
+    "PTuningLayer",
+    "PTuningModel",
+    "PTuningTemplate",
+    "PromptEncoder",
+    "build_ptuning_template",
+]

@@ -1,0 +1,181 @@
+"""P-tuning v2 as a layer-injecting peft tuner: prefix keys/values per attention layer via the attention interface.
+
+Injection wraps each attention module in `PTuningV2Attention` and switches `config._attn_implementation` from, say,
+`"sdpa"` to the registered `"ptuning_v2_sdpa"`, which delegates to sdpa; `disable_adapter()` and `unload()` switch it
+back. Saving writes the folded prefixes (plus, by default, the MLP reparameterisation so training can resume).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, _remove_adapter_name_from_state_dict_key
+from torch import nn
+
+from hf_llmkit.tuners.ptuning_v2.attention import inner_name, is_prefix_attention, register_prefix_attention
+from hf_llmkit.tuners.ptuning_v2.config import PTuningV2Config
+from hf_llmkit.tuners.ptuning_v2.layer import MERGE_ERROR, PTuningV2Attention, PTuningV2Layer
+from hf_llmkit.tuners.ptuning_v2.prefix import PlainPrefix, ProjectedPrefix
+
+_PROJECTION_KEYS = ("embedding", "down.weight", "down.bias", "up.weight", "up.bias")
+
+
+def attention_module_names(model: nn.Module) -> list[str]:
+    """Names of the transformers attention layers of `model` (`*Attention` modules that know their `layer_idx`)."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if type(module).__name__.endswith("Attention") and hasattr(module, "layer_idx") and hasattr(module, "config")
+    ]
+
+
+class PTuningV2Model(BaseTuner):
+    """Gives every targeted attention layer trainable prefix keys/values (deep prompt tuning).
+
+    Example:
+        ```py
+        >>> import hf_llmkit
+        >>> from peft import get_peft_model
+        >>> model = get_peft_model(model, hf_llmkit.PTuningV2Config(num_virtual_tokens=16, prefix_projection=True))
+        >>> model.base_model.fold_prefix_projection()  # optional: drop the MLP for inference
+        ```
+    """
+
+    prefix: str = "ptuning_v2_"
+    tuner_layer_cls = PTuningV2Layer
+    target_module_mapping: dict[str, list[str]] = {}
+
+    def _prepare_adapter_config(self, peft_config: PTuningV2Config, model_config: dict) -> PTuningV2Config:
+        if peft_config.target_modules is None:
+            names = attention_module_names(self.model)
+            if not names:
+                raise ValueError(
+                    "found no transformers attention module (a *Attention module with layer_idx) in the model; set "
+                    "target_modules to the names of its attention modules"
+                )
+            peft_config.target_modules = set(names)
+        return peft_config
+
+    def _create_and_replace(
+        self,
+        peft_config: PTuningV2Config,
+        adapter_name: str,
+        target: nn.Module,
+        target_name: str,
+        parent: nn.Module,
+        current_key: str,
+        **optional_kwargs: Any,
+    ) -> None:
+        if isinstance(target, PTuningV2Layer):
+            target.update_layer(adapter_name, peft_config)
+            return
+        if isinstance(target, BaseTunerLayer):
+            raise ValueError(
+                f"{current_key} is already wrapped by another PEFT method; P-tuning v2 must wrap it first"
+            )
+        new_module = PTuningV2Attention(target, adapter_name, peft_config)
+        if adapter_name not in self.active_adapters:
+            new_module.requires_grad_(False)
+        self._replace_module(parent, target_name, new_module, target)
+
+    def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
+        if not hasattr(new_module, "base_layer"):  # unloading: attention modules have no `.weight` to re-tie
+            setattr(parent, child_name, new_module)
+            return
+        super()._replace_module(parent, child_name, new_module, child)
+
+    # --- the attention implementation switch -------------------------------------------------------------------
+
+    def _post_injection_hook(self, model: nn.Module, config: PTuningV2Config, adapter_name: str) -> None:
+        self._use_prefix_attention(True)
+
+    def _use_prefix_attention(self, enabled: bool) -> None:
+        config = self.model.config
+        current = config._attn_implementation or "eager"
+        if enabled and not is_prefix_attention(current):
+            config._attn_implementation = register_prefix_attention(current)
+        elif not enabled and is_prefix_attention(current):
+            config._attn_implementation = inner_name(current)
+
+    def _enable_adapter_layers(self, enabled: bool = True) -> None:
+        super()._enable_adapter_layers(enabled)
+        self._use_prefix_attention(enabled)
+
+    def _unload_and_optionally_merge(self, merge: bool = True, *args: Any, **kwargs: Any) -> nn.Module:
+        if merge:
+            raise ValueError(MERGE_ERROR)
+        self._use_prefix_attention(False)
+        return super()._unload_and_optionally_merge(False, *args, **kwargs)
+
+    def _check_merge_allowed(self) -> None:
+        raise ValueError(MERGE_ERROR)
+
+    def merge_adapter(self, *args: Any, **kwargs: Any) -> None:
+        raise ValueError(MERGE_ERROR)
+
+    def fold_prefix_projection(self, adapter_name: str | None = None) -> None:
+        """Replace the MLP reparameterisation of `adapter_name` (default: all adapters) by plain prefixes."""
+        for module in self.model.modules():
+            if isinstance(module, PTuningV2Layer):
+                for name in [adapter_name] if adapter_name else list(module.ptuning_v2_prefix):
+                    if name in module.ptuning_v2_prefix:
+                        module.fold(name)
+
+    # --- saving and loading ------------------------------------------------------------------------------------
+
+    @classmethod
+    def _remove_adapter_name_from_key(cls, key: str, adapter_name: str) -> str:
+        marker = f".ptuning_v2_prefix.{adapter_name}."
+        if marker in key:
+            return key.replace(marker, ".ptuning_v2_prefix.", 1)
+        return _remove_adapter_name_from_state_dict_key(key, adapter_name)
+
+    @classmethod
+    def _get_adapter_state_dict(
+        cls,
+        model: nn.Module,
+        config: PTuningV2Config,
+        adapter_name: str,
+        state_dict: dict[str, torch.Tensor],
+        unwanted_adapter_names: list[str],
+    ) -> dict[str, torch.Tensor]:
+        out = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        for name, module in model.named_modules():
+            if not isinstance(module, PTuningV2Layer) or adapter_name not in module.ptuning_v2_prefix:
+                continue
+            if not isinstance(module.ptuning_v2_prefix[adapter_name], ProjectedPrefix):
+                continue
+            # Fold from the given tensors, not the live module: under ZeRO-3 only the passed dict is gathered.
+            base = f"{name.removeprefix('_fsdp_wrapped_module.')}.ptuning_v2_prefix.{adapter_name}."
+            tensors = {k: out[base + k] for k in _PROJECTION_KEYS}
+            out[base + "prefix"] = ProjectedPrefix.fold_state(tensors, module.kv_heads, module.head_dim)
+            if not config.save_projection:
+                for k in _PROJECTION_KEYS:
+                    del out[base + k]
+        return out
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(
+        cls,
+        model: nn.Module,
+        config: PTuningV2Config,
+        adapter_name: str,
+        state_dict: dict[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        state_dict = dict(state_dict)
+        for name, module in model.named_modules():
+            if not isinstance(module, PTuningV2Layer) or adapter_name not in module.ptuning_v2_prefix:
+                continue
+            bases = [f"{name}.ptuning_v2_prefix.", f"base_model.model.{name}.ptuning_v2_prefix."]
+            has_projection = any(b + "embedding" in state_dict for b in bases)
+            if isinstance(module.ptuning_v2_prefix[adapter_name], ProjectedPrefix) and not has_projection:
+                # Saved with save_projection=False: continue from the folded prefixes.
+                module.fold(adapter_name)
+            drop = ("prefix",) if isinstance(module.ptuning_v2_prefix[adapter_name], ProjectedPrefix) else ()
+            if isinstance(module.ptuning_v2_prefix[adapter_name], PlainPrefix):
+                drop = _PROJECTION_KEYS  # inference form: only the folded prefixes are used
+            for b in bases:
+                for k in drop:
+                    state_dict.pop(b + k, None)
+        return super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
