@@ -72,6 +72,7 @@ class BottleneckLayer(nn.Module, BaseTunerLayer):
         self.in_features, self.out_features = linear_in_out(self.get_base_layer())
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, key=key)
+        self.train(base_layer.training)  # a model in eval mode gets adapters in eval mode (no dropout)
 
     def update_layer(self, adapter_name: str, config: Any, *, key: str = "") -> None:
         parallel = config.placement == "parallel"
@@ -87,6 +88,7 @@ class BottleneckLayer(nn.Module, BaseTunerLayer):
         self.bottleneck_up[adapter_name] = nn.Linear(size, self.out_features, device=device, dtype=dtype)
         self.bottleneck_act[adapter_name] = ACT2FN[config.non_linearity]
         self.bottleneck_dropout[adapter_name] = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
+        self.bottleneck_dropout[adapter_name].train(self.training)
         self.bottleneck_scaling[adapter_name] = float(config.scaling)
         self.bottleneck_placement[adapter_name] = config.placement
         self.reset_parameters(adapter_name, config.init_weights)

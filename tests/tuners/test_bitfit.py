@@ -1,0 +1,98 @@
+"""BitFit: which biases train (all, the paper's subset, added ones), exact merging, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import get_peft_model
+from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+
+from hf_llmkit import BitFitConfig
+from hf_llmkit.testing import tiny_llama
+from hf_llmkit.tuners.bitfit import BITFIT_PAPER_SUBSET, BitFitLayer
+
+
+def _bert():
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    return BertModel(config, add_pooling_layer=False).eval()
+
+
+def _trainable(model) -> dict[str, int]:
+    return {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_default_trains_every_existing_bias_and_nothing_else():
+    base = _bert()
+    n_bias = sum(p.numel() for n, p in base.named_parameters() if n.endswith(".bias"))
+    model = get_peft_model(base, BitFitConfig())
+    trainable = _trainable(model)
+    assert sum(trainable.values()) == n_bias  # one delta per base bias (Linear and LayerNorm)
+    assert all(".bitfit_bias." in n for n in trainable)
+    assert any("LayerNorm" in n for n in trainable)
+
+
+def test_the_papers_query_and_intermediate_subset():
+    model = get_peft_model(_bert(), BitFitConfig(target_modules=BITFIT_PAPER_SUBSET))
+    layers = {n.split(".bitfit_bias")[0].split("layer.")[1] for n in _trainable(model)}
+    assert layers == {
+        "0.attention.self.query",
+        "0.intermediate.dense",
+        "1.attention.self.query",
+        "1.intermediate.dense",
+    }
+    assert sum(_trainable(model).values()) == 2 * (32 + 64)
+
+
+def test_gpt2_conv1d_and_layernorm_biases_merge_exactly():
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64)).eval()
+    model = get_peft_model(base, BitFitConfig(init_weights=False))
+    kinds = {type(m.get_base_layer()).__name__ for m in model.modules() if isinstance(m, BitFitLayer)}
+    assert kinds == {"Conv1D", "LayerNorm"}  # the tied lm_head (no bias) is left alone
+    ids = torch.randint(0, 128, (2, 8))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        merged = model.merge_and_unload()
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_added_biases_on_llama_become_real_biases_when_merged():
+    model = get_peft_model(tiny_llama(), BitFitConfig(add_missing_biases=True, init_weights=False))
+    assert sum(_trainable(model).values()) == 2 * (64 + 32 + 32 + 64 + 128 + 128 + 64)  # q k v o gate up down
+    assert model.base_model.model.lm_head.bias is None and "lm_head" not in str(model.base_model.targeted_module_names)
+    ids = torch.randint(3, 500, (2, 8))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        merged = model.merge_and_unload()
+    q_proj = merged.model.layers[0].self_attn.q_proj
+    assert type(q_proj) is torch.nn.Linear and q_proj.bias is not None
+    torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_unmerge_removes_a_bias_that_merge_created():
+    model = get_peft_model(tiny_llama(), BitFitConfig(target_modules=["v_proj"], add_missing_biases=True))
+    layer = model.base_model.model.model.layers[0].self_attn.v_proj
+    model.merge_adapter()
+    assert layer.base_layer.bias is not None
+    model.unmerge_adapter()
+    assert layer.base_layer.bias is None
+
+
+def test_bias_less_targets_name_add_missing_biases():
+    with pytest.raises(ValueError, match="set add_missing_biases=True"):
+        get_peft_model(tiny_llama(), BitFitConfig(target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="set add_missing_biases=True"):
+        get_peft_model(tiny_llama(), BitFitConfig())
+
+
+def test_target_modules_matching_nothing_lists_close_candidates():
+    with pytest.raises(ValueError, match=r"'qeury' -> did you mean \[.*'query'"):
+        get_peft_model(_bert(), BitFitConfig(target_modules=["qeury"]))
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="pass None to train every bias"):
+        BitFitConfig(target_modules=[])
+    with pytest.raises(ValueError, match="set layers_to_transform too"):
+        BitFitConfig(layers_pattern="layer")
