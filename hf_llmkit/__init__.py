@@ -5,6 +5,7 @@ transformers) exactly once; importing it again, or importing peft/transformers b
 """
 
 from hf_llmkit.args import LLMKitTrainingArguments
+from hf_llmkit.quantization import DKMConfig
 from hf_llmkit.tuners.bitfit import BitFitConfig
 from hf_llmkit.tuners.bottleneck import BottleneckConfig
 from hf_llmkit.tuners.ptuning import PTuningConfig, PTuningTemplate, build_ptuning_template
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BitFitConfig",
     "BottleneckConfig",
+    "DKMConfig",
     "LLMKitTrainingArguments",
     "PTuningConfig",
     "PTuningTemplate",

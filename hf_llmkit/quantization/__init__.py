@@ -1,0 +1,36 @@
+"""DKM / eDKM train-time weight clustering as a transformers quantization method ("dkm").
+
+`import hf_llmkit` registers `DKMConfig` and `DKMHfQuantizer` with transformers (once per process), so
+`from_pretrained(..., quantization_config=DKMConfig(bits=3))` and reloading a saved DKM checkpoint just work.
+"""
+
+from hf_llmkit.quantization.config import DKMConfig
+from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear, PalettizedEmbedding, PalettizedLinear
+from hf_llmkit.quantization.marshal import MarshalHooks
+from hf_llmkit.quantization.optimum import DKMOptimumQuantizer
+from hf_llmkit.quantization.quantizer import DKMHfQuantizer
+
+
+def register_dkm() -> None:
+    """Register the "dkm" method with transformers; a no-op when it is already registered."""
+    from transformers.quantizers import auto, register_quantization_config, register_quantizer
+
+    if "dkm" not in auto.AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config("dkm")(DKMConfig)
+    if "dkm" not in auto.AUTO_QUANTIZER_MAPPING:
+        register_quantizer("dkm")(DKMHfQuantizer)
+
+
+register_dkm()
+
+__all__ = [
+    "DKMConfig",
+    "DKMEmbedding",
+    "DKMHfQuantizer",
+    "DKMLinear",
+    "DKMOptimumQuantizer",
+    "MarshalHooks",
+    "PalettizedEmbedding",
+    "PalettizedLinear",
+    "register_dkm",
+]

@@ -1,0 +1,158 @@
+"""`DKMConfig`: the `quantization_config` of DKM / eDKM train-time weight clustering.
+
+It travels through transformers like any built-in method: `from_pretrained(..., quantization_config=DKMConfig())`
+quantizes on load, `save_pretrained` writes it into `config.json` (`quant_method: "dkm"`), and the saved dict is
+rebuilt with `DKMConfig(**dict)` when the checkpoint is reloaded, so every saved key is an `__init__` argument.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+GRANULARITIES = ("per_tensor", "per_grouped_channel")
+
+
+@dataclass
+class DKMConfig(QuantizationConfigMixin):
+    """Configuration of differentiable k-means weight clustering (DKM, Cho et al. 2022) and its memory-efficient
+    variant eDKM (Cho et al. 2023).
+
+    Each target weight is replaced by a lookup table of `2**bits` centroids (of `cluster_dim` values each) and an
+    n-bit index per weight vector. During training the layer uses DKM's soft assignment (attention over
+    centroids, refined by a few differentiable k-means steps); in evaluation and after saving it uses the hard
+    assignment.
+
+    Args:
+        bits (`int`, defaults to 3):
+            Bits per index (1-8): each table has `2**bits` centroids.
+        cluster_dim (`int`, defaults to 1):
+            Length of the weight vectors that are clustered together (vector palettization); it must divide the
+            input dimension of every converted layer.
+        granularity (`str`, defaults to `"per_tensor"`):
+            `"per_tensor"` (one table per weight) or `"per_grouped_channel"` (one table per `group_size` output
+            channels).
+        group_size (`int`, defaults to 32):
+            Output channels sharing a table when `granularity="per_grouped_channel"`; it must divide the output
+            dimension of every converted layer.
+        kmeans_iters (`int`, defaults to 12):
+            Lloyd iterations of the k-means that initialises the tables after the weights are loaded.
+        kmeans_sample (`int`, defaults to 65536):
+            At most this many weight vectors per table feed that k-means (a fixed-seed sample; all when fewer).
+        dkm_iters (`int`, defaults to 3):
+            Differentiable centroid-update iterations in each training forward.
+        temperature (`float`, defaults to 0.02):
+            Softmax temperature of the soft assignment, in units of the table's weight standard deviation;
+            smaller is closer to hard assignment.
+        epsilon (`float`, defaults to 1e-4):
+            Convergence tolerance of the centroid iterations (relative to the weight standard deviation); they
+            stop early once no centroid moves more than this.
+        modules_to_not_convert (`list[str]`, defaults to `["lm_head"]`):
+            Module names (prefix, suffix or regex) kept in full precision. Tied weights are always kept.
+        quantize_embeddings (`bool`, defaults to `False`):
+            Also cluster `nn.Embedding` weights (the eDKM paper does, at 8 bits).
+        embedding_bits (`int`, defaults to 8):
+            Bits per index for embeddings when `quantize_embeddings` is set.
+        uniquify (`bool`, defaults to `True`):
+            eDKM weight uniquification: compute the attention table over the unique weight values (at most 65,536
+            for 16-bit weights) and map it back through the inverse index.
+        shard (`bool`, defaults to `False`):
+            eDKM sharding: split that table across the ranks of the data-parallel group (needs
+            `torch.distributed`; gradients must be averaged across the group, as DDP and the Trainer do).
+        offload (`bool`, defaults to `True`):
+            eDKM cross-device tensor marshaling: tensors saved for backward are stored once per storage (views are
+            never copied twice) and, on an accelerator, moved to CPU until backward.
+        quant_method (`str`, defaults to `"dkm"`):
+            Fixed; saved in `config.json` so transformers finds this method again.
+    """
+
+    bits: int = field(default=3, metadata={"help": "Bits per index (1-8); each table has 2**bits centroids."})
+    cluster_dim: int = field(
+        default=1, metadata={"help": "Length of the clustered weight vectors; must divide each layer's input dim."}
+    )
+    granularity: str = field(
+        default="per_tensor", metadata={"help": "'per_tensor' or 'per_grouped_channel' (one table per group_size)."}
+    )
+    group_size: int = field(
+        default=32, metadata={"help": "Output channels per table for granularity='per_grouped_channel'."}
+    )
+    kmeans_iters: int = field(default=12, metadata={"help": "Lloyd iterations of the k-means table initialisation."})
+    kmeans_sample: int = field(
+        default=65536, metadata={"help": "At most this many weight vectors per table feed the initial k-means."}
+    )
+    dkm_iters: int = field(default=3, metadata={"help": "Differentiable centroid updates per training forward."})
+    temperature: float = field(
+        default=0.02, metadata={"help": "Soft-assignment temperature, in units of the weight standard deviation."}
+    )
+    epsilon: float = field(
+        default=1e-4, metadata={"help": "Convergence tolerance of the centroid updates (relative to weight std)."}
+    )
+    modules_to_not_convert: list[str] | None = field(
+        default=None, metadata={"help": "Modules kept in full precision; None means ['lm_head']."}
+    )
+    quantize_embeddings: bool = field(default=False, metadata={"help": "Also cluster nn.Embedding weights."})
+    embedding_bits: int = field(default=8, metadata={"help": "Bits per index for embeddings (1-8)."})
+    uniquify: bool = field(default=True, metadata={"help": "eDKM: attention over unique weight values only."})
+    shard: bool = field(default=False, metadata={"help": "eDKM: shard the unique table across data-parallel ranks."})
+    offload: bool = field(
+        default=True, metadata={"help": "eDKM: dedupe saved-for-backward storages; offload them on accelerators."}
+    )
+    quant_method: str = field(default="dkm", metadata={"help": "Fixed: 'dkm'."})
+
+    def __post_init__(self) -> None:
+        if self.quant_method != "dkm":
+            raise ValueError(f"DKMConfig.quant_method must be 'dkm', got {self.quant_method!r}; leave it unset.")
+        for name in ("bits", "embedding_bits"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
+                raise ValueError(
+                    f"DKMConfig.{name} must be an integer from 1 to 8 (2 to 256 centroids), got {value!r}."
+                )
+        positive = ("cluster_dim", "group_size", "kmeans_iters", "kmeans_sample")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DKMConfig.{name} must be a positive integer, got {value!r}.")
+        if isinstance(self.dkm_iters, bool) or not isinstance(self.dkm_iters, int) or self.dkm_iters < 0:
+            raise ValueError(f"DKMConfig.dkm_iters must be an integer >= 0, got {self.dkm_iters!r}.")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"DKMConfig.granularity must be one of {GRANULARITIES}, got {self.granularity!r}.")
+        if not self.temperature > 0:
+            raise ValueError(f"DKMConfig.temperature must be > 0 (try 0.02), got {self.temperature!r}.")
+        if not self.epsilon > 0:
+            raise ValueError(f"DKMConfig.epsilon must be > 0 (try 1e-4), got {self.epsilon!r}.")
+        if self.modules_to_not_convert is None:
+            self.modules_to_not_convert = ["lm_head"]
+        elif isinstance(self.modules_to_not_convert, str):
+            self.modules_to_not_convert = [self.modules_to_not_convert]
+        self.modules_to_not_convert = list(self.modules_to_not_convert)
+
+    def bits_for(self, kind: str) -> int:
+        """Index bits of a converted module: `kind` is "linear" or "embedding"."""
+        return self.embedding_bits if kind == "embedding" else self.bits
+
+    def num_groups(self, rows: int) -> int:
+        """Tables of a weight with `rows` output channels (rows of an embedding)."""
+        return 1 if self.granularity == "per_tensor" else rows // self.group_size
+
+    def check_shape(self, name: str, rows: int, cols: int) -> None:
+        """Raise a ValueError naming the fix when a `[rows, cols]` weight cannot be clustered with this config."""
+        if cols % self.cluster_dim:
+            raise ValueError(
+                f"DKMConfig.cluster_dim={self.cluster_dim} does not divide the input dimension {cols} of {name!r}; "
+                f"use a cluster_dim that divides it or add {name!r} to modules_to_not_convert."
+            )
+        if self.granularity == "per_grouped_channel" and rows % self.group_size:
+            raise ValueError(
+                f"DKMConfig.group_size={self.group_size} does not divide the {rows} output channels of {name!r}; "
+                f"use a group_size that divides it or add {name!r} to modules_to_not_convert."
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_diff_dict(self) -> dict[str, Any]:
+        # Everything: a config.json must rebuild the same tables even if our defaults change later.
+        return self.to_dict()

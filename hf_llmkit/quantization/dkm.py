@@ -1,0 +1,111 @@
+"""DKM math (Cho et al., ICLR 2022): k-means initialisation, soft and hard assignment, the naive attention map.
+
+A weight `[rows, cols]` is viewed as `G` groups of `n` vectors of length `d` (`[G, n, d]`), each group with its
+own table of `K = 2**bits` centroids (`[G, K, d]`). DKM's soft assignment is the attention
+`A = softmax(-dist(W, C) / tau)`; a few differentiable k-means steps `C <- A^T W / A^T 1` refine the
+centroids, and the layer uses `A @ C`. The naive form here materialises `A` over every weight (O(|W||C|)
+memory); `edkm.py` computes the same thing over the unique weight values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Added under the square root of the distance: keeps its gradient finite at a zero distance.
+DIST_EPS = 1e-12
+# Chunk of weight vectors per step of the (non-differentiable) hard assignment; bounds its temporary memory.
+ASSIGN_CHUNK = 1 << 20
+
+
+def to_vectors(weight: torch.Tensor, groups: int, cluster_dim: int) -> torch.Tensor:
+    """View a `[rows, cols]` weight as `[G, n, d]` vectors (a view, no copy, for a contiguous weight)."""
+    return weight.reshape(groups, -1, cluster_dim)
+
+
+def distance(vectors: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Euclidean distance `[..., n, K]` between vectors `[..., n, d]` and centroids `[..., K, d]`."""
+    diff = vectors.unsqueeze(-2) - centroids.unsqueeze(-3)  # [..., n, K, d]
+    return (diff.square().sum(-1) + DIST_EPS).sqrt()
+
+
+def group_std(vectors: torch.Tensor) -> torch.Tensor:
+    """Population standard deviation of each group `[G]` (detached), the unit of temperature and epsilon."""
+    v = vectors.detach().float()
+    return v.reshape(v.shape[0], -1).std(dim=1, unbiased=False).clamp_min(1e-12)
+
+
+def soft_dkm(
+    vectors: torch.Tensor, centroids: torch.Tensor, tau: torch.Tensor, iters: int, eps: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Naive DKM: returns (`A @ C` `[G, n, d]`, refined centroids `[G, K, d]`), differentiable in `vectors`.
+
+    `tau` and `eps` are per group (`[G]`). The centroid iterations stop early when no centroid moves more than
+    `eps`; every tensor here is `[G, n, K]`-sized, which is what eDKM avoids.
+    """
+    w = vectors.float()
+    c = centroids.float()
+    scale = tau.view(-1, 1, 1)
+    for _ in range(iters):
+        attn = torch.softmax(-distance(w, c) / scale, dim=-1)  # [G, n, K]
+        num = attn.transpose(1, 2) @ w  # [G, K, d]
+        den = attn.sum(1).unsqueeze(-1)  # [G, K, 1]
+        new = torch.where(den > 1e-30, num / den.clamp_min(1e-30), c)
+        moved = ((new - c).abs().amax(dim=(1, 2)) <= eps).all()
+        c = new
+        if bool(moved):
+            break
+    attn = torch.softmax(-distance(w, c) / scale, dim=-1)
+    return attn @ c, c
+
+
+@torch.no_grad()
+def hard_assign(vectors: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Index `[G, n]` (int64) of the nearest centroid of every vector, computed in chunks."""
+    c = centroids.float()
+    out = torch.empty(vectors.shape[:2], dtype=torch.long, device=vectors.device)
+    for start in range(0, vectors.shape[1], ASSIGN_CHUNK):
+        chunk = vectors[:, start : start + ASSIGN_CHUNK].float()
+        out[:, start : start + ASSIGN_CHUNK] = torch.cdist(chunk, c).argmin(-1)
+    return out
+
+
+def lookup(centroids: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Vectors `[G, n, d]` of a table `[G, K, d]` at indices `[G, n]`."""
+    return torch.gather(centroids, 1, indices.unsqueeze(-1).expand(-1, -1, centroids.shape[-1]))
+
+
+def _initial_centroids(sample: torch.Tensor, k: int) -> torch.Tensor:
+    """Quantile initialisation `[G, K, d]`: vectors at evenly spaced ranks of their first coordinate."""
+    order = sample[..., 0].argsort(dim=1)  # [G, m]
+    m = sample.shape[1]
+    ranks = ((torch.arange(k, device=sample.device, dtype=torch.float64) + 0.5) * m / k).long().clamp_max(m - 1)
+    picks = order[:, ranks]  # [G, K]
+    return torch.gather(sample, 1, picks.unsqueeze(-1).expand(-1, -1, sample.shape[-1])).clone()
+
+
+@torch.no_grad()
+def kmeans(vectors: torch.Tensor, k: int, iters: int, sample: int, seed: int = 0) -> torch.Tensor:
+    """Batched Lloyd k-means per group: centroids `[G, K, d]` (float32) of `vectors` `[G, n, d]`.
+
+    Groups larger than `sample` vectors are clustered on a fixed-seed uniform sample, so initialising a
+    LLaMA-sized layer takes a fraction of a second per table, not minutes.
+    """
+    groups, n, d = vectors.shape
+    if n > sample:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        pick = torch.randint(n, (groups, sample), generator=gen).to(vectors.device)
+        data = torch.gather(vectors, 1, pick.unsqueeze(-1).expand(-1, -1, d)).float()
+    else:
+        data = vectors.float()
+    centroids = _initial_centroids(data, k)
+    for _ in range(iters):
+        assign = torch.cdist(data, centroids).argmin(-1)  # [G, m]
+        sums = torch.zeros_like(centroids).scatter_add_(1, assign.unsqueeze(-1).expand(-1, -1, d), data)
+        counts = torch.zeros(centroids.shape[:2], device=data.device).scatter_add_(
+            1, assign, torch.ones_like(assign, dtype=torch.float32)
+        )
+        new = torch.where(counts.unsqueeze(-1) > 0, sums / counts.clamp_min(1).unsqueeze(-1), centroids)
+        if torch.equal(new, centroids):
+            break
+        centroids = new
+    return centroids

@@ -1,0 +1,238 @@
+"""eDKM (Cho et al., 2023): DKM's attention map computed over a table of unique weights, optionally sharded.
+
+16-bit weights hold at most 65,536 distinct values, so the `[n, K]` attention of naive DKM collapses to a
+`[U, K]` table over the unique values (weighted by how often each occurs) plus an inverse index. For a single
+table of 16-bit scalars the inverse index *is* the weight's bit pattern, so nothing weight-sized is stored for
+backward at all. The table can further be split across the ranks of a process group: each rank computes the
+attention of its slice, the k-means sums are all-reduced and the result is all-gathered, all differentiably.
+
+Gradients are exact (equal to naive DKM's): the centroid path flows through the table (the member weights of a
+unique value share it equally) and the local path `d(A(w) C)/dw` is applied per weight with the closed-form
+Jacobian of each unique value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.nn import functional as dist_nn
+
+from hf_llmkit.quantization.dkm import distance
+
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass
+class WeightTable:
+    """Unique weight vectors of a `[rows, cols]` weight in `G` groups of `n` vectors of length `d`.
+
+    `mode` says how the inverse index (vector -> table row) is obtained: "direct" from the 16-bit pattern of
+    the weight itself, "inverse" from the stored `inverse` (int32), "identity" (no uniquification: one row per
+    vector).
+    """
+
+    values: torch.Tensor  # [U, d] float32
+    gid: torch.Tensor  # [U] int64, group of each row
+    counts: torch.Tensor  # [U] float32, member vectors of each row
+    inverse: torch.Tensor  # [N] int32 for mode "inverse", else empty
+    mode: str
+    groups: int
+    cluster_dim: int
+
+
+def _bit_pattern(weight: torch.Tensor) -> torch.Tensor:
+    """Unsigned bit pattern of every element as int64 (a 16/32-bit float viewed as an integer)."""
+    width = weight.element_size() * 8
+    bits = weight.contiguous().view(_INT_OF_SIZE[weight.element_size()]).long()
+    return bits & ((1 << width) - 1) if width < 64 else bits
+
+
+def table_index(weight: torch.Tensor, table: WeightTable) -> torch.Tensor:
+    """Inverse index `[N]` (int64): the table row of every weight vector."""
+    n_vec = weight.numel() // table.cluster_dim
+    if table.mode == "identity":
+        return torch.arange(n_vec, device=weight.device)
+    if table.mode == "inverse":
+        return table.inverse.long()
+    bits = _bit_pattern(weight).reshape(-1)
+    if table.groups > 1:
+        bits = bits + (torch.arange(n_vec, device=weight.device) // (n_vec // table.groups)) * 65536
+    return bits
+
+
+@torch.no_grad()
+def build_table(weight: torch.Tensor, groups: int, cluster_dim: int, uniquify: bool = True) -> WeightTable:
+    """The (unique) weight table of `weight` (detached), with member counts and the way back to every vector."""
+    d = cluster_dim
+    vec = weight.detach().reshape(-1, d)  # [N, d]
+    n_vec, per_group = vec.shape[0], vec.shape[0] // groups
+    device = weight.device
+    group_of = torch.arange(n_vec, device=device) // per_group
+    if not uniquify:
+        ones = torch.ones(n_vec, device=device)
+        return WeightTable(vec.float(), group_of, ones, vec.new_empty(0, dtype=torch.int32), "identity", groups, d)
+    if weight.dtype in (torch.bfloat16, torch.float16) and d == 1 and groups * 65536 <= n_vec:
+        # Every 16-bit pattern gets a row; absent ones have count 0 and never reach a weight.
+        patterns = torch.arange(65536, device=device, dtype=torch.int32).to(torch.int16).view(weight.dtype)
+        values = torch.nan_to_num(patterns.float(), nan=0.0, posinf=0.0, neginf=0.0).repeat(groups).unsqueeze(-1)
+        key = table_index(weight, WeightTable(values, group_of, values, vec, "direct", groups, d))
+        counts = torch.bincount(key, minlength=groups * 65536).float()
+        values = values * (counts > 0).unsqueeze(-1)  # absent patterns (incl. inf/huge) must not overflow
+        gid = torch.arange(groups, device=device).repeat_interleave(65536)
+        return WeightTable(values, gid, counts, vec.new_empty(0, dtype=torch.int32), "direct", groups, d)
+    if d == 1 and weight.element_size() <= 4:
+        key = _bit_pattern(vec[:, 0]) + (group_of << (weight.element_size() * 8))
+        uniq, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
+        gid = uniq >> (weight.element_size() * 8)
+    else:
+        rows = torch.cat([group_of.unsqueeze(-1), _bit_pattern(vec)], dim=1)  # [N, 1 + d]
+        uniq, inverse, counts = torch.unique(rows, dim=0, return_inverse=True, return_counts=True)
+        gid = uniq[:, 0]
+    values = vec.new_zeros(uniq.shape[0], d, dtype=torch.float32).index_copy_(0, inverse, vec.float())
+    return WeightTable(values, gid, counts.float(), inverse.to(torch.int32), "inverse", groups, d)
+
+
+def table_std(table: WeightTable) -> torch.Tensor:
+    """Population standard deviation `[G]` of each group's weights, from the table (equals the dense one)."""
+    w = table.counts.unsqueeze(-1).expand_as(table.values)
+    g = table.gid.unsqueeze(-1).expand_as(table.values).reshape(-1)
+    tot = torch.zeros(table.groups, device=g.device).index_add_(0, g, w.reshape(-1))
+    mean = torch.zeros_like(tot).index_add_(0, g, (w * table.values).reshape(-1)) / tot
+    dev = (table.values - mean[table.gid].unsqueeze(-1)).square()
+    var = torch.zeros_like(tot).index_add_(0, g, (w * dev).reshape(-1)) / tot
+    return var.sqrt().clamp_min(1e-12)
+
+
+class TableValues(torch.autograd.Function):
+    """The table rows `[U, d]` as a differentiable function of the weight: a member's gradient is its share."""
+
+    @staticmethod
+    def forward(ctx, weight, values, counts, inverse, mode, groups, cluster_dim):
+        table = WeightTable(values, counts, counts, inverse, mode, groups, cluster_dim)
+        ctx.meta = (mode, groups, cluster_dim)
+        # "direct" recomputes the index from the weight (a parameter: no extra memory); "inverse" keeps int32.
+        ctx.save_for_backward(weight if mode == "direct" else None, counts, inverse if mode == "inverse" else None)
+        ctx.shape, ctx.dtype = weight.shape, weight.dtype
+        del table
+        return values.clone()
+
+    @staticmethod
+    def backward(ctx, grad_values):
+        weight, counts, inverse = ctx.saved_tensors
+        mode, groups, d = ctx.meta
+        empty = counts.new_empty(0, dtype=torch.int32)
+        table = WeightTable(grad_values, counts, counts, inverse if inverse is not None else empty, mode, groups, d)
+        probe = weight if weight is not None else grad_values.new_empty(ctx.shape, dtype=ctx.dtype, device="meta")
+        if mode == "identity":
+            share = grad_values
+        else:
+            idx = table_index(probe, table)
+            share = (grad_values / counts.clamp_min(1).unsqueeze(-1))[idx]
+        return share.reshape(ctx.shape).to(ctx.dtype), None, None, None, None, None, None
+
+
+class PaletteApply(torch.autograd.Function):
+    """`x @ W_c^T` (or `W_c` itself when `x` is None) with `W_c` = table outputs gathered by the inverse index.
+
+    `W_c` is rebuilt in backward instead of being saved (it is weight-sized); the gradient reaches the table
+    outputs (centroid path) by an index-add and each weight through its row's local Jacobian.
+    """
+
+    @staticmethod
+    def forward(ctx, x, out_values, jacobian, weight, inverse, mode, groups, cluster_dim):
+        table = WeightTable(out_values, out_values, out_values, inverse, mode, groups, cluster_dim)
+        idx = table_index(weight, table)
+        compute_dtype = x.dtype if x is not None else weight.dtype
+        w_c = out_values[idx].reshape(weight.shape).to(compute_dtype)
+        ctx.meta = (mode, groups, cluster_dim, x is not None)
+        ctx.save_for_backward(x, out_values, jacobian, weight, inverse if mode == "inverse" else None)
+        return x @ w_c.t() if x is not None else w_c
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, out_values, jacobian, weight, inverse = ctx.saved_tensors
+        mode, groups, d, linear = ctx.meta
+        empty = weight.new_empty(0, dtype=torch.int32)
+        table = WeightTable(
+            out_values, out_values, out_values, inverse if inverse is not None else empty, mode, groups, d
+        )
+        idx = table_index(weight, table)
+        grad_x = None
+        if linear:
+            w_c = out_values[idx].reshape(weight.shape).to(x.dtype)
+            grad_x = grad @ w_c
+            del w_c
+            grad_wc = grad.reshape(-1, grad.shape[-1]).t().float() @ x.reshape(-1, x.shape[-1]).float()
+        else:
+            grad_wc = grad.float()
+        gv = grad_wc.reshape(-1, d)  # [N, d]
+        grad_out = torch.zeros_like(out_values).index_add_(0, idx, gv)
+        if d == 1:
+            grad_w = jacobian[:, 0, 0][idx] * gv[:, 0]
+        else:
+            grad_w = torch.einsum("nij,ni->nj", jacobian[idx], gv)
+        return grad_x, grad_out, None, grad_w.reshape(weight.shape).to(weight.dtype), None, None, None, None
+
+
+def _local_jacobian(u: torch.Tensor, cents: torch.Tensor, attn: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """`J[u, i, j] = d(A(u) C)_i / du_j` with C fixed: `[U, d, d]`, closed form of the softmax attention."""
+    diff = u.unsqueeze(1) - cents  # [U, K, d]
+    dist_ = (diff.square().sum(-1, keepdim=True) + 1e-12).sqrt()
+    dz = -diff / (tau.view(-1, 1, 1) * dist_)  # [U, K, d]
+    dz_bar = (attn.unsqueeze(-1) * dz).sum(1, keepdim=True)
+    return torch.einsum("uki,uk,ukj->uij", cents, attn, dz - dz_bar)
+
+
+def _shard_bounds(rows: int, group) -> tuple[int, int, int, int]:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    per = -(-rows // world)
+    lo = min(rows, rank * per)
+    return lo, min(rows, lo + per), per, world
+
+
+def table_dkm(
+    values: torch.Tensor,
+    table: WeightTable,
+    centroids: torch.Tensor,
+    tau: torch.Tensor,
+    eps: torch.Tensor,
+    iters: int,
+    group=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DKM over table rows: returns (outputs `A @ C` per row `[U, d]`, local Jacobians `[U, d, d]`, centroids).
+
+    `values` carries the gradient to the weight (`TableValues`); `tau`/`eps` are per group. With `group` each
+    rank computes its slice of the table and the pieces are combined with differentiable collectives.
+    """
+    rows, groups = values.shape[0], table.groups
+    lo, hi, per, world = _shard_bounds(rows, group) if group is not None else (0, rows, rows, 1)
+    u, gid, cnt = values[lo:hi], table.gid[lo:hi], table.counts[lo:hi]
+    scale = tau[gid].unsqueeze(-1)  # [U_l, 1]
+    c = centroids.float()
+    k, d = c.shape[1], c.shape[2]
+    for _ in range(iters):
+        attn = torch.softmax(-distance(u.unsqueeze(1), c[gid]).squeeze(1) / scale, dim=-1)  # [U_l, K]
+        weighted = attn * cnt.unsqueeze(-1)
+        num = u.new_zeros(groups, k, d).index_add(0, gid, weighted.unsqueeze(-1) * u.unsqueeze(1))
+        den = u.new_zeros(groups, k).index_add(0, gid, weighted)
+        if group is not None:
+            num, den = dist_nn.all_reduce(num, group=group), dist_nn.all_reduce(den, group=group)
+        new = torch.where(den.unsqueeze(-1) > 1e-30, num / den.clamp_min(1e-30).unsqueeze(-1), c)
+        still = ((new - c).abs().amax(dim=(1, 2)) > eps).any()
+        c = new
+        if not bool(still):
+            break
+    cents = c[gid]  # [U_l, K, d]
+    attn = torch.softmax(-distance(u.detach().unsqueeze(1), cents).squeeze(1) / scale, dim=-1)
+    out = torch.einsum("uk,ukd->ud", attn, cents)
+    with torch.no_grad():
+        jac = _local_jacobian(u.detach(), cents.detach(), attn.detach(), tau[gid])
+    if group is not None:
+        pad = per - (hi - lo)
+        out = torch.cat(dist_nn.all_gather(torch.nn.functional.pad(out, (0, 0, 0, pad)), group=group))[:rows]
+        jac_parts = [jac.new_empty(per, d, d) for _ in range(world)]
+        dist.all_gather(jac_parts, torch.nn.functional.pad(jac, (0, 0, 0, 0, 0, pad)).contiguous(), group=group)
+        jac = torch.cat(jac_parts)[:rows]
+    return out, jac, c.detach()

@@ -1,0 +1,47 @@
+"""Pack n-bit indices (1-8 bits) into a flat uint8 tensor and back, little-endian within each byte.
+
+`N` indices of `b` bits take `ceil(N * b / 8)` bytes, so a 3-bit table index costs 3/16 of a bf16 weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 1 << 21  # indices per step: keeps the [chunk, bits] temporaries small
+
+
+def packed_numel(count: int, bits: int) -> int:
+    """Bytes that `count` indices of `bits` bits pack into."""
+    return (count * bits + 7) // 8
+
+
+def pack_indices(indices: torch.Tensor, bits: int) -> torch.Tensor:
+    """Flat uint8 tensor of `packed_numel(indices.numel(), bits)` bytes holding every index in `bits` bits."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be 1-8, got {bits}")
+    flat = indices.reshape(-1).to(torch.int64)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= 1 << bits):
+        raise ValueError(f"indices must lie in [0, {1 << bits}) to be packed in {bits} bits")
+    shifts = torch.arange(bits, device=flat.device)
+    # Bit stream: index i occupies bits [i*bits, (i+1)*bits); chunks are multiples of 8 indices (whole bytes).
+    stream = torch.empty(flat.numel() * bits, dtype=torch.uint8, device=flat.device)
+    for start in range(0, flat.numel(), CHUNK):
+        part = flat[start : start + CHUNK]
+        stream[start * bits : (start + part.numel()) * bits] = ((part.unsqueeze(-1) >> shifts) & 1).reshape(-1)
+    pad = (-stream.numel()) % 8
+    stream = torch.cat([stream, stream.new_zeros(pad)]).reshape(-1, 8).to(torch.int32)
+    weights = 1 << torch.arange(8, device=flat.device, dtype=torch.int32)
+    return (stream * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_indices(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The first `count` indices (int64) of a tensor written by `pack_indices`."""
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != packed_numel(count, bits):
+        raise ValueError(
+            f"packed indices must be a flat uint8 tensor of {packed_numel(count, bits)} bytes for {count} "
+            f"indices of {bits} bits, got {tuple(packed.shape)} {packed.dtype}"
+        )
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int32)
+    stream = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(-1)[: count * bits]
+    weights = 1 << torch.arange(bits, device=packed.device, dtype=torch.int64)
+    return (stream.reshape(count, bits).to(torch.int64) * weights).sum(-1)
