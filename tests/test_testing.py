@@ -1,0 +1,63 @@
+"""The multi-rank launcher: real gloo ranks, results in rank order, every rank's stderr on failure."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_llmkit.testing import DistributedRunError, launch, tiny_llama
+
+
+def _all_reduce_rank() -> tuple[int, int, float]:
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    return dist.get_rank(), dist.get_world_size(), value.item()
+
+
+def _fail_on_rank_one(message: str) -> None:
+    if dist.get_rank() == 1:
+        raise RuntimeError(message)
+    dist.barrier()  # rank 0 waits for a peer that never comes: the launcher must not hang
+
+
+def _sleep_forever() -> None:
+    import time
+
+    time.sleep(3600)
+
+
+def test_launch_runs_real_gloo_ranks():
+    results = launch(_all_reduce_rank, nprocs=2, timeout=120)
+    assert results == [(0, 2, 3.0), (1, 2, 3.0)]
+    assert not dist.is_initialized()
+
+
+def test_failure_reports_every_rank():
+    with pytest.raises(DistributedRunError) as info:
+        launch(_fail_on_rank_one, "boom-from-rank-one", nprocs=2, timeout=60)
+    text = str(info.value)
+    assert "boom-from-rank-one" in text and "rank 0" in text and "rank 1" in text
+
+
+def test_timeout_is_bounded():
+    with pytest.raises(DistributedRunError, match="timed out"):
+        launch(_sleep_forever, nprocs=2, timeout=3, init_process_group=False)
+
+
+def test_rejects_functions_it_cannot_import():
+    def local():
+        return 1
+
+    with pytest.raises(ValueError, match="module top level"):
+        launch(local, nprocs=2)
+
+
+def test_tiny_llama_is_deterministic():
+    a, b = tiny_llama(seed=3), tiny_llama(seed=3)
+    ids = torch.arange(12).reshape(2, 6)
+    torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=0, atol=0)
+    assert a.config.num_key_value_heads < a.config.num_attention_heads  # GQA, as the parallel tests need
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
