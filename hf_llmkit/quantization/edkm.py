@@ -36,7 +36,7 @@ class WeightTable:
     values: torch.Tensor  # [U, d] float32
     gid: torch.Tensor  # [U] int64, group of each row
     counts: torch.Tensor  # [U] float32, member vectors of each row
-    inverse: torch.Tensor  # [N] int32 for mode "inverse", else empty
+    inverse: torch.Tensor  # int32: [N] rows ("inverse"), [G * 65536] pattern -> row ("direct"), empty
     mode: str
     groups: int
     cluster_dim: int
@@ -49,17 +49,23 @@ def _bit_pattern(weight: torch.Tensor) -> torch.Tensor:
     return bits & ((1 << width) - 1) if width < 64 else bits
 
 
-def table_index(weight: torch.Tensor, table: WeightTable) -> torch.Tensor:
-    """Inverse index `[N]` (int64): the table row of every weight vector."""
-    n_vec = weight.numel() // table.cluster_dim
-    if table.mode == "identity":
-        return torch.arange(n_vec, device=weight.device)
-    if table.mode == "inverse":
-        return table.inverse.long()
+def row_index(weight: torch.Tensor | None, inverse: torch.Tensor, mode: str, groups: int, n_vec: int) -> torch.Tensor:
+    """Inverse index `[N]` (int64): the table row of every weight vector (`weight` is only read in "direct")."""
+    if mode == "identity":
+        return torch.arange(n_vec, device=inverse.device)
+    if mode == "inverse":
+        return inverse.long()
     bits = _bit_pattern(weight).reshape(-1)
-    if table.groups > 1:
-        bits = bits + (torch.arange(n_vec, device=weight.device) // (n_vec // table.groups)) * 65536
-    return bits
+    if groups > 1:
+        bits = bits + (torch.arange(n_vec, device=weight.device) // (n_vec // groups)) * 65536
+    # "direct": `inverse` maps each of the G * 65536 bit patterns to its row (absent patterns have none).
+    return inverse[bits].long() if inverse.numel() else bits
+
+
+def table_index(weight: torch.Tensor, table: WeightTable) -> torch.Tensor:
+    """Inverse index `[N]` of `weight` into `table`."""
+    n_vec = weight.numel() // table.cluster_dim
+    return row_index(weight, table.inverse, table.mode, table.groups, n_vec)
 
 
 @torch.no_grad()
@@ -74,14 +80,16 @@ def build_table(weight: torch.Tensor, groups: int, cluster_dim: int, uniquify: b
         ones = torch.ones(n_vec, device=device)
         return WeightTable(vec.float(), group_of, ones, vec.new_empty(0, dtype=torch.int32), "identity", groups, d)
     if weight.dtype in (torch.bfloat16, torch.float16) and d == 1 and groups * 65536 <= n_vec:
-        # Every 16-bit pattern gets a row; absent ones have count 0 and never reach a weight.
+        # The bit pattern is the key: a bincount over the G * 65536 patterns replaces sorting the weight.
         patterns = torch.arange(65536, device=device, dtype=torch.int32).to(torch.int16).view(weight.dtype)
-        values = torch.nan_to_num(patterns.float(), nan=0.0, posinf=0.0, neginf=0.0).repeat(groups).unsqueeze(-1)
-        key = table_index(weight, WeightTable(values, group_of, values, vec, "direct", groups, d))
-        counts = torch.bincount(key, minlength=groups * 65536).float()
-        values = values * (counts > 0).unsqueeze(-1)  # absent patterns (incl. inf/huge) must not overflow
-        gid = torch.arange(groups, device=device).repeat_interleave(65536)
-        return WeightTable(values, gid, counts, vec.new_empty(0, dtype=torch.int32), "direct", groups, d)
+        empty = vec.new_empty(0, dtype=torch.int32)
+        key = table_index(weight, WeightTable(vec, group_of, vec, empty, "direct", groups, d))
+        counts = torch.bincount(key, minlength=groups * 65536)
+        present = counts.nonzero().squeeze(-1)  # [U]
+        row_of = torch.full((groups * 65536,), -1, dtype=torch.int32, device=device)
+        row_of[present] = torch.arange(present.numel(), dtype=torch.int32, device=device)
+        values = patterns.float().repeat(groups)[present].unsqueeze(-1)
+        return WeightTable(values, present // 65536, counts[present].float(), row_of, "direct", groups, d)
     if d == 1 and weight.element_size() <= 4:
         key = _bit_pattern(vec[:, 0]) + (group_of << (weight.element_size() * 8))
         uniq, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
@@ -110,27 +118,20 @@ class TableValues(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight, values, counts, inverse, mode, groups, cluster_dim):
-        table = WeightTable(values, counts, counts, inverse, mode, groups, cluster_dim)
-        ctx.meta = (mode, groups, cluster_dim)
-        # "direct" recomputes the index from the weight (a parameter: no extra memory); "inverse" keeps int32.
-        ctx.save_for_backward(weight if mode == "direct" else None, counts, inverse if mode == "inverse" else None)
-        ctx.shape, ctx.dtype = weight.shape, weight.dtype
-        del table
+        ctx.meta = (mode, groups, weight.numel() // cluster_dim, weight.shape, weight.dtype)
+        # Nothing weight-sized is kept: "direct" re-reads the bit patterns of the weight (a parameter, resident
+        # anyway) through a 65,536-entry map; only "inverse" (non-16-bit weights) keeps an int32 index.
+        ctx.save_for_backward(weight if mode == "direct" else None, counts, inverse)
         return values.clone()
 
     @staticmethod
     def backward(ctx, grad_values):
         weight, counts, inverse = ctx.saved_tensors
-        mode, groups, d = ctx.meta
-        empty = counts.new_empty(0, dtype=torch.int32)
-        table = WeightTable(grad_values, counts, counts, inverse if inverse is not None else empty, mode, groups, d)
-        probe = weight if weight is not None else grad_values.new_empty(ctx.shape, dtype=ctx.dtype, device="meta")
-        if mode == "identity":
-            share = grad_values
-        else:
-            idx = table_index(probe, table)
-            share = (grad_values / counts.clamp_min(1).unsqueeze(-1))[idx]
-        return share.reshape(ctx.shape).to(ctx.dtype), None, None, None, None, None, None
+        mode, groups, n_vec, shape, dtype = ctx.meta
+        share = grad_values / counts.clamp_min(1).unsqueeze(-1)
+        if mode != "identity":
+            share = share[row_index(weight, inverse, mode, groups, n_vec)]
+        return share.reshape(shape).to(dtype), None, None, None, None, None, None
 
 
 class PaletteApply(torch.autograd.Function):
@@ -142,25 +143,20 @@ class PaletteApply(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, out_values, jacobian, weight, inverse, mode, groups, cluster_dim):
-        table = WeightTable(out_values, out_values, out_values, inverse, mode, groups, cluster_dim)
-        idx = table_index(weight, table)
-        compute_dtype = x.dtype if x is not None else weight.dtype
-        w_c = out_values[idx].reshape(weight.shape).to(compute_dtype)
-        ctx.meta = (mode, groups, cluster_dim, x is not None)
-        ctx.save_for_backward(x, out_values, jacobian, weight, inverse if mode == "inverse" else None)
+        n_vec = weight.numel() // cluster_dim
+        idx = row_index(weight, inverse, mode, groups, n_vec)
+        w_c = out_values[idx].reshape(weight.shape).to(x.dtype if x is not None else weight.dtype)
+        ctx.meta = (mode, groups, cluster_dim, n_vec)
+        ctx.save_for_backward(x, out_values, jacobian, weight, inverse)
         return x @ w_c.t() if x is not None else w_c
 
     @staticmethod
     def backward(ctx, grad):
         x, out_values, jacobian, weight, inverse = ctx.saved_tensors
-        mode, groups, d, linear = ctx.meta
-        empty = weight.new_empty(0, dtype=torch.int32)
-        table = WeightTable(
-            out_values, out_values, out_values, inverse if inverse is not None else empty, mode, groups, d
-        )
-        idx = table_index(weight, table)
+        mode, groups, d, n_vec = ctx.meta
+        idx = row_index(weight, inverse, mode, groups, n_vec)
         grad_x = None
-        if linear:
+        if x is not None:
             w_c = out_values[idx].reshape(weight.shape).to(x.dtype)
             grad_x = grad @ w_c
             del w_c

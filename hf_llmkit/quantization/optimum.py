@@ -1,8 +1,8 @@
 """Post-training DKM (k-means palettization, no fine-tuning) behind optimum's `OptimumQuantizer` interface.
 
-    quantizer = DKMOptimumQuantizer.from_pretrained("path/to/model")
-    quantizer.quantize(save_dir="out", quantization_config=DKMConfig(bits=4))
-    model = AutoModelForCausalLM.from_pretrained("out")  # packed inference layers (with hf_llmkit imported)
+quantizer = DKMOptimumQuantizer.from_pretrained("path/to/model")
+quantizer.quantize(save_dir="out", quantization_config=DKMConfig(bits=4))
+model = AutoModelForCausalLM.from_pretrained("out")  # packed inference layers (with hf_llmkit imported)
 """
 
 from __future__ import annotations

@@ -1,0 +1,141 @@
+"""DKM / eDKM math: packing, k-means init, soft vs hard assignment, uniquification equal to naive DKM."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from hf_llmkit.quantization import dkm, edkm
+from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear, DKMSettings
+from hf_llmkit.quantization.packing import pack_indices, packed_numel, unpack_indices
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("count", [1, 7, 8, 1001])
+def test_pack_round_trip(bits, count):
+    idx = torch.randint(0, 1 << bits, (count,), generator=torch.Generator().manual_seed(bits))
+    packed = pack_indices(idx, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == packed_numel(count, bits) == (count * bits + 7) // 8
+    assert torch.equal(unpack_indices(packed, bits, count), idx)
+
+
+def test_pack_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"indices must lie in \[0, 8\)"):
+        pack_indices(torch.tensor([8]), 3)
+    with pytest.raises(ValueError, match="flat uint8 tensor of 3 bytes"):
+        unpack_indices(torch.zeros(4, dtype=torch.uint8), 3, 8)
+
+
+def test_kmeans_beats_uniform_grid_and_is_fast():
+    torch.manual_seed(0)
+    w = torch.randn(1, 1 << 20, 1) * 0.02
+    start = time.perf_counter()
+    cents = dkm.kmeans(w, 8, iters=12, sample=65536)
+    elapsed = time.perf_counter() - start
+    err = (dkm.lookup(cents, dkm.hard_assign(w, cents)) - w).square().mean()
+    grid = torch.linspace(w.min(), w.max(), 8).view(1, 8, 1)
+    err_grid = (dkm.lookup(grid, dkm.hard_assign(w, grid)) - w).square().mean()
+    assert err < 0.5 * err_grid
+    assert elapsed < 30  # a generous bound: it is a fraction of a second, never minutes
+
+
+def _layer(dtype, uniquify, d=1, groups=1, seed=0, rows=64, cols=96, shard=False, offload=False):
+    torch.manual_seed(seed)
+    settings = DKMSettings(
+        bits=3, cluster_dim=d, groups=groups, uniquify=uniquify, shard=shard, offload=offload, epsilon=1e-9
+    )
+    layer = DKMLinear(cols, rows, True, settings, dtype=dtype)
+    torch.nn.init.normal_(layer.weight, std=0.02)
+    layer.init_centroids()
+    return layer.train()
+
+
+def _fwd_bwd(layer, seed=1):
+    x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(seed)).to(layer.weight.dtype)
+    y = layer(x)
+    (y.float().square().sum() + y.float().sum()).backward()
+    return y.detach().float(), layer.weight.grad.float().clone(), layer.centroids.clone()
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize(
+    "dtype, d, groups, mode",
+    [
+        (torch.bfloat16, 1, 1, "direct"),  # inverse index = the weight's bit pattern
+        (torch.float16, 1, 1, "direct"),
+        (torch.float32, 1, 1, "inverse"),
+        (torch.bfloat16, 1, 4, "inverse"),
+        (torch.float32, 2, 2, "inverse"),
+    ],
+)
+def test_uniquified_equals_naive(dtype, d, groups, mode):
+    rows, cols = (256, 256) if mode == "direct" else (64, 96)
+    naive = _layer(dtype, False, d, groups, rows=rows, cols=cols)
+    fast = _layer(dtype, True, d, groups, rows=rows, cols=cols)
+    assert edkm.build_table(fast.weight, groups, d).mode == mode
+    y0, g0, c0 = _fwd_bwd(naive)
+    y1, g1, c1 = _fwd_bwd(fast)
+    tol = 1e-3 if dtype == torch.float32 else 2e-2  # 16-bit outputs and gradients round to 8-11 bits
+    assert _rel(y1, y0) < tol
+    assert _rel(g1, g0) < tol
+    assert _rel(c1, c0) < 1e-4
+    assert g0.abs().sum() > 0
+
+
+def test_uniquified_table_is_small_for_16_bit_weights():
+    w = (torch.randn(1024, 1024) * 0.02).bfloat16()
+    table = edkm.build_table(w, 1, 1)
+    assert table.mode == "direct" and int(table.counts.sum()) == w.numel()
+    assert table.values.shape[0] == w.unique().numel() < 65536  # bf16 at std 0.02: a few thousand values
+    assert torch.equal(table.values[edkm.table_index(w, table)].squeeze(-1), w.float().reshape(-1))
+
+
+def test_soft_in_training_hard_in_eval():
+    layer = _layer(torch.float32, True)
+    x = torch.randn(3, layer.in_features)
+    layer.eval()
+    w_hard = layer.hard_weight(torch.float32)
+    per_group = w_hard.reshape(1, -1).unique()
+    assert per_group.numel() <= 8
+    assert torch.allclose(layer(x), torch.nn.functional.linear(x, w_hard, layer.bias))
+    layer.train()
+    y_soft = layer(x)
+    assert not torch.allclose(y_soft, torch.nn.functional.linear(x, w_hard, layer.bias), atol=1e-6)
+    with torch.no_grad():  # no graph -> no soft assignment
+        assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.hard_weight(x.dtype), layer.bias))
+
+
+def test_training_moves_weights_toward_centroids():
+    """A few steps of DKM training lower the clustering error of the latent weight (the point of DKM)."""
+    layer = _layer(torch.float32, True, rows=32, cols=64)
+    target = torch.nn.Linear(64, 32)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.05)
+    x = torch.randn(64, 64)
+
+    def clustering_error():
+        return (layer.hard_weight(torch.float32) - layer.weight).square().mean().item()
+
+    before = clustering_error()
+    for _ in range(20):
+        opt.zero_grad()
+        loss = (layer(x) - target(x).detach()).square().mean()
+        loss.backward()
+        opt.step()
+    assert clustering_error() < before
+
+
+def test_embedding_soft_and_hard():
+    settings = DKMSettings(bits=4, cluster_dim=2, groups=1, offload=False)
+    emb = DKMEmbedding(100, 16, None, settings)
+    emb.init_centroids()
+    ids = torch.tensor([[1, 5, 99]])
+    out = emb.train()(ids)
+    out.sum().backward()
+    assert emb.weight.grad is not None and emb.weight.grad.abs().sum() > 0
+    emb.eval()
+    assert emb(ids).reshape(-1, 2).unique(dim=0).shape[0] <= 16
