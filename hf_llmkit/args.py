@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import TrainingArguments
@@ -34,9 +34,48 @@ class LLMKitTrainingArguments(TrainingArguments):
 
     Args:
         (every `transformers.TrainingArguments` argument)
+        auto_resume: Fault tolerance. When `train()` gets no `resume_from_checkpoint`, resume from the latest
+            *complete* checkpoint in `output_dir` (manifest-verified, see `FaultToleranceCallback`), so re-running
+            the same command, a `torchrun --max-restarts` restart or a scheduler requeue continues the run.
+        resume_verify_checksums: Fault tolerance. Verify every file's checksum (not only its size) when picking the
+            checkpoint to resume from.
+        save_retries: Fault tolerance. Re-run a checkpoint save this many times after a transient I/O error.
+        save_retry_delay: Fault tolerance. Seconds before the first save retry; doubles at each retry.
+        moe_aux_loss_coef: Mixture of experts. Weight of the Switch load-balancing loss (mean over the model's
+            `MoELayer`s) that `LLMKitTrainer` adds to the training loss; 0 turns it off. Only models with
+            `MoELayer`s (e.g. from `upcycle_to_moe`) are affected.
+        moe_z_loss_coef: Mixture of experts. Weight of the router z-loss (mean over `MoELayer`s); 0 turns it off.
     """
 
+    auto_resume: bool = field(
+        default=False,
+        metadata={"help": "Resume from the latest complete (manifest-verified) checkpoint in output_dir."},
+    )
+    resume_verify_checksums: bool = field(
+        default=True, metadata={"help": "Check file checksums, not only sizes, when choosing the resume checkpoint."}
+    )
+    save_retries: int = field(
+        default=3, metadata={"help": "Retries of a checkpoint save that failed with a transient I/O error."}
+    )
+    save_retry_delay: float = field(
+        default=1.0, metadata={"help": "Seconds before the first save retry (doubles at each retry)."}
+    )
+    moe_aux_loss_coef: float = field(
+        default=0.01,
+        metadata={"help": "Weight of the MoE load-balancing loss added to the training loss (0 = off)."},
+    )
+    moe_z_loss_coef: float = field(
+        default=0.001, metadata={"help": "Weight of the MoE router z-loss added to the training loss (0 = off)."}
+    )
+
     def __post_init__(self):
+        if self.save_retries < 0:
+            raise ValueError(f"save_retries must be >= 0 (0 disables retries), got {self.save_retries}")
+        if self.save_retry_delay < 0:
+            raise ValueError(f"save_retry_delay must be >= 0 seconds, got {self.save_retry_delay}")
+        for name in ("moe_aux_loss_coef", "moe_z_loss_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 disables that MoE loss), got {getattr(self, name)}")
         multi_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1
         if multi_rank and not self.use_cpu and not self.deepspeed and not _has_accelerator():
             logger.info("no accelerator: training on %s CPU ranks with gloo", os.environ["WORLD_SIZE"])

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from transformers import Trainer, TrainingArguments
 
+from hf_llmkit.callbacks.log_bridge import add_callback_logs
+from hf_llmkit.callbacks.recovery import save_with_retries, train_with_recovery
+from hf_llmkit.trainers.moe_loss import MoELossTracker, aux_loss_scale, register_zero3_leaf_modules
+
 
 class LLMKitTrainer(Trainer):
     """Drop-in `transformers.Trainer`; pass `LLMKitTrainingArguments` to enable hf_llmkit's features.
@@ -26,3 +30,42 @@ class LLMKitTrainer(Trainer):
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, TrainingArguments):
             raise TypeError(f"LLMKitTrainer needs TrainingArguments, got {type(self.args).__name__}")
+        # Mixture of experts (hf_llmkit.trainers.moe_loss): auxiliary losses + routing logs for MoELayer models.
+        self._moe_loss = MoELossTracker(
+            aux_loss_coef=getattr(self.args, "moe_aux_loss_coef", 0.0),
+            z_loss_coef=getattr(self.args, "moe_z_loss_coef", 0.0),
+        )
+        if self.is_deepspeed_enabled:
+            register_zero3_leaf_modules(self.model)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """`Trainer.compute_loss`, plus the MoE auxiliary losses of the forward it ran (training only)."""
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if not model.training:
+            return result
+        loss, outputs = result if return_outputs else (result, None)
+        loss = self._moe_loss.add_aux_losses(model, loss, scale=aux_loss_scale(self, num_items_in_batch))
+        return (loss, outputs) if return_outputs else loss
+
+    # Fault tolerance (hf_llmkit.callbacks.recovery): a callback cannot restart the loop or re-run a save.
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
+        """`Trainer.train`; `auto_resume` / `resume_from_checkpoint=True` pick the latest *complete* checkpoint, and a
+        `FaultToleranceCallback` rollback restarts from the last good checkpoint."""
+        return train_with_recovery(
+            self, super().train, resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
+        )
+
+    def _save_checkpoint(self, model, trial):
+        save_with_retries(
+            lambda: super(LLMKitTrainer, self)._save_checkpoint(model, trial),
+            retries=getattr(self.args, "save_retries", 0),
+            delay=getattr(self.args, "save_retry_delay", 1.0),
+            device=self.args.device,
+            what=f"checkpoint at step {self.state.global_step}",
+        )
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training log: MoE losses and expert load since the previous one
+            logs.update(self._moe_loss.logs())
+        add_callback_logs(self.callback_handler.callbacks, logs, self.state)  # reporters then receive them too
+        super().log(logs, start_time)

@@ -1,0 +1,221 @@
+"""`SavePeftModelCallback`: a complete, verified PEFT adapter in every checkpoint and in the output dir.
+
+At every save the adapter (and the tokenizer / processing class, and optionally the merged full model in
+safetensors) goes into `checkpoint-N/<subfolder>`, and at the end of training into `output_dir/<subfolder>`.
+Under DeepSpeed ZeRO-3 the adapter parameters are partitioned across ranks: they are gathered
+(`deepspeed.zero.GatheredParameters`) before saving, on every rank, and only the main process writes. Each saved
+tensor is then read back from disk and checked to be non-empty and of the parameter's full shape; a mismatch
+raises `AdapterSaveError` instead of leaving an unusable adapter behind. Each folder is written under a temporary
+name and renamed into place, so a kill never leaves a half-written adapter. Works for every PEFT method saved
+through `PeftModel.save_pretrained`: peft's own (LoRA, IA3, ...) and hf_llmkit's (bottleneck adapters, BitFit).
+
+Example:
+    ```python
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+    from hf_llmkit.callbacks import SavePeftModelCallback
+    from hf_llmkit.testing import tiny_llama
+
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(output_dir="outputs/lora", max_steps=4, save_steps=2, report_to="none"),
+        train_dataset=data,
+        callbacks=[SavePeftModelCallback(save_merged=True)],
+    )
+    trainer.train()  # outputs/lora/checkpoint-2/adapter/, .../merged/, and outputs/lora/adapter/ at the end
+    ```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import TrainerCallback
+
+from hf_llmkit.callbacks.checkpoint_manifest import _TMP_MARK, add_to_manifest
+
+logger = logging.getLogger(__name__)
+
+
+class AdapterSaveError(RuntimeError):
+    """A saved adapter tensor is missing, empty or of the wrong shape (typically: ZeRO-3 shards not gathered)."""
+
+
+def _peft_model(model):
+    from peft import PeftModel
+
+    for candidate in (model, getattr(model, "module", None)):
+        if isinstance(candidate, PeftModel):
+            return candidate
+    return None
+
+
+def _partitioned(param: torch.nn.Parameter) -> bool:
+    return hasattr(param, "ds_id") and hasattr(param, "ds_shape")
+
+
+def _gathered(params: list[torch.nn.Parameter]):
+    """Full parameters for the duration of the block on every rank (ZeRO-3); a no-op otherwise."""
+    partitioned = [p for p in params if _partitioned(p)]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+
+
+def expected_adapter_shapes(peft_model, adapter_name: str) -> dict[str, tuple[int, ...]]:
+    """Key -> full shape of every tensor `save_pretrained` should write for `adapter_name` (ZeRO-3 aware)."""
+    from peft import get_peft_model_state_dict
+
+    full = {name: tuple(p.ds_shape) for name, p in peft_model.named_parameters() if _partitioned(p)}
+    meta = {
+        key: torch.empty(full.get(key, tuple(value.shape)), device="meta")
+        for key, value in peft_model.state_dict().items()
+    }
+    expected = get_peft_model_state_dict(peft_model, state_dict=meta, adapter_name=adapter_name)
+    return {key: tuple(value.shape) for key, value in expected.items()}
+
+
+def verify_adapter_folder(folder: str | os.PathLike, expected: dict[str, tuple[int, ...]]) -> None:
+    """Read the saved adapter back; raise `AdapterSaveError` naming every missing, empty or mis-shaped tensor."""
+    path = Path(folder) / "adapter_model.safetensors"
+    if not path.is_file():
+        raise AdapterSaveError(f"{path} was not written")
+    problems = []
+    with safe_open(path, framework="pt") as handle:
+        saved = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}  # noqa: SIM118
+    for key, shape in expected.items():
+        if key not in saved:
+            problems.append(f"{key}: missing")
+        elif saved[key] != shape or 0 in saved[key]:
+            problems.append(f"{key}: saved shape {saved[key]}, expected {shape}")
+    if not saved:
+        problems.append("no tensors at all")
+    if problems:
+        raise AdapterSaveError(
+            f"adapter saved to {folder} is incomplete ({len(problems)} problem(s)): {'; '.join(problems[:8])}. "
+            "Under DeepSpeed ZeRO-3 every rank must call the save (parameters are gathered collectively)."
+        )
+
+
+def _replace_folder(tmp: Path, final: Path) -> None:
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+class SavePeftModelCallback(TrainerCallback):
+    """Saves the PEFT adapter (+ processing class, optionally the merged model) at every save and at the end.
+
+    Args:
+        subfolder: Folder name for the adapter inside each checkpoint and inside `output_dir`.
+        save_processing_class: Also save the tokenizer / processor handed to the Trainer next to the adapter.
+        save_merged: Also save the base model with the adapter merged in (safetensors), for methods that can
+            merge (LoRA, BitFit, ...); skipped with a warning for methods that cannot, and under ZeRO-3.
+        merged_subfolder: Folder name for the merged model.
+        save_at_train_end: Save into `output_dir/<subfolder>` when training ends.
+    """
+
+    def __init__(
+        self,
+        *,
+        subfolder: str = "adapter",
+        save_processing_class: bool = True,
+        save_merged: bool = False,
+        merged_subfolder: str = "merged",
+        save_at_train_end: bool = True,
+    ):
+        for name, value in (("subfolder", subfolder), ("merged_subfolder", merged_subfolder)):
+            if not value or os.sep in value or value.startswith(("checkpoint-", ".")) or _TMP_MARK in value:
+                raise ValueError(f"{name} must be a plain folder name such as 'adapter', got {value!r}")
+        if subfolder == merged_subfolder:
+            raise ValueError("subfolder and merged_subfolder must differ, e.g. 'adapter' and 'merged'")
+        self.subfolder, self.merged_subfolder = subfolder, merged_subfolder
+        self.save_processing_class, self.save_merged = save_processing_class, save_merged
+        self.save_at_train_end = save_at_train_end
+        self._warned: set[str] = set()
+
+    def _warn_once(self, key: str, message: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message, *args)
+
+    def save(self, root: str | os.PathLike, *, model, processing_class=None, is_main_process: bool = True) -> bool:
+        """Save into `root/<subfolder>` (and `root/<merged_subfolder>`); call on every rank. False if not PEFT."""
+        peft_model = _peft_model(model)
+        if peft_model is None:
+            self._warn_once(
+                "not-peft", "SavePeftModelCallback: %s is not a PeftModel; nothing to save", type(model).__name__
+            )
+            return False
+        root = Path(root)
+        trainable = [p for p in peft_model.parameters() if p.requires_grad]
+        zero3 = any(_partitioned(p) for p in peft_model.parameters())
+        with _gathered(trainable):
+            if is_main_process:
+                self._write_adapter(peft_model, processing_class, root)
+                if self.save_merged:
+                    self._write_merged(peft_model, processing_class, root, zero3)
+        return True
+
+    def _write_adapter(self, peft_model, processing_class, root: Path) -> None:
+        final = root / self.subfolder
+        tmp = root / (self.subfolder + _TMP_MARK)
+        shutil.rmtree(tmp, ignore_errors=True)
+        peft_model.save_pretrained(tmp, safe_serialization=True)
+        for name in peft_model.peft_config:
+            folder = tmp if name == "default" else tmp / name
+            verify_adapter_folder(folder, expected_adapter_shapes(peft_model, name))
+        if self.save_processing_class and processing_class is not None:
+            processing_class.save_pretrained(tmp)
+        _replace_folder(tmp, final)
+
+    def _write_merged(self, peft_model, processing_class, root: Path, zero3: bool) -> None:
+        if zero3:
+            self._warn_once("merged-zero3", "save_merged is skipped under ZeRO-3 (the base model is partitioned)")
+            return
+        if not hasattr(peft_model.base_model, "merge_and_unload"):
+            self._warn_once(
+                "merged-method",
+                "save_merged: %s adapters cannot be merged; skipped",
+                type(peft_model.base_model).__name__,
+            )
+            return
+        tmp = root / (self.merged_subfolder + _TMP_MARK)
+        shutil.rmtree(tmp, ignore_errors=True)
+        merged = copy.deepcopy(peft_model).merge_and_unload()  # a copy: the training model keeps its adapter
+        merged.save_pretrained(tmp, safe_serialization=True)
+        if self.save_processing_class and processing_class is not None:
+            processing_class.save_pretrained(tmp)
+        del merged
+        _replace_folder(tmp, root / self.merged_subfolder)
+
+    def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
+        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        # Every rank gathers (a collective); the main process writes unless the checkpoint was discarded
+        # (a FaultToleranceCallback rollback removes it).
+        main = state.is_world_process_zero and checkpoint.is_dir()
+        if self.save(checkpoint, model=model, processing_class=processing_class, is_main_process=main) and main:
+            # A manifest already written by a FaultToleranceCallback earlier in the list now covers the adapter too.
+            for folder in (self.subfolder, self.merged_subfolder):
+                if (checkpoint / folder).is_dir():
+                    add_to_manifest(checkpoint, folder)
+
+    def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+        if self.save_at_train_end:
+            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+            self.save(
+                args.output_dir,
+                model=model,
+                processing_class=processing_class,
+                is_main_process=state.is_world_process_zero,
+            )
