@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -15,15 +16,15 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() if a.numel() else 0.0
 
 
-def ep_matches_dense(capacity_factor: float | None) -> dict[str, float]:
-    """One rank: compare an EP=world layer with an EP=1 layer built from the same seed."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def ep_matches_dense(group: dist.ProcessGroup, capacity_factor: float | None) -> dict[str, float]:
+    """One rank: compare a layer sharded over `group` with an EP=1 layer built from the same seed."""
+    rank, ep_rank, ep_size = dist.get_rank(), dist.get_rank(group), dist.get_world_size(group)
     kwargs = dict(num_experts=E, top_k=2, capacity_factor=capacity_factor)
     torch.manual_seed(0)
     full = MoELayer(H, INTER, **kwargs)
     torch.manual_seed(0)
-    sharded = MoELayer(H, INTER, ep_group=new_expert_parallel_group(ep_size=world), **kwargs)
-    local = slice(rank * E // world, (rank + 1) * E // world)
+    sharded = MoELayer(H, INTER, ep_group=group, **kwargs)
+    local = slice(ep_rank * E // ep_size, (ep_rank + 1) * E // ep_size)
 
     # Each rank routes its own tokens, a different number per rank (uneven all-to-all splits).
     torch.manual_seed(100 + rank)
@@ -33,9 +34,9 @@ def ep_matches_dense(capacity_factor: float | None) -> dict[str, float]:
     y_full, y_ep = full(x_full), sharded(x_ep)
     (y_full * grad_out).sum().backward()
     (y_ep * grad_out).sum().backward()
-    # An expert's gradient collects every rank's tokens: sum the EP=1 per-rank gradients.
+    # An expert's gradient collects the tokens of its whole EP group: sum the group's EP=1 per-rank gradients.
     for p in (full.experts.gate_up_proj, full.experts.down_proj):
-        dist.all_reduce(p.grad)
+        dist.all_reduce(p.grad, group=group)
     return {
         "weights": _max_diff(full.experts.down_proj[local], sharded.experts.down_proj),
         "output": _max_diff(y_full, y_ep),
@@ -48,37 +49,40 @@ def ep_matches_dense(capacity_factor: float | None) -> dict[str, float]:
     }
 
 
-def ep_worker(capacity_factors: list[float | None]) -> dict:
-    """All checks of one launch (spawning ranks dominates the cost, so one launch runs several cases)."""
-    results = {cf: ep_matches_dense(cf) for cf in capacity_factors}
-    try:
-        world = dist.get_world_size()
-        MoELayer(H, INTER, num_experts=world + 1, top_k=2, ep_group=new_expert_parallel_group(ep_size=world))
-        results["indivisible"] = "no error"
-    except ValueError as err:
-        results["indivisible"] = str(err)
+def ep_worker() -> dict:
+    """All checks in one 4-rank launch (starting ranks dominates the cost): EP=4, and EP=2 as two groups of 2."""
+    results = {}
+    ep4, ep2 = new_expert_parallel_group(ep_size=4), new_expert_parallel_group(ep_size=2)
+    results[(4, None)] = ep_matches_dense(ep4, None)
+    results[(2, None)] = ep_matches_dense(ep2, None)
+    results[(2, 0.75)] = ep_matches_dense(ep2, 0.75)
+    for size, group in ((4, ep4), (2, ep2)):
+        try:
+            MoELayer(H, INTER, num_experts=size + 1, top_k=2, ep_group=group)
+            results[("indivisible", size)] = "no error"
+        except ValueError as err:
+            results[("indivisible", size)] = str(err)
     return results
 
 
-def _check(results: list[dict], capacity_factor: float | None) -> None:
-    for rank, per_rank in enumerate(results):
-        res = per_rank[capacity_factor]
+@pytest.fixture(scope="module")
+def ep_results() -> list[dict]:
+    return launch(ep_worker, nprocs=4, timeout=240)
+
+
+@pytest.mark.parametrize(("ep_size", "capacity_factor"), [(4, None), (2, None), (2, 0.75)], ids=str)
+def test_expert_parallel_equals_single_rank(ep_results, ep_size, capacity_factor):
+    for rank, per_rank in enumerate(ep_results):
+        res = per_rank[(ep_size, capacity_factor)]
         assert res["weights"] == 0.0, f"rank {rank} does not hold the EP=1 slice of experts"
         assert res["output_norm"] > 0
         for key in ("output", "grad_input", "grad_router", "grad_gate_up", "grad_down"):
-            assert res[key] < 1e-5, f"rank {rank}: {key} differs from EP=1 by {res[key]} (capacity {capacity_factor})"
+            assert res[key] < 1e-5, f"rank {rank}: {key} differs from EP=1 by {res[key]}"
     if capacity_factor is not None:
-        assert any(r[capacity_factor]["dropped"] > 0 for r in results), "capacity 0.75 should drop routed tokens"
+        assert any(r[(ep_size, capacity_factor)]["dropped"] > 0 for r in ep_results), "capacity 0.75 should drop"
 
 
-def test_expert_parallel_two_ranks_equal_single_rank():
-    results = launch(ep_worker, [None, 0.75], nprocs=2, timeout=180)
-    _check(results, None)
-    _check(results, 0.75)
-    assert all("not divisible by the expert-parallel group size 2" in r["indivisible"] for r in results)
-
-
-def test_expert_parallel_four_ranks_equal_single_rank():
-    results = launch(ep_worker, [None], nprocs=4, timeout=180)
-    _check(results, None)
-    assert all("not divisible by the expert-parallel group size 4" in r["indivisible"] for r in results)
+@pytest.mark.parametrize("ep_size", [2, 4])
+def test_experts_not_divisible_by_ep_size_is_rejected(ep_results, ep_size):
+    for per_rank in ep_results:
+        assert f"not divisible by the expert-parallel group size {ep_size}" in per_rank[("indivisible", ep_size)]

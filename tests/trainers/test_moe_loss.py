@@ -1,0 +1,117 @@
+"""LLMKitTrainer with MoE models: auxiliary losses in the loss, routing logs, DeepSpeed ZeRO-2 / ZeRO-3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+
+from hf_llmkit import LLMKitTrainingArguments
+from hf_llmkit.parallel import moe_layers
+from hf_llmkit.parallel.upcycle import upcycle_to_moe
+from hf_llmkit.testing import launch, tiny_llama
+from hf_llmkit.trainers import LLMKitTrainer
+
+NUM_EXPERTS = 4
+
+
+def lm_rows(n: int = 16, length: int = 24) -> Dataset:
+    ids = torch.randint(3, 500, (n, length), generator=torch.Generator().manual_seed(0))
+    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+
+
+def upcycled():
+    return upcycle_to_moe(tiny_llama(), num_experts=NUM_EXPERTS, top_k=2).train()
+
+
+def make_trainer(model, out, **overrides) -> LLMKitTrainer:
+    kwargs = dict(
+        max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, logging_steps=1, report_to=[],
+        save_strategy="no", disable_tqdm=True, use_cpu=True,
+    )  # fmt: skip
+    kwargs.update(overrides)
+    return LLMKitTrainer(model=model, args=LLMKitTrainingArguments(str(out), **kwargs), train_dataset=lm_rows())
+
+
+def test_compute_loss_adds_weighted_aux_losses_in_training_only(tmp_path):
+    model = upcycled()
+    trainer = make_trainer(model, tmp_path, moe_aux_loss_coef=0.5, moe_z_loss_coef=0.25)
+    batch = {k: torch.tensor(v[:4]) for k, v in lm_rows()[:4].items()}
+    loss = trainer.compute_loss(model, batch)
+    task = model(**batch).loss
+    layers = moe_layers(model)
+    balancing = torch.stack([m.aux.load_balancing_loss for m in layers]).mean()
+    z = torch.stack([m.aux.z_loss for m in layers]).mean()
+    torch.testing.assert_close(loss, task + 0.5 * balancing + 0.25 * z)
+    # the aux term carries gradient to the routers
+    (loss - task.detach()).backward()
+    assert all(m.gate.weight.grad.abs().sum() > 0 for m in layers)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.compute_loss(model, batch), model(**batch).loss)
+
+
+def test_training_logs_moe_losses_and_expert_load(tmp_path):
+    trainer = make_trainer(upcycled(), tmp_path)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 3
+    for entry in logs:
+        shares = [entry[f"moe_load_e{i}"] for i in range(NUM_EXPERTS)]
+        assert sum(shares) == pytest.approx(1.0, abs=1e-3)
+        assert entry["moe_load_max_min_ratio"] >= 1.0
+        assert entry["moe_aux_loss"] >= 1.0  # top_k=2: a balanced router scores 2, never below ~1
+        assert entry["moe_z_loss"] > 0 and entry["moe_dropped_fraction"] == 0.0
+
+
+def test_bad_coefficients_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="moe_aux_loss_coef must be >= 0"):
+        LLMKitTrainingArguments(str(tmp_path), moe_aux_loss_coef=-1.0)
+
+
+def deepspeed_train(out_dir: str, stages: list[int]) -> dict:
+    """One DeepSpeed rank: for each ZeRO stage, train an upcycled tiny model, save it, report."""
+    return {stage: _deepspeed_train_once(f"{out_dir}/zero{stage}", stage) for stage in stages}
+
+
+def _deepspeed_train_once(out_dir: str, stage: int) -> dict:
+    ds_config = {
+        "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_allow_untested_optimizer": True,
+    }
+    model = upcycled()
+    trainer = make_trainer(model, out_dir, deepspeed=ds_config, use_cpu=False, max_steps=2)
+    leaf = all(getattr(m, "_z3_leaf", False) for m in moe_layers(model))
+    trainer.train()
+    trainer.save_model(out_dir + "/final")
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return {"leaf": leaf, "losses": losses, "logged_load": "moe_load_max_min_ratio" in trainer.state.log_history[0]}
+
+
+@pytest.fixture(scope="module")
+def deepspeed_reports(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp("moe_deepspeed")
+    (reports,) = launch(
+        deepspeed_train, str(out), [2, 3], nprocs=1, timeout=300, init_process_group=False,
+        env={"ACCELERATE_USE_DEEPSPEED": "true"},
+    )  # fmt: skip
+    return out, reports
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_stages_train_and_save_native_moe(deepspeed_reports, stage):
+    out, reports = deepspeed_reports
+    report = reports[stage]
+    assert report["leaf"], "MoELayer must be a ZeRO-3 leaf module"
+    assert len(report["losses"]) == 2 and all(torch.isfinite(torch.tensor(report["losses"])))
+    assert report["logged_load"]
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(out / f"zero{stage}" / "final")
+    assert type(saved).__name__ == "MixtralForCausalLM"
+    experts = saved.model.layers[0].mlp.experts.down_proj  # upcycled as identical copies; training separates them
+    assert experts.shape[0] == NUM_EXPERTS and not torch.allclose(experts[0], experts[1])
