@@ -5,6 +5,7 @@ transformers) exactly once; importing it again, or importing peft/transformers b
 """
 
 from hf_llmkit.args import LLMKitTrainingArguments
+from hf_llmkit.parallel import MoELayer, upcycle_to_moe
 from hf_llmkit.quantization import DKMConfig
 from hf_llmkit.tuners.bitfit import BitFitConfig
 from hf_llmkit.tuners.bottleneck import BottleneckConfig
@@ -18,9 +19,11 @@ __all__ = [
     "BottleneckConfig",
     "DKMConfig",
     "LLMKitTrainingArguments",
+    "MoELayer",
     "PTuningConfig",
     "PTuningTemplate",
     "PTuningV2Config",
     "__version__",
     "build_ptuning_template",
+    "upcycle_to_moe",
 ]
