@@ -53,18 +53,36 @@ def _number(value) -> float | None:
 
 
 class _AmpScale:
-    """torch AMP `GradScaler` held by accelerate's `AcceleratedOptimizer.scaler`."""
+    """torch AMP `GradScaler` held by accelerate's `AcceleratedOptimizer.scaler`.
+
+    An overflow is read off the scale itself (it drops exactly when inf/NaN gradients were found), not off
+    accelerate's `step_was_skipped`: optimizers that handle AMP scaling themselves (fused AdamW, the Trainer's
+    default) are always "called", so that flag stays False even when the update was skipped. The comparison stays
+    on the device; it is summed once per logging window.
+    """
 
     name = "torch.amp.GradScaler"
 
     def __init__(self, scaler, min_scale: float):
         self.scaler, self.min_scale = scaler, min_scale
+        self._before = None
+
+    def _current(self):
+        value = getattr(self.scaler, "_scale", None)
+        return value.detach().clone() if value is not None else self.scaler.get_scale()
+
+    def before_step(self) -> None:
+        self._before = self._current()
+
+    def after_step(self, optimizer):
+        """(overflow, skipped) for the step just taken: a bool or a 0-dim device tensor each."""
+        if self._before is None:
+            return False, False
+        dropped = self._current() < self._before
+        return dropped, dropped  # an overflow skips the update, whatever the optimizer reports
 
     def scale(self) -> float:
         return float(self.scaler.get_scale())  # a device sync: called once per logging window only
-
-    def overflowed(self, optimizer) -> bool:
-        return bool(getattr(optimizer, "step_was_skipped", False))  # a skipped AMP step *is* an overflow
 
 
 class _DeepSpeedScale:
@@ -83,8 +101,12 @@ class _DeepSpeedScale:
         value = _number(getattr(self.holder, "cur_scale", None))
         return value if value is not None else float(self.holder.loss_scale)
 
-    def overflowed(self, optimizer) -> bool:
-        return bool(getattr(self.holder, "overflow", False))
+    def before_step(self) -> None:
+        pass
+
+    def after_step(self, optimizer):
+        overflow = bool(getattr(self.holder, "overflow", False))
+        return overflow, bool(getattr(optimizer, "step_was_skipped", overflow))
 
 
 def _find_backend(optimizer, fp16: bool, min_scale: float):
@@ -138,29 +160,38 @@ class LossScaleCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         self._attach(args, optimizer)
 
-    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         self._attach(args, optimizer)
+        if self.backend is not None:
+            self.backend.before_step()
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if self.backend is None:
             return
-        skipped = bool(getattr(optimizer, "step_was_skipped", False))
-        overflow = skipped or self.backend.overflowed(optimizer)
-        for counts in (self._window, self._total):
-            counts["overflows"] += int(overflow)
-            counts["skipped"] += int(skipped)
+        overflow, skipped = self.backend.after_step(optimizer)
+        self._window["overflows"] += overflow  # ints or device tensors: no sync per step
+        self._window["skipped"] += skipped
+
+    def _drain_window(self) -> tuple[int, int]:
+        overflows, skipped = (int(self._window[key]) for key in ("overflows", "skipped"))
+        self._window = {"overflows": 0, "skipped": 0}
+        self._total["overflows"] += overflows
+        self._total["skipped"] += skipped
+        return overflows, skipped
 
     def contribute_logs(self, logs: dict, state) -> dict:
         """The window's values for a training log (`'loss'` in it); resets the window. Empty when inactive."""
         if self.backend is None or "loss" not in logs or "loss_scale" in logs:
             return {}
         scale = self.backend.scale()
+        overflows, skipped = self._drain_window()
         added = {
             "loss_scale": scale,
-            "loss_scale_overflows": self._window["overflows"],
+            "loss_scale_overflows": overflows,
             "loss_scale_overflows_total": self._total["overflows"],
-            "skipped_steps": self._window["skipped"],
+            "skipped_steps": skipped,
             "skipped_steps_total": self._total["skipped"],
         }
-        self._window = {"overflows": 0, "skipped": 0}
         if scale <= self.backend.min_scale and not self._warned_min:
             self._warned_min = True
             logger.warning(

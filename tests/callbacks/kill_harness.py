@@ -11,6 +11,7 @@ resumes. The final weights are compared bitwise with an uninterrupted run of the
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -35,10 +36,8 @@ from hf_llmkit.callbacks.checkpoint_manifest import (
 from hf_llmkit.testing import tiny_llama
 from hf_llmkit.trainers import LLMKitTrainer
 
-try:  # accelerate imports DeepSpeed lazily when it is installed: do it once here, not in every attempt
+if importlib.util.find_spec("deepspeed"):  # accelerate imports it lazily: once here, not in every attempt
     import deepspeed  # noqa: F401
-except ImportError:
-    pass
 
 MAX_STEPS = 24
 FINAL = "final.safetensors"
