@@ -48,22 +48,28 @@ def trainer(model: Any, data: list[dict], out_dir: str | os.PathLike, **override
     return Trainer(model=model, args=TrainingArguments(str(out_dir), **kwargs), train_dataset=data)
 
 
-def reload_logits(adapter_dir: str, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, overrides: dict):
-    """Logits of `tiny_llama(**overrides)` + the saved adapter (run in a fresh process by `fresh_logits`)."""
+def reload_logits(jobs: list[tuple[str, torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+    """Logits of `tiny_llama()` + each saved adapter (run in a fresh process by `fresh_logits`)."""
     from peft import PeftModel
 
     import hf_llmkit  # noqa: F401  (registers the methods in this fresh interpreter)
 
-    model = PeftModel.from_pretrained(tiny_llama(**overrides), adapter_dir).eval()
-    with torch.no_grad():
-        return model(input_ids=input_ids, attention_mask=attention_mask).logits
+    out = []
+    for adapter_dir, input_ids, attention_mask in jobs:
+        model = PeftModel.from_pretrained(tiny_llama(), adapter_dir).eval()
+        with torch.no_grad():
+            out.append(model(input_ids=input_ids, attention_mask=attention_mask).logits)
+    return out
 
 
-def fresh_logits(adapter_dir, input_ids, attention_mask=None, **overrides) -> torch.Tensor:
-    """`reload_logits` in a brand-new interpreter (nothing registered or cached from this process)."""
+def fresh_logits(jobs: list[tuple[str | os.PathLike, torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+    """`reload_logits` in one brand-new interpreter (nothing registered or cached from this process).
+
+    Jobs are batched because importing the stack in a new interpreter costs seconds.
+    """
+    jobs = [(str(d), ids, mask) for d, ids, mask in jobs]
     env = {"PYTHONPATH": str(REPO)}
-    args = (str(adapter_dir), input_ids, attention_mask, overrides)
-    return launch(reload_logits, *args, nprocs=1, init_process_group=False, timeout=120, env=env)[0]
+    return launch(reload_logits, jobs, nprocs=1, init_process_group=False, timeout=180, env=env)[0]
 
 
 def quantized_tiny_llama(folder: str | os.PathLike, **overrides: Any):

@@ -67,6 +67,13 @@ def test_build_template_and_tokenizer_helper():
         template.format(text="wrong field")
 
 
+def test_target_that_matches_nothing_lists_close_candidates():
+    with pytest.raises(ValueError, match=r"'embed_tokns' -> did you mean \['embed_tokens'"):
+        get_peft_model(tiny_llama(), PTuningConfig(target_modules=["embed_tokns"]))
+    with pytest.raises(TypeError, match="wraps the input embedding"):
+        get_peft_model(tiny_llama(), PTuningConfig(target_modules=["q_proj"]))
+
+
 def test_virtual_ids_use_the_encoder_and_other_ids_the_frozen_base():
     model = tiny_llama()
     base_rows = model.get_input_embeddings().weight.detach().clone()
@@ -103,26 +110,37 @@ def test_padded_batches_match_unpadded_sequences(side):
     torch.testing.assert_close(batch[1], alone_long, atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Per encoder: a Trainer run, its saved adapter, the in-process logits, and the logits reloaded elsewhere."""
+    runs, batch = {}, _virtual_batch()
+    for encoder in ("MLP", "LSTM"):
+        tmp = tmp_path_factory.mktemp(f"ptuning_{encoder}")
+        config = PTuningConfig(num_virtual_tokens=3, encoder_reparameterization_type=encoder, encoder_hidden_size=32)
+        peft_model = get_peft_model(tiny_llama(), config)
+        before = _encoder_state(peft_model)
+        trainer(peft_model, examples(8, virtual=3), tmp / "run").train()
+        peft_model.save_pretrained(tmp / "adapter")
+        with torch.no_grad():
+            expected = peft_model.eval()(**batch).logits
+        runs[encoder] = dict(dir=tmp / "adapter", before=before, after=_encoder_state(peft_model), expected=expected)
+    reloaded = fresh_logits([(run["dir"], batch["input_ids"], batch["attention_mask"]) for run in runs.values()])
+    for run, logits in zip(runs.values(), reloaded):
+        run["reloaded"] = logits
+    return runs
+
+
 @pytest.mark.parametrize("encoder", ["MLP", "LSTM"])
-def test_trainer_save_and_fresh_process_reload_give_identical_logits(tmp_path, encoder):
-    config = PTuningConfig(num_virtual_tokens=3, encoder_reparameterization_type=encoder, encoder_hidden_size=32)
-    peft_model = get_peft_model(tiny_llama(), config)
-    before = _encoder_state(peft_model)
-    trainer(peft_model, examples(8, virtual=3), tmp_path / "run").train()
-    after = _encoder_state(peft_model)
+def test_trainer_save_and_fresh_process_reload_give_identical_logits(trained, encoder):
+    run = trained[encoder]
+    before, after = run["before"], run["after"]
     assert any(not torch.equal(before[k], after[k]) for k in before), "training did not move the prompt encoder"
-    peft_model.save_pretrained(tmp_path / "adapter")
-    files = set(os.listdir(tmp_path / "adapter"))
-    assert {"adapter_model.safetensors", "adapter_config.json"} <= files and not any(
-        f == "model.safetensors" for f in files
-    )
-    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    files = set(os.listdir(run["dir"]))
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= files and "model.safetensors" not in files
+    saved = load_file(run["dir"] / "adapter_model.safetensors")
     assert saved and all(".ptuning_encoder." in k for k in saved)  # the encoder, nothing of the base model
     assert len(saved) == len(after) and all(v.numel() > 0 for v in saved.values())
-    batch = _virtual_batch()
-    with torch.no_grad():
-        expected = peft_model.eval()(**batch).logits
-    torch.testing.assert_close(fresh_logits(tmp_path / "adapter", **batch), expected, rtol=0, atol=0)
+    torch.testing.assert_close(run["reloaded"], run["expected"], rtol=0, atol=0)
 
 
 def test_resume_from_checkpoint_continues_exactly(tmp_path):

@@ -12,6 +12,7 @@ from typing import Any
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, _remove_adapter_name_from_state_dict_key
 from torch import nn
 
+from hf_llmkit.tuners.matching import check_targets_exist
 from hf_llmkit.tuners.ptuning.config import PTuningConfig
 from hf_llmkit.tuners.ptuning.layer import MERGE_ERROR, PTuningEmbedding, PTuningLayer
 
@@ -42,6 +43,9 @@ class PTuningModel(BaseTuner):
                 raise ValueError("could not find the model's input embedding module; set target_modules explicitly")
             peft_config.target_modules = {names[0]}
         return peft_config
+
+    def _prepare_model(self, peft_config: PTuningConfig, model: nn.Module) -> None:
+        check_targets_exist(model, peft_config.target_modules, "PTuningConfig")
 
     def _create_and_replace(
         self,

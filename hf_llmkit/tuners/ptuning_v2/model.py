@@ -13,6 +13,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, _remove_adapter_name_from_state_dict_key
 from torch import nn
 
+from hf_llmkit.tuners.matching import check_targets_exist
 from hf_llmkit.tuners.ptuning_v2.attention import inner_name, is_prefix_attention, register_prefix_attention
 from hf_llmkit.tuners.ptuning_v2.config import PTuningV2Config
 from hf_llmkit.tuners.ptuning_v2.layer import MERGE_ERROR, PTuningV2Attention, PTuningV2Layer
@@ -23,11 +24,13 @@ _PROJECTION_KEYS = ("embedding", "down.weight", "down.bias", "up.weight", "up.bi
 
 def attention_module_names(model: nn.Module) -> list[str]:
     """Names of the transformers attention layers of `model` (`*Attention` modules that know their `layer_idx`)."""
-    return [
-        name
-        for name, module in model.named_modules()
-        if type(module).__name__.endswith("Attention") and hasattr(module, "layer_idx") and hasattr(module, "config")
-    ]
+    names = []
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("Attention") and hasattr(module, "layer_idx") and hasattr(module, "config"):
+            name = name.removesuffix(".base_layer")  # already wrapped (a second adapter): target the wrapper
+            if name not in names:
+                names.append(name)
+    return names
 
 
 class PTuningV2Model(BaseTuner):
@@ -56,6 +59,9 @@ class PTuningV2Model(BaseTuner):
                 )
             peft_config.target_modules = set(names)
         return peft_config
+
+    def _prepare_model(self, peft_config: PTuningV2Config, model: nn.Module) -> None:
+        check_targets_exist(model, peft_config.target_modules, "PTuningV2Config")
 
     def _create_and_replace(
         self,

@@ -1,0 +1,242 @@
+"""P-tuning v2 (`PTuningV2Config`): attention-interface prefixes vs a KV-cache reference, sdpa == eager, padding,
+generation, activation checkpointing, projection folding, save/reload, peft behaviours and a 4-bit base.
+
+The ZeRO-3 save of both P-tuning methods is tested in test_ptuning.py (one DeepSpeed run for both).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+from safetensors.torch import load_file
+from transformers import DynamicCache
+
+from hf_llmkit import PTuningV2Config
+from hf_llmkit.testing import tiny_llama
+from hf_llmkit.tuners.ptuning_v2 import PlainPrefix, ProjectedPrefix
+from tests.tuners.ptuning_support import examples, fresh_logits, quantized_tiny_llama, trainer
+
+IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18]])
+
+
+def _model(implementation: str = "sdpa", **config):
+    model = tiny_llama()
+    model.config._attn_implementation = implementation
+    torch.manual_seed(0)
+    return get_peft_model(model, PTuningV2Config(num_virtual_tokens=config.pop("num_virtual_tokens", 3), **config))
+
+
+def _prefixes(peft_model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in peft_model.named_parameters() if "ptuning_v2_prefix" in k}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_virtual_tokens": 0}, "num_virtual_tokens must be an int >= 1"),
+        ({"encoder_hidden_size": 8}, "only applies with prefix_projection=True"),
+        ({"init_std": 0.0}, "init_std must be > 0"),
+        ({"target_modules": ["self_atn"]}, r"'self_atn' -> did you mean \['self_attn'"),
+    ],
+)
+def test_bad_input_names_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        get_peft_model(tiny_llama(), PTuningV2Config(**kwargs))
+
+
+def test_non_attention_target_is_refused():
+    with pytest.raises(TypeError, match="set target_modules to the model's attention modules"):
+        get_peft_model(tiny_llama(), PTuningV2Config(target_modules=["q_proj"]))
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_prefix_equals_a_kv_cache_prefilled_with_the_prefix(implementation):
+    """Independent reference: the base model reading the prefixes as cached past keys/values (no RoPE on them)."""
+    peft_model = _model(implementation).eval()
+    assert peft_model.config._attn_implementation == f"ptuning_v2_{implementation}"
+    base = peft_model.get_base_model()
+    with torch.no_grad():
+        ours = peft_model(input_ids=IDS).logits
+        layers = [m for m in base.modules() if hasattr(m, "ptuning_v2_prefix")]
+        cache = DynamicCache(config=base.config)
+        for idx, layer in enumerate(layers):
+            prefix = layer.ptuning_v2_prefix["default"]()  # [2, KVH, P, D]
+            cache.update(prefix[0].expand(2, -1, -1, -1), prefix[1].expand(2, -1, -1, -1), idx)
+        with peft_model.disable_adapter():
+            reference = base(
+                input_ids=IDS,
+                past_key_values=cache,
+                position_ids=torch.arange(IDS.shape[1]).expand(2, -1),
+                attention_mask=torch.ones(2, 3 + IDS.shape[1], dtype=torch.long),
+            ).logits
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), peft_model.disable_adapter():
+        assert not torch.allclose(peft_model(input_ids=IDS).logits, ours)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_sdpa_equals_eager_with_padding_and_padded_rows_match_unpadded(side):
+    models = {impl: _model(impl).eval() for impl in ("sdpa", "eager")}
+    short = torch.tensor([5, 6, 7, 8, 9])
+    pad = torch.zeros(2, dtype=torch.long)
+    ids = torch.stack([torch.cat([pad, short]) if side == "left" else torch.cat([short, pad]), IDS[0]])
+    mask = (torch.arange(7) >= 2) if side == "left" else (torch.arange(7) < 5)
+    mask = torch.stack([mask, torch.ones(7, dtype=torch.bool)]).long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = {k: m(input_ids=ids, attention_mask=mask, position_ids=positions).logits for k, m in models.items()}
+        alone = models["sdpa"](input_ids=short[None]).logits[0]
+        unmasked = {k: m(input_ids=IDS).logits for k, m in models.items()}
+    torch.testing.assert_close(out["sdpa"], out["eager"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(unmasked["sdpa"], unmasked["eager"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["sdpa"][0][mask[0].bool()], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_generate_with_cache_equals_generate_without(implementation):
+    peft_model = _model(implementation).eval()
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    cached = peft_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    uncached = peft_model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, use_cache=False
+    )
+    assert torch.equal(cached, uncached)
+    with peft_model.disable_adapter():
+        plain = peft_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert not torch.equal(plain, cached)  # the prefixes steer generation
+
+
+def _grads(peft_model) -> dict[str, torch.Tensor]:
+    peft_model.train()
+    peft_model(input_ids=IDS, labels=IDS).loss.backward()
+    return {k: p.grad.clone() for k, p in peft_model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("projection", [False, True])
+def test_activation_checkpointing_gives_the_same_gradients(when, projection):
+    """peft's prefix tuning refuses gradient checkpointing; here it recomputes the prefix with its layer."""
+    reference = _grads(_model(prefix_projection=projection))
+    model = tiny_llama()
+    if when == "before":
+        model.activation_checkpointing_enable()
+    torch.manual_seed(0)
+    peft_model = get_peft_model(model, PTuningV2Config(num_virtual_tokens=3, prefix_projection=projection))
+    if when == "after":
+        peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert peft_model.get_base_model().is_activation_checkpointing
+    grads = _grads(peft_model)
+    assert grads and set(grads) == set(reference)
+    for key in grads:
+        torch.testing.assert_close(grads[key], reference[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Per projection setting: a Trainer run, its saved adapter, in-process logits, and logits reloaded elsewhere."""
+    runs = {}
+    for projection in (False, True):
+        tmp = tmp_path_factory.mktemp(f"ptuning_v2_{projection}")
+        peft_model = _model(prefix_projection=projection, encoder_hidden_size=32 if projection else None)
+        before = _prefixes(peft_model)
+        trainer(peft_model, examples(8), tmp / "run").train()
+        peft_model.save_pretrained(tmp / "adapter")
+        with torch.no_grad():
+            expected = peft_model.eval()(input_ids=IDS).logits
+        runs[projection] = dict(dir=tmp / "adapter", before=before, after=_prefixes(peft_model), expected=expected)
+    for run, logits in zip(runs.values(), fresh_logits([(run["dir"], IDS, None) for run in runs.values()])):
+        run["reloaded"] = logits
+    return runs
+
+
+@pytest.mark.parametrize("projection", [False, True])
+def test_trainer_save_and_fresh_process_reload_give_identical_logits(trained, projection):
+    run = trained[projection]
+    assert any(not torch.equal(run["before"][k], v) for k, v in run["after"].items())
+    assert "model.safetensors" not in os.listdir(run["dir"])
+    saved = load_file(run["dir"] / "adapter_model.safetensors")
+    prefixes = [k for k in saved if k.endswith(".ptuning_v2_prefix.prefix")]
+    assert len(prefixes) == 2 and all(saved[k].shape == (2, 2, 3, 16) for k in prefixes)  # per layer, per kv head
+    assert all(".ptuning_v2_prefix." in k for k in saved)
+    expected = run["expected"]
+    torch.testing.assert_close(run["reloaded"], expected, rtol=1e-6, atol=1e-6)
+
+    inference = PeftModel.from_pretrained(tiny_llama(), run["dir"])
+    layer = inference.get_base_model().model.layers[0].self_attn
+    assert isinstance(layer.ptuning_v2_prefix["default"], PlainPrefix)  # the folded inference form
+    trainable = PeftModel.from_pretrained(tiny_llama(), run["dir"], is_trainable=True)
+    layer = trainable.get_base_model().model.layers[0].self_attn
+    assert isinstance(layer.ptuning_v2_prefix["default"], ProjectedPrefix if projection else PlainPrefix)
+    assert all(p.requires_grad for k, p in trainable.named_parameters() if "ptuning_v2" in k)
+    with torch.no_grad():
+        torch.testing.assert_close(trainable.eval()(input_ids=IDS).logits, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_save_projection_false_writes_only_folded_prefixes_and_fold_keeps_outputs(tmp_path):
+    peft_model = _model(prefix_projection=True, save_projection=False).eval()
+    with torch.no_grad():
+        expected = peft_model(input_ids=IDS).logits
+    peft_model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    assert sorted(k.rsplit(".", 1)[-1] for k in saved) == ["prefix", "prefix"]
+    resumed = PeftModel.from_pretrained(tiny_llama(), tmp_path, is_trainable=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(resumed(input_ids=IDS).logits, expected, rtol=1e-6, atol=1e-6)
+    peft_model.base_model.fold_prefix_projection()
+    assert not any(isinstance(m, ProjectedPrefix) for m in peft_model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(input_ids=IDS).logits, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_multiple_adapters_disable_unload_and_merge_refusal(capsys):
+    model = tiny_llama()
+    with torch.no_grad():
+        base = model(input_ids=IDS).logits
+    peft_model = get_peft_model(model, PTuningV2Config(num_virtual_tokens=3))
+    peft_model.add_adapter("other", PTuningV2Config(num_virtual_tokens=5))
+    peft_model.print_trainable_parameters()
+    assert "trainable params: 384 " in capsys.readouterr().out  # 2 layers x (k, v) x 2 kv heads x 3 x 16
+    peft_model.eval()
+    with torch.no_grad():
+        first = peft_model(input_ids=IDS).logits
+        peft_model.set_adapter("other")
+        second = peft_model(input_ids=IDS).logits
+        assert not torch.allclose(first, second)
+        peft_model.base_model.set_adapter(["default", "other"])
+        layer = peft_model.get_base_model().model.layers[1].self_attn
+        assert layer.current_prefix().shape == (2, 2, 8, 16)  # both prefixes, concatenated
+        with peft_model.disable_adapter():
+            assert peft_model.config._attn_implementation == "sdpa"
+            torch.testing.assert_close(peft_model(input_ids=IDS).logits, base, rtol=0, atol=0)
+        assert peft_model.config._attn_implementation == "ptuning_v2_sdpa"
+    with pytest.raises(ValueError, match="cannot merge.*unload"):
+        peft_model.merge_and_unload()
+    unloaded = peft_model.unload()
+    assert unloaded.config._attn_implementation == "sdpa"
+    assert not any(hasattr(m, "ptuning_v2_prefix") for m in unloaded.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(unloaded(input_ids=IDS).logits, base, rtol=0, atol=0)
+
+
+def test_switching_attention_after_injection_is_refused():
+    peft_model = _model()
+    peft_model.config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="prefixes would be ignored"):
+        peft_model(input_ids=IDS)
+
+
+def test_on_a_bitsandbytes_4bit_base(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    peft_model = get_peft_model(quantized_tiny_llama(tmp_path / "base"), PTuningV2Config(num_virtual_tokens=3))
+    before = _prefixes(peft_model)
+    trainer(peft_model, examples(4), tmp_path / "run", max_steps=2).train()
+    assert any(not torch.equal(before[k], v) for k, v in _prefixes(peft_model).items())
+    peft_model.save_pretrained(tmp_path / "adapter")
+    with torch.no_grad():
+        expected = peft_model.eval()(input_ids=IDS).logits
+        reloaded = PeftModel.from_pretrained(quantized_tiny_llama(tmp_path / "base2"), tmp_path / "adapter").eval()
+        torch.testing.assert_close(reloaded(input_ids=IDS).logits, expected, rtol=0, atol=0)
