@@ -183,16 +183,14 @@ class SavePeftModelCallback(TrainerCallback):
         if zero3:
             self._warn_once("merged-zero3", "save_merged is skipped under ZeRO-3 (the base model is partitioned)")
             return
-        if not hasattr(peft_model.base_model, "merge_and_unload"):
-            self._warn_once(
-                "merged-method",
-                "save_merged: %s adapters cannot be merged; skipped",
-                type(peft_model.base_model).__name__,
-            )
+        method = type(peft_model.base_model).__name__
+        try:  # on a copy: the training model keeps its adapter
+            merged = copy.deepcopy(peft_model).merge_and_unload()
+        except (AttributeError, NotImplementedError, ValueError, TypeError) as err:
+            self._warn_once("merged-method", "save_merged: %s adapters cannot be merged (%s); skipped", method, err)
             return
         tmp = root / (self.merged_subfolder + _TMP_MARK)
         shutil.rmtree(tmp, ignore_errors=True)
-        merged = copy.deepcopy(peft_model).merge_and_unload()  # a copy: the training model keeps its adapter
         merged.save_pretrained(tmp, safe_serialization=True)
         if self.save_processing_class and processing_class is not None:
             processing_class.save_pretrained(tmp)
