@@ -76,7 +76,8 @@ def build_table(weight: torch.Tensor, groups: int, cluster_dim: int, uniquify: b
     n_vec, per_group = vec.shape[0], vec.shape[0] // groups
     device = weight.device
     group_of = torch.arange(n_vec, device=device) // per_group
-    if not uniquify:
+    if not uniquify or weight.element_size() > 2:
+        # Wider floats are (almost) all distinct: a unique table would be as large as the weight, plus a sort.
         ones = torch.ones(n_vec, device=device)
         return WeightTable(vec.float(), group_of, ones, vec.new_empty(0, dtype=torch.int32), "identity", groups, d)
     if weight.dtype in (torch.bfloat16, torch.float16) and d == 1 and groups * 65536 <= n_vec:
@@ -90,10 +91,11 @@ def build_table(weight: torch.Tensor, groups: int, cluster_dim: int, uniquify: b
         row_of[present] = torch.arange(present.numel(), dtype=torch.int32, device=device)
         values = patterns.float().repeat(groups)[present].unsqueeze(-1)
         return WeightTable(values, present // 65536, counts[present].float(), row_of, "direct", groups, d)
-    if d == 1 and weight.element_size() <= 4:
-        key = _bit_pattern(vec[:, 0]) + (group_of << (weight.element_size() * 8))
+    if d <= 2:  # 16-bit patterns of up to two values and the group fit one int64 key: a 1-D unique
+        bits = _bit_pattern(vec)
+        key = (group_of << 32) | (bits[:, 0] << 16) | (bits[:, 1] if d == 2 else 0)
         uniq, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
-        gid = uniq >> (weight.element_size() * 8)
+        gid = uniq >> 32
     else:
         rows = torch.cat([group_of.unsqueeze(-1), _bit_pattern(vec)], dim=1)  # [N, 1 + d]
         uniq, inverse, counts = torch.unique(rows, dim=0, return_inverse=True, return_counts=True)

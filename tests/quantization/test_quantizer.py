@@ -1,0 +1,231 @@
+"""The "dkm" quantization method end to end: from_pretrained, Trainer QAT (alone and under PEFT), packed
+save -> reload in a fresh process with identical logits, bad checkpoints, optimum's post-training path."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+from hf_llmkit import DKMConfig
+from hf_llmkit.corpus import corpus_texts
+from hf_llmkit.quantization import DKMEmbedding, DKMLinear, DKMOptimumQuantizer, PalettizedLinear
+from hf_llmkit.testing import tiny_llama
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tiny_llama().save_pretrained(path)
+    return path
+
+
+def _ids(batch: int = 2, length: int = 24, offset: int = 0) -> torch.Tensor:
+    """Byte ids of real English text (the tiny model's vocabulary covers all bytes)."""
+    text = " ".join(corpus_texts()[offset : offset + 50]).encode()
+    return torch.tensor(list(text[: batch * length])).reshape(batch, length)
+
+
+class _ByteDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int = 8):
+        self.rows = _ids(n, 32, offset=100)
+
+    def __len__(self):
+        return self.rows.shape[0]
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _train(model, out_dir: Path, steps: int = 3, lr: float = 1e-3):
+    args = TrainingArguments(
+        output_dir=str(out_dir),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        learning_rate=lr,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=_ByteDataset())
+    return trainer.train()
+
+
+def test_from_pretrained_swaps_targets_keeps_lm_head(base_dir):
+    model = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=DKMConfig(bits=3))
+    for layer in model.model.layers:
+        for name in TARGETS:
+            module = layer.get_submodule(
+                f"self_attn.{name}" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else f"mlp.{name}"
+            )
+            assert isinstance(module, DKMLinear)
+            assert module.dkm_initialised and module.centroids.shape == (1, 8, 1)
+            assert module.centroids.flatten().unique().numel() == 8
+    assert type(model.lm_head) is nn.Linear and type(model.model.embed_tokens) is nn.Embedding
+    assert model.is_quantized and model.hf_quantizer.quantization_config.bits == 3
+    model.eval()
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.hard_weight(torch.float32).unique().numel() <= 8
+
+
+def test_embeddings_use_their_own_bit_width(base_dir):
+    cfg = DKMConfig(
+        bits=2, quantize_embeddings=True, embedding_bits=4, granularity="per_grouped_channel", group_size=16
+    )
+    model = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=cfg)
+    emb = model.model.embed_tokens
+    assert isinstance(emb, DKMEmbedding) and emb.centroids.shape == (512 // 16, 16, 1)
+    assert model.model.layers[0].mlp.up_proj.centroids.shape == (128 // 16, 4, 1)
+
+
+def test_cluster_dim_not_dividing_is_a_clear_error(base_dir):
+    with pytest.raises(ValueError, match="cluster_dim=3 does not divide the input dimension 64"):
+        AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=DKMConfig(cluster_dim=3))
+
+
+RELOAD = """
+import sys, torch, hf_llmkit
+from transformers import AutoModelForCausalLM
+from hf_llmkit.quantization import PalettizedLinear
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+q_proj = model.model.layers[0].self_attn.q_proj
+assert isinstance(q_proj, PalettizedLinear), type(q_proj)
+ids = torch.load(sys.argv[2])
+with torch.no_grad():
+    logits = model(ids).logits
+gen = model.generate(ids[:, :6], max_new_tokens=5, do_sample=False)
+torch.save({"logits": logits, "generated": gen}, sys.argv[3])
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(base_dir, tmp_path_factory):
+    """A DKM model after a short Trainer QAT run, and its packed checkpoint."""
+    model = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=DKMConfig(bits=3, cluster_dim=2))
+    q = model.model.layers[0].self_attn.q_proj
+    before = (q.weight.detach().clone(), q.centroids.clone())
+    result = _train(model, tmp_path_factory.mktemp("qat"), steps=3, lr=5e-3)
+    out = tmp_path_factory.mktemp("dkm_ckpt")
+    model.eval()
+    model.save_pretrained(out)
+    return model, before, result, out
+
+
+def test_trainer_qat_updates_weights_and_tables(trained):
+    model, (w0, c0), result, _ = trained
+    q = model.model.layers[0].self_attn.q_proj
+    assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
+    assert not torch.equal(q.weight.detach(), w0)  # the latent weights train
+    assert not torch.equal(q.centroids, c0)  # DKM's centroid updates are kept between steps
+
+
+def test_checkpoint_is_packed_and_small(trained, base_dir):
+    model, _, _, out = trained
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "dkm" and config["bits"] == 3 and config["cluster_dim"] == 2
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        keys = set(f.keys())
+        packed = f.get_tensor("model.layers.0.mlp.down_proj.weight_packed")
+        lut = f.get_tensor("model.layers.0.mlp.down_proj.weight_lut")
+    assert "model.layers.0.mlp.down_proj.weight" not in keys and "model.layers.0.mlp.down_proj.centroids" not in keys
+    assert packed.dtype == torch.uint8 and packed.numel() == (64 * 128 // 2 * 3 + 7) // 8
+    assert lut.shape == (1, 8, 2)
+    # The 14 target matrices take 3 bits per 2 weights instead of 32 bits per weight.
+    target_fp32 = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, DKMLinear))
+    target_packed = sum((m.weight.numel() // 2 * 3 + 7) // 8 for m in model.modules() if isinstance(m, DKMLinear))
+    saved = (out / "model.safetensors").stat().st_size
+    original = (base_dir / "model.safetensors").stat().st_size
+    assert original - saved > 0.9 * (target_fp32 - target_packed)
+
+
+def test_reload_in_fresh_process_identical_logits_and_generate(trained, tmp_path):
+    model, _, _, out = trained
+    ids = _ids()
+    torch.save(ids, tmp_path / "ids.pt")
+    script = tmp_path / "reload.py"
+    script.write_text(RELOAD)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    subprocess.run(
+        [sys.executable, str(script), str(out), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
+        check=True,
+        timeout=300,
+        env=env,
+    )
+    got = torch.load(tmp_path / "out.pt")
+    with torch.no_grad():
+        expected = model(ids).logits
+        expected_gen = model.generate(ids[:, :6], max_new_tokens=5, do_sample=False)
+    assert torch.equal(got["logits"], expected)
+    assert torch.equal(got["generated"], expected_gen) and got["generated"].shape == (2, 11)
+
+
+def test_checkpoint_not_matching_its_config_is_a_clear_error(trained, tmp_path):
+    _, _, _, out = trained
+    bad = tmp_path / "bad_bits"
+    shutil.copytree(out, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"]["bits"] = 4
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"does not match its quantization_config at 'model.layers.0.*bits=4"):
+        AutoModelForCausalLM.from_pretrained(bad)
+
+
+def test_lora_over_dkm_base_trains_adapters_only(base_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=DKMConfig(bits=4))
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    q = model.model.layers[0].self_attn.q_proj
+    base = q.base_layer
+    assert isinstance(base, DKMLinear) and not base.weight.requires_grad
+    w0 = base.weight.detach().clone()
+    result = _train(peft_model, tmp_path, steps=2, lr=1e-2)
+    assert result.global_step == 2
+    assert q.lora_B["default"].weight.abs().sum() > 0  # the adapters trained
+    assert torch.equal(base.weight.detach(), w0)  # the clustered base did not
+
+
+def test_our_bottleneck_adapters_over_dkm_base(base_dir, tmp_path):
+    from peft import get_peft_model
+
+    from hf_llmkit import BottleneckConfig
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=DKMConfig(bits=4))
+    peft_model = get_peft_model(model, BottleneckConfig(bottleneck_size=8))
+    trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert trainable and all("centroids" not in n for n in trainable)
+    before = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+    result = _train(peft_model, tmp_path, steps=2, lr=1e-2)
+    assert result.global_step == 2
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in peft_model.named_parameters() if n in before)
+
+
+def test_optimum_post_training_kmeans_only(base_dir, tmp_path):
+    out = DKMOptimumQuantizer.from_pretrained(str(base_dir)).quantize(
+        tmp_path / "ptq", quantization_config=DKMConfig(bits=4)
+    )
+    packed = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert isinstance(packed.model.layers[1].mlp.down_proj, PalettizedLinear)
+    reference = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=DKMConfig(bits=4)).eval()
+    dense = tiny_llama().eval()
+    ids = _ids()
+    with torch.no_grad():
+        got, want, full = packed(ids).logits, reference(ids).logits, dense(ids).logits
+    assert torch.equal(got, want)  # k-means tables, hard assignment, no fine-tuning
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), full.flatten(), dim=0)
+    assert cos > 0.9
+    with pytest.raises(ValueError, match="file_prefix=None"):
+        DKMOptimumQuantizer.from_pretrained(str(base_dir)).quantize(tmp_path / "x", file_prefix="m")
