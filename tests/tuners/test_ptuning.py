@@ -264,3 +264,36 @@ def test_deepspeed_zero3_saves_complete_adapter_weights(zero3_results, method):
         key = model_key.replace(".default.", ".")
         assert key in saved, f"{key} missing from the ZeRO-3 save"
         assert tuple(saved[key].shape) == shape and saved[key].numel() > 0 and saved[key].abs().sum() > 0
+
+
+class _TextClassifier(nn.Module):
+    """A small custom (non-transformers) module: embedding -> mean -> linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(input_ids).mean(1))
+
+
+def test_custom_module_round_trip_disable_and_unload(tmp_path):
+    torch.manual_seed(0)
+    model = _TextClassifier().eval()
+    ids = torch.tensor([[20, 21, 3, 4], [5, 20, 21, 6]])
+    with torch.no_grad():
+        base = model(ids.clamp(max=19))
+    with pytest.raises(ValueError, match="set target_modules"):
+        get_peft_model(_TextClassifier(), PTuningConfig(num_virtual_tokens=2))
+    peft_model = get_peft_model(model, PTuningConfig(num_virtual_tokens=2, target_modules=["emb"]))
+    assert peft_model.peft_config["default"].virtual_token_start_id == 20
+    with torch.no_grad():
+        adapted = peft_model(ids)
+        peft_model.save_pretrained(tmp_path)
+        torch.manual_seed(0)
+        reloaded = PeftModel.from_pretrained(_TextClassifier().eval(), tmp_path)
+        torch.testing.assert_close(reloaded(ids), adapted, rtol=0, atol=0)
+        with peft_model.disable_adapter():
+            torch.testing.assert_close(peft_model(ids.clamp(max=19)), base, rtol=0, atol=0)
+        torch.testing.assert_close(peft_model.unload()(ids.clamp(max=19)), base, rtol=0, atol=0)

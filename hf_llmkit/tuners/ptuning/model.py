@@ -37,8 +37,9 @@ class PTuningModel(BaseTuner):
 
     def _prepare_adapter_config(self, peft_config: PTuningConfig, model_config: dict) -> PTuningConfig:
         if peft_config.target_modules is None:
-            embeddings = self.model.get_input_embeddings()
-            names = [name for name, module in self.model.named_modules() if module is embeddings]
+            getter = getattr(self.model, "get_input_embeddings", None)
+            embeddings = getter() if callable(getter) else None
+            names = [name for name, module in self.model.named_modules() if module is embeddings and name]
             if not names:
                 raise ValueError("could not find the model's input embedding module; set target_modules explicitly")
             peft_config.target_modules = {names[0]}
