@@ -39,6 +39,7 @@ def make_trainer(
     model=None,
     callbacks=(),
     data=None,
+    eval_data=None,
     plain: bool = False,
     **overrides: Any,
 ):
@@ -70,6 +71,7 @@ def make_trainer(
         model=model if model is not None else small_model(),
         args=args,
         train_dataset=data if data is not None else Blocks(),
+        eval_dataset=eval_data,
         data_collator=default_data_collator,
         callbacks=list(callbacks),
     )
