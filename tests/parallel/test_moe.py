@@ -13,7 +13,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
 from hf_llmkit.parallel import MoELayer
-from hf_llmkit.parallel.moe_experts import GroupedSwiGLU
+from hf_llmkit.parallel.moe_experts import GroupedSwiGLU, _Layout
 
 H, INTER, E = 16, 24, 4
 
@@ -53,15 +53,22 @@ def test_output_and_gradients_match_per_token_definition(top_k, normalize, act):
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu"])
-def test_grouped_experts_gradcheck_with_an_empty_expert(act):
+@pytest.mark.parametrize(
+    "counts", [(2, 0, 4, 1), (2, 2, 1, 2), (2, 2, 2, 2)], ids=["segments-empty-expert", "batched-padded", "batched"]
+)
+def test_grouped_experts_gradcheck(act, counts):
     torch.manual_seed(0)
-    x = torch.randn(7, 8, dtype=torch.double, requires_grad=True)
+    layout = _Layout(counts, torch.device("cpu"))
+    assert layout.batched == (0 not in counts)  # both compute paths are covered
+    x = torch.randn(sum(counts), 8, dtype=torch.double, requires_grad=True)
     gate_up = torch.randn(4, 12, 8, dtype=torch.double, requires_grad=True)
     down = torch.randn(4, 8, 6, dtype=torch.double, requires_grad=True)
-    fn = lambda a, b, c: GroupedSwiGLU.apply(a, b, c, (2, 0, 4, 1), act)  # noqa: E731
+    fn = lambda a, b, c: GroupedSwiGLU.apply(a, b, c, counts, act)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x, gate_up, down))
     fn(x, gate_up, down).sum().backward()
-    assert gate_up.grad[1].abs().sum() == 0 and down.grad[1].abs().sum() == 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            assert gate_up.grad[e].abs().sum() == 0 and down.grad[e].abs().sum() == 0
 
 
 def test_capacity_factor_drops_overflow_in_token_order_and_reports_it():
