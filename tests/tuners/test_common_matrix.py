@@ -146,6 +146,9 @@ def test_save_load_round_trip_writes_only_the_adapter(case, tmp_path):
     reloaded = PeftModel.from_pretrained(make_model(), tmp_path)
     assert type(reloaded.peft_config["default"]) is type(config)
     torch.testing.assert_close(_out(reloaded, inputs), expected, rtol=0, atol=0)
+    # adapter weights created on the meta device, then loaded (peft's low_cpu_mem_usage path)
+    lazily = PeftModel.from_pretrained(make_model(), tmp_path, low_cpu_mem_usage=True)
+    torch.testing.assert_close(_out(lazily, inputs), expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("case", IDS)

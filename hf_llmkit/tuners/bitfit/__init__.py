@@ -5,6 +5,6 @@ from hf_llmkit.tuners.bitfit.layer import BitFitLayer
 from hf_llmkit.tuners.bitfit.model import BitFitModel
 from hf_llmkit.tuners.registration import register_tuner
 
-register_tuner(name="bitfit", config_cls=BitFitConfig, model_cls=BitFitModel, is_mixed_compatible=True)
+register_tuner(name="bitfit", config_cls=BitFitConfig, model_cls=BitFitModel)
 
 __all__ = ["BITFIT_PAPER_SUBSET", "BitFitConfig", "BitFitLayer", "BitFitModel"]

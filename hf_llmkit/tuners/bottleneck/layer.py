@@ -130,9 +130,12 @@ class BottleneckLayer(nn.Module, BaseTunerLayer):
                 continue
             down = self.bottleneck_down[name]
             source = module_input if self.bottleneck_placement[name] == "parallel" else result
-            z = self.bottleneck_dropout[name](source.to(down.weight.dtype))  # [..., in]
+            if source.dtype != down.weight.dtype:
+                source = source.to(down.weight.dtype)
+            z = self.bottleneck_dropout[name](source)  # [..., in]
             delta = self.bottleneck_up[name](self.bottleneck_act[name](down(z)))  # [..., out]
-            result = result + (delta * self.bottleneck_scaling[name]).to(result.dtype)
+            # one fused kernel for `result + s * delta` (no separate multiply)
+            result = torch.add(result, delta.to(result.dtype), alpha=self.bottleneck_scaling[name])
         return result
 
     def __repr__(self) -> str:
