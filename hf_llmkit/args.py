@@ -45,6 +45,9 @@ class LLMKitTrainingArguments(TrainingArguments):
             `MoELayer`s) that `LLMKitTrainer` adds to the training loss; 0 turns it off. Only models with
             `MoELayer`s (e.g. from `upcycle_to_moe`) are affected.
         moe_z_loss_coef: Mixture of experts. Weight of the router z-loss (mean over `MoELayer`s); 0 turns it off.
+        sequence_parallel_size: Sequence parallelism (Ulysses). Number of ranks that split each sample's sequence
+            (world = data-parallel size x this); `LLMKitTrainer` shards batches along the sequence, wraps the model's
+            attention with all-to-all head exchange and averages the loss over the group's tokens. 1 = off.
     """
 
     auto_resume: bool = field(
@@ -67,6 +70,13 @@ class LLMKitTrainingArguments(TrainingArguments):
     moe_z_loss_coef: float = field(
         default=0.001, metadata={"help": "Weight of the MoE router z-loss added to the training loss (0 = off)."}
     )
+    sequence_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Ranks that split each sequence (Ulysses sequence parallelism); must divide the number of "
+            "ranks and the attention heads. 1 = off."
+        },
+    )
 
     def __post_init__(self):
         if self.save_retries < 0:
@@ -76,6 +86,12 @@ class LLMKitTrainingArguments(TrainingArguments):
         for name in ("moe_aux_loss_coef", "moe_z_loss_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 disables that MoE loss), got {getattr(self, name)}")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.sequence_parallel_size < 1 or world % self.sequence_parallel_size:
+            raise ValueError(
+                f"sequence_parallel_size={self.sequence_parallel_size} must be >= 1 and divide the number of ranks "
+                f"({world}); launch a multiple of it (e.g. --num_processes {max(self.sequence_parallel_size, 1)})"
+            )
         multi_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1
         if multi_rank and not self.use_cpu and not self.deepspeed and not _has_accelerator():
             logger.info("no accelerator: training on %s CPU ranks with gloo", os.environ["WORLD_SIZE"])

@@ -11,6 +11,7 @@ from transformers import Trainer, TrainingArguments
 from hf_llmkit.callbacks.log_bridge import add_callback_logs
 from hf_llmkit.callbacks.recovery import save_with_retries, train_with_recovery
 from hf_llmkit.trainers.moe_loss import MoELossTracker, aux_loss_scale, register_zero3_leaf_modules
+from hf_llmkit.trainers.sequence_parallel import TrainerSequenceParallel
 
 
 class LLMKitTrainer(Trainer):
@@ -37,15 +38,29 @@ class LLMKitTrainer(Trainer):
         )
         if self.is_deepspeed_enabled:
             register_zero3_leaf_modules(self.model)
+        # Sequence parallelism (hf_llmkit.trainers.sequence_parallel): groups, attention wrapper, batch sharding, loss.
+        self._sequence_parallel = TrainerSequenceParallel.for_trainer(self)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """`Trainer.compute_loss`, plus the MoE auxiliary losses of the forward it ran (training only)."""
-        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self._sequence_parallel is not None:
+            result = self._sequence_parallel.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        else:
+            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if not model.training:
             return result
         loss, outputs = result if return_outputs else (result, None)
         loss = self._moe_loss.add_aux_losses(model, loss, scale=aux_loss_scale(self, num_items_in_batch))
         return (loss, outputs) if return_outputs else loss
+
+    def get_train_dataloader(self):
+        """`Trainer.get_train_dataloader`; with sequence parallelism, batches split over data-parallel ranks only."""
+        loader = super().get_train_dataloader()
+        return self._sequence_parallel.shard_loader(loader) if self._sequence_parallel is not None else loader
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        loader = super().get_eval_dataloader(eval_dataset)
+        return self._sequence_parallel.shard_loader(loader) if self._sequence_parallel is not None else loader
 
     # Fault tolerance (hf_llmkit.callbacks.recovery): a callback cannot restart the loop or re-run a save.
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):

@@ -1,18 +1,40 @@
-"""Parallelism and sparse layers: mixture-of-experts (`MoELayer`, expert parallelism, `upcycle_to_moe`)."""
+"""Parallelism and sparse layers: mixture-of-experts (`MoELayer`, expert parallelism, `upcycle_to_moe`) and Ulysses
+sequence parallelism (`apply_sequence_parallel`, `shard_sequence_batch`, `sequence_parallel_loss`)."""
 
-from hf_llmkit.parallel.groups import new_expert_parallel_group
+from hf_llmkit.parallel.groups import (
+    SequenceParallelGroups,
+    new_expert_parallel_group,
+    new_sequence_parallel_groups,
+)
 from hf_llmkit.parallel.moe import MoEAux, MoELayer, moe_layers
 from hf_llmkit.parallel.moe_router import TopKRouter, load_balancing_loss, router_z_loss
+from hf_llmkit.parallel.sequence import (
+    UlyssesAttention,
+    apply_sequence_parallel,
+    remove_sequence_parallel,
+    sequence_parallel_group,
+)
+from hf_llmkit.parallel.sp_data import SequenceParallelCollator, shard_sequence_batch
+from hf_llmkit.parallel.sp_loss import sequence_parallel_loss
 from hf_llmkit.parallel.upcycle import supported_architectures, upcycle_to_moe, use_moe_layers
 
 __all__ = [
     "MoEAux",
     "MoELayer",
+    "SequenceParallelCollator",
+    "SequenceParallelGroups",
     "TopKRouter",
+    "UlyssesAttention",
+    "apply_sequence_parallel",
     "load_balancing_loss",
     "moe_layers",
     "new_expert_parallel_group",
+    "new_sequence_parallel_groups",
+    "remove_sequence_parallel",
     "router_z_loss",
+    "sequence_parallel_group",
+    "sequence_parallel_loss",
+    "shard_sequence_batch",
     "supported_architectures",
     "upcycle_to_moe",
     "use_moe_layers",

@@ -1,0 +1,284 @@
+"""Ulysses sequence parallelism for transformers models, plugged in through `transformers.AttentionInterface`.
+
+Each rank of a sequence-parallel (SP) group holds `S / P` consecutive tokens of every sample. In each attention
+layer the wrapper exchanges query/key/value with one all-to-all so that every rank holds the FULL sequence for
+`H / P` heads, runs the model's own attention implementation (sdpa, eager, flash) on it, and exchanges the output
+back to sequence shards. Everything outside attention (embeddings, MLPs, norms, the LM head) is per-token and
+runs on the local shard unchanged.
+
+    from hf_llmkit.parallel import apply_sequence_parallel, new_sequence_parallel_groups
+
+    groups = new_sequence_parallel_groups(sp_size=2)
+    apply_sequence_parallel(model, group=groups.sp_group)   # model.config._attn_implementation now wraps sdpa
+
+The model's mask code runs on the local shard; the mask function registered with our attention name passes the
+local 2D padding mask through unchanged, and the wrapper gathers it and builds the mask for the full sequence
+with transformers' own mask function of the wrapped implementation.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    AttentionMaskInterface,
+    bidirectional_mask_function,
+    causal_mask_function,
+    sliding_window_causal_mask_function,
+)
+
+PREFIX = "llmkit_ulysses_"
+# Inner implementations whose call convention and mask builder we know; flash is used only when installed.
+WRAPPABLE = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+class _Exchange(torch.autograd.Function):
+    """all-to-all over the leading dim (chunk j goes to rank j); it is its own inverse, so backward = forward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """`[B, H, S/P, D]` sequence-sharded -> `[B, H/P, S, D]` head-sharded (HF's query/key/value layout)."""
+    p = dist.get_world_size(group)
+    b, h, s, d = x.shape
+    x = x.reshape(b, p, h // p, s, d).permute(1, 0, 2, 3, 4)  # [P, B, H/P, S/P, D], chunk j -> rank j
+    x = _Exchange.apply(x, group)  # [P, B, H/P, S/P, D], chunk j came from rank j = sequence block j
+    return x.permute(1, 2, 0, 3, 4).reshape(b, h // p, p * s, d)
+
+
+def heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """`[B, S, H/P, D]` head-sharded attention output -> `[B, S/P, H, D]` sequence-sharded."""
+    p = dist.get_world_size(group)
+    b, s, h, d = x.shape
+    x = x.reshape(b, p, s // p, h, d).permute(1, 0, 2, 3, 4)  # [P, B, S/P, H/P, D]
+    x = _Exchange.apply(x, group)  # chunk j came from rank j = head block j
+    return x.permute(1, 2, 0, 3, 4).reshape(b, s // p, p * h, d)
+
+
+def kv_replication(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
+    """How many times each key/value head is repeated so the heads split evenly over `sp_size` ranks."""
+    if num_heads % sp_size:
+        raise ValueError(
+            f"num_attention_heads={num_heads} is not divisible by sequence_parallel_size={sp_size}; "
+            f"use a sequence_parallel_size that divides {num_heads}"
+        )
+    if num_kv_heads % sp_size == 0:
+        return 1
+    if sp_size % num_kv_heads == 0:
+        return sp_size // num_kv_heads
+    raise ValueError(
+        f"num_key_value_heads={num_kv_heads} and sequence_parallel_size={sp_size}: one must divide the other "
+        "(kv heads are split over the ranks, or replicated when there are fewer of them than ranks)"
+    )
+
+
+class _ConfigView:
+    """The module's config with `_attn_implementation` reporting the wrapped implementation (flash reads it)."""
+
+    def __init__(self, config: Any, inner: str):
+        self._config, self._attn_implementation = config, inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+class _ModuleView:
+    """The attention module as the inner implementation must see it on one head shard."""
+
+    def __init__(self, module: nn.Module, *, num_key_value_groups: int, inner: str):
+        self._module = module
+        self.num_key_value_groups = num_key_value_groups
+        self.config = _ConfigView(module.config, inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _eager_for(module: nn.Module):
+    """The eager function of the module's own modeling file (transformers keeps `eager` out of the interface)."""
+    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if fn is None:
+        raise ValueError(
+            f"{type(module).__name__} has no module-level eager_attention_forward to wrap; load the model with "
+            "attn_implementation='sdpa' before applying sequence parallelism"
+        )
+    return fn
+
+
+def _local_padding_mask(attention_mask: torch.Tensor | None, **_: Any) -> torch.Tensor | None:
+    """Mask builder registered for our attention names: hand the local 2D padding mask to the wrapper unchanged."""
+    return attention_mask
+
+
+class UlyssesAttention:
+    """The attention function registered for one (inner implementation, SP group) pair."""
+
+    def __init__(self, inner: str, group: dist.ProcessGroup):
+        self.inner, self.group = inner, group
+        self.sp_size = dist.get_world_size(group)
+        self._mask_cache: tuple[tuple, torch.Tensor | None, torch.Tensor | None] | None = None
+
+    def _inner_fn(self, module: nn.Module):
+        return _eager_for(module) if self.inner == "eager" else AttentionInterface._global_mapping[self.inner]
+
+    def _full_mask(self, module: nn.Module, local: torch.Tensor | None, query: torch.Tensor, seq: int, kwargs):
+        """The mask the inner implementation would get for the full sequence (built once per forward)."""
+        sliding_window = kwargs.get("sliding_window")
+        key = (self.inner, query.shape[0], seq, query.dtype, query.device, sliding_window)
+        if self._mask_cache is not None and self._mask_cache[0] == key and self._mask_cache[1] is local:
+            return self._mask_cache[2]
+        full_padding = None
+        if local is not None:
+            if local.dim() != 2:
+                raise ValueError(
+                    f"sequence parallel attention needs a 2D padding attention_mask, got shape {tuple(local.shape)}; "
+                    "pass the tokenizer's [batch, seq] mask, not a prepared 4D mask"
+                )
+            parts = [torch.empty_like(local) for _ in range(self.sp_size)]
+            dist.all_gather(parts, local.contiguous(), group=self.group)
+            full_padding = torch.cat(parts, dim=1)  # [B, S]
+        if not getattr(module, "is_causal", True):
+            pattern = bidirectional_mask_function
+        elif sliding_window is not None and not self.inner.startswith("flash"):
+            pattern = sliding_window_causal_mask_function(sliding_window)
+        else:
+            pattern = causal_mask_function
+        mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[self.inner](
+            batch_size=query.shape[0],
+            q_length=seq,
+            kv_length=seq,
+            q_offset=0,
+            kv_offset=0,
+            mask_function=pattern,
+            attention_mask=full_padding,
+            allow_is_causal_skip=True,
+            dtype=query.dtype,
+            config=module.config,
+            use_vmap=False,
+            device=query.device,
+        )
+        self._mask_cache = (key, local, mask)  # holding `local` keeps its identity unique while cached
+        return mask
+
+    def __call__(
+        self,
+        module: nn.Module,
+        query: torch.Tensor,  # [B, H, S/P, D]
+        key: torch.Tensor,  # [B, Hkv, S/P, D]
+        value: torch.Tensor,  # [B, Hkv, S/P, D]
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+            raise ValueError("sequence parallel attention is for training/evaluation; call remove_sequence_parallel")
+        p = self.sp_size
+        num_heads, num_kv = query.shape[1], key.shape[1]
+        repeat = kv_replication(num_heads, num_kv, p)
+        if repeat > 1:  # fewer kv heads than ranks: each rank needs a copy of the kv head its queries use
+            key = key.repeat_interleave(repeat, dim=1)  # [B, P, S/P, D]
+            value = value.repeat_interleave(repeat, dim=1)
+        q, k, v = (sequence_to_heads(t, self.group) for t in (query, key, value))  # [B, heads/P, S, D]
+        seq = q.shape[2]
+        mask = self._full_mask(module, attention_mask, q, seq, kwargs)
+        groups = q.shape[1] // k.shape[1]
+        target = module
+        if groups != getattr(module, "num_key_value_groups", groups) or self.inner.startswith("flash"):
+            target = _ModuleView(module, num_key_value_groups=groups, inner=self.inner)
+        kwargs.pop("position_ids", None)  # local positions; RoPE was applied before this call
+        out, _ = self._inner_fn(module)(target, q, k, v, mask, **kwargs)  # [B, S, H/P, D]
+        return heads_to_sequence(out, self.group), None  # [B, S/P, H, D]
+
+
+def _attention_configs(model: nn.Module) -> list[Any]:
+    """Configs of every transformers model inside `model` (peft and DDP wrappers included), deduplicated."""
+    from transformers import PreTrainedModel
+
+    configs: dict[int, Any] = {}
+    for sub in model.modules():
+        if isinstance(sub, PreTrainedModel):
+            configs.setdefault(id(sub.config), sub.config)
+    if not configs:
+        raise TypeError(f"apply_sequence_parallel needs a transformers PreTrainedModel, got {type(model).__name__}")
+    return list(configs.values())
+
+
+def _check_heads(config: Any, sp_size: int) -> None:
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is None:
+        return
+    kv_replication(heads, getattr(config, "num_key_value_heads", None) or heads, sp_size)
+
+
+def apply_sequence_parallel(
+    model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh: Any = None, mesh_dim: str = "sp"
+) -> nn.Module:
+    """Make `model`'s attention Ulysses sequence-parallel over `group` (or `mesh[mesh_dim]`); returns `model`.
+
+    The current implementation (sdpa, eager or flash-attention) becomes the inner attention. Inputs must then
+    be sequence shards (see `shard_sequence_batch`) with global `position_ids`. Idempotent for the same group.
+    Raises `ValueError` when the heads do not split over the group or the implementation cannot be wrapped.
+    """
+    if (group is None) == (mesh is None):
+        raise ValueError("pass exactly one of group= (a ProcessGroup) or mesh= (a DeviceMesh with an 'sp' dim)")
+    if mesh is not None:
+        group = mesh.get_group(mesh_dim)
+    if not dist.is_initialized():
+        raise ValueError("apply_sequence_parallel needs torch.distributed initialised (init_process_group first)")
+    sp_size = dist.get_world_size(group)
+    for config in _attention_configs(model):
+        current = config._attn_implementation or "eager"
+        if current.startswith(PREFIX):
+            registered = AttentionInterface._global_mapping.get(current)
+            if registered is not None and registered.group is group:
+                continue
+            current = registered.inner if registered is not None else current.removeprefix(PREFIX).split("@")[0]
+        if current not in WRAPPABLE:
+            raise ValueError(
+                f"attention implementation {current!r} cannot be wrapped for sequence parallelism; load the model "
+                f"with attn_implementation set to one of {', '.join(WRAPPABLE)}"
+            )
+        _check_heads(config, sp_size)
+        name = f"{PREFIX}{current}@{id(group):x}"
+        AttentionInterface.register(name, UlyssesAttention(current, group))
+        AttentionMaskInterface.register(name, _local_padding_mask)
+        config._attn_implementation = name
+    return model
+
+
+def remove_sequence_parallel(model: nn.Module) -> nn.Module:
+    """Restore the wrapped attention implementation on every config of `model` (e.g. before generation)."""
+    for config in _attention_configs(model):
+        current = config._attn_implementation or ""
+        if current.startswith(PREFIX):
+            registered = AttentionInterface._global_mapping.get(current)
+            config._attn_implementation = registered.inner if registered is not None else "sdpa"
+    return model
+
+
+def sequence_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The SP group `model` was wrapped for, or None when it is not sequence parallel."""
+    for config in _attention_configs(model):
+        registered = AttentionInterface._global_mapping.get(config._attn_implementation or "")
+        if isinstance(registered, UlyssesAttention):
+            return registered.group
+    return None

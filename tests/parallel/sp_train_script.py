@@ -1,0 +1,166 @@
+"""Train a tiny Llama with `LLMKitTrainer(sequence_parallel_size=P)` and compare with single-rank training.
+
+Run on several ranks (`accelerate launch` / `torchrun` / `deepspeed`). Every rank also replays the same global
+batches in a plain single-process loop (HF loss, SGD) on its own copy of the model; rank 0 writes the largest
+parameter difference, the logged vs reference losses and the eval losses to `--out` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from transformers import default_data_collator
+
+from hf_llmkit import LLMKitTrainingArguments
+from hf_llmkit.testing import tiny_llama
+from hf_llmkit.trainers import LLMKitTrainer
+
+SEQ, BATCH, STEPS, LR = 13, 2, 3, 0.5
+
+
+def make_rows(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Fixed-length rows with left or right padding and a masked prompt (SFT-style labels)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(3, 512, (SEQ,), generator=g)
+        mask = torch.ones(SEQ, dtype=torch.long)
+        pad = int(torch.randint(0, 5, (1,), generator=g))
+        left = i % 2 == 0
+        if pad:
+            mask[slice(0, pad) if left else slice(SEQ - pad, SEQ)] = 0
+        ids[mask == 0] = 0
+        labels = ids.clone()
+        labels[mask == 0] = -100
+        labels[: (pad if left else 0) + 2] = -100  # prompt tokens carry no loss
+        rows.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return rows
+
+
+def build_model(args):
+    model = tiny_llama(seed=0, num_key_value_heads=args.kv_heads).train()
+    if args.peft == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    elif args.peft == "bottleneck":
+        from peft import get_peft_model
+
+        from hf_llmkit import BottleneckConfig
+
+        torch.manual_seed(1)
+        model = get_peft_model(model, BottleneckConfig(bottleneck_size=8, init_weights=False))
+    if args.gradient_checkpointing:
+        model.config.use_cache = False
+    return model
+
+
+def reference(args, train, evals):
+    """Single-process training on the same global batches: HF's own loss, plain SGD."""
+    model = build_model(args)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=LR)
+    losses = []
+    for step in range(STEPS):
+        batch = default_data_collator(train[step * BATCH : (step + 1) * BATCH])
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        eval_loss = sum(model(**default_data_collator(evals[i : i + BATCH])).loss.item() for i in (0, BATCH)) / 2
+    return model, losses, eval_loss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--sp", type=int, default=2)
+    parser.add_argument("--kv_heads", type=int, default=2)
+    parser.add_argument("--peft", choices=["none", "lora", "bottleneck"], default="none")
+    parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--zero", type=int, default=0, help="DeepSpeed ZeRO stage (0 = DDP)")
+    args = parser.parse_args()
+    train, evals = make_rows(STEPS * BATCH, 0), make_rows(2 * BATCH, 1)
+    ds_config, accelerator_config = None, None
+    if args.zero:
+        # Without an accelerator, accelerate's PartialState finds no backend for DeepSpeed (and TrainingArguments
+        # does not pass ddp_backend there), so it reports one process; configure the DeepSpeed state on gloo first.
+        from accelerate import PartialState
+
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        PartialState(backend="gloo")
+        del os.environ["ACCELERATE_USE_DEEPSPEED"]
+        accelerator_config = {"use_configured_state": True}
+        ds_config = {
+            "zero_optimization": {"stage": args.zero},
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": False},
+            "fp16": {"enabled": False},
+        }
+    targs = LLMKitTrainingArguments(
+        output_dir=os.path.join(os.path.dirname(args.out), "trainer_out"),
+        sequence_parallel_size=args.sp,
+        per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=BATCH,
+        max_steps=STEPS,
+        learning_rate=LR,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        train_sampling_strategy="sequential",
+        gradient_checkpointing=args.gradient_checkpointing,
+        deepspeed=ds_config,
+        accelerator_config=accelerator_config,
+        disable_tqdm=True,
+        seed=0,
+    )
+    model = build_model(args)
+    trainer = LLMKitTrainer(
+        model=model, args=targs, train_dataset=train, eval_dataset=evals, data_collator=default_data_collator
+    )
+    trainer.train()
+    eval_loss = trainer.evaluate()["eval_loss"]
+    logged = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    trained = trainer.accelerator.unwrap_model(trainer.model)
+    if args.zero == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(trained.parameters())):
+            ours = {n: p.detach().clone() for n, p in trained.named_parameters()}
+    else:
+        ours = {n: p.detach().clone() for n, p in trained.named_parameters()}
+    ref_model, ref_losses, ref_eval = reference(args, train, evals)
+    diff = max((ours[n] - p.detach()).abs().max().item() for n, p in ref_model.named_parameters())
+    if int(os.environ.get("RANK", "0")) == 0:
+        result = {
+            "param_diff": diff,
+            "losses": logged,
+            "ref_losses": ref_losses,
+            "eval_loss": eval_loss,
+            "ref_eval_loss": ref_eval,
+            "world": trainer.args.world_size,
+            "engine": type(trainer.model_wrapped).__name__,
+            "attn": trained.config._attn_implementation,
+        }
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
