@@ -1,0 +1,239 @@
+"""Callbacks: per-step overhead of each hf_llmkit callback, and checkpoint time with the manifest vs a plain save.
+
+Part 1, per-step overhead: a tiny Llama trains with `LLMKitTrainer` and each callback in turn (a real
+`torch.amp.GradScaler("cpu")` is installed so `LossScaleCallback` takes its active path). Every event method of
+the callback (and `FaultToleranceCallback`'s loss hook) is wrapped in a timer, so the overhead is the callback's
+own time per step divided by the median step time of the same run: precise even on a noisy machine. The target
+is under 1% of a tiny-model step. An end-to-end ratio (median step with all three callbacks / without) is
+reported too, from interleaved runs.
+
+Part 2, checkpoint time: the peer is the plain HF `Trainer` checkpoint (`_save_checkpoint`: model, optimizer,
+scheduler, RNG, state). Ours is the same save followed by `FaultToleranceCallback.on_save` (barrier, manifest with
+sha256 checksums, fsync, rotation), and variants without checksums / without fsync.
+
+    python benchmarks/callbacks.py            # ~2 minutes on 2 idle CPU cores
+    python benchmarks/callbacks.py --steps 60 --saves 7
+
+Writes benchmarks/results/callbacks.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+
+from hf_llmkit import LLMKitTrainingArguments
+from hf_llmkit.callbacks import FaultToleranceCallback, LossScaleCallback, SavePeftModelCallback
+from hf_llmkit.testing import tiny_llama
+from hf_llmkit.trainers import LLMKitTrainer
+
+RESULTS = Path(__file__).with_name("results") / "callbacks.json"
+PER_STEP_EVENTS = ("on_step_begin", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_substep_end")
+
+
+class Blocks(torch.utils.data.Dataset):
+    def __init__(self, n: int, length: int, vocab: int):
+        self.ids = torch.randint(3, vocab, (n, length), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+class StepClock(TrainerCallback):
+    """Wall time between consecutive `on_step_begin` events = one full training step."""
+
+    def __init__(self):
+        self.steps: list[float] = []
+        self._last: float | None = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        now = time.perf_counter()
+        if self._last is not None:
+            self.steps.append(now - self._last)
+        self._last = now
+
+
+def _timed(callback) -> dict:
+    """Wrap the callback's per-step event methods (and FT's loss hook) so their time accumulates in a dict."""
+    spent = {"seconds": 0.0, "calls": 0}
+
+    def wrap(method):
+        @functools.wraps(method)
+        def inner(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent["seconds"] += time.perf_counter() - start
+                spent["calls"] += 1
+
+        return inner
+
+    for name in (*PER_STEP_EVENTS, "on_log", "_capture_loss"):
+        if hasattr(callback, name):
+            setattr(callback, name, wrap(getattr(callback, name)))
+    return spent
+
+
+def _trainer(out: str, callbacks: list, steps: int, scaler: bool, **overrides) -> Trainer:
+    model = tiny_llama(seed=0).train()
+    kwargs = dict(
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        logging_steps=10,
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+        save_strategy="no",
+    )
+    kwargs.update(overrides)
+    trainer = LLMKitTrainer(
+        model=model,
+        args=LLMKitTrainingArguments(output_dir=out, **kwargs),
+        train_dataset=Blocks(512, 64, 512),
+        data_collator=default_data_collator,
+        callbacks=callbacks,
+    )
+    if scaler:
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    return trainer
+
+
+def per_step_overhead(steps: int) -> dict:
+    rows = {}
+    factories = {
+        "FaultToleranceCallback": FaultToleranceCallback,
+        "LossScaleCallback": LossScaleCallback,
+        "SavePeftModelCallback": SavePeftModelCallback,
+    }
+    for name, factory in factories.items():
+        callback, clock = factory(), StepClock()
+        spent = _timed(callback)
+        with tempfile.TemporaryDirectory() as out:
+            _trainer(out, [clock, callback], steps, scaler=True).train()
+        step = statistics.median(clock.steps[2:])
+        per_step = spent["seconds"] / steps
+        rows[name] = {
+            "step_ms": step * 1e3,
+            "callback_us_per_step": per_step * 1e6,
+            "overhead_pct": 100 * per_step / step,
+        }
+    # End to end, interleaved: no callbacks vs all three.
+    medians = {"none": [], "all three": []}
+    for _ in range(3):
+        for label in medians:
+            clock = StepClock()
+            extra = [FaultToleranceCallback(), LossScaleCallback(), SavePeftModelCallback()] if label != "none" else []
+            with tempfile.TemporaryDirectory() as out:
+                _trainer(out, [clock, *extra], steps // 2, scaler=True).train()
+            medians[label].append(statistics.median(clock.steps[2:]))
+    none, all3 = statistics.median(medians["none"]), statistics.median(medians["all three"])
+    return {"callbacks": rows, "end_to_end": {"none_ms": none * 1e3, "all_three_ms": all3 * 1e3, "ratio": all3 / none}}
+
+
+def checkpoint_times(saves: int, hidden: int) -> dict:
+    """Median seconds of one checkpoint: the plain Trainer's vs ours (Trainer save + manifest) and variants."""
+    variants = {
+        "Trainer._save_checkpoint (peer)": None,
+        "+ manifest sha256 + fsync (default)": dict(checksum="sha256", fsync=True),
+        "+ manifest sizes only + fsync": dict(checksum=None, fsync=True),
+        "+ manifest sha256, no fsync": dict(checksum="sha256", fsync=False),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    with tempfile.TemporaryDirectory() as out:
+        model = tiny_llama(
+            seed=0,
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            vocab_size=4096,
+        ).train()
+        args = TrainingArguments(
+            output_dir=out,
+            max_steps=1,
+            per_device_train_batch_size=2,
+            report_to="none",
+            disable_tqdm=True,
+            use_cpu=True,
+            save_strategy="no",
+        )
+        trainer = Trainer(
+            model=model, args=args, train_dataset=Blocks(8, 32, 4096), data_collator=default_data_collator
+        )
+        trainer.train()  # optimizer state exists, so the checkpoint has its real size
+        size = None
+        for round_ in range(saves):
+            for name, settings in variants.items():  # interleaved: noise hits every variant alike
+                trainer.state.global_step = 100 * round_ + list(variants).index(name) + 1
+                start = time.perf_counter()
+                trainer._save_checkpoint(trainer.model, trial=None)
+                if settings is not None:
+                    callback = FaultToleranceCallback(**settings)
+                    callback.on_save(trainer.args, trainer.state, trainer.control, model=trainer.model)
+                times[name].append(time.perf_counter() - start)
+                folder = Path(out) / f"checkpoint-{trainer.state.global_step}"
+                size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+                shutil.rmtree(folder)
+    peer = statistics.median(times["Trainer._save_checkpoint (peer)"])
+    return {
+        "checkpoint_mb": size / 2**20,
+        "rows": {
+            name: {"seconds": statistics.median(v), "ratio_vs_peer": statistics.median(v) / peer}
+            for name, v in times.items()
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=30, help="training steps per overhead run")
+    parser.add_argument("--saves", type=int, default=3, help="checkpoints timed per variant")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size of the checkpointed model")
+    ns = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+    overhead = per_step_overhead(ns.steps)
+    print("\n### Per-step overhead (tiny Llama, batch 8 x 64 tokens, real GradScaler)\n")
+    print("| callback | median step (ms) | callback time per step (us) | overhead |")
+    print("|---|---|---|---|")
+    for name, row in overhead["callbacks"].items():
+        print(f"| {name} | {row['step_ms']:.1f} | {row['callback_us_per_step']:.1f} | {row['overhead_pct']:.3f}% |")
+    e2e = overhead["end_to_end"]
+    print(
+        f"\nEnd to end (interleaved, median step): none {e2e['none_ms']:.1f} ms, all three {e2e['all_three_ms']:.1f}"
+        f" ms, ratio {e2e['ratio']:.3f}"
+    )
+
+    ckpt = checkpoint_times(ns.saves, ns.hidden)
+    print(f"\n### Checkpoint time ({ckpt['checkpoint_mb']:.1f} MB checkpoint, median of {ns.saves})\n")
+    print("| save | seconds | ratio vs plain Trainer save |")
+    print("|---|---|---|")
+    for name, row in ckpt["rows"].items():
+        print(f"| {name} | {row['seconds']:.3f} | {row['ratio_vs_peer']:.2f} |")
+
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"overhead": overhead, "checkpoint": ckpt, "args": vars(ns)}, indent=2))
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
