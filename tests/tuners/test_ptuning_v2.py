@@ -105,9 +105,49 @@ def test_generate_with_cache_equals_generate_without(implementation):
         input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, use_cache=False
     )
     assert torch.equal(cached, uncached)
+    static = peft_model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, cache_implementation="static"
+    )
+    assert torch.equal(cached, static)
     with peft_model.disable_adapter():
         plain = peft_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     assert not torch.equal(plain, cached)  # the prefixes steer generation
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sliding_window_families_sdpa_equals_eager_and_cached_generation(family):
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"mistral": (MistralConfig, MistralForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[
+        family
+    ]
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10, 11, 12], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17]])
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    logits = {}
+    for implementation in ("sdpa", "eager"):
+        torch.manual_seed(0)
+        config = config_cls(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=4,
+            use_sliding_window=True,
+            max_window_layers=1,
+            attn_implementation=implementation,
+        )
+        peft_model = get_peft_model(model_cls(config).eval(), PTuningV2Config(num_virtual_tokens=3))
+        with torch.no_grad():
+            logits[implementation] = peft_model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+        cached = peft_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        uncached = peft_model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, use_cache=False
+        )
+        assert torch.equal(cached, uncached)
+    torch.testing.assert_close(logits["sdpa"], logits["eager"], rtol=1e-5, atol=1e-5)
 
 
 def _grads(peft_model) -> dict[str, torch.Tensor]:
