@@ -50,16 +50,20 @@ def _bit_pattern(weight: torch.Tensor) -> torch.Tensor:
 
 
 def row_index(weight: torch.Tensor | None, inverse: torch.Tensor, mode: str, groups: int, n_vec: int) -> torch.Tensor:
-    """Inverse index `[N]` (int64): the table row of every weight vector (`weight` is only read in "direct")."""
+    """Inverse index `[N]` (int32 where it can): the table row of every weight vector.
+
+    `weight` is only read in "direct" mode, where the index is the weight's own 16-bit pattern (+ group offset)
+    mapped to its row: 4 bytes per weight, temporary, instead of a stored int64 index.
+    """
     if mode == "identity":
         return torch.arange(n_vec, device=inverse.device)
     if mode == "inverse":
-        return inverse.long()
-    bits = _bit_pattern(weight).reshape(-1)
+        return inverse
+    bits = weight.contiguous().view(torch.int16).reshape(-1).to(torch.int32) & 0xFFFF
     if groups > 1:
-        bits = bits + (torch.arange(n_vec, device=weight.device) // (n_vec // groups)) * 65536
+        bits += (torch.arange(n_vec, device=weight.device, dtype=torch.int32) // (n_vec // groups)) * 65536
     # "direct": `inverse` maps each of the G * 65536 bit patterns to its row (absent patterns have none).
-    return inverse[bits].long() if inverse.numel() else bits
+    return inverse[bits] if inverse.numel() else bits
 
 
 def table_index(weight: torch.Tensor, table: WeightTable) -> torch.Tensor:
@@ -85,7 +89,7 @@ def build_table(weight: torch.Tensor, groups: int, cluster_dim: int, uniquify: b
         patterns = torch.arange(65536, device=device, dtype=torch.int32).to(torch.int16).view(weight.dtype)
         empty = vec.new_empty(0, dtype=torch.int32)
         key = table_index(weight, WeightTable(vec, group_of, vec, empty, "direct", groups, d))
-        counts = torch.bincount(key, minlength=groups * 65536)
+        counts = torch.bincount(key.long(), minlength=groups * 65536)
         present = counts.nonzero().squeeze(-1)  # [U]
         row_of = torch.full((groups * 65536,), -1, dtype=torch.int32, device=device)
         row_of[present] = torch.arange(present.numel(), dtype=torch.int32, device=device)
@@ -147,7 +151,7 @@ class PaletteApply(torch.autograd.Function):
     def forward(ctx, x, out_values, jacobian, weight, inverse, mode, groups, cluster_dim):
         n_vec = weight.numel() // cluster_dim
         idx = row_index(weight, inverse, mode, groups, n_vec)
-        w_c = out_values[idx].reshape(weight.shape).to(x.dtype if x is not None else weight.dtype)
+        w_c = out_values.to(x.dtype if x is not None else weight.dtype)[idx].reshape(weight.shape)
         ctx.meta = (mode, groups, cluster_dim, n_vec)
         ctx.save_for_backward(x, out_values, jacobian, weight, inverse)
         return x @ w_c.t() if x is not None else w_c
@@ -159,7 +163,7 @@ class PaletteApply(torch.autograd.Function):
         idx = row_index(weight, inverse, mode, groups, n_vec)
         grad_x = None
         if x is not None:
-            w_c = out_values[idx].reshape(weight.shape).to(x.dtype)
+            w_c = out_values.to(x.dtype)[idx].reshape(weight.shape)
             grad_x = grad @ w_c
             del w_c
             grad_wc = grad.reshape(-1, grad.shape[-1]).t().float() @ x.reshape(-1, x.shape[-1]).float()
@@ -207,12 +211,16 @@ def table_dkm(
     rows, groups = values.shape[0], table.groups
     lo, hi, per, world = _shard_bounds(rows, group) if group is not None else (0, rows, rows, 1)
     u, gid, cnt = values[lo:hi], table.gid[lo:hi], table.counts[lo:hi]
-    scale = tau[gid].unsqueeze(-1)  # [U_l, 1]
+
+    def at_rows(t: torch.Tensor) -> torch.Tensor:  # per-group tensor -> per-row (a view for a single table)
+        return t[gid] if groups > 1 else t.expand(u.shape[0], *t.shape[1:])
+
+    scale = at_rows(tau).unsqueeze(-1)  # [U_l, 1]
     c = centroids.float()
     k, d = c.shape[1], c.shape[2]
     for _ in range(iters):
-        attn = torch.softmax(-distance(u.unsqueeze(1), c[gid]).squeeze(1) / scale, dim=-1)  # [U_l, K]
-        weighted = attn * cnt.unsqueeze(-1)
+        attn = torch.softmax(-distance(u.unsqueeze(1), at_rows(c)).squeeze(1) / scale, dim=-1)  # [U_l, K]
+        weighted = attn if table.mode == "identity" else attn * cnt.unsqueeze(-1)
         num = u.new_zeros(groups, k, d).index_add(0, gid, weighted.unsqueeze(-1) * u.unsqueeze(1))
         den = u.new_zeros(groups, k).index_add(0, gid, weighted)
         if group is not None:
@@ -222,11 +230,11 @@ def table_dkm(
         c = new
         if not bool(still):
             break
-    cents = c[gid]  # [U_l, K, d]
+    cents = at_rows(c)  # [U_l, K, d]
     attn = torch.softmax(-distance(u.detach().unsqueeze(1), cents).squeeze(1) / scale, dim=-1)
     out = torch.einsum("uk,ukd->ud", attn, cents)
     with torch.no_grad():
-        jac = _local_jacobian(u.detach(), cents.detach(), attn.detach(), tau[gid])
+        jac = _local_jacobian(u.detach(), cents.detach(), attn.detach(), at_rows(tau))
     if group is not None:
         pad = per - (hi - lo)
         out = torch.cat(dist_nn.all_gather(torch.nn.functional.pad(out, (0, 0, 0, pad)), group=group))[:rows]
