@@ -1,0 +1,183 @@
+"""Ulysses sequence parallelism: loss and gradients equal single-rank training on real gloo ranks; bad input fails.
+
+Each multi-rank test is one launch that checks several configurations (process start-up dominates on CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_llmkit.parallel import (
+    apply_sequence_parallel,
+    new_sequence_parallel_groups,
+    remove_sequence_parallel,
+    sequence_parallel_group,
+    sequence_parallel_loss,
+    shard_sequence_batch,
+)
+from hf_llmkit.parallel.sequence import kv_replication
+from hf_llmkit.testing import launch, tiny_llama
+
+TOL = 1e-5
+
+
+def make_batch(seq: int, *, seed: int = 1, padding: str = "both") -> dict[str, torch.Tensor]:
+    """Two rows: a masked prompt, then left padding on row 0 and right padding on row 1 (as requested)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 512, (2, seq), generator=g)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    if padding != "none":
+        mask = torch.ones_like(ids)
+        if padding == "both":
+            mask[0, :4] = 0
+        mask[1, -3:] = 0
+        ids[mask == 0] = 0
+        labels[mask == 0] = -100
+        batch["attention_mask"] = mask
+    return batch
+
+
+def compare(attn: str, kv_heads: int, batch: dict, groups, *, heads: int = 4) -> tuple[float, float]:
+    """|loss - reference| and max |grad - reference| (grads averaged over the world, as DDP does).
+
+    The reference is single-process HF training on every DP group's batch; DDP averages over DP groups.
+    """
+    kwargs = dict(seed=0, num_attention_heads=heads, num_key_value_heads=kv_heads, attn_implementation=attn)
+    reference = tiny_llama(**kwargs).train()
+    ref_losses = []
+    for dp_rank in range(groups.dp_size):
+        own = batch if groups.dp_size == 1 else make_batch(batch["input_ids"].shape[1], seed=dp_rank)
+        loss = reference(**own).loss / groups.dp_size
+        loss.backward()
+        ref_losses.append(loss.item() * groups.dp_size)
+    model = tiny_llama(**kwargs).train()
+    apply_sequence_parallel(model, group=groups.sp_group)
+    shard = shard_sequence_batch(batch, sp_rank=groups.sp_rank, sp_size=groups.sp_size)
+    inputs = {k: shard[k] for k in ("input_ids", "attention_mask", "position_ids") if k in shard}
+    logits = model(**inputs).logits
+    loss = sequence_parallel_loss(logits, shard["shift_labels"], group=groups.sp_group)
+    loss.backward()
+    worst = 0.0
+    for (name, ref), (_, ours) in zip(reference.named_parameters(), model.named_parameters()):
+        grad = ours.grad.clone()
+        dist.all_reduce(grad)
+        worst = max(worst, (grad / dist.get_world_size() - ref.grad).abs().max().item())
+    return abs(loss.item() - ref_losses[groups.dp_rank]), worst
+
+
+def equivalence_two_ranks() -> dict:
+    groups = new_sequence_parallel_groups(sp_size=2)
+    out = {
+        "mha_sdpa_padded": compare("sdpa", 4, make_batch(13), groups),
+        "gqa_sdpa_padded": compare("sdpa", 2, make_batch(13), groups),
+        "gqa_replicated_kv_sdpa": compare("sdpa", 1, make_batch(12), groups),
+        "mha_eager_right_padded": compare("eager", 4, make_batch(13, padding="right"), groups),
+        "gqa_eager_left_padded": compare("eager", 2, make_batch(12), groups),
+    }
+    # rank 1 holds no valid target at all: the loss is still the group's token mean
+    batch = make_batch(16, padding="none")
+    batch["labels"][:, 7:] = -100
+    out["rank_without_tokens"] = compare("sdpa", 2, batch, groups)
+    out["errors"] = error_messages(groups)
+    return out
+
+
+def error_messages(groups) -> dict:
+    """Each bad input's ValueError message ('' when nothing was raised)."""
+    cases = {
+        "heads": lambda: apply_sequence_parallel(
+            tiny_llama(num_attention_heads=3, num_key_value_heads=3, hidden_size=48), group=groups.sp_group
+        ),
+        "kv_heads": lambda: kv_replication(12, 3, 2),
+        "short": lambda: shard_sequence_batch(
+            {"input_ids": torch.ones(1, 1, dtype=torch.long)}, sp_rank=groups.sp_rank, sp_size=2
+        ),
+        "implementation": lambda: apply_sequence_parallel(
+            tiny_llama(attn_implementation="flex_attention"), group=groups.sp_group
+        ),
+        "group_and_mesh": lambda: apply_sequence_parallel(tiny_llama(), group=groups.sp_group, mesh=object()),
+    }
+    messages = {}
+    for name, case in cases.items():
+        try:
+            case()
+            messages[name] = ""
+        except ValueError as err:
+            messages[name] = str(err)
+    model = apply_sequence_parallel(tiny_llama(), group=groups.sp_group)
+    wrapped = sequence_parallel_group(model) is groups.sp_group
+    remove_sequence_parallel(model)
+    messages["round_trip"] = wrapped and model.config._attn_implementation == "sdpa"
+    return messages
+
+
+def equivalence_four_ranks() -> dict:
+    sp4 = new_sequence_parallel_groups(sp_size=4)
+    sp2 = new_sequence_parallel_groups(sp_size=2)
+    members = [None] * 4
+    dist.all_gather_object(members, (sp2.sp_rank, sp2.dp_rank))
+    return {
+        "members": members,
+        "gqa_replicated_kv_padded": compare("sdpa", 2, make_batch(13), sp4),  # 2 kv heads copied to 4 ranks
+        "mha_eager": compare("eager", 4, make_batch(16), sp4),
+        "dp2_x_sp2_gqa_padded": compare("sdpa", 2, make_batch(13, seed=sp2.dp_rank), sp2),
+    }
+
+
+def test_two_ranks_match_single_rank_and_reject_bad_input():
+    result = launch(equivalence_two_ranks, nprocs=2)[0]
+    errors = result.pop("errors")
+    for name, (loss_diff, grad_diff) in result.items():
+        assert loss_diff < TOL and grad_diff < TOL, (name, loss_diff, grad_diff)
+    assert "num_attention_heads=3 is not divisible by sequence_parallel_size=2" in errors["heads"]
+    assert "num_key_value_heads=3" in errors["kv_heads"]
+    assert "shorter than sequence_parallel_size=2" in errors["short"]
+    assert "'flex_attention' cannot be wrapped" in errors["implementation"]
+    assert "exactly one of group=" in errors["group_and_mesh"]
+    assert errors["round_trip"] is True
+
+
+def test_four_ranks_match_single_rank_and_dp_x_sp_groups():
+    result = launch(equivalence_four_ranks, nprocs=4)[0]
+    assert result.pop("members") == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    for name, (loss_diff, grad_diff) in result.items():
+        assert loss_diff < TOL and grad_diff < TOL, (name, loss_diff, grad_diff)
+
+
+def test_shard_shifts_labels_before_split_and_pads_to_multiple():
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7, 8, 9]]),
+        "labels": torch.tensor([[-100, 6, 7, 8, 9]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 1]]),
+    }
+    shards = [shard_sequence_batch(batch, sp_rank=r, sp_size=2, pad_token_id=0) for r in range(2)]
+    assert shards[0]["input_ids"].tolist() == [[5, 6, 7]] and shards[1]["input_ids"].tolist() == [[8, 9, 0]]
+    # the target of position 2 (first token of the next shard) survives the split
+    assert shards[0]["shift_labels"].tolist() == [[6, 7, 8]]
+    assert shards[1]["shift_labels"].tolist() == [[9, -100, -100]]
+    assert shards[1]["attention_mask"].tolist() == [[1, 1, 0]]
+    assert shards[1]["position_ids"].tolist() == [[3, 4, 5]]
+    with pytest.raises(ValueError, match="sp_rank=2 must be in"):
+        shard_sequence_batch(batch, sp_rank=2, sp_size=2)
+
+
+def test_kv_heads_replication_rule():
+    assert kv_replication(8, 8, 4) == 1
+    assert kv_replication(8, 2, 4) == 2
+    assert kv_replication(8, 1, 8) == 8
+    with pytest.raises(ValueError, match="one must divide the other"):
+        kv_replication(12, 3, 2)
+
+
+def test_training_arguments_validate_sequence_parallel_size(tmp_path, monkeypatch):
+    from hf_llmkit import LLMKitTrainingArguments
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="must be >= 1 and divide the number of ranks"):
+        LLMKitTrainingArguments(output_dir=str(tmp_path), sequence_parallel_size=2, report_to="none")
+    with pytest.raises(ValueError, match="must be >= 1"):
+        LLMKitTrainingArguments(output_dir=str(tmp_path), sequence_parallel_size=0, report_to="none")

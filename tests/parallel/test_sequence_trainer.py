@@ -1,0 +1,46 @@
+"""`LLMKitTrainer` with `sequence_parallel_size=2` on 2 CPU ranks equals single-rank training.
+
+`sp_train_script.py` trains 3 SGD steps on padded SFT-style rows and replays the same global batches in a plain
+single-process loop; parameters, logged losses and the eval loss must agree (fp32).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hf_llmkit.testing import launch_script
+
+SCRIPT = Path(__file__).with_name("sp_train_script.py")
+
+
+def run(tmp_path: Path, launcher: str, *flags: str) -> dict:
+    out = tmp_path / "result.json"
+    launch_script(SCRIPT, ["--out", str(out), *flags], nprocs=2, launcher=launcher, timeout=400, cwd=tmp_path)
+    return json.loads(out.read_text())
+
+
+def check(result: dict, engine: str) -> None:
+    assert result["world"] == 2 and result["engine"] == engine
+    assert result["attn"].startswith("llmkit_ulysses_sdpa")
+    assert result["param_diff"] < 1e-5
+    assert result["losses"] == pytest.approx(result["ref_losses"], abs=1e-5)
+    assert result["eval_loss"] == pytest.approx(result["ref_eval_loss"], abs=1e-5)
+
+
+def test_accelerate_ddp_lora_gradient_checkpointing_replicated_kv(tmp_path):
+    result = run(tmp_path, "accelerate", "--peft", "lora", "--gradient_checkpointing", "--kv_heads", "1")
+    check(result, "DistributedDataParallel")
+
+
+def test_accelerate_ddp_bottleneck_adapters(tmp_path):
+    check(run(tmp_path, "accelerate", "--peft", "bottleneck"), "DistributedDataParallel")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_torchrun(tmp_path, stage):
+    pytest.importorskip("deepspeed")
+    flags = ["--zero", str(stage)] + (["--gradient_checkpointing"] if stage == 3 else [])
+    check(run(tmp_path, "torchrun", *flags), "DeepSpeedEngine")
