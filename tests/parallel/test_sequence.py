@@ -62,7 +62,7 @@ def compare(attn: str, kv_heads: int, batch: dict, groups, *, heads: int = 4) ->
     loss = sequence_parallel_loss(logits, shard["shift_labels"], group=groups.sp_group)
     loss.backward()
     worst = 0.0
-    for (name, ref), (_, ours) in zip(reference.named_parameters(), model.named_parameters()):
+    for ref, ours in zip(reference.parameters(), model.parameters()):
         grad = ours.grad.clone()
         dist.all_reduce(grad)
         worst = max(worst, (grad / dist.get_world_size() - ref.grad).abs().max().item())
