@@ -60,9 +60,9 @@ def test_grouped_experts_gradcheck(act, counts):
     torch.manual_seed(0)
     layout = _Layout(counts, torch.device("cpu"))
     assert layout.batched == (0 not in counts)  # both compute paths are covered
-    x = torch.randn(sum(counts), 8, dtype=torch.double, requires_grad=True)
-    gate_up = torch.randn(4, 12, 8, dtype=torch.double, requires_grad=True)
-    down = torch.randn(4, 8, 6, dtype=torch.double, requires_grad=True)
+    x = torch.randn(sum(counts), 4, dtype=torch.double, requires_grad=True)
+    gate_up = torch.randn(4, 6, 4, dtype=torch.double, requires_grad=True)
+    down = torch.randn(4, 4, 3, dtype=torch.double, requires_grad=True)
     fn = lambda a, b, c: GroupedSwiGLU.apply(a, b, c, counts, act)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x, gate_up, down))
     fn(x, gate_up, down).sum().backward()
