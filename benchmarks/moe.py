@@ -12,7 +12,7 @@ Part 2, upcycling: a tiny Llama is upcycled (`upcycle_to_moe`, 8 experts, top-2)
 max/min expert-load ratio of the last logging window.
 
     python benchmarks/moe.py               # ~3 minutes on 2 idle CPU cores
-    python benchmarks/moe.py --rounds 9 --train-steps 60 --batched-mm
+    python benchmarks/moe.py --rounds 9 --train-steps 60 --batched-mm --aux-coef 0.05
 
 Writes benchmarks/results/moe.json.
 """
@@ -202,8 +202,10 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batched-mm", action="store_true", help="also time Mixtral batched_mm (~13 GB RAM)")
-    parser.add_argument("--train-steps", type=int, default=40)
-    parser.add_argument("--aux-coef", type=float, default=0.05, help="balancing-loss weight of the 'with' run")
+    parser.add_argument("--train-steps", type=int, default=30)
+    parser.add_argument(
+        "--aux-coef", type=float, default=0.01, help="balancing-loss weight of the 'with' run (the Trainer default)"
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results" / "moe.json")
     args = parser.parse_args()
 
