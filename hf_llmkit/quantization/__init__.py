@@ -8,7 +8,7 @@ from hf_llmkit.quantization.config import DKMConfig
 from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear, PalettizedEmbedding, PalettizedLinear
 from hf_llmkit.quantization.marshal import MarshalHooks
 from hf_llmkit.quantization.optimum import DKMOptimumQuantizer
-from hf_llmkit.quantization.quantizer import DKMHfQuantizer
+from hf_llmkit.quantization.quantizer import DKMHfQuantizer, quantize_model
 
 
 def register_dkm() -> None:
@@ -32,5 +32,6 @@ __all__ = [
     "MarshalHooks",
     "PalettizedEmbedding",
     "PalettizedLinear",
+    "quantize_model",
     "register_dkm",
 ]

@@ -144,3 +144,16 @@ class DKMHfQuantizer(HfQuantizer):
     @property
     def is_qat_trainable(self) -> bool:
         return True
+
+
+def quantize_model(model, config: DKMConfig):
+    """Apply DKM to a model that is already built (e.g. from a config): what `from_pretrained` does on load.
+
+    Returns the same model with DKM layers initialised by k-means, `hf_quantizer` attached and the config in
+    `model.config.quantization_config`, ready for the Trainer and `save_pretrained`.
+    """
+    quantizer = DKMHfQuantizer(config, pre_quantized=False)
+    quantizer.preprocess_model(model)
+    quantizer.postprocess_model(model)
+    model.hf_quantizer = quantizer
+    return model

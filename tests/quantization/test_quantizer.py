@@ -229,3 +229,16 @@ def test_optimum_post_training_kmeans_only(base_dir, tmp_path):
     assert cos > 0.9
     with pytest.raises(ValueError, match="file_prefix=None"):
         DKMOptimumQuantizer.from_pretrained(str(base_dir)).quantize(tmp_path / "x", file_prefix="m")
+
+
+def test_quantize_model_built_from_config_saves_and_reloads(tmp_path):
+    from hf_llmkit.quantization import quantize_model
+
+    model = quantize_model(tiny_llama(), DKMConfig(bits=2))
+    assert isinstance(model.model.layers[0].mlp.gate_proj, DKMLinear) and model.is_quantized
+    assert model.model.layers[0].mlp.gate_proj.dkm_initialised
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model.eval()(ids).logits)
