@@ -216,6 +216,18 @@ def test_trainer_save_and_fresh_process_reload_give_identical_logits(trained, pr
         torch.testing.assert_close(trainable.eval()(input_ids=IDS).logits, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_resume_from_checkpoint_with_projection_continues_exactly(tmp_path):
+    data = examples(8)
+    uninterrupted = _model(prefix_projection=True)
+    trainer(uninterrupted, data, tmp_path / "a", save_strategy="steps", save_steps=2).train()
+    torch.manual_seed(5)  # a different fresh projection: the checkpoint must overwrite it
+    resumed = get_peft_model(tiny_llama(), PTuningV2Config(num_virtual_tokens=3, prefix_projection=True))
+    trainer(resumed, data, tmp_path / "b").train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    final = _prefixes(uninterrupted)
+    for key, value in _prefixes(resumed).items():
+        torch.testing.assert_close(value, final[key], rtol=0, atol=1e-6)
+
+
 def test_save_projection_false_writes_only_folded_prefixes_and_fold_keeps_outputs(tmp_path):
     peft_model = _model(prefix_projection=True, save_projection=False).eval()
     with torch.no_grad():
