@@ -99,6 +99,9 @@ def build_systems(args) -> dict[str, nn.Module]:
         ),
     }
     systems["hf_llmkit MoELayer capacity 1.0"].load_state_dict(state)
+    if not args.batched_mm:  # it gathers gate_up and down weights per routed token, forward and backward
+        gib = 2 * args.tokens * args.top_k * 3 * args.inter * args.hidden * 4 / 2**30
+        print(f"Mixtral batched_mm skipped: ~{gib:.0f} GiB of per-token weight copies (pass --batched-mm to run it)")
     for impl in ("eager", "grouped_mm") + (("batched_mm",) if args.batched_mm else ()):
         systems[f"transformers Mixtral block {impl}"] = mixtral_block(args, impl, state)
     try:
