@@ -10,14 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, _remove_adapter_name_from_state_dict_key
 from torch import nn
 
-from hf_llmkit.tuners.matching import check_targets_exist
 from hf_llmkit.tuners.ptuning_v2.attention import inner_name, is_prefix_attention, register_prefix_attention
 from hf_llmkit.tuners.ptuning_v2.config import PTuningV2Config
 from hf_llmkit.tuners.ptuning_v2.layer import MERGE_ERROR, PTuningV2Attention, PTuningV2Layer
 from hf_llmkit.tuners.ptuning_v2.prefix import PlainPrefix, ProjectedPrefix
+from hf_llmkit.tuners.wrapping import WrappingTuner
 
 _PROJECTION_KEYS = ("embedding", "down.weight", "down.bias", "up.weight", "up.bias")
 
@@ -33,7 +32,7 @@ def attention_module_names(model: nn.Module) -> list[str]:
     return names
 
 
-class PTuningV2Model(BaseTuner):
+class PTuningV2Model(WrappingTuner):
     """Gives every targeted attention layer trainable prefix keys/values (deep prompt tuning).
 
     Example:
@@ -47,6 +46,9 @@ class PTuningV2Model(BaseTuner):
 
     prefix: str = "ptuning_v2_"
     tuner_layer_cls = PTuningV2Layer
+    wrapper_cls = PTuningV2Attention
+    adapter_dict_name = "ptuning_v2_prefix"
+    merge_error = MERGE_ERROR
     target_module_mapping: dict[str, list[str]] = {}
 
     def _prepare_adapter_config(self, peft_config: PTuningV2Config, model_config: dict) -> PTuningV2Config:
@@ -59,31 +61,6 @@ class PTuningV2Model(BaseTuner):
                 )
             peft_config.target_modules = set(names)
         return peft_config
-
-    def _prepare_model(self, peft_config: PTuningV2Config, model: nn.Module) -> None:
-        check_targets_exist(model, peft_config.target_modules, "PTuningV2Config")
-
-    def _create_and_replace(
-        self,
-        peft_config: PTuningV2Config,
-        adapter_name: str,
-        target: nn.Module,
-        target_name: str,
-        parent: nn.Module,
-        current_key: str,
-        **optional_kwargs: Any,
-    ) -> None:
-        if isinstance(target, PTuningV2Layer):
-            target.update_layer(adapter_name, peft_config)
-            return
-        if isinstance(target, BaseTunerLayer):
-            raise ValueError(
-                f"{current_key} is already wrapped by another PEFT method; P-tuning v2 must wrap it first"
-            )
-        new_module = PTuningV2Attention(target, adapter_name, peft_config)
-        if adapter_name not in self.active_adapters:
-            new_module.requires_grad_(False)
-        self._replace_module(parent, target_name, new_module, target)
 
     def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
         if not hasattr(new_module, "base_layer"):  # unloading: attention modules have no `.weight` to re-tie
@@ -114,12 +91,6 @@ class PTuningV2Model(BaseTuner):
         self._use_prefix_attention(False)
         return super()._unload_and_optionally_merge(False, *args, **kwargs)
 
-    def _check_merge_allowed(self) -> None:
-        raise ValueError(MERGE_ERROR)
-
-    def merge_adapter(self, *args: Any, **kwargs: Any) -> None:
-        raise ValueError(MERGE_ERROR)
-
     def fold_prefix_projection(self, adapter_name: str | None = None) -> None:
         """Replace the MLP reparameterisation of `adapter_name` (default: all adapters) by plain prefixes."""
         for module in self.model.modules():
@@ -129,13 +100,6 @@ class PTuningV2Model(BaseTuner):
                         module.fold(name)
 
     # --- saving and loading ------------------------------------------------------------------------------------
-
-    @classmethod
-    def _remove_adapter_name_from_key(cls, key: str, adapter_name: str) -> str:
-        marker = f".ptuning_v2_prefix.{adapter_name}."
-        if marker in key:
-            return key.replace(marker, ".ptuning_v2_prefix.", 1)
-        return _remove_adapter_name_from_state_dict_key(key, adapter_name)
 
     @classmethod
     def _get_adapter_state_dict(
