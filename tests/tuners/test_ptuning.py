@@ -74,6 +74,14 @@ def test_target_that_matches_nothing_lists_close_candidates():
         get_peft_model(tiny_llama(), PTuningConfig(target_modules=["q_proj"]))
 
 
+def test_targeting_embed_tokens_by_name_saves_only_the_encoder(tmp_path):
+    peft_model = get_peft_model(tiny_llama(), PTuningConfig(num_virtual_tokens=2, target_modules=["embed_tokens"]))
+    assert peft_model.peft_config["default"].target_modules == {"model.embed_tokens"}
+    peft_model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    assert saved and all(".ptuning_encoder." in k for k in saved)
+
+
 def test_virtual_ids_use_the_encoder_and_other_ids_the_frozen_base():
     model = tiny_llama()
     base_rows = model.get_input_embeddings().weight.detach().clone()

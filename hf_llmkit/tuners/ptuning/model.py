@@ -7,6 +7,8 @@ one is a `BaseTuner`, so the encoder's weights are the saved state, several adap
 
 from __future__ import annotations
 
+from peft.tuners.tuners_utils import check_target_module_exists
+
 from hf_llmkit.tuners.ptuning.config import PTuningConfig
 from hf_llmkit.tuners.ptuning.layer import MERGE_ERROR, PTuningEmbedding, PTuningLayer
 from hf_llmkit.tuners.wrapping import WrappingTuner
@@ -41,4 +43,14 @@ class PTuningModel(WrappingTuner):
             if not names:
                 raise ValueError("could not find the model's input embedding module; set target_modules explicitly")
             peft_config.target_modules = {names[0]}
+        else:
+            # Store full module paths: peft saves the whole base embedding matrix when target_modules literally
+            # names `embed_tokens`, and the adapter must hold only the encoder.
+            matched = {
+                name
+                for name, _ in self.model.named_modules()
+                if name and ".base_layer" not in name and check_target_module_exists(peft_config, name)
+            }
+            if matched:
+                peft_config.target_modules = matched
         return peft_config
