@@ -10,7 +10,13 @@ from transformers import Trainer, TrainingArguments
 
 from hf_llmkit.callbacks.log_bridge import add_callback_logs
 from hf_llmkit.callbacks.recovery import save_with_retries, train_with_recovery
-from hf_llmkit.trainers.moe_loss import MoELossTracker, aux_loss_scale, register_zero3_leaf_modules
+from hf_llmkit.parallel.moe import moe_layers
+from hf_llmkit.trainers.moe_loss import (
+    MoELossTracker,
+    aux_loss_scale,
+    load_moe_checkpoint,
+    register_zero3_leaf_modules,
+)
 from hf_llmkit.trainers.sequence_parallel import TrainerSequenceParallel
 
 
@@ -78,6 +84,13 @@ class LLMKitTrainer(Trainer):
             device=self.args.device,
             what=f"checkpoint at step {self.state.global_step}",
         )
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """Resuming a model with `MoELayer`s loads its hub-layout experts through `from_pretrained`'s conversion."""
+        target = model if model is not None else self.model
+        if moe_layers(target) and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            return load_moe_checkpoint(target, resume_from_checkpoint)
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log: MoE losses and expert load since the previous one

@@ -26,6 +26,19 @@ def register_zero3_leaf_modules(model: nn.Module) -> bool:
     return True
 
 
+def load_moe_checkpoint(model: nn.Module, folder: str) -> None:
+    """Load a `save_pretrained` checkpoint folder into a model with `MoELayer`s (used to resume training).
+
+    `save_pretrained` writes MoE experts in the hub layout (one tensor per expert), which only
+    `from_pretrained`'s conversion turns back into the fused tensors; `Trainer`'s plain `load_state_dict`
+    would leave every expert and router untrained. The folder is loaded as the model's native class, whose
+    state dict has the same keys as the model with `MoELayer`s.
+    """
+    dtype = next(model.parameters()).dtype
+    native = type(model).from_pretrained(folder, config=model.config, dtype=dtype)
+    model.load_state_dict(native.state_dict())  # strict: a layout mismatch fails loudly
+
+
 def aux_loss_scale(trainer, num_items_in_batch) -> float:
     """Weight of one micro-batch's auxiliary loss, mirroring how `Trainer.training_step` scales the task loss.
 

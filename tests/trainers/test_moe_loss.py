@@ -115,3 +115,14 @@ def test_deepspeed_zero_stages_train_and_save_native_moe(deepspeed_reports, stag
     assert type(saved).__name__ == "MixtralForCausalLM"
     experts = saved.model.layers[0].mlp.experts.down_proj  # upcycled as identical copies; training separates them
     assert experts.shape[0] == NUM_EXPERTS and not torch.allclose(experts[0], experts[1])
+
+
+def test_resume_restores_trained_experts_and_routers(tmp_path):
+    first = make_trainer(upcycled(), tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    first.train()
+    trained = {k: v.clone() for k, v in first.model.state_dict().items() if ".mlp." in k}
+    resumed_model = upcycled()
+    second = make_trainer(resumed_model, tmp_path, max_steps=2)
+    second.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))  # at max_steps already: loads, no step
+    for key, value in trained.items():
+        torch.testing.assert_close(resumed_model.state_dict()[key], value, msg=f"{key} was not restored")
