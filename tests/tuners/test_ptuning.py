@@ -82,6 +82,18 @@ def test_targeting_embed_tokens_by_name_saves_only_the_encoder(tmp_path):
     assert saved and all(".ptuning_encoder." in k for k in saved)
 
 
+def test_tied_embeddings_stay_tied_without_warnings(tmp_path, recwarn):
+    model = tiny_llama(tie_word_embeddings=True)
+    peft_model = get_peft_model(model, PTuningConfig(num_virtual_tokens=2))
+    assert not [w for w in recwarn if "tie_word_embeddings" in str(w.message)]
+    assert model.lm_head.weight is peft_model.get_input_embeddings().base_layer.weight
+    peft_model.save_pretrained(tmp_path)
+    ids = torch.tensor([[VOCAB, VOCAB + 1, 5, 6]])
+    with torch.no_grad():
+        reloaded = PeftModel.from_pretrained(tiny_llama(tie_word_embeddings=True), tmp_path)
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, peft_model.eval()(input_ids=ids).logits)
+
+
 def test_virtual_ids_use_the_encoder_and_other_ids_the_frozen_base():
     model = tiny_llama()
     base_rows = model.get_input_embeddings().weight.detach().clone()

@@ -8,6 +8,7 @@ one is a `BaseTuner`, so the encoder's weights are the saved state, several adap
 from __future__ import annotations
 
 from peft.tuners.tuners_utils import check_target_module_exists
+from torch import nn
 
 from hf_llmkit.tuners.ptuning.config import PTuningConfig
 from hf_llmkit.tuners.ptuning.layer import MERGE_ERROR, PTuningEmbedding, PTuningLayer
@@ -34,6 +35,12 @@ class PTuningModel(WrappingTuner):
     adapter_dict_name = "ptuning_encoder"
     merge_error = MERGE_ERROR
     target_module_mapping: dict[str, list[str]] = {}
+
+    def _check_tied_modules(self, model: nn.Module, peft_config: PTuningConfig) -> None:
+        # The wrapper never changes the embedding weight, so an output layer tied to it stays tied: peft's warning
+        # about untied adapters applies only to embeddings in modules_to_save.
+        if peft_config.modules_to_save:
+            super()._check_tied_modules(model, peft_config)
 
     def _prepare_adapter_config(self, peft_config: PTuningConfig, model_config: dict) -> PTuningConfig:
         if peft_config.target_modules is None:
