@@ -182,7 +182,8 @@ def _ptuning_v1(kind: str):
 def quality_lr(name: str) -> float:
     if name == "full fine-tuning":
         return 5e-5
-    return 1e-2 if any(k in name for k in ("Prefix", "Prompt", "ptuning", "BEFT", "bitfit")) else 2e-3
+    # one rate for all weight-space methods, one for the prompt-space ones (their inputs start far from useful)
+    return 1e-2 if any(k in name for k in ("Prefix", "Prompt", "ptuning")) else 2e-3
 
 
 def build_runners(kind: str, batch: dict) -> tuple[dict, dict]:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import get_peft_model
-from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+from transformers import (
+    BertConfig,
+    BertModel,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
 from hf_llmkit import BitFitConfig
 from hf_llmkit.testing import tiny_llama
@@ -57,7 +65,7 @@ def test_gpt2_conv1d_and_layernorm_biases_merge_exactly():
         torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-6, atol=1e-6)
 
 
-def test_added_biases_on_llama_become_real_biases_when_merged():
+def test_added_biases_on_llama_become_real_biases_when_merged(tmp_path):
     model = get_peft_model(tiny_llama(), BitFitConfig(add_missing_biases=True, init_weights=False))
     assert sum(_trainable(model).values()) == 2 * (64 + 32 + 32 + 64 + 128 + 128 + 64)  # q k v o gate up down
     assert model.base_model.model.lm_head.bias is None and "lm_head" not in str(model.base_model.targeted_module_names)
@@ -68,6 +76,29 @@ def test_added_biases_on_llama_become_real_biases_when_merged():
     q_proj = merged.model.layers[0].self_attn.q_proj
     assert type(q_proj) is torch.nn.Linear and q_proj.bias is not None
     torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-6, atol=1e-6)
+    # the config now declares the biases, so the merged model survives save_pretrained / from_pretrained
+    assert merged.config.attention_bias and merged.config.mlp_bias
+    merged.save_pretrained(tmp_path)
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_merging_added_biases_the_config_cannot_declare_warns():
+    torch.manual_seed(0)
+    config = MistralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
+    model = get_peft_model(
+        MistralForCausalLM(config), BitFitConfig(target_modules=["q_proj"], add_missing_biases=True)
+    )
+    with pytest.warns(UserWarning, match="Keep the BitFit adapter"):
+        model.merge_and_unload()
 
 
 def test_unmerge_removes_a_bias_that_merge_created():

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+import warnings
 
+import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, _ExcludedModule, check_target_module_exists
 from torch import nn
 
@@ -86,6 +88,52 @@ class BitFitModel(BaseTuner):
         if adapter_name not in self.active_adapters:
             new_module.requires_grad_(False)  # an added, inactive adapter is not trainable
         self._replace_module(parent, target_name, new_module, target)
+
+    def merge_and_unload(
+        self, progressbar: bool = False, safe_merge: bool = False, adapter_names: list[str] | None = None
+    ) -> nn.Module:
+        """Fold the biases into the base model; biases added to bias-less layers are declared in its config.
+
+        A Llama-style config builds its projections from `attention_bias` / `mlp_bias`: those flags are switched
+        on (and the group's other projections get zero biases), so `save_pretrained` + `from_pretrained` of the
+        merged model keeps the trained biases instead of silently dropping them.
+        """
+        added = [
+            name
+            for name, module in self.model.named_modules()
+            if isinstance(module, BitFitLayer) and getattr(module.get_base_layer(), "bias", None) is None
+        ]
+        model = super().merge_and_unload(progressbar=progressbar, safe_merge=safe_merge, adapter_names=adapter_names)
+        _declare_added_biases(model, [n for n in added if model.get_submodule(n).bias is not None])
+        return model
+
+
+_CONFIG_BIAS_FLAGS = {"self_attn": "attention_bias", "mlp": "mlp_bias"}  # Llama-style configs
+
+
+def _declare_added_biases(model: nn.Module, added: list[str]) -> None:
+    config = getattr(model, "config", None)
+    groups, undeclared = set(), []
+    for name in added:
+        group = next((g for g in _CONFIG_BIAS_FLAGS if g in name.split(".")), None)
+        if group is not None and hasattr(config, _CONFIG_BIAS_FLAGS[group]):
+            groups.add(group)
+        else:
+            undeclared.append(name)
+    for group in groups:
+        setattr(config, _CONFIG_BIAS_FLAGS[group], True)
+        for name, module in model.named_modules():  # the flag gives every projection of the group a bias
+            if isinstance(module, nn.Linear) and module.bias is None and group in name.split("."):
+                weight = module.weight
+                dtype = weight.dtype if weight.dtype.is_floating_point else getattr(module, "compute_dtype", None)
+                module.bias = nn.Parameter(torch.zeros(module.out_features, device=weight.device, dtype=dtype))
+    if undeclared:
+        warnings.warn(
+            f"merge_and_unload gave {len(undeclared)} bias-less layers a bias that {type(model).__name__}'s config "
+            f"cannot declare (e.g. {undeclared[0]}); save_pretrained + from_pretrained would drop them. Keep the "
+            "BitFit adapter (PeftModel) for this model, or target only layers that already have biases.",
+            stacklevel=3,
+        )
 
 
 def _matches(config: BitFitConfig, name: str) -> bool:
