@@ -161,6 +161,9 @@ def test_trainer_save_and_fresh_process_reload_give_identical_logits(trained, en
     assert saved and all(".ptuning_encoder." in k for k in saved)  # the encoder, nothing of the base model
     assert len(saved) == len(after) and all(v.numel() > 0 for v in saved.values())
     torch.testing.assert_close(run["reloaded"], run["expected"], rtol=0, atol=0)
+    lazy = PeftModel.from_pretrained(tiny_llama(), run["dir"], low_cpu_mem_usage=True, is_trainable=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(lazy(**_virtual_batch()).logits, run["expected"], rtol=0, atol=0)
 
 
 def test_resume_from_checkpoint_continues_exactly(tmp_path):

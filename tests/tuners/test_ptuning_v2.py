@@ -212,8 +212,10 @@ def test_trainer_save_and_fresh_process_reload_give_identical_logits(trained, pr
     layer = trainable.get_base_model().model.layers[0].self_attn
     assert isinstance(layer.ptuning_v2_prefix["default"], ProjectedPrefix if projection else PlainPrefix)
     assert all(p.requires_grad for k, p in trainable.named_parameters() if "ptuning_v2" in k)
+    lazy = PeftModel.from_pretrained(tiny_llama(), run["dir"], low_cpu_mem_usage=True)
     with torch.no_grad():
         torch.testing.assert_close(trainable.eval()(input_ids=IDS).logits, expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(lazy.eval()(input_ids=IDS).logits, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_resume_from_checkpoint_with_projection_continues_exactly(tmp_path):

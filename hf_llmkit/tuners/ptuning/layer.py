@@ -72,9 +72,7 @@ class PTuningLayer(BaseTunerLayer):
             num_layers=config.encoder_num_layers,
             dropout=config.encoder_dropout,
         )
-        weight = self.get_base_layer().weight
-        if weight.device.type != "meta":
-            self.ptuning_encoder[adapter_name].to(weight.device)
+        self._move_adapter_to_device_of_base_layer(adapter_name)  # skips meta (low_cpu_mem_usage) adapters
         self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
 
 

@@ -57,7 +57,9 @@ class PTuningV2Layer(BaseTunerLayer):
         else:
             module = PlainPrefix(**geometry, init_std=config.init_std)
         device = next((p.device for p in self.get_base_layer().parameters() if p.device.type != "meta"), None)
-        self.ptuning_v2_prefix[adapter_name] = module.to(device) if device is not None else module
+        if device is not None and all(p.device.type != "meta" for p in module.parameters()):
+            module = module.to(device)  # adapters created on meta (low_cpu_mem_usage) are materialised by loading
+        self.ptuning_v2_prefix[adapter_name] = module
         self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
 
     def fold(self, adapter_name: str) -> None:
