@@ -126,3 +126,15 @@ def test_resume_restores_trained_experts_and_routers(tmp_path):
     second.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))  # at max_steps already: loads, no step
     for key, value in trained.items():
         torch.testing.assert_close(resumed_model.state_dict()[key], value, msg=f"{key} was not restored")
+
+
+def test_aux_loss_follows_the_trainers_gradient_accumulation_scaling(tmp_path):
+    from hf_llmkit.trainers.moe_loss import aux_loss_scale
+
+    trainer = make_trainer(upcycled(), tmp_path, gradient_accumulation_steps=4)
+    trainer.current_gradient_accumulation_steps = 4
+    assert trainer.model_accepts_loss_kwargs  # causal LMs normalise their loss by num_items_in_batch
+    # the task loss is already divided by all accumulated tokens: the Trainer will not divide by 4 again
+    assert aux_loss_scale(trainer, num_items_in_batch=torch.tensor(100)) == 0.25
+    # without num_items_in_batch the Trainer divides the whole loss by 4 itself
+    assert aux_loss_scale(trainer, num_items_in_batch=None) == 1.0
