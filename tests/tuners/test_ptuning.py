@@ -65,6 +65,15 @@ def test_build_template_and_tokenizer_helper():
     assert second.virtual_token_ids == [size + 4, size + 5] and "[task2:P0]" in second.format(text="x")
     with pytest.raises(ValueError, match="needs the fields"):
         template.format(text="wrong field")
+    two_fields = PTuningConfig(num_virtual_tokens=2, template="[P0] {premise} [P1] {hypothesis}")
+    with pytest.raises(ValueError, match="one field"):
+        PTuningTemplate(tokenizer, two_fields, namespace="nli").wrap_ids([1, 2, 3])
+    block = PTuningTemplate(tokenizer, PTuningConfig(num_virtual_tokens=2), namespace="lm")
+    wrapped = block.wrap_ids(list(range(10, 30)), max_length=16)
+    assert len(wrapped["input_ids"]) == 16 and wrapped["input_ids"][2:] == list(range(10, 24))
+    assert wrapped["labels"][:2] == [-100, -100] and wrapped["labels"][2:] == list(range(10, 24))
+    with pytest.raises(ValueError, match="raise max_length"):
+        block.wrap_ids([1, 2], max_length=16)
 
 
 def test_target_that_matches_nothing_lists_close_candidates():

@@ -97,6 +97,31 @@ class PTuningTemplate:
         """`labels` with the virtual tokens set to `ignore_index` (the model never predicts them)."""
         return labels.masked_fill(self.is_virtual(labels), ignore_index)
 
+    def wrap_ids(self, ids: list[int], *, max_length: int | None = None) -> dict[str, list[int]]:
+        """Place already-tokenized text into a single-field template (e.g. fixed-size LM blocks).
+
+        Literal template text is tokenized without special tokens; with `max_length` the text is cut so the result
+        has exactly that length (`ids` must be long enough). Returns `input_ids` and `labels` (-100 on virtual ids).
+        """
+        if len(self.fields) != 1:
+            raise ValueError(f"wrap_ids needs a template with one field, {self.template!r} has {self.fields}")
+        before, after = self.format(**{self.fields[0]: "\0"}).split("\0")
+        head, tail = self._encode_literal(before), self._encode_literal(after)
+        if max_length is not None:
+            room = max_length - len(head) - len(tail)
+            if room < 1 or len(ids) < room:
+                raise ValueError(
+                    f"max_length={max_length} leaves {room} text tokens after the template's {len(head) + len(tail)} "
+                    f"and {len(ids)} were given; raise max_length (block size) or shorten the template"
+                )
+            ids = list(ids[:room])
+        input_ids = head + list(ids) + tail
+        start, end = self.virtual_token_ids[0], self.virtual_token_ids[0] + len(self.tokens)
+        return {"input_ids": input_ids, "labels": [-100 if start <= i < end else i for i in input_ids]}
+
+    def _encode_literal(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
     def __call__(self, **fields: Any) -> dict[str, Any]:
         """Tokenize one filled template; adds `labels` (input ids with virtual tokens ignored) for causal LM training.
 
