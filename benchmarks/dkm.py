@@ -41,41 +41,56 @@ def memory_cases(naive_rows: int) -> list[dict]:
     from hf_llmkit.quantization.memory import measure_cases
     from hf_llmkit.testing import launch
 
-    rows_out = []
+    single, sharded = [], []
     for rows, cols in SHAPES:
         base = {"rows": rows, "cols": cols}
-        single = [
-            ("naive", dict(base, uniquify=False, marshal=False, rows_used=naive_rows)),
-            ("naive (2x slice, linearity check)", dict(base, uniquify=False, marshal=False, rows_used=2 * naive_rows)),
-            ("marshal only", dict(base, uniquify=False, marshal=True, rows_used=naive_rows)),
-            ("uniquify only", dict(base, uniquify=True, marshal=False)),
-            ("uniquify + marshal", dict(base, uniquify=True, marshal=True)),
+        single += [
+            ((rows, cols), "naive", dict(base, uniquify=False, marshal=False, rows_used=naive_rows)),
+            (
+                (rows, cols),
+                "naive, 2x slice (linearity check)",
+                dict(base, uniquify=False, marshal=False, rows_used=2 * naive_rows),
+            ),
+            ((rows, cols), "marshal only", dict(base, uniquify=False, marshal=True, rows_used=naive_rows)),
+            ((rows, cols), "uniquify only", dict(base, uniquify=True, marshal=False)),
+            ((rows, cols), "uniquify + marshal", dict(base, uniquify=True, marshal=True)),
         ]
-        sharded = [
-            ("shard only (2 ranks)", dict(base, uniquify=False, shard=True, marshal=False, rows_used=naive_rows)),
-            ("all: uniquify + shard + marshal (2 ranks)", dict(base, uniquify=True, shard=True, marshal=True)),
+        sharded += [
+            (
+                (rows, cols),
+                "shard only (2 ranks)",
+                dict(base, uniquify=False, shard=True, marshal=False, rows_used=naive_rows),
+            ),
+            (
+                (rows, cols),
+                "all: uniquify + shard + marshal (2 ranks)",
+                dict(base, uniquify=True, shard=True, marshal=True),
+            ),
         ]
-        got = launch(measure_cases, [c for _, c in single], nprocs=1, init_process_group=False, env=MALLOC_ENV)[0]
-        got += launch(measure_cases, [c for _, c in sharded], nprocs=2, env=MALLOC_ENV, timeout=900)[0]
-        naive = None
-        for (name, _case), res in zip(single + sharded, got):
-            scale = rows / res["rows_used"]
-            saved, peak = res["saved_bytes"] * scale, res["peak_bytes"] * scale
-            naive = naive or (saved, peak)
-            measured = f"{int(res['rows_used'])} rows, x{scale:g}" if scale != 1 else "full layer"
-            rows_out.append(
-                {
-                    "layer": f"{rows}x{cols}",
-                    "case": name,
-                    "saved": saved,
-                    "peak": peak,
-                    "saved_ratio": naive[0] / max(saved, 1.0),
-                    "peak_ratio": naive[1] / max(peak, 1.0),
-                    "measured": measured,
-                    "seconds": res["seconds"],
-                    "raw": res,
-                }
-            )
+    # Two fresh interpreters in all: one for the single-rank cases, one pair of gloo ranks for the sharded ones.
+    got = launch(
+        measure_cases, [c for *_, c in single], nprocs=1, init_process_group=False, env=MALLOC_ENV, timeout=1200
+    )[0]
+    got += launch(measure_cases, [c for *_, c in sharded], nprocs=2, env=MALLOC_ENV, timeout=1200)[0]
+    rows_out, naive = [], {}
+    cases = sorted(zip(single + sharded, got), key=lambda item: SHAPES.index(item[0][0]))
+    for ((rows, cols), name, _case), res in cases:
+        scale = rows / res["rows_used"]
+        saved, peak = res["saved_bytes"] * scale, res["peak_bytes"] * scale
+        ref = naive.setdefault((rows, cols), (saved, peak))
+        rows_out.append(
+            {
+                "layer": f"{rows}x{cols}",
+                "case": name,
+                "saved": saved,
+                "peak": peak,
+                "saved_ratio": ref[0] / max(saved, 1.0),
+                "peak_ratio": ref[1] / max(peak, 1.0),
+                "measured": f"{int(res['rows_used'])} rows, x{scale:g}" if scale != 1 else "full layer",
+                "seconds": res["seconds"],
+                "raw": res,
+            }
+        )
     return rows_out
 
 
@@ -212,7 +227,7 @@ def _finetune(model, tok, teacher, train, steps: int) -> None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-4, weight_decay=0.0)
     model.train()
     for step in range(steps):
-        batch = [train[(step * 16 + i) % len(train)] for i in range(16)]
+        batch = [train[(step * 8 + i) % len(train)] for i in range(8)]
         with torch.no_grad():
             target = _embed(teacher, tok, batch)
         loss = (1 - (_embed(model, tok, batch, grad=True) * target).sum(-1)).mean()
@@ -246,13 +261,19 @@ def quality_table(tmp: Path, steps: int) -> list[dict]:
     reference = torch.cat([_embed(teacher, tok, held_out[i : i + 32]) for i in range(0, len(held_out), 32)])
     fp32_mb = _size_mb(mdir)
     linear_fp32 = sum(m.weight.numel() * 4 for m in teacher.modules() if type(m) is torch.nn.Linear)
-    rows = [{"method": "fp32 (reference)", "bpw": 32.0, "mean_cos": 1.0, "min_cos": 1.0, "ckpt_mb": fp32_mb}]
+    rows = []
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        print(f"  quality: {row['method']}: mean cos {row['mean_cos']:.4f}", file=sys.stderr, flush=True)
+
+    add({"method": "fp32 (reference)", "bpw": 32.0, "mean_cos": 1.0, "min_cos": 1.0, "ckpt_mb": fp32_mb})
     for bits in (3, 4):
         model, layers = _dkm_model(bits)
         mean, low = _eval(model, tok, held_out, reference)
         bpw = _dkm_bpw(layers)
         model.save_pretrained(tmp / f"kmeans{bits}")
-        rows.append(
+        add(
             {
                 "method": f"k-means only ({bits}-bit, ours, no training)",
                 "bpw": bpw,
@@ -265,7 +286,7 @@ def quality_table(tmp: Path, steps: int) -> list[dict]:
         _finetune(model, tok, teacher, train, steps)
         mean, low = _eval(model, tok, held_out, reference)
         model.save_pretrained(tmp / f"dkm{bits}")
-        rows.append(
+        add(
             {
                 "method": f"DKM {bits}-bit after {steps}-step fine-tune ({time.perf_counter() - start:.0f}s)",
                 "bpw": bpw,
@@ -277,7 +298,7 @@ def quality_table(tmp: Path, steps: int) -> list[dict]:
         rtn_model = copy.deepcopy(teacher)
         bpw_rtn, packed = _rtn(rtn_model, bits)
         mean, low = _eval(rtn_model, tok, held_out, reference)
-        rows.append(
+        add(
             {
                 "method": f"round-to-nearest {bits}-bit per channel (size computed)",
                 "bpw": bpw_rtn,
@@ -299,10 +320,14 @@ def quality_table(tmp: Path, steps: int) -> list[dict]:
             mean, low = _eval(model, tok, held_out, reference)
             model.save_pretrained(tmp / name.replace(" ", "_"))
             ckpt = _size_mb(tmp / name.replace(" ", "_"))
-            rows.append({"method": name, "bpw": bpw, "mean_cos": mean, "min_cos": low, "ckpt_mb": ckpt})
+            add({"method": name, "bpw": bpw, "mean_cos": mean, "min_cos": low, "ckpt_mb": ckpt})
         except Exception as exc:  # noqa: BLE001 - report the peer as unavailable with the reason
             print(f"{name} failed on this machine: {exc!r}"[:300])
     return rows
+
+
+def _ratio(x: float) -> str:
+    return f"{x:,.0f}x" if x >= 10 else f"{x:.2f}x"
 
 
 def _mb(x: float) -> str:
@@ -315,8 +340,8 @@ def print_memory(rows: list[dict]) -> None:
     print("|---|---|---:|---:|---:|---:|---|---:|")
     for r in rows:
         print(
-            f"| {r['layer']} | {r['case']} | {_mb(r['saved'])} | {r['saved_ratio']:,.0f}x | {_mb(r['peak'])} | "
-            f"{r['peak_ratio']:,.1f}x | {r['measured']} | {r['seconds']:.2f} |"
+            f"| {r['layer']} | {r['case']} | {_mb(r['saved'])} | {_ratio(r['saved_ratio'])} | {_mb(r['peak'])} | "
+            f"{_ratio(r['peak_ratio'])} | {r['measured']} | {r['seconds']:.2f} |"
         )
 
 
@@ -342,7 +367,7 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="coremltools with its default init on 4096x1024")
     parser.add_argument("--skip", nargs="*", default=[], choices=["memory", "speed", "quality"])
     parser.add_argument("--naive-rows", type=int, default=64, help="rows of the naive slice (scaled linearly)")
-    parser.add_argument("--finetune-steps", type=int, default=30)
+    parser.add_argument("--finetune-steps", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(1)  # shared machine: OpenMP spinning under load costs more than a second thread gives
     results: dict = {"argv": sys.argv[1:]}

@@ -79,7 +79,8 @@ def build_table(weight: torch.Tensor, groups: int, cluster_dim: int, uniquify: b
     vec = weight.detach().reshape(-1, d)  # [N, d]
     n_vec, per_group = vec.shape[0], vec.shape[0] // groups
     device = weight.device
-    group_of = torch.arange(n_vec, device=device) // per_group
+    group_of = torch.arange(n_vec, device=device) // per_group if groups > 1 else torch.zeros(1, device=device).long()
+    group_of = group_of.expand(n_vec)
     if not uniquify or weight.element_size() > 2:
         # Wider floats are (almost) all distinct: a unique table would be as large as the weight, plus a sort.
         ones = torch.ones(n_vec, device=device)

@@ -109,6 +109,19 @@ class _Clustered:
         """(`weight_packed`, `weight_lut`) of the hard assignment, as a checkpoint stores them."""
         return pack_indices(self.hard_indices(), self.settings.bits), self.centroids.detach().float().clone()
 
+    def _accept_packed(self, state_dict: dict, prefix: str) -> None:
+        """Let a packed checkpoint (e.g. a Trainer checkpoint being resumed) load into this trainable layer: the
+        latent weight restarts from the hard-assigned weight and the table from the lookup table."""
+        packed = state_dict.pop(prefix + "weight_packed", None)
+        lut = state_dict.pop(prefix + "weight_lut", None)
+        if packed is None or lut is None:
+            return
+        s = self.settings
+        idx = unpack_indices(packed, s.bits, self.weight.numel() // s.cluster_dim).reshape(s.groups, -1)
+        state_dict[prefix + "weight"] = dkm.lookup(lut.float(), idx).reshape(self.weight.shape).to(self.weight.dtype)
+        state_dict[prefix + "centroids"] = lut.float()
+        self.dkm_initialised = True
+
     def _use_soft(self) -> bool:
         return self.training and torch.is_grad_enabled() and self.weight.requires_grad
 
@@ -151,6 +164,10 @@ class DKMLinear(nn.Linear, _Clustered):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_table(settings, device)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._accept_packed(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._use_soft():
             y = self._soft(x)
@@ -169,6 +186,10 @@ class DKMEmbedding(nn.Embedding, _Clustered):
     ):
         super().__init__(num_embeddings, embedding_dim, padding_idx=padding_idx, device=device, dtype=dtype)
         self._init_table(settings, device)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._accept_packed(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         weight = self._soft(None) if self._use_soft() else self.hard_weight(self.weight.dtype)
