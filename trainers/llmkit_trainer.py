@@ -92,6 +92,12 @@ class LLMKitTrainer(Trainer):
             return load_moe_checkpoint(target, resume_from_checkpoint)
         return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
+    def _load_best_model(self):
+        """`load_best_model_at_end` with `MoELayer`s: same hub-layout conversion as resuming."""
+        if moe_layers(self.model) and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            return load_moe_checkpoint(self.model, self.state.best_model_checkpoint)
+        return super()._load_best_model()
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log: MoE losses and expert load since the previous one
             logs.update(self._moe_loss.logs())

@@ -24,13 +24,14 @@ def upcycled():
     return upcycle_to_moe(tiny_llama(), num_experts=NUM_EXPERTS, top_k=2).train()
 
 
-def make_trainer(model, out, **overrides) -> LLMKitTrainer:
+def make_trainer(model, out, eval_dataset=None, **overrides) -> LLMKitTrainer:
     kwargs = dict(
         max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, logging_steps=1, report_to=[],
         save_strategy="no", disable_tqdm=True, use_cpu=True,
     )  # fmt: skip
     kwargs.update(overrides)
-    return LLMKitTrainer(model=model, args=LLMKitTrainingArguments(str(out), **kwargs), train_dataset=lm_rows())
+    args = LLMKitTrainingArguments(str(out), **kwargs)
+    return LLMKitTrainer(model=model, args=args, train_dataset=lm_rows(), eval_dataset=eval_dataset)
 
 
 def test_compute_loss_adds_weighted_aux_losses_in_training_only(tmp_path):
@@ -138,3 +139,22 @@ def test_aux_loss_follows_the_trainers_gradient_accumulation_scaling(tmp_path):
     assert aux_loss_scale(trainer, num_items_in_batch=torch.tensor(100)) == 0.25
     # without num_items_in_batch the Trainer divides the whole loss by 4 itself
     assert aux_loss_scale(trainer, num_items_in_batch=None) == 1.0
+
+
+def test_load_best_model_at_end_restores_the_best_experts(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = upcycled()
+    trainer = make_trainer(
+        model, tmp_path, max_steps=2, save_strategy="steps", save_steps=1, eval_strategy="steps", eval_steps=1,
+        load_best_model_at_end=True, metric_for_best_model="eval_loss", eval_dataset=lm_rows(4),
+    )  # fmt: skip
+    trainer.train()
+    with torch.no_grad():  # whichever step was best, the weights must now come back from its checkpoint
+        for layer in moe_layers(model):
+            layer.experts.down_proj.add_(1.0)
+    trainer._load_best_model()
+    best = AutoModelForCausalLM.from_pretrained(trainer.state.best_model_checkpoint)
+    for key, value in best.state_dict().items():
+        if ".mlp." in key:
+            torch.testing.assert_close(model.state_dict()[key], value, msg=f"{key} is not the best checkpoint's")
