@@ -278,6 +278,7 @@ class FaultToleranceCallback(TrainerCallback):
                 retries=self.manifest_retries,
                 delay=0.5,
                 what=f"manifest of {checkpoint.name}",
+                collective=False,  # only the main process writes the manifest
             )
             rotate_checkpoints(args.output_dir, self._save_total_limit, keep=(state.best_model_checkpoint,))
         return control

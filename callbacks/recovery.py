@@ -76,9 +76,19 @@ def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
 
 
 def save_with_retries(
-    save: Callable[[], Any], *, retries: int, delay: float, device: torch.device | str = "cpu", what: str = "save"
+    save: Callable[[], Any],
+    *,
+    retries: int,
+    delay: float,
+    device: torch.device | str = "cpu",
+    what: str = "save",
+    collective: bool = True,
 ) -> None:
-    """Run `save()`; on a transient I/O error on any rank, every rank runs it again (backoff `delay * 2**k`)."""
+    """Run `save()`; on a transient I/O error on any rank, every rank runs it again (backoff `delay * 2**k`).
+
+    With `collective` every rank must call this together (they agree on success); without it only this process
+    retries (for writes only the main process makes).
+    """
     for attempt in range(retries + 1):
         error: BaseException | None = None
         try:
@@ -87,7 +97,8 @@ def save_with_retries(
             if not is_transient_io_error(err):
                 raise
             error = err
-        if not any_rank(error is not None, device):
+        failed = any_rank(error is not None, device) if collective else error is not None
+        if not failed:
             if attempt:
                 logger.warning("%s succeeded on attempt %d", what, attempt + 1)
             return

@@ -144,17 +144,20 @@ class SavePeftModelCallback(TrainerCallback):
         self.save_at_train_end = save_at_train_end
         self._warned: set[str] = set()
 
-    def _warn_once(self, key: str, message: str, *args) -> None:
+    def _warn_once(self, key: str, message: str, *args, level: int = logging.WARNING) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            logger.warning(message, *args)
+            logger.log(level, message, *args)
 
     def save(self, root: str | os.PathLike, *, model, processing_class=None, is_main_process: bool = True) -> bool:
         """Save into `root/<subfolder>` (and `root/<merged_subfolder>`); call on every rank. False if not PEFT."""
         peft_model = _peft_model(model)
         if peft_model is None:
             self._warn_once(
-                "not-peft", "SavePeftModelCallback: %s is not a PeftModel; nothing to save", type(model).__name__
+                "not-peft",
+                "SavePeftModelCallback: %s is not a PeftModel; nothing to save",
+                type(model).__name__,
+                level=logging.INFO,
             )
             return False
         root = Path(root)

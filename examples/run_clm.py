@@ -38,9 +38,14 @@ from transformers import (
     default_data_collator,
     set_seed,
 )
-from transformers.trainer_utils import get_last_checkpoint
 
 from hf_llmkit import LLMKitTrainingArguments
+from hf_llmkit.callbacks import (
+    FaultToleranceCallback,
+    LossScaleCallback,
+    SavePeftModelCallback,
+    latest_complete_checkpoint,
+)
 from hf_llmkit.corpus import corpus_texts, corpus_tokenizer, default_cache_dir
 from hf_llmkit.lm_data import build_lm_datasets, find_data_files
 from hf_llmkit.trainers import LLMKitTrainer
@@ -139,11 +144,36 @@ class RunArguments:
 
     Args:
         overwrite_output_dir: Start from scratch even if `output_dir` holds checkpoints (default: resume).
+        fault_tolerance: `FaultToleranceCallback`: manifest-checked checkpoints, save-and-exit on SIGTERM/SIGUSR1,
+            rollback on NaN loss (`--no_fault_tolerance` turns it off).
+        save_peft_adapter: `SavePeftModelCallback`: the PEFT adapter + tokenizer in every checkpoint and in
+            output_dir/adapter (a no-op for full fine-tuning; `--no_save_peft_adapter` turns it off).
+        log_loss_scale: `LossScaleCallback`: the live fp16 loss scale and overflows in the logs (nothing under
+            bf16/fp32; `--no_log_loss_scale` turns it off).
     """
 
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Ignore checkpoints in output_dir and train from scratch."}
     )
+    fault_tolerance: bool = field(
+        default=True, metadata={"help": "Manifest-checked checkpoints, save-and-exit on SIGTERM, NaN rollback."}
+    )
+    save_peft_adapter: bool = field(
+        default=True, metadata={"help": "Save the PEFT adapter + tokenizer into every checkpoint and output_dir."}
+    )
+    log_loss_scale: bool = field(default=True, metadata={"help": "Log the live fp16 loss scale and overflows."})
+
+
+def build_callbacks(run_args: RunArguments) -> list:
+    """The hf_llmkit callbacks this run enables (all three by default)."""
+    callbacks = []
+    if run_args.fault_tolerance:
+        callbacks.append(FaultToleranceCallback())
+    if run_args.save_peft_adapter:
+        callbacks.append(SavePeftModelCallback())
+    if run_args.log_loss_scale:
+        callbacks.append(LossScaleCallback())
+    return callbacks
 
 
 def parse_args(argv: list[str] | None = None):
@@ -234,7 +264,8 @@ def resolve_block_size(data_args: DataArguments, config) -> int:
 
 
 def resume_checkpoint(run_args: RunArguments, training_args) -> str | None:
-    """The checkpoint to resume from: an explicit `--resume_from_checkpoint`, else the newest in output_dir."""
+    """The checkpoint to resume from: an explicit `--resume_from_checkpoint`, else the newest *complete* one in
+    output_dir (manifest-verified: half-written checkpoints of a killed run are skipped)."""
     if training_args.resume_from_checkpoint is not None:
         if not Path(training_args.resume_from_checkpoint).is_dir():
             raise ValueError(
@@ -244,7 +275,7 @@ def resume_checkpoint(run_args: RunArguments, training_args) -> str | None:
         return training_args.resume_from_checkpoint
     if run_args.overwrite_output_dir or not os.path.isdir(training_args.output_dir):
         return None
-    return get_last_checkpoint(training_args.output_dir)
+    return latest_complete_checkpoint(training_args.output_dir)
 
 
 def perplexity(loss: float) -> float:
@@ -310,6 +341,7 @@ def run(argv: list[str] | None = None) -> dict:
         eval_dataset=eval_dataset if training_args.do_eval else None,
         processing_class=tokenizer,
         data_collator=default_data_collator,
+        callbacks=build_callbacks(run_args),
     )
     results: dict = {
         "parameters": sum(p.numel() for p in model.parameters()),

@@ -114,7 +114,7 @@ def test_empty_or_misshaped_tensors_fail_loudly(tmp_path):
 
 
 def test_non_peft_model_is_left_alone(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="hf_llmkit.callbacks.save_peft"):
+    with caplog.at_level(logging.INFO, logger="hf_llmkit.callbacks.save_peft"):
         make_trainer(tmp_path, plain=True, max_steps=2, callbacks=[SavePeftModelCallback()]).train()
     assert not (tmp_path / "checkpoint-2" / "adapter").exists()
     assert any("not a PeftModel" in r.getMessage() for r in caplog.records)
