@@ -142,6 +142,8 @@ def bench_layers(args) -> list[dict]:
     floor = statistics.median(times["dense MLP x2 (floor)"])
     peers = [statistics.median(t) for n, t in times.items() if not n.startswith(("hf_llmkit", "dense"))]
     best_peer = min(peers) if peers else float("nan")
+    # the fastest round is the least disturbed by other load on a shared machine: a second, steadier view
+    best_peer_min = min((min(t) for n, t in times.items() if not n.startswith(("hf_llmkit", "dense"))), default=1)
     rows = []
     for name, samples in times.items():
         med = statistics.median(samples)
@@ -152,6 +154,8 @@ def bench_layers(args) -> list[dict]:
                 "tokens_per_s": args.tokens / med,
                 "vs_floor": med / floor,
                 "vs_best_peer": med / best_peer,
+                "min_s": min(samples),
+                "min_vs_best_peer_min": min(samples) / best_peer_min,
             }
         )
     print(f"\nMoELayer vs Mixtral eager (same weights, dropless): max |diff| = {max_diff:.2e}")
@@ -217,12 +221,12 @@ def main() -> None:
         f"\n### MoE layer forward+backward, {args.tokens} tokens, H={args.hidden}, I={args.inter}, "
         f"{args.experts} experts, top-{args.top_k} (torch threads: {torch.get_num_threads()})\n"
     )
-    print("| system | median step (ms) | tokens/s | vs 2x dense MLP | vs best peer |")
-    print("|---|---:|---:|---:|---:|")
+    print("| system | median step (ms) | tokens/s | vs 2x dense MLP | vs best peer | fastest step: vs best peer |")
+    print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['system']} | {r['median_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | {r['vs_floor']:.2f} "
-            f"| {r['vs_best_peer']:.2f} |"
+            f"| {r['vs_best_peer']:.2f} | {r['min_vs_best_peer_min']:.2f} |"
         )
 
     training = [train_upcycled(args, 0.0), train_upcycled(args, args.aux_coef)]
