@@ -35,14 +35,11 @@ def test_accelerate_ddp_lora_gradient_checkpointing_replicated_kv(tmp_path):
     check(result, "DistributedDataParallel")
 
 
-def test_accelerate_ddp_bottleneck_adapters(tmp_path):
-    check(run(tmp_path, "accelerate", "--peft", "bottleneck"), "DistributedDataParallel")
-
-
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_zero_torchrun(tmp_path, stage):
+    """ZeRO-2 with our bottleneck adapters; ZeRO-3 (partitioned parameters) with gradient checkpointing."""
     pytest.importorskip("deepspeed")
-    flags = ["--zero", str(stage)] + (["--gradient_checkpointing"] if stage == 3 else [])
+    flags = ["--zero", str(stage)] + (["--gradient_checkpointing"] if stage == 3 else ["--peft", "bottleneck"])
     check(run(tmp_path, "torchrun", *flags), "DeepSpeedEngine")
 
 
