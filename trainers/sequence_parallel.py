@@ -7,6 +7,10 @@
 - loss: the token-weighted mean over the SP group (`sequence_parallel_loss`), scaled so that the DDP / DeepSpeed
   gradient average over all ranks equals single-rank training on the same global batch (also with gradient
   accumulation and `average_tokens_across_devices`). Logged and evaluation losses are the full-sequence losses.
+
+Evaluation returns each rank's logits for its own shard ([B, S/P, V]); `compute_metrics` that need full-sequence
+logits are not supported. With several data-parallel groups, the last, uneven evaluation batch is truncated by
+accelerate's `gather_for_metrics` as if every rank held different samples.
 """
 
 from __future__ import annotations

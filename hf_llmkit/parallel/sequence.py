@@ -13,7 +13,12 @@ runs on the local shard unchanged.
 
 The model's mask code runs on the local shard; the mask function registered with our attention name passes the
 local 2D padding mask through unchanged, and the wrapper gathers it and builds the mask for the full sequence
-with transformers' own mask function of the wrapped implementation.
+with transformers' own mask function of the wrapped implementation (causal, sliding-window or bidirectional).
+
+Limits: training and evaluation only (no KV cache); `position_ids` are not passed to the inner kernel, so packed
+sequences must carry an attention mask rather than position resets; attention weights are not returned. With
+eager attention, a fully masked query row (a left-padding position) averages over all keys, so padding the length
+to a multiple of P changes that row's output -- it matters only when such a position has a label (sdpa is exact).
 """
 
 from __future__ import annotations
