@@ -2,7 +2,7 @@
 
 `adapters` needs transformers 4.x, so this script imports neither hf_llmkit nor anything from transformers 5. It
 reads a JSON spec (workload shapes, rounds, bottleneck settings) from the file named by argv[1] and prints one
-JSON object: per workload, per method, trainable parameters and the median step time in ms, next to its own
+JSON object: per workload, per method, trainable parameters and the fastest step time in ms, next to its own
 full fine-tuning step so the caller can compare ratios across the two processes.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -116,7 +115,7 @@ def main() -> None:
                 step()
                 if r >= spec["warmup"]:
                     times[method].append(time.perf_counter() - start)
-        out[name] = {m: {"trainable": runners[m][1], "step_ms": 1e3 * statistics.median(t)} for m, t in times.items()}
+        out[name] = {m: {"trainable": runners[m][1], "step_ms": 1e3 * min(t)} for m, t in times.items()}
     print(json.dumps(out))
 
 
