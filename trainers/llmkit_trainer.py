@@ -10,10 +10,10 @@ from transformers import Trainer, TrainingArguments
 
 from hf_llmkit.callbacks.log_bridge import add_callback_logs
 from hf_llmkit.callbacks.recovery import save_with_retries, train_with_recovery
-from hf_llmkit.parallel.moe import moe_layers
 from hf_llmkit.trainers.moe_loss import (
     MoELossTracker,
     aux_loss_scale,
+    has_moe_blocks,
     load_moe_checkpoint,
     register_zero3_leaf_modules,
 )
@@ -86,15 +86,15 @@ class LLMKitTrainer(Trainer):
         )
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        """Resuming a model with `MoELayer`s loads its hub-layout experts through `from_pretrained`'s conversion."""
+        """Resuming an MoE model loads its hub-layout experts through `from_pretrained`'s conversion."""
         target = model if model is not None else self.model
-        if moe_layers(target) and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+        if has_moe_blocks(target) and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             return load_moe_checkpoint(target, resume_from_checkpoint)
         return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_best_model(self):
-        """`load_best_model_at_end` with `MoELayer`s: same hub-layout conversion as resuming."""
-        if moe_layers(self.model) and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+        """`load_best_model_at_end` of an MoE model: the same hub-layout conversion as resuming."""
+        if has_moe_blocks(self.model) and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             return load_moe_checkpoint(self.model, self.state.best_model_checkpoint)
         return super()._load_best_model()
 

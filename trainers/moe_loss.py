@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from hf_llmkit.parallel.moe import MoELayer, moe_layers
+from hf_llmkit.parallel.upcycle import NATIVE_MOE_BLOCKS
 
 
 def register_zero3_leaf_modules(model: nn.Module) -> bool:
@@ -26,13 +27,18 @@ def register_zero3_leaf_modules(model: nn.Module) -> bool:
     return True
 
 
+def has_moe_blocks(model: nn.Module) -> bool:
+    """Whether `model` holds `MoELayer`s or transformers' Mixtral / Qwen2-MoE sparse blocks."""
+    return any(isinstance(m, MoELayer) or type(m).__name__ in NATIVE_MOE_BLOCKS for m in model.modules())
+
+
 def load_moe_checkpoint(model: nn.Module, folder: str) -> None:
-    """Load a `save_pretrained` checkpoint folder into a model with `MoELayer`s (used to resume training).
+    """Load a `save_pretrained` checkpoint folder into an MoE model (used to resume and to load the best model).
 
     `save_pretrained` writes MoE experts in the hub layout (one tensor per expert), which only
     `from_pretrained`'s conversion turns back into the fused tensors; `Trainer`'s plain `load_state_dict`
-    would leave every expert and router untrained. The folder is loaded as the model's native class, whose
-    state dict has the same keys as the model with `MoELayer`s.
+    would leave every expert and router at its initial value (native Mixtral models included). The folder is
+    loaded as the model's native class, whose state dict has the same keys as the model with `MoELayer`s.
     """
     dtype = next(model.parameters()).dtype
     native = type(model).from_pretrained(folder, config=model.config, dtype=dtype)

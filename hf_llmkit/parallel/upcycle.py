@@ -56,7 +56,7 @@ _SUPPORTED = {
         (*_COMMON, "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
     ),
 }  # fmt: skip
-_NATIVE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
+NATIVE_MOE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
 
 
 def supported_architectures() -> list[str]:
@@ -210,7 +210,7 @@ def use_moe_layers(
     """
     config, replaced = model.config, 0
     for name, block in list(model.named_modules()):
-        if type(block).__name__ not in _NATIVE_BLOCKS:
+        if type(block).__name__ not in NATIVE_MOE_BLOCKS:
             continue
         shared = getattr(block, "shared_expert", None)
         gate_up = block.experts.gate_up_proj  # [E, 2I, H]

@@ -118,13 +118,23 @@ def test_deepspeed_zero_stages_train_and_save_native_moe(deepspeed_reports, stag
     assert experts.shape[0] == NUM_EXPERTS and not torch.allclose(experts[0], experts[1])
 
 
-def test_resume_restores_trained_experts_and_routers(tmp_path):
-    first = make_trainer(upcycled(), tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+def native_mixtral(folder):
+    """The upcycled tiny model saved and loaded back as plain transformers Mixtral (native sparse blocks)."""
+    from transformers import MixtralForCausalLM
+
+    upcycled().save_pretrained(folder)
+    return MixtralForCausalLM.from_pretrained(folder).train()
+
+
+@pytest.mark.parametrize("kind", ["moe_layer", "native_mixtral"])
+def test_resume_restores_trained_experts_and_routers(tmp_path, kind):
+    build = upcycled if kind == "moe_layer" else lambda: native_mixtral(tmp_path / "base")
+    first = make_trainer(build(), tmp_path / "run", max_steps=2, save_strategy="steps", save_steps=2)
     first.train()
     trained = {k: v.clone() for k, v in first.model.state_dict().items() if ".mlp." in k}
-    resumed_model = upcycled()
-    second = make_trainer(resumed_model, tmp_path, max_steps=2)
-    second.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))  # at max_steps already: loads, no step
+    resumed_model = build()
+    second = make_trainer(resumed_model, tmp_path / "run", max_steps=2)
+    second.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))  # at max_steps: loads, no step
     for key, value in trained.items():
         torch.testing.assert_close(resumed_model.state_dict()[key], value, msg=f"{key} was not restored")
 
