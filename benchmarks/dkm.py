@@ -224,7 +224,7 @@ def _dkm_bpw(layers) -> float:
 
 
 def _finetune(model, tok, teacher, train, steps: int) -> None:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-4, weight_decay=0.0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
     model.train()
     for step in range(steps):
         batch = [train[(step * 8 + i) % len(train)] for i in range(8)]
@@ -367,7 +367,7 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="coremltools with its default init on 4096x1024")
     parser.add_argument("--skip", nargs="*", default=[], choices=["memory", "speed", "quality"])
     parser.add_argument("--naive-rows", type=int, default=64, help="rows of the naive slice (scaled linearly)")
-    parser.add_argument("--finetune-steps", type=int, default=20)
+    parser.add_argument("--finetune-steps", type=int, default=10)
     args = parser.parse_args()
     torch.set_num_threads(1)  # shared machine: OpenMP spinning under load costs more than a second thread gives
     results: dict = {"argv": sys.argv[1:]}

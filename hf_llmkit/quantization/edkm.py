@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.nn import functional as dist_nn
 
-from hf_llmkit.quantization.dkm import distance
+from hf_llmkit.quantization.dkm import DIST_EPS
 
 _INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -180,12 +180,16 @@ class PaletteApply(torch.autograd.Function):
 
 
 def _local_jacobian(u: torch.Tensor, cents: torch.Tensor, attn: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    """`J[u, i, j] = d(A(u) C)_i / du_j` with C fixed: `[U, d, d]`, closed form of the softmax attention."""
+    """`J[u, i, j] = d(A(u) C)_i / du_j` with C fixed: `[U, d, d]`, closed form of the softmax attention.
+
+    `cents` is `[U, K, d]` (a table per row) or `[K, d]` (one table); `tau` broadcasts to `[U, 1, 1]`.
+    """
     diff = u.unsqueeze(1) - cents  # [U, K, d]
     dist_ = (diff.square().sum(-1, keepdim=True) + 1e-12).sqrt()
-    dz = -diff / (tau.view(-1, 1, 1) * dist_)  # [U, K, d]
+    dz = -diff / (tau * dist_)  # [U, K, d]
     dz_bar = (attn.unsqueeze(-1) * dz).sum(1, keepdim=True)
-    return torch.einsum("uki,uk,ukj->uij", cents, attn, dz - dz_bar)
+    spec = "ki,uk,ukj->uij" if cents.dim() == 2 else "uki,uk,ukj->uij"
+    return torch.einsum(spec, cents, attn, dz - dz_bar)
 
 
 def _shard_bounds(rows: int, group) -> tuple[int, int, int, int]:
@@ -212,18 +216,29 @@ def table_dkm(
     rows, groups = values.shape[0], table.groups
     lo, hi, per, world = _shard_bounds(rows, group) if group is not None else (0, rows, rows, 1)
     u, gid, cnt = values[lo:hi], table.gid[lo:hi], table.counts[lo:hi]
-
-    def at_rows(t: torch.Tensor) -> torch.Tensor:  # per-group tensor -> per-row (a view for a single table)
-        return t[gid] if groups > 1 else t.expand(u.shape[0], *t.shape[1:])
-
-    scale = at_rows(tau).unsqueeze(-1)  # [U_l, 1]
     c = centroids.float()
     k, d = c.shape[1], c.shape[2]
+    single = groups == 1  # one table: plain broadcasting and matmuls instead of per-row gathers
+
+    def table_of(cents: torch.Tensor) -> torch.Tensor:  # [K, d] for one table, else [U_l, K, d]
+        return cents[0] if single else cents[gid]
+
+    scale = tau[0] if single else tau[gid]  # scalar or [U_l]
+
+    def attention(rows: torch.Tensor, cents: torch.Tensor) -> torch.Tensor:
+        """A^T `[K, U_l]`: the softmax runs over dim 0 (CPU softmax over a last dim of size K is ~7x slower)."""
+        per_row = cents.unsqueeze(1) if single else cents.transpose(0, 1)  # [K, 1 or U_l, d]
+        dist_t = ((per_row - rows.unsqueeze(0)).square().sum(-1) + DIST_EPS).sqrt()  # [K, U_l]
+        return torch.softmax(-dist_t / scale, dim=0)
+
     for _ in range(iters):
-        attn = torch.softmax(-distance(u.unsqueeze(1), at_rows(c)).squeeze(1) / scale, dim=-1)  # [U_l, K]
-        weighted = attn if table.mode == "identity" else attn * cnt.unsqueeze(-1)
-        num = u.new_zeros(groups, k, d).index_add(0, gid, weighted.unsqueeze(-1) * u.unsqueeze(1))
-        den = u.new_zeros(groups, k).index_add(0, gid, weighted)
+        attn_t = attention(u, table_of(c))
+        weighted = attn_t if table.mode == "identity" else attn_t * cnt.unsqueeze(0)  # [K, U_l]
+        if single:
+            num, den = (weighted @ u).unsqueeze(0), weighted.sum(1).unsqueeze(0)
+        else:
+            num = u.new_zeros(groups, k, d).index_add(0, gid, weighted.t().unsqueeze(-1) * u.unsqueeze(1))
+            den = u.new_zeros(groups, k).index_add(0, gid, weighted.t())
         if group is not None:
             num, den = dist_nn.all_reduce(num, group=group), dist_nn.all_reduce(den, group=group)
         new = torch.where(den.unsqueeze(-1) > 1e-30, num / den.clamp_min(1e-30).unsqueeze(-1), c)
@@ -231,11 +246,13 @@ def table_dkm(
         c = new
         if not bool(still):
             break
-    cents = at_rows(c)  # [U_l, K, d]
-    attn = torch.softmax(-distance(u.detach().unsqueeze(1), cents).squeeze(1) / scale, dim=-1)
-    out = torch.einsum("uk,ukd->ud", attn, cents)
+    cents = table_of(c)
+    attn_t = attention(u.detach(), cents)
+    out = attn_t.t() @ cents if single else torch.einsum("ku,ukd->ud", attn_t, cents)
+    attn = attn_t.t()
     with torch.no_grad():
-        jac = _local_jacobian(u.detach(), cents.detach(), attn.detach(), at_rows(tau))
+        tau_rows = tau[0] if single else tau[gid].view(-1, 1, 1)
+        jac = _local_jacobian(u.detach(), cents.detach(), attn.detach(), tau_rows)
     if group is not None:
         pad = per - (hi - lo)
         out = torch.cat(dist_nn.all_gather(torch.nn.functional.pad(out, (0, 0, 0, pad)), group=group))[:rows]
