@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import TrainerCallback
 
 from hf_llmkit.callbacks import LossScaleCallback
+from hf_llmkit.testing import launch
+from tests.callbacks.deepspeed_support import deepspeed_fp16_loss_scale
 from tests.callbacks.support import make_trainer, small_model
+
+REPO = Path(__file__).resolve().parents[2]
 
 KEYS = ("loss_scale", "loss_scale_overflows", "loss_scale_overflows_total", "skipped_steps", "skipped_steps_total")
 
@@ -90,3 +95,15 @@ def test_scale_collapse_warns_once(tmp_path, caplog):
 def test_bad_min_scale_names_the_fix():
     with pytest.raises(ValueError, match="min_scale"):
         LossScaleCallback(min_scale=0)
+
+
+def test_deepspeed_fp16_live_scale_and_skipped_steps(tmp_path):
+    """DeepSpeed ZeRO-2 fp16 on one CPU rank, initial scale 2**8, inf gradients on steps 2 and 3."""
+    result = launch(deepspeed_fp16_loss_scale, str(tmp_path), 2, nprocs=1, timeout=300, env={"PYTHONPATH": str(REPO)})[
+        0
+    ]
+    logs = result["logs"]
+    # The live scale (hysteresis 2: the second overflow halves it), not the configured 256.
+    assert [entry["loss_scale"] for entry in logs] == [256.0, 128.0, 128.0]
+    assert [entry["loss_scale_overflows"] for entry in logs] == [1, 1, 0]
+    assert logs[-1]["skipped_steps_total"] == result["engine_skipped"] == 2
