@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from hf_llmkit.parallel import (
     apply_sequence_parallel,
@@ -112,6 +113,9 @@ def error_messages(groups) -> dict:
     wrapped = sequence_parallel_group(model) is groups.sp_group
     remove_sequence_parallel(model)
     messages["round_trip"] = wrapped and model.config._attn_implementation == "sdpa"
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "sp"))
+    model = apply_sequence_parallel(tiny_llama(attn_implementation="eager"), mesh=mesh)
+    messages["mesh"] = sequence_parallel_group(model) is mesh.get_group("sp")
     return messages
 
 
@@ -139,6 +143,7 @@ def test_two_ranks_match_single_rank_and_reject_bad_input():
     assert "'flex_attention' cannot be wrapped" in errors["implementation"]
     assert "exactly one of group=" in errors["group_and_mesh"]
     assert errors["round_trip"] is True
+    assert errors["mesh"] is True
 
 
 def test_four_ranks_match_single_rank_and_dp_x_sp_groups():
