@@ -5,7 +5,7 @@ transformers) exactly once; importing it again, or importing peft/transformers b
 """
 
 from hf_llmkit.args import LLMKitTrainingArguments
-from hf_llmkit.parallel import MoELayer, upcycle_to_moe
+from hf_llmkit.parallel import MoELayer, apply_sequence_parallel, upcycle_to_moe
 from hf_llmkit.quantization import DKMConfig
 from hf_llmkit.tuners.bitfit import BitFitConfig
 from hf_llmkit.tuners.bottleneck import BottleneckConfig
@@ -24,6 +24,7 @@ __all__ = [
     "PTuningTemplate",
     "PTuningV2Config",
     "__version__",
+    "apply_sequence_parallel",
     "build_ptuning_template",
     "upcycle_to_moe",
 ]
