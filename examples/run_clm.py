@@ -88,6 +88,11 @@ class ModelArguments:
         attn_implementation: Attention implementation passed to the model (sdpa, eager, ...).
         vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
             max_position_embeddings: sizes of the from-scratch Llama (ignored with `model_name_or_path`).
+        quantization: "dkm" trains with DKM / eDKM weight clustering (`hf_llmkit.DKMConfig`, quantization-aware);
+            the saved model holds packed n-bit indices + lookup tables. Use `--torch_dtype bfloat16` for eDKM's
+            unique-value table (32-bit weights fall back to naive DKM's memory).
+        dkm_bits, dkm_cluster_dim, dkm_granularity, dkm_group_size, dkm_embedding_bits, dkm_temperature, dkm_shard:
+            the matching `DKMConfig` fields (`dkm_embedding_bits` set: embeddings are clustered too).
     """
 
     model_name_or_path: str | None = field(
@@ -108,6 +113,24 @@ class ModelArguments:
     num_attention_heads: int = field(default=4, metadata={"help": "From scratch: query heads."})
     num_key_value_heads: int = field(default=2, metadata={"help": "From scratch: key/value heads (GQA)."})
     max_position_embeddings: int = field(default=512, metadata={"help": "From scratch: context length."})
+    quantization: str | None = field(
+        default=None, metadata={"help": "'dkm': DKM/eDKM train-time weight clustering.", "choices": ["dkm"]}
+    )
+    dkm_bits: int = field(default=3, metadata={"help": "DKM: bits per index (1-8)."})
+    dkm_cluster_dim: int = field(default=1, metadata={"help": "DKM: weights per clustered vector."})
+    dkm_granularity: str = field(
+        default="per_tensor",
+        metadata={
+            "help": "DKM: one table per tensor or per group_size rows.",
+            "choices": ["per_tensor", "per_grouped_channel"],
+        },
+    )
+    dkm_group_size: int = field(default=32, metadata={"help": "DKM: output channels per table (per_grouped_channel)."})
+    dkm_embedding_bits: int | None = field(
+        default=None, metadata={"help": "DKM: also cluster embeddings, at these bits."}
+    )
+    dkm_temperature: float = field(default=0.02, metadata={"help": "DKM: soft-assignment temperature (x weight std)."})
+    dkm_shard: bool = field(default=False, metadata={"help": "eDKM: shard the unique table across the ranks."})
 
 
 @dataclass
@@ -211,7 +234,26 @@ def load_tokenizer(model_args: ModelArguments):
     return tokenizer
 
 
+def dkm_config(model_args: ModelArguments):
+    """The `DKMConfig` of `--quantization dkm` (None without it); bad values raise ValueError naming the fix."""
+    if model_args.quantization != "dkm":
+        return None
+    from hf_llmkit import DKMConfig
+
+    return DKMConfig(
+        bits=model_args.dkm_bits,
+        cluster_dim=model_args.dkm_cluster_dim,
+        granularity=model_args.dkm_granularity,
+        group_size=model_args.dkm_group_size,
+        quantize_embeddings=model_args.dkm_embedding_bits is not None,
+        embedding_bits=model_args.dkm_embedding_bits or 8,
+        temperature=model_args.dkm_temperature,
+        shard=model_args.dkm_shard,
+    )
+
+
 def load_model(model_args: ModelArguments, tokenizer):
+    quantization = dkm_config(model_args)
     dtype = model_args.torch_dtype
     dtype = dtype if dtype in (None, "auto") else getattr(torch, dtype)
     if model_args.model_name_or_path is None:
@@ -231,12 +273,19 @@ def load_model(model_args: ModelArguments, tokenizer):
         if model_args.attn_implementation:
             config._attn_implementation = model_args.attn_implementation
         model = LlamaForCausalLM(config)
-        return model.to(dtype) if isinstance(dtype, torch.dtype) else model
+        model = model.to(dtype) if isinstance(dtype, torch.dtype) else model
+        if quantization is not None:
+            from hf_llmkit.quantization import quantize_model
+
+            model = quantize_model(model, quantization)
+        return model
     path = Path(model_args.model_name_or_path)
     config = AutoConfig.from_pretrained(path)
     if getattr(config, "is_decoder", True) is False:
         config.is_decoder = True  # encoder checkpoints (BERT family) train causally as decoders
     kwargs = {"dtype": dtype} if dtype is not None else {}
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
     if model_args.attn_implementation:
         kwargs["attn_implementation"] = model_args.attn_implementation
     model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
