@@ -7,6 +7,7 @@ from hf_llmkit.parallel.groups import (
     new_sequence_parallel_groups,
 )
 from hf_llmkit.parallel.moe import MoEAux, MoELayer, moe_layers
+from hf_llmkit.parallel.moe_arguments import MoEArguments
 from hf_llmkit.parallel.moe_router import TopKRouter, load_balancing_loss, router_z_loss
 from hf_llmkit.parallel.sequence import (
     UlyssesAttention,
@@ -19,6 +20,7 @@ from hf_llmkit.parallel.sp_loss import sequence_parallel_loss
 from hf_llmkit.parallel.upcycle import supported_architectures, upcycle_to_moe, use_moe_layers
 
 __all__ = [
+    "MoEArguments",
     "MoEAux",
     "MoELayer",
     "SequenceParallelCollator",
