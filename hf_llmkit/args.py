@@ -23,6 +23,21 @@ def _has_accelerator() -> bool:
     return bool(accelerator.is_available()) if accelerator is not None else torch.cuda.is_available()
 
 
+def _deepspeed_state_on_gloo() -> None:
+    """Without an accelerator, accelerate finds no DeepSpeed backend and reports one process: start it on gloo."""
+    from accelerate import PartialState
+
+    previous = os.environ.get("ACCELERATE_USE_DEEPSPEED")
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    try:
+        PartialState(backend="gloo")
+    finally:
+        if previous is None:
+            del os.environ["ACCELERATE_USE_DEEPSPEED"]
+        else:
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = previous
+
+
 @dataclass
 class LLMKitTrainingArguments(TrainingArguments):
     """`TrainingArguments` extended with hf_llmkit's options.
@@ -30,7 +45,8 @@ class LLMKitTrainingArguments(TrainingArguments):
     Beyond the added fields, one behaviour differs from `TrainingArguments`: launched on several ranks
     (`accelerate launch --multi_gpu`, `torchrun`) on a machine without an accelerator, the plain arguments
     leave accelerate in single-process mode and every rank trains its own copy of the model; here `use_cpu`
-    is switched on so the ranks form one gloo data-parallel group (accelerate's MULTI_CPU).
+    is switched on so the ranks form one gloo data-parallel group (accelerate's MULTI_CPU). With a `deepspeed`
+    config there, accelerate's DeepSpeed state is started on gloo (it would otherwise report a single process).
 
     Args:
         (every `transformers.TrainingArguments` argument)
@@ -96,4 +112,9 @@ class LLMKitTrainingArguments(TrainingArguments):
         if multi_rank and not self.use_cpu and not self.deepspeed and not _has_accelerator():
             logger.info("no accelerator: training on %s CPU ranks with gloo", os.environ["WORLD_SIZE"])
             self.use_cpu = True
+        if multi_rank and self.deepspeed and not self.use_cpu and not _has_accelerator():
+            logger.info("no accelerator: DeepSpeed on %s CPU ranks with gloo", os.environ["WORLD_SIZE"])
+            _deepspeed_state_on_gloo()
+            if self.accelerator_config is None or isinstance(self.accelerator_config, dict):
+                self.accelerator_config = {**(self.accelerator_config or {}), "use_configured_state": True}
         super().__post_init__()

@@ -90,16 +90,8 @@ def main() -> None:
     parser.add_argument("--zero", type=int, default=0, help="DeepSpeed ZeRO stage (0 = DDP)")
     args = parser.parse_args()
     train, evals = make_rows(STEPS * BATCH, 0), make_rows(2 * BATCH, 1)
-    ds_config, accelerator_config = None, None
+    ds_config = None  # LLMKitTrainingArguments starts DeepSpeed on gloo when there is no accelerator
     if args.zero:
-        # Without an accelerator, accelerate's PartialState finds no backend for DeepSpeed (and TrainingArguments
-        # does not pass ddp_backend there), so it reports one process; configure the DeepSpeed state on gloo first.
-        from accelerate import PartialState
-
-        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-        PartialState(backend="gloo")
-        del os.environ["ACCELERATE_USE_DEEPSPEED"]
-        accelerator_config = {"use_configured_state": True}
         ds_config = {
             "zero_optimization": {"stage": args.zero},
             "train_micro_batch_size_per_gpu": "auto",
@@ -126,7 +118,6 @@ def main() -> None:
         train_sampling_strategy="sequential",
         gradient_checkpointing=args.gradient_checkpointing,
         deepspeed=ds_config,
-        accelerator_config=accelerator_config,
         disable_tqdm=True,
         seed=0,
     )
