@@ -10,6 +10,7 @@ resume. It runs with no arguments:
     accelerate launch --multi_gpu --num_processes 2 examples/run_clm.py        # the same on 2 ranks
     python examples/run_clm.py --model_name_or_path path/to/model --train_file corpus.txt --block_size 256
     python examples/run_clm.py --upcycle_moe true --moe_num_experts 8   # sparse upcycling to Mixtral
+    python examples/run_clm.py --peft_method bottleneck --bottleneck_placement pfeiffer   # or lora, bitfit
 
 Without `--model_name_or_path` it builds a small Llama-architecture model from a config (sizes below) and
 a byte-level BPE tokenizer trained on the English corpus that ships with Python (`pydoc_data.topics`).
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from peft import get_peft_model
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -51,6 +53,7 @@ from hf_llmkit.corpus import corpus_texts, corpus_tokenizer, default_cache_dir
 from hf_llmkit.lm_data import build_lm_datasets, find_data_files
 from hf_llmkit.parallel.moe_arguments import MoEArguments
 from hf_llmkit.trainers import LLMKitTrainer
+from hf_llmkit.tuners.arguments import PeftArguments
 
 logger = logging.getLogger("run_clm")
 
@@ -202,7 +205,9 @@ def build_callbacks(run_args: RunArguments) -> list:
 
 
 def parse_args(argv: list[str] | None = None):
-    parser = HfArgumentParser((ModelArguments, DataArguments, RunArguments, MoEArguments, LLMKitTrainingArguments))
+    parser = HfArgumentParser(
+        (ModelArguments, DataArguments, RunArguments, MoEArguments, PeftArguments, LLMKitTrainingArguments)
+    )
     parser.set_defaults(**EMBEDDED_DEFAULTS)
     return parser.parse_args_into_dataclasses(args=argv)
 
@@ -348,7 +353,7 @@ class UsageError(Exception):
 def run(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     try:
-        model_args, data_args, run_args, moe_args, training_args = parse_args(argv)
+        model_args, data_args, run_args, moe_args, peft_args, training_args = parse_args(argv)
     except ValueError as err:  # raised by the argument dataclasses' __post_init__
         raise UsageError(err) from err
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
@@ -363,6 +368,10 @@ def run(argv: list[str] | None = None) -> dict:
         tokenizer = load_tokenizer(model_args)
         model = load_model(model_args, tokenizer)
         model = moe_args.apply(model)  # --upcycle_moe: dense -> Mixtral / Qwen2-MoE experts
+        peft_config = peft_args.build_config()  # None: --peft_method none trains every weight
+        if peft_config is not None:
+            model = get_peft_model(model, peft_config)
+            model.print_trainable_parameters()
         block_size = resolve_block_size(data_args, model.config)
         checkpoint = resume_checkpoint(run_args, training_args)
     except ValueError as err:

@@ -1,0 +1,117 @@
+"""Command-line arguments that choose and configure a PEFT method (`HfArgumentParser`-ready).
+
+`PeftArguments.build_config()` turns the flags into a peft config, so a training script needs three lines:
+
+    >>> parser = HfArgumentParser((..., PeftArguments, TrainingArguments))
+    >>> config = peft_args.build_config()
+    >>> model = get_peft_model(model, config) if config is not None else model
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+PEFT_METHODS = ("none", "lora", "bottleneck", "bitfit")
+
+
+@dataclass
+class PeftArguments:
+    """Which PEFT method to train with, and its options (the seed recipe's `--lora_rank`, `--modules_to_save`...).
+
+    Args:
+        peft_method: "none" (train all weights), "lora" (peft), "bottleneck" or "bitfit" (hf_llmkit).
+        target_modules: Modules to adapt (name suffixes); default: each method's default for the model family.
+        modules_to_save: Modules trained in full and saved with the adapter (e.g. embed_tokens lm_head).
+        lora_rank, lora_alpha, lora_dropout: LoRA's rank, scaling numerator and dropout.
+        bottleneck_placement: houlsby, pfeiffer or parallel.
+        bottleneck_size / bottleneck_reduction_factor: bottleneck width, or hidden size / factor (default 16).
+        bottleneck_non_linearity, bottleneck_dropout, bottleneck_scaling: the adapter's activation, input
+            dropout and output scale (default 1, or 4 for parallel).
+        bitfit_add_missing_biases: give bias-less Linear layers (Llama) a trainable zero-initialised bias.
+    """
+
+    peft_method: str = field(
+        default="none", metadata={"help": "PEFT method ('none' trains all weights).", "choices": list(PEFT_METHODS)}
+    )
+    target_modules: list[str] | None = field(
+        default=None, metadata={"help": "Modules to adapt (name suffixes); default: the method's per-model default."}
+    )
+    modules_to_save: list[str] | None = field(
+        default=None, metadata={"help": "Modules trained in full and saved with the adapter (e.g. lm_head)."}
+    )
+    lora_rank: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA scaling numerator (scale = alpha / rank)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on LoRA's input."})
+    bottleneck_placement: str = field(
+        default="houlsby",
+        metadata={"help": "Bottleneck adapter placement.", "choices": ["houlsby", "pfeiffer", "parallel"]},
+    )
+    bottleneck_size: int | None = field(default=None, metadata={"help": "Bottleneck width."})
+    bottleneck_reduction_factor: float | None = field(
+        default=None, metadata={"help": "Bottleneck width = hidden size / factor (default 16)."}
+    )
+    bottleneck_non_linearity: str = field(default="relu", metadata={"help": "Bottleneck activation (ACT2FN name)."})
+    bottleneck_dropout: float = field(default=0.0, metadata={"help": "Dropout on the adapter input."})
+    bottleneck_scaling: float | None = field(
+        default=None, metadata={"help": "Adapter output scale (default 1, 4 for parallel)."}
+    )
+    bitfit_add_missing_biases: bool = field(
+        default=True, metadata={"help": "BitFit: add trainable zero biases to bias-less Linear layers (Llama)."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.peft_method not in PEFT_METHODS:
+            raise ValueError(f"--peft_method {self.peft_method!r} is unknown; use one of {', '.join(PEFT_METHODS)}")
+        if self.peft_method == "none" and (self.target_modules or self.modules_to_save):
+            raise ValueError("--target_modules / --modules_to_save need a --peft_method (e.g. --peft_method lora)")
+        if self.bottleneck_size is not None and self.bottleneck_reduction_factor is not None:
+            raise ValueError("pass either --bottleneck_size or --bottleneck_reduction_factor, not both")
+
+    def build_config(self) -> Any | None:
+        """The peft config for the chosen method (None for full fine-tuning); configs validate their own fields."""
+        return _BUILDERS[self.peft_method](self)
+
+
+def _common(args: PeftArguments) -> dict[str, Any]:
+    return {"target_modules": args.target_modules, "modules_to_save": args.modules_to_save}
+
+
+def _lora(args: PeftArguments):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        task_type="CAUSAL_LM", r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+        **_common(args),
+    )  # fmt: skip
+
+
+def _bottleneck(args: PeftArguments):
+    from hf_llmkit.tuners.bottleneck import BottleneckConfig
+
+    return BottleneckConfig(
+        task_type="CAUSAL_LM",
+        placement=args.bottleneck_placement,
+        bottleneck_size=args.bottleneck_size,
+        reduction_factor=args.bottleneck_reduction_factor,
+        non_linearity=args.bottleneck_non_linearity,
+        dropout=args.bottleneck_dropout,
+        scaling=args.bottleneck_scaling,
+        **_common(args),
+    )
+
+
+def _bitfit(args: PeftArguments):
+    from hf_llmkit.tuners.bitfit import BitFitConfig
+
+    return BitFitConfig(task_type="CAUSAL_LM", add_missing_biases=args.bitfit_add_missing_biases, **_common(args))
+
+
+# peft_method -> config builder; a method added to PEFT_METHODS adds its builder here.
+_BUILDERS: dict[str, Callable[[PeftArguments], Any]] = {
+    "none": lambda args: None,
+    "lora": _lora,
+    "bottleneck": _bottleneck,
+    "bitfit": _bitfit,
+}
