@@ -95,7 +95,9 @@ class MoELayer(nn.Module):
         shared_expert_intermediate_size: width of a Qwen2-MoE shared expert (None = no shared expert; 0 = a
             zero-width placeholder that adds exactly nothing, as upcycled Qwen2 models export).
         ep_group: process group experts are sharded over (None = all experts local). Every rank of the group
-            must call forward together; each holds experts `[rank * E/P, (rank + 1) * E/P)`.
+            must call forward together; each holds experts `[rank * E/P, (rank + 1) * E/P)`. A rank's expert
+            gradients already sum the tokens of the whole group: average them only over ranks holding the same
+            experts (e.g. keep them out of a world-wide DDP all-reduce).
     """
 
     def __init__(
