@@ -39,6 +39,27 @@ def _adapter_configs(spec: dict) -> dict:
     }
 
 
+CALIBRATION = "calibration (pure torch)"
+
+
+def calibration_step():
+    """A fixed pure-torch fwd + bwd (same torch in both environments): the machine-speed yardstick that lets
+    step times from two processes, run minutes apart on a shared machine, be compared."""
+    g = torch.Generator().manual_seed(0)
+    layers = [torch.randn(256, 256, generator=g, requires_grad=True) for _ in range(4)]
+    x = torch.randn(256, 256, generator=g)
+
+    def step() -> None:
+        h = x
+        for w in layers:
+            h = torch.relu(h @ w)
+        h.sum().backward()
+        for w in layers:
+            w.grad = None
+
+    return step
+
+
 def _runner(model, batch: dict, lr: float):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr)
@@ -101,7 +122,7 @@ def main() -> None:
     out = {"versions": {"adapters": adapters.__version__, "transformers": __import__("transformers").__version__}}
     for name, workload in spec["workloads"].items():
         batch = _batch(workload)
-        runners = {"full fine-tuning": _runner(_model(workload), batch, 1e-5)}
+        runners = {CALIBRATION: (calibration_step(), 0), "full fine-tuning": _runner(_model(workload), batch, 1e-5)}
         for method, config in _adapter_configs(spec).items():
             model = _model(workload)
             adapters.init(model)

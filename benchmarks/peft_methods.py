@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from adapterhub_peer import run_adapterhub  # sibling script (benchmarks/ is on sys.path)
+from adapterhub_peer import CALIBRATION, calibration_step, run_adapterhub  # sibling script (on sys.path)
 
 import hf_llmkit
 from hf_llmkit.testing import corpus_texts, corpus_tokenizer, minilm_path, tiny_llama_config
@@ -204,11 +204,12 @@ def build_runners(kind: str, batch: dict) -> tuple[dict, dict]:
 
 
 def time_runners(runners: dict, rounds: int, warmup: int = 1) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in runners}
+    steps = {CALIBRATION: calibration_step(), **{name: runner.step for name, runner in runners.items()}}
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(warmup + rounds):
-        for name, runner in runners.items():
+        for name, step in steps.items():
             start = time.perf_counter()
-            runner.step()
+            step()
             if r >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: 1e3 * min(t) for name, t in times.items()}  # noise only adds: the minimum is the cost
@@ -284,34 +285,39 @@ def workload_table(name: str, runners: dict, times: dict, memory: dict, peers: d
             f"{100 * r.trainable / r.total:.3f} | {t:.1f} | {t / full:.2f} | {vs_lora} | {memory[method]:.1f} |"
         )
     for method, peer in peers.items():
-        if method != "full fine-tuning" and peer_full:
+        if method not in ("full fine-tuning", CALIBRATION) and peer_full:
             lines.append(
                 f"| {method} (transformers 4.57, own process) | {peer['trainable']:,} | - | "
                 f"{peer['step_ms']:.1f} | {peer['step_ms'] / peer_full:.2f} | - | - |"
             )
     lines += [f"| {m} | n/a: {why} | | | | | |" for m, why in skipped.items()]
+    peer_cal = peers.get(CALIBRATION, {}).get("step_ms")
+    lines.append(
+        f"\nmachine-speed yardstick (pure-torch step): {times[CALIBRATION]:.1f} ms in this process"
+        + (f", {peer_cal:.1f} ms in the adapters process" if peer_cal else "")
+    )
     return lines
 
 
 def comparisons(times: dict, runners: dict, peers: dict) -> tuple[list[str], dict]:
-    """The two targets: bottleneck step <= 1.1x LoRA's, and step/full-FT ratio <= the same adapters config's."""
+    """The two targets: bottleneck step <= 1.1x LoRA's, and <= the same adapters config's, both step times measured
+    in units of the pure-torch calibration step of their own process (the two runs see different machine load)."""
     lines, out = [], {}
-    full, lora = times["full fine-tuning"], times.get("peft LoRA r=8 (attention)")
-    peer_full = peers.get("full fine-tuning", {}).get("step_ms")
+    lora = times.get("peft LoRA r=8 (attention)")
     for placement in ("houlsby", "pfeiffer", "parallel"):
         ours = times.get(f"bottleneck {placement}")
         if ours is None:
             continue
         row = {"vs_lora": ours / lora if lora else None}
         peer = peers.get(f"adapters {placement}")
-        if peer and peer_full:
-            row["vs_adapters"] = (ours / full) / (peer["step_ms"] / peer_full)
+        if peer and peers.get(CALIBRATION):  # both in units of their own process's machine-speed yardstick
+            row["vs_adapters"] = (ours / times[CALIBRATION]) / (peer["step_ms"] / peers[CALIBRATION]["step_ms"])
         out[placement] = row
         lora_txt = f"{row['vs_lora']:.2f}x LoRA (target <= 1.10)" if lora else "no LoRA"
-        peer_txt = f"{row['vs_adapters']:.2f}x adapters' (target <= 1.00)" if "vs_adapters" in row else "no adapters"
+        peer_txt = f"{row['vs_adapters']:.2f}x adapters (target <= 1.00)" if "vs_adapters" in row else "no adapters"
         lines.append(
             f"- bottleneck {placement} ({runners[f'bottleneck {placement}'].trainable:,} params): "
-            f"{lora_txt}; step/full-FT ratio {peer_txt}"
+            f"{lora_txt}; calibrated step {peer_txt}"
         )
     return lines, out
 
@@ -381,6 +387,7 @@ def main() -> None:
         report["workloads"][kind] = {
             "title": title,
             "skipped": skipped,
+            "calibration_ms": times[CALIBRATION],
             "targets": targets,
             "adapterhub": peers,
             "methods": {
