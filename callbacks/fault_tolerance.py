@@ -288,13 +288,23 @@ class FaultToleranceCallback(TrainerCallback):
             control.should_save = False
         return control
 
-    def on_train_end(self, args, state, control, model=None, **kwargs):
+    def release(self, args) -> None:
+        """Restore the signal handlers and `save_total_limit`, remove the loss hook (also after an exception)."""
         self._restore_signals()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if self._took_rotation and self.pending_rollback is None:
+        if self._took_rotation:
             args.save_total_limit, self._took_rotation = self._save_total_limit, False
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if self.pending_rollback is None or not self.recovery_supported:
+            self.release(args)
+        else:  # LLMKitTrainer restarts training right away: keep the rotation, drop the rest
+            self._restore_signals()
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
         if self.pending_rollback is not None and not self.recovery_supported:
             request = self.pending_rollback
             raise TrainingDivergedError(

@@ -214,6 +214,8 @@ def train_with_recovery(trainer, train: Callable[..., Any], resume_from_checkpoi
             )
             _reset_for_retrain(trainer)
     finally:
+        for watcher in watchers:
+            watcher.release(trainer.args)
         if trainer.is_world_process_zero():
             for folder in made:
                 shutil.rmtree(folder, ignore_errors=True)
