@@ -172,7 +172,7 @@ def run(workdir: Path, kills: int, seed: int) -> dict:
         mode = "during-write" if index % 2 else "random"
         if mode == "random":  # after at least one more step is safely saved, at a random point of the next cycle
             _wait_for_progress(resumed, before, attempt, time.monotonic() + 2 * reference_s)
-            time.sleep(rng.uniform(0.0, 1.0) * cycle_s)
+            time.sleep(rng.uniform(0.0, 0.6) * cycle_s)
         else:
             _wait_for_write(resumed, known, attempt, time.monotonic() + 2 * reference_s)
             time.sleep(rng.uniform(0.0, 0.004))
