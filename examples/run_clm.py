@@ -11,6 +11,7 @@ resume. It runs with no arguments:
     python examples/run_clm.py --model_name_or_path path/to/model --train_file corpus.txt --block_size 256
     python examples/run_clm.py --upcycle_moe true --moe_num_experts 8   # sparse upcycling to Mixtral
     python examples/run_clm.py --peft_method bottleneck --bottleneck_placement pfeiffer   # or lora, bitfit
+    python examples/run_clm.py --peft_method ptuning_v2 --num_virtual_tokens 16 --prefix_projection true  # or ptuning
 
 Without `--model_name_or_path` it builds a small Llama-architecture model from a config (sizes below) and
 a byte-level BPE tokenizer trained on the English corpus that ships with Python (`pydoc_data.topics`).
@@ -54,6 +55,7 @@ from hf_llmkit.lm_data import build_lm_datasets, find_data_files
 from hf_llmkit.parallel.moe_arguments import MoEArguments
 from hf_llmkit.trainers import LLMKitTrainer
 from hf_llmkit.tuners.arguments import PeftArguments
+from hf_llmkit.tuners.ptuning import PTuningTemplate
 
 logger = logging.getLogger("run_clm")
 
@@ -369,6 +371,8 @@ def run(argv: list[str] | None = None) -> dict:
         model = load_model(model_args, tokenizer)
         model = moe_args.apply(model)  # --upcycle_moe: dense -> Mixtral / Qwen2-MoE experts
         peft_config = peft_args.build_config()  # None: --peft_method none trains every weight
+        # P-tuning v1: add the virtual tokens [P0].. to the tokenizer (saved with the adapter) before injection
+        template = PTuningTemplate(tokenizer, peft_config) if peft_args.peft_method == "ptuning" else None
         if peft_config is not None:
             model = get_peft_model(model, peft_config)
             model.print_trainable_parameters()
@@ -393,6 +397,8 @@ def run(argv: list[str] | None = None) -> dict:
         train_dataset = train_dataset.select(range(min(data_args.max_train_samples, len(train_dataset))))
     if data_args.max_eval_samples is not None:
         eval_dataset = eval_dataset.select(range(min(data_args.max_eval_samples, len(eval_dataset))))
+    if template is not None:  # P-tuning v1: every block is placed in the template (same length, [Pk] not predicted)
+        train_dataset, eval_dataset = template.wrap_blocks(train_dataset), template.wrap_blocks(eval_dataset)
     logger.info("blocks of %d tokens: %d train, %d validation", block_size, len(train_dataset), len(eval_dataset))
 
     trainer = LLMKitTrainer(

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-PEFT_METHODS = ("none", "lora", "bottleneck", "bitfit")
+PEFT_METHODS = ("none", "lora", "bottleneck", "bitfit", "ptuning", "ptuning_v2")
 
 
 @dataclass
@@ -30,6 +30,11 @@ class PeftArguments:
         bottleneck_non_linearity, bottleneck_dropout, bottleneck_scaling: the adapter's activation, input
             dropout and output scale (default 1, or 4 for parallel).
         bitfit_add_missing_biases: give bias-less Linear layers (Llama) a trainable zero-initialised bias.
+        num_virtual_tokens: P-tuning v1 virtual tokens / P-tuning v2 prefix length per layer.
+        ptuning_template: P-tuning v1 template around each text block (default: all virtual tokens first).
+        ptuning_encoder, ptuning_encoder_hidden_size: P-tuning v1 prompt encoder (MLP or LSTM) and its width (also
+            the width of P-tuning v2's projection MLP).
+        prefix_projection: P-tuning v2: reparameterise the prefixes by an MLP while training.
     """
 
     peft_method: str = field(
@@ -59,6 +64,21 @@ class PeftArguments:
     )
     bitfit_add_missing_biases: bool = field(
         default=True, metadata={"help": "BitFit: add trainable zero biases to bias-less Linear layers (Llama)."}
+    )
+    num_virtual_tokens: int = field(
+        default=20, metadata={"help": "P-tuning v1 virtual tokens / P-tuning v2 prefix length per layer."}
+    )
+    ptuning_template: str | None = field(
+        default=None, metadata={"help": "P-tuning v1 template, e.g. '[P0][P1] {text} [P2]' (default: tokens first)."}
+    )
+    ptuning_encoder: str = field(
+        default="MLP", metadata={"help": "P-tuning v1 prompt encoder.", "choices": ["MLP", "LSTM"]}
+    )
+    ptuning_encoder_hidden_size: int | None = field(
+        default=None, metadata={"help": "P-tuning v1 encoder / v2 projection width (default: hidden size)."}
+    )
+    prefix_projection: bool = field(
+        default=False, metadata={"help": "P-tuning v2: reparameterise the prefixes by an MLP while training."}
     )
 
     def __post_init__(self) -> None:
@@ -108,10 +128,37 @@ def _bitfit(args: PeftArguments):
     return BitFitConfig(task_type="CAUSAL_LM", add_missing_biases=args.bitfit_add_missing_biases, **_common(args))
 
 
+def _ptuning(args: PeftArguments):
+    from hf_llmkit.tuners.ptuning import PTuningConfig
+
+    return PTuningConfig(
+        task_type="CAUSAL_LM",
+        num_virtual_tokens=args.num_virtual_tokens,
+        template=args.ptuning_template,
+        encoder_reparameterization_type=args.ptuning_encoder,
+        encoder_hidden_size=args.ptuning_encoder_hidden_size,
+        **_common(args),
+    )
+
+
+def _ptuning_v2(args: PeftArguments):
+    from hf_llmkit.tuners.ptuning_v2 import PTuningV2Config
+
+    return PTuningV2Config(
+        task_type="CAUSAL_LM",
+        num_virtual_tokens=args.num_virtual_tokens,
+        prefix_projection=args.prefix_projection,
+        encoder_hidden_size=args.ptuning_encoder_hidden_size if args.prefix_projection else None,
+        **_common(args),
+    )
+
+
 # peft_method -> config builder; a method added to PEFT_METHODS adds its builder here.
 _BUILDERS: dict[str, Callable[[PeftArguments], Any]] = {
     "none": lambda args: None,
     "lora": _lora,
     "bottleneck": _bottleneck,
     "bitfit": _bitfit,
+    "ptuning": _ptuning,
+    "ptuning_v2": _ptuning_v2,
 }

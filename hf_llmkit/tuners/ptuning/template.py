@@ -119,6 +119,12 @@ class PTuningTemplate:
         start, end = self.virtual_token_ids[0], self.virtual_token_ids[0] + len(self.tokens)
         return {"input_ids": input_ids, "labels": [-100 if start <= i < end else i for i in input_ids]}
 
+    def wrap_blocks(self, dataset: Any) -> Any:
+        """A `datasets.Dataset` of LM blocks (`input_ids`) with the template applied to each, lengths unchanged."""
+        return dataset.map(
+            lambda row: self.wrap_ids(row["input_ids"], max_length=len(row["input_ids"])), desc="P-tuning template"
+        )
+
     def _encode_literal(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
