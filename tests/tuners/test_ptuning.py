@@ -265,6 +265,8 @@ def test_multiple_adapters_disable_unload_and_merge_refusal(capsys):
     peft_model.eval()
     with torch.no_grad():
         first = peft_model(input_ids=torch.tensor([[VOCAB, VOCAB + 1, 5, 6]])).logits
+        with pytest.raises(ValueError, match="not a virtual token of the active adapter"):
+            peft_model(input_ids=torch.tensor([[VOCAB + 3, 5]]))  # "other"'s token while "default" is active
         peft_model.set_adapter("other")
         second = peft_model(input_ids=torch.tensor([[VOCAB + 3, VOCAB + 4, 5, 6]])).logits
         assert not torch.allclose(first, second)

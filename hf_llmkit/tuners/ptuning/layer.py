@@ -100,6 +100,13 @@ class PTuningEmbedding(nn.Module, PTuningLayer):
             start = self.ptuning_start_id[name]
             masks.append((input_ids >= start) & (input_ids < start + self.ptuning_num_tokens[name]))  # [B, S]
         any_virtual = torch.stack(masks).any(0)
+        stray = (input_ids >= self.num_embeddings) & ~any_virtual
+        if stray.any():  # e.g. another adapter's virtual tokens; the lookup below would fail with an index error
+            raise ValueError(
+                f"token id {int(input_ids[stray][0])} is outside the vocabulary ({self.num_embeddings}) and not a "
+                f"virtual token of the active adapter(s) {active}; activate its adapter with set_adapter() or fix "
+                "the tokenizer/template"
+            )
         # Virtual ids may lie past the base matrix: look up id 0 there instead and overwrite those rows below.
         result = self.base_layer(input_ids.masked_fill(any_virtual, 0), *args, **kwargs)  # [B, S, D]
         for name, mask in zip(active, masks):
