@@ -194,6 +194,14 @@ def _local_jacobian(u: torch.Tensor, cents: torch.Tensor, attn: torch.Tensor, ta
 
 def _shard_bounds(rows: int, group) -> tuple[int, int, int, int]:
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([rows]), group=group)
+    if len({int(t) for t in sizes}) != 1:
+        # Ranks would otherwise exchange differently sized shards and abort inside gloo/NCCL.
+        raise RuntimeError(
+            f"eDKM shard: the ranks hold different weights (unique-table rows per rank: {[int(t) for t in sizes]}); "
+            "sharding needs identical replicas (data parallel with averaged gradients). Set DKMConfig(shard=False)."
+        )
     per = -(-rows // world)
     lo = min(rows, rank * per)
     return lo, min(rows, lo + per), per, world
