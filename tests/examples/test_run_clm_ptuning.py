@@ -8,12 +8,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-TINY = [
-    "--vocab_size", "512", "--hidden_size", "64", "--intermediate_size", "128", "--num_hidden_layers", "2",
-    "--max_position_embeddings", "64", "--block_size", "32", "--per_device_train_batch_size", "4",
-    "--per_device_eval_batch_size", "8", "--max_train_samples", "16", "--max_eval_samples", "8",
-    "--logging_steps", "1", "--disable_tqdm", "true", "--warmup_steps", "0", "--max_steps", "2",
-]  # fmt: skip
+from tests.examples.test_run_clm_peft import TINY  # the same tiny model, data and 2 steps
 
 
 @pytest.mark.parametrize(
