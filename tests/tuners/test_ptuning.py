@@ -204,6 +204,9 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     reloaded = PeftModel.from_pretrained(tiny_llama(), checkpoint, is_trainable=True)
     params = _encoder_state(reloaded)
     assert params and all(p.requires_grad for k, p in reloaded.named_parameters() if "ptuning_encoder" in k)
+    saved = load_file(checkpoint / "adapter_model.safetensors")
+    assert {k.replace(".default.", "."): v for k, v in params.items()}.keys() == saved.keys()
+    assert all(torch.equal(params[k], saved[k.replace(".default.", ".")]) for k in params)
 
     base = tiny_llama()
     torch.manual_seed(123)  # a different fresh encoder: the checkpoint must overwrite it
@@ -213,6 +216,10 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     resumed_run.train(resume_from_checkpoint=str(checkpoint))
     assert resumed_run.state.global_step == 4
     for key, value in _encoder_state(resumed).items():
+        torch.testing.assert_close(value, final[key], rtol=0, atol=1e-6)
+    # The model reloaded with is_trainable=True continues the same way (optimizer state from the checkpoint).
+    trainer(reloaded, data, tmp_path / "c").train(resume_from_checkpoint=str(checkpoint))
+    for key, value in _encoder_state(reloaded).items():
         torch.testing.assert_close(value, final[key], rtol=0, atol=1e-6)
 
 
