@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -109,15 +110,21 @@ def write_manifest(
     checkpoint = Path(checkpoint)
     if checksum is not None and checksum not in hashlib.algorithms_available:
         raise ValueError(f"checksum {checksum!r} is not a hashlib algorithm; use 'sha256', 'blake2b' or None")
-    files = {}
-    for path in _payload_files(checkpoint):
+
+    def describe(path: Path) -> dict:
         entry: dict = {"size": path.stat().st_size}
         if checksum is not None:
             entry[checksum] = _digest(path, checksum, fsync)
         elif fsync:
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
-        files[path.relative_to(checkpoint).as_posix()] = entry
+        return entry
+
+    paths = _payload_files(checkpoint)
+    # hashlib and fsync release the GIL: a few threads overlap hashing one file with flushing another.
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1, len(paths)))) as pool:
+        entries = list(pool.map(describe, paths))
+    files = {path.relative_to(checkpoint).as_posix(): entry for path, entry in zip(paths, entries)}
     manifest = {"format": MANIFEST_FORMAT, "step": checkpoint_step(checkpoint), "checksum": checksum}
     manifest.update(extra or {})
     manifest.update(created=time.time(), files=files)
