@@ -10,6 +10,7 @@ from transformers import Trainer, TrainingArguments
 
 from hf_llmkit.callbacks.log_bridge import add_callback_logs
 from hf_llmkit.callbacks.recovery import save_with_retries, train_with_recovery
+from hf_llmkit.trainers.eval_preparation import forget_evaluation_preparation
 from hf_llmkit.trainers.moe_loss import (
     MoELossTracker,
     aux_loss_scale,
@@ -72,6 +73,7 @@ class LLMKitTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
         """`Trainer.train`; `auto_resume` / `resume_from_checkpoint=True` pick the latest *complete* checkpoint, and a
         `FaultToleranceCallback` rollback restarts from the last good checkpoint."""
+        forget_evaluation_preparation(self)  # an earlier evaluate() must not leave the model out of DDP
         return train_with_recovery(
             self, super().train, resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
         )
