@@ -46,8 +46,9 @@ def calibration_step():
     """A fixed pure-torch fwd + bwd (same torch in both environments): the machine-speed yardstick that lets
     step times from two processes, run minutes apart on a shared machine, be compared."""
     g = torch.Generator().manual_seed(0)
-    layers = [torch.randn(256, 256, generator=g, requires_grad=True) for _ in range(4)]
-    x = torch.randn(256, 256, generator=g)
+    # about as long as a workload step: under bursty load a short yardstick finds quiet gaps a long step cannot
+    layers = [torch.randn(1024, 1024, generator=g, requires_grad=True) for _ in range(4)]
+    x = torch.randn(512, 1024, generator=g)
 
     def step() -> None:
         h = x

@@ -312,9 +312,17 @@ def comparisons(times: dict, runners: dict, peers: dict) -> tuple[list[str], dic
         peer = peers.get(f"adapters {placement}")
         if peer and peers.get(CALIBRATION):  # both in units of their own process's machine-speed yardstick
             row["vs_adapters"] = (ours / times[CALIBRATION]) / (peer["step_ms"] / peers[CALIBRATION]["step_ms"])
+        if peer and peers.get("full fine-tuning"):  # REFERENCE.md's metric: step / the same process's full FT
+            peer_ratio = peer["step_ms"] / peers["full fine-tuning"]["step_ms"]
+            row["vs_adapters_full_ft_ratio"] = (ours / times["full fine-tuning"]) / peer_ratio
         out[placement] = row
         lora_txt = f"{row['vs_lora']:.2f}x LoRA (target <= 1.10)" if lora else "no LoRA"
-        peer_txt = f"{row['vs_adapters']:.2f}x adapters (target <= 1.00)" if "vs_adapters" in row else "no adapters"
+        peer_txt = "no adapters"
+        if "vs_adapters" in row:
+            peer_txt = (
+                f"{row['vs_adapters']:.2f}x adapters (target <= 1.00); step/full-FT "
+                f"{row['vs_adapters_full_ft_ratio']:.2f}x adapters'"
+            )
         lines.append(
             f"- bottleneck {placement} ({runners[f'bottleneck {placement}'].trainable:,} params): "
             f"{lora_txt}; calibrated step {peer_txt}"
