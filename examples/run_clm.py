@@ -465,6 +465,11 @@ def main() -> None:
         # Bad input: one line that says what to change, no traceback.
         print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        # Tear the process groups down before interpreter exit: gloo groups (the sequence-parallel ones too)
+        # destroyed during finalisation can abort the process ("terminate called without an active exception").
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -221,7 +221,7 @@ def _worker(work: Path) -> None:
     try:
         result = fn(*args)
     finally:
-        if init_pg and dist.is_initialized():
+        if dist.is_initialized():  # also groups `fn` created itself (e.g. through the Trainer): exit cleanly
             dist.destroy_process_group()
     (work / f"result{os.environ['RANK']}.pkl").write_bytes(pickle.dumps(result))
 
