@@ -16,6 +16,9 @@
     embeddings to the fp32 model on held-out corpus sentences, 3 and 4 bits: DKM after a short distillation
     fine-tune vs k-means only vs per-channel round-to-nearest vs bitsandbytes nf4/int8; bits per weight of the
     quantized matrices and checkpoint MB.
+(d) Quality on the quickstart's trained causal LM (examples/run_clm.py; `--quickstart-model DIR`, else a short run
+    is trained once into benchmarks/results/dkm_quickstart): perplexity on its held-out validation blocks, same
+    methods and bit widths as (c); see benchmarks/dkm_quickstart.py.
 """
 
 from __future__ import annotations
@@ -236,12 +239,13 @@ def _finetune(model, tok, teacher, train, steps: int) -> None:
         opt.step()
 
 
-def _rtn(model, bits: int) -> tuple[float, float]:
-    """Per-output-channel asymmetric round-to-nearest of every Linear; returns (bits/weight, packed bytes)."""
+def _rtn(model, bits: int, skip: tuple[str, ...] = ()) -> tuple[float, float]:
+    """Per-output-channel asymmetric round-to-nearest of every Linear (but those named in `skip`); returns
+    (bits/weight, packed bytes)."""
     levels, numel, packed = (1 << bits) - 1, 0, 0.0
     with torch.no_grad():
-        for m in model.modules():
-            if type(m) is torch.nn.Linear:
+        for name, m in model.named_modules():
+            if type(m) is torch.nn.Linear and name not in skip:
                 w = m.weight
                 lo, hi = w.min(1, keepdim=True).values, w.max(1, keepdim=True).values
                 scale = (hi - lo).clamp_min(1e-12) / levels
@@ -365,9 +369,15 @@ def print_quality(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="coremltools with its default init on 4096x1024")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["memory", "speed", "quality"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["memory", "speed", "quality", "quickstart"])
     parser.add_argument("--naive-rows", type=int, default=64, help="rows of the naive slice (scaled linearly)")
     parser.add_argument("--finetune-steps", type=int, default=10)
+    parser.add_argument(
+        "--quickstart-model", type=Path, default=None, help="trained run_clm output folder (default: train one)"
+    )
+    parser.add_argument("--quickstart-train-steps", type=int, default=200, help="steps when training it here")
+    parser.add_argument("--quickstart-finetune-steps", type=int, default=30, help="DKM fine-tune steps (LM)")
+    parser.add_argument("--quickstart-eval-blocks", type=int, default=40, help="validation blocks for perplexity")
     args = parser.parse_args()
     torch.set_num_threads(1)  # shared machine: OpenMP spinning under load costs more than a second thread gives
     results: dict = {"argv": sys.argv[1:]}
@@ -382,6 +392,20 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="dkm_bench_") as tmp:
             results["quality"] = quality_table(Path(tmp), args.finetune_steps)
         print_quality(results["quality"])
+    if "quickstart" not in args.skip:
+        import dkm_quickstart
+
+        model_dir = dkm_quickstart.ensure_model(args.quickstart_model, args.quickstart_train_steps)
+        with tempfile.TemporaryDirectory(prefix="dkm_bench_lm_") as tmp:
+            rows = dkm_quickstart.perplexity_table(
+                Path(tmp),
+                model_dir,
+                args.quickstart_finetune_steps,
+                args.quickstart_eval_blocks,
+                sys.modules[__name__],
+            )
+        results["quickstart"] = {"model": str(model_dir), "rows": rows}
+        dkm_quickstart.print_table(rows)
     results["seconds"] = time.perf_counter() - start
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "dkm.json"
