@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -258,6 +259,7 @@ def _rtn(model, bits: int, skip: tuple[str, ...] = ()) -> tuple[float, float]:
 def quality_table(tmp: Path, steps: int) -> list[dict]:
     from transformers import AutoTokenizer, BertModel, BitsAndBytesConfig
 
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # int8 logs a cast warning on every matmul
     mdir = _minilm_dir()
     tok = AutoTokenizer.from_pretrained(mdir)
     train, held_out = _sentences()
