@@ -14,6 +14,8 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
+from hf_llmkit.cache_folder import publish_once
+
 BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
 DEFAULT_VOCAB_SIZE = 4096
 
@@ -57,15 +59,7 @@ def corpus_tokenizer(
     if (folder / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(folder)
     tokenizer = _train_bpe(texts, vocab_size)
-    # Write to a temporary folder and rename, so a concurrent rank never reads a half-written tokenizer.
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    tokenizer.save_pretrained(tmp)
-    try:
-        tmp.rename(folder)
-    except OSError:  # another process won the race; its copy is identical
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
+    publish_once(folder, tokenizer.save_pretrained)
     return PreTrainedTokenizerFast.from_pretrained(folder)
 
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset, load_from_disk
 from transformers import PreTrainedTokenizerBase
+
+from hf_llmkit.cache_folder import publish_once
 
 TEXT_SUFFIXES = {".txt": "text", ".json": "json", ".jsonl": "json"}
 
@@ -116,11 +117,6 @@ def build_lm_datasets(
     splits = blocks.train_test_split(test_size=validation_split_percentage / 100, seed=seed, shuffle=True)
     result = DatasetDict(train=splits["train"], validation=splits["test"])
     if target is not None:
-        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-        result.save_to_disk(str(tmp))
-        try:
-            tmp.rename(target)
-        except OSError:  # another rank or run stored the same thing first
-            shutil.rmtree(tmp, ignore_errors=True)
+        publish_once(target, lambda tmp: result.save_to_disk(str(tmp)))
         result = load_from_disk(str(target))
     return result
