@@ -47,6 +47,9 @@ class LLMKitTrainingArguments(TrainingArguments):
     leave accelerate in single-process mode and every rank trains its own copy of the model; here `use_cpu`
     is switched on so the ranks form one gloo data-parallel group (accelerate's MULTI_CPU). With a `deepspeed`
     config there, accelerate's DeepSpeed state is started on gloo (it would otherwise report a single process).
+    DeepSpeed without an accelerator never JIT-compiles its CPU collective ops (`hf_llmkit.compat.deepspeed`);
+    leave the `optimizer` block out of the DeepSpeed config so the Trainer's torch AdamW is used and no CPU Adam
+    op is compiled either.
 
     Args:
         (every `transformers.TrainingArguments` argument)
@@ -109,6 +112,10 @@ class LLMKitTrainingArguments(TrainingArguments):
                 f"({world}); launch a multiple of it (e.g. --num_processes {max(self.sequence_parallel_size, 1)})"
             )
         multi_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if self.deepspeed and not _has_accelerator():
+            from hf_llmkit.compat.deepspeed import skip_cpu_comm_op_builds
+
+            skip_cpu_comm_op_builds()  # gloo does the collectives; no C++ build on a machine without an accelerator
         if multi_rank and not self.use_cpu and not self.deepspeed and not _has_accelerator():
             logger.info("no accelerator: training on %s CPU ranks with gloo", os.environ["WORLD_SIZE"])
             self.use_cpu = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
+
+# No test may JIT-compile a C++ op (DeepSpeed's CPU Adam or shm collectives): on a fresh 2-core machine a build
+# takes minutes, and one killed half way leaves a lock that hangs every later build. The extensions folder is a
+# plain file, so any build attempt, in this process or a rank it starts, fails at once with this file's name.
+_NO_BUILDS = Path(tempfile.mkdtemp(prefix="hf_llmkit_tests_")) / "jit-op-builds-are-not-allowed-in-tests"
+_NO_BUILDS.write_text("tests/conftest.py: a test tried to JIT-compile a torch / DeepSpeed C++ op\n")
+os.environ["TORCH_EXTENSIONS_DIR"] = str(_NO_BUILDS)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -6,8 +6,9 @@ from __future__ import annotations
 def deepspeed_fp16_loss_scale(out_dir: str, stage: int) -> dict:
     """Train 6 steps with DeepSpeed fp16 (initial scale 2**8) and inf gradients on steps 2-3; return the logs."""
     import torch
-    from transformers import Trainer, TrainingArguments, default_data_collator
+    from transformers import Trainer, default_data_collator
 
+    from hf_llmkit import LLMKitTrainingArguments
     from hf_llmkit.callbacks import LossScaleCallback
     from tests.callbacks.support import Blocks, small_model
 
@@ -25,10 +26,9 @@ def deepspeed_fp16_loss_scale(out_dir: str, stage: int) -> dict:
         "gradient_accumulation_steps": 1,
         "fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000, "min_loss_scale": 1},
         "zero_optimization": {"stage": stage},
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
         "zero_allow_untested_optimizer": True,
     }
-    args = TrainingArguments(
+    args = LLMKitTrainingArguments(
         out_dir,
         max_steps=6,
         per_device_train_batch_size=4,

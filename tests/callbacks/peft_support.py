@@ -25,8 +25,9 @@ def zero3_lora_run(out_dir: str) -> dict:
     """Train LoRA 2 steps under DeepSpeed ZeRO-3 (one CPU rank) with SavePeftModelCallback; report what was saved."""
     from peft import LoraConfig, get_peft_model
     from safetensors import safe_open
-    from transformers import Trainer, TrainingArguments, default_data_collator
+    from transformers import Trainer, default_data_collator
 
+    from hf_llmkit import LLMKitTrainingArguments
     from hf_llmkit.callbacks import SavePeftModelCallback
     from hf_llmkit.testing import tiny_llama
 
@@ -36,10 +37,9 @@ def zero3_lora_run(out_dir: str) -> dict:
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": 3},
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
         "zero_allow_untested_optimizer": True,
     }
-    args = TrainingArguments(
+    args = LLMKitTrainingArguments(
         out_dir,
         max_steps=2,
         save_steps=2,

@@ -31,7 +31,7 @@ def examples(n: int, *, length: int = 12, virtual: int = 0, seed: int = 0) -> li
 
 def trainer(model: Any, data: list[dict], out_dir: str | os.PathLike, **overrides: Any):
     """A CPU `Trainer` for a few steps (no reporting, no saving unless asked)."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     kwargs = dict(
         max_steps=4,
@@ -45,7 +45,7 @@ def trainer(model: Any, data: list[dict], out_dir: str | os.PathLike, **override
         dataloader_num_workers=0,
     )
     kwargs.update(overrides)
-    return Trainer(model=model, args=TrainingArguments(str(out_dir), **kwargs), train_dataset=data)
+    return Trainer(model=model, args=hf_llmkit.LLMKitTrainingArguments(str(out_dir), **kwargs), train_dataset=data)
 
 
 def reload_logits(jobs: list[tuple[str, torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
@@ -97,7 +97,6 @@ def zero3_train_and_save(out_dir: str) -> dict[str, dict]:
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
         "zero_allow_untested_optimizer": True,
     }
     results = {}

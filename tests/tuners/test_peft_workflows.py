@@ -142,7 +142,9 @@ def test_4bit_nf4_base(name, nf4_dir, tmp_path):
 
 def zero3_train_and_save(model_dir: str, out_dir: str) -> dict[str, dict[str, tuple]]:
     """One DeepSpeed ZeRO-3 rank: load the base partitioned (zero.Init), add each adapter, train, save."""
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer
+
+    from hf_llmkit import LLMKitTrainingArguments
 
     ds_config = {
         "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
@@ -153,7 +155,7 @@ def zero3_train_and_save(model_dir: str, out_dir: str) -> dict[str, dict[str, tu
     }
     report = {}
     for name in ("houlsby", "bitfit"):
-        args = TrainingArguments(
+        args = LLMKitTrainingArguments(
             f"{out_dir}/{name}",
             deepspeed=ds_config,
             max_steps=2,
