@@ -37,12 +37,19 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 RESULTS = Path(__file__).resolve().parent / "results"
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+# The measuring ranks import `dkm_memory` from this folder.
+BENCH_DIR = str(Path(__file__).resolve().parent)
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": "65536",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join(filter(None, [BENCH_DIR, os.environ.get("PYTHONPATH")])),
+}
 SHAPES = [(4096, 4096), (4096, 11008)]
 
 
 def memory_cases(naive_rows: int) -> list[dict]:
-    from hf_llmkit.quantization.memory import measure_cases
+    from dkm_memory import measure_cases
+
     from hf_llmkit.testing import launch
 
     single, sharded = [], []

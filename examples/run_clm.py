@@ -52,7 +52,7 @@ from hf_llmkit.callbacks import (
 )
 from hf_llmkit.corpus import corpus_texts, corpus_tokenizer, default_cache_dir
 from hf_llmkit.lm_data import build_lm_datasets, find_data_files
-from hf_llmkit.parallel.moe_arguments import MoEArguments
+from hf_llmkit.parallel.moe.arguments import MoEArguments
 from hf_llmkit.trainers import LLMKitTrainer
 from hf_llmkit.tuners.arguments import PeftArguments
 from hf_llmkit.tuners.ptuning import PTuningTemplate

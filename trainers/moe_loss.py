@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_llmkit.parallel.moe import MoELayer, moe_layers
-from hf_llmkit.parallel.upcycle import NATIVE_MOE_BLOCKS
+from hf_llmkit.parallel.moe.layer import MoELayer, moe_layers
+from hf_llmkit.parallel.moe.upcycle import NATIVE_MOE_BLOCKS
 
 
 def register_zero3_leaf_modules(model: nn.Module) -> bool:

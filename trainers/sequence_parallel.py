@@ -22,9 +22,9 @@ from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, Iter
 from torch.utils.data import DataLoader
 
 from hf_llmkit.parallel.groups import SequenceParallelGroups, new_sequence_parallel_groups
-from hf_llmkit.parallel.sequence import apply_sequence_parallel
-from hf_llmkit.parallel.sp_data import SequenceParallelCollator
-from hf_llmkit.parallel.sp_loss import sequence_parallel_loss
+from hf_llmkit.parallel.sequence.data import SequenceParallelCollator
+from hf_llmkit.parallel.sequence.loss import sequence_parallel_loss
+from hf_llmkit.parallel.sequence.ulysses import apply_sequence_parallel
 
 
 class TrainerSequenceParallel:

@@ -6,18 +6,27 @@ from hf_llmkit.parallel.groups import (
     new_expert_parallel_group,
     new_sequence_parallel_groups,
 )
-from hf_llmkit.parallel.moe import MoEAux, MoELayer, moe_layers
-from hf_llmkit.parallel.moe_arguments import MoEArguments
-from hf_llmkit.parallel.moe_router import TopKRouter, load_balancing_loss, router_z_loss
+from hf_llmkit.parallel.moe import (
+    MoEArguments,
+    MoEAux,
+    MoELayer,
+    TopKRouter,
+    load_balancing_loss,
+    moe_layers,
+    router_z_loss,
+    supported_architectures,
+    upcycle_to_moe,
+    use_moe_layers,
+)
 from hf_llmkit.parallel.sequence import (
+    SequenceParallelCollator,
     UlyssesAttention,
     apply_sequence_parallel,
     remove_sequence_parallel,
     sequence_parallel_group,
+    sequence_parallel_loss,
+    shard_sequence_batch,
 )
-from hf_llmkit.parallel.sp_data import SequenceParallelCollator, shard_sequence_batch
-from hf_llmkit.parallel.sp_loss import sequence_parallel_loss
-from hf_llmkit.parallel.upcycle import supported_architectures, upcycle_to_moe, use_moe_layers
 
 __all__ = [
     "MoEArguments",

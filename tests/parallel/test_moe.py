@@ -13,7 +13,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
 from hf_llmkit.parallel import MoELayer
-from hf_llmkit.parallel.moe_experts import GroupedSwiGLU, _Layout
+from hf_llmkit.parallel.moe.experts import GroupedSwiGLU, _Layout
 
 H, INTER, E = 16, 24, 4
 

@@ -18,7 +18,7 @@ from hf_llmkit.parallel import (
     sequence_parallel_loss,
     shard_sequence_batch,
 )
-from hf_llmkit.parallel.sequence import kv_replication
+from hf_llmkit.parallel.sequence.ulysses import kv_replication
 from hf_llmkit.testing import launch, tiny_llama
 
 TOL = 1e-5

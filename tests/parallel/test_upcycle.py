@@ -11,7 +11,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from hf_llmkit.parallel import MoELayer, moe_layers
-from hf_llmkit.parallel.upcycle import upcycle_to_moe, use_moe_layers
+from hf_llmkit.parallel.moe.upcycle import upcycle_to_moe, use_moe_layers
 from hf_llmkit.testing import tiny_llama, tiny_llama_config
 
 SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)

@@ -8,7 +8,7 @@ from datasets import Dataset
 
 from hf_llmkit import LLMKitTrainingArguments
 from hf_llmkit.parallel import moe_layers
-from hf_llmkit.parallel.upcycle import upcycle_to_moe
+from hf_llmkit.parallel.moe.upcycle import upcycle_to_moe
 from hf_llmkit.testing import launch, tiny_llama
 from hf_llmkit.trainers import LLMKitTrainer
 

@@ -47,7 +47,7 @@ class MoEArguments:
         """`model` unchanged, or with `--upcycle_moe` its upcycled MoE (raises ValueError for other architectures)."""
         if not self.upcycle_moe:
             return model
-        from hf_llmkit.parallel.upcycle import upcycle_to_moe
+        from hf_llmkit.parallel.moe.upcycle import upcycle_to_moe
 
         return upcycle_to_moe(
             model, num_experts=self.moe_num_experts, top_k=self.moe_top_k, capacity_factor=self.moe_capacity_factor

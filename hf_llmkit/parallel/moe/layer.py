@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch import nn
 from transformers.activations import ACT2FN
 
-from hf_llmkit.parallel.moe_dispatch import combine, dispatch, gather_rows, scatter_rows
-from hf_llmkit.parallel.moe_experts import FusedExperts
-from hf_llmkit.parallel.moe_router import TopKRouter, load_balancing_loss, router_z_loss
+from hf_llmkit.parallel.moe.dispatch import combine, dispatch, gather_rows, scatter_rows
+from hf_llmkit.parallel.moe.experts import FusedExperts
+from hf_llmkit.parallel.moe.router import TopKRouter, load_balancing_loss, router_z_loss
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch
 import transformers
 from torch import nn
 
-from hf_llmkit.parallel.moe import MoELayer
+from hf_llmkit.parallel.moe.layer import MoELayer
 
 
 @dataclass(frozen=True)

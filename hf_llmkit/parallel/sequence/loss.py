@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hf_llmkit.parallel.sp_data import IGNORE_INDEX
+from hf_llmkit.parallel.sequence.data import IGNORE_INDEX
 
 
 class _AllReduceSum(torch.autograd.Function):

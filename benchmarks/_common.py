@@ -1,0 +1,184 @@
+"""One measuring method for every benchmark: warm-up, interleaved rounds in rotated order, min and median of
+per-round ratios, threads and machine load recorded, a markdown table, JSON and a PNG plot in `benchmarks/results/`.
+
+Times on a shared machine drift with the load, so a benchmark compares variants *within* each round (all variants
+run back to back, the order rotated each round so none always runs first or last) and reports the min and the
+median of the per-round ratios. The load average before and after is part of every result; a run whose load
+exceeded the number of cores says so under its table.
+
+    from _common import Bench, machine_state, write_results
+
+    bench = Bench(rounds=7, warmup=1)
+    timings = bench.run({"ours": step_ours, "peer": step_peer}, baseline="peer")
+    print(timings.table(title="step time"))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine_state() -> dict[str, Any]:
+    """Threads torch uses, the core count and the 1-minute load average, to store next to a measurement."""
+    import torch
+
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "cores": os.cpu_count(),
+        "load_1min": round(os.getloadavg()[0], 2),
+        "time": time.strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def load_note(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """One line for under a table: threads, load before/after, and a warning when the machine was overloaded."""
+    note = (
+        f"torch threads {before['torch_threads']}, {before['cores']} cores, load {before['load_1min']:.2f} -> "
+        f"{after['load_1min']:.2f} ({before['time']})"
+    )
+    if max(before["load_1min"], after["load_1min"]) > (before["cores"] or 1):
+        note += " — LOADED MACHINE: load above the core count, ratios less reliable"
+    return note
+
+
+@dataclass
+class Timings:
+    """Per-variant seconds per round, and per-round ratios against a baseline variant."""
+
+    seconds: dict[str, list[float]]
+    baseline: str | None
+    before: dict[str, Any]
+    after: dict[str, Any]
+    ratios: dict[str, list[float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.baseline is not None:
+            base = self.seconds[self.baseline]
+            self.ratios = {name: [t / b for t, b in zip(ts, base)] for name, ts in self.seconds.items()}
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for name, ts in self.seconds.items():
+            row = {"min_s": min(ts), "median_s": statistics.median(ts), "rounds": len(ts)}
+            if name in self.ratios:
+                row.update(ratio_min=min(self.ratios[name]), ratio_median=statistics.median(self.ratios[name]))
+            out[name] = row
+        return out
+
+    def table(self, *, title: str = "variant") -> str:
+        """Markdown: min / median seconds and, with a baseline, min / median of the per-round ratios."""
+        ratio_head = f" x {self.baseline} (min / median)" if self.baseline else ""
+        rows = [[title, "min s", "median s"] + ([ratio_head.strip()] if ratio_head else [])]
+        for name, s in self.summary().items():
+            row = [name, f"{s['min_s']:.4g}", f"{s['median_s']:.4g}"]
+            if ratio_head:
+                row.append(f"{s['ratio_min']:.3f} / {s['ratio_median']:.3f}")
+            rows.append(row)
+        return markdown_table(rows) + "\n\n" + load_note(self.before, self.after)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "summary": self.summary(),
+            "seconds": self.seconds,
+            "baseline": self.baseline,
+            "machine_before": self.before,
+            "machine_after": self.after,
+        }
+
+
+@dataclass
+class Bench:
+    """Times callables in interleaved rounds: `warmup` untimed rounds, then `rounds` timed ones.
+
+    Each round runs every variant once, in an order rotated by one each round. `repeat` calls per timing (for
+    very short callables) are averaged. `sync` runs after each call (e.g. `torch.cuda.synchronize`).
+    """
+
+    rounds: int = 7
+    warmup: int = 1
+    repeat: int = 1
+    sync: Callable[[], None] | None = None
+
+    def run(self, variants: dict[str, Callable[[], Any]], *, baseline: str | None = None) -> Timings:
+        if baseline is not None and baseline not in variants:
+            raise ValueError(f"baseline {baseline!r} is not one of the variants {sorted(variants)}")
+        names = list(variants)
+        seconds: dict[str, list[float]] = {name: [] for name in names}
+        before = machine_state()
+        for round_index in range(self.warmup + self.rounds):
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                elapsed = self._time(variants[name])
+                if round_index >= self.warmup:
+                    seconds[name].append(elapsed)
+        return Timings(seconds, baseline, before, machine_state())
+
+    def _time(self, fn: Callable[[], Any]) -> float:
+        start = time.perf_counter()
+        for _ in range(self.repeat):
+            fn()
+            if self.sync is not None:
+                self.sync()
+        return (time.perf_counter() - start) / self.repeat
+
+
+def markdown_table(rows: list[list[str]]) -> str:
+    """Rows of strings (the first is the header) as an aligned markdown table."""
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def write_results(name: str, data: dict[str, Any]) -> Path:
+    """`benchmarks/results/<name>.json` (the folder is git-ignored); returns the path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2, default=str))
+    return path
+
+
+def plot_lines(
+    name: str,
+    series: dict[str, tuple[list[float], list[float]]],
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    logx: bool = False,
+    hline: float | None = None,
+) -> Path | None:
+    """`benchmarks/results/<name>.png`: one line per series ({label: (xs, ys)}); None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(no plot for {name}: `pip install matplotlib`, part of the bench extra)")
+        return None
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=label)
+    if hline is not None:
+        ax.axhline(hline, color="grey", linestyle="--", linewidth=1)
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
