@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hf_llmkit-installed
 
-.PHONY: install quickstart test bench lint format clean
+.PHONY: install quickstart test test-all test-gpu bench lint format clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ quickstart: install
 test: install
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-all: install  # also the cells marked slow (composition matrix, every kill-and-resume case)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+test-gpu: install  # the tests marked gpu, on a CUDA machine
+	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
 bench: install
 	@set -e; for script in benchmarks/*.py; do echo "== $$script"; $(PY) $$script; done
