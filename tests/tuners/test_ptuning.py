@@ -25,23 +25,6 @@ def _encoder_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("name", "module", "stem"), [("PTUNING", "ptuning", "PTuning"), ("PTUNING_V2", "ptuning_v2", "PTuningV2")]
-)
-def test_import_registers_both_methods_with_peft(name, module, stem):
-    import importlib
-
-    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_PREFIX_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
-    from peft.utils import PeftType
-
-    package = importlib.import_module(f"hf_llmkit.tuners.{module}")
-    config_cls, model_cls = getattr(package, f"{stem}Config"), getattr(package, f"{stem}Model")
-    member = PeftType[name]
-    assert PEFT_TYPE_TO_CONFIG_MAPPING[name] is config_cls and PEFT_TYPE_TO_TUNER_MAPPING[member] is model_cls
-    assert PEFT_TYPE_TO_PREFIX_MAPPING[member] == model_cls.prefix == f"{module}_"
-    assert config_cls().peft_type is member
-
-
-@pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"num_virtual_tokens": 0}, "num_virtual_tokens must be an int >= 1"),

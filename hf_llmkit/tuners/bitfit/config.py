@@ -7,7 +7,7 @@ from typing import Union
 
 from peft.config import PeftConfig
 
-from hf_llmkit.tuners.registration import extend_peft_type
+from hf_llmkit.tuners.registration import LLMKitPeftType
 
 # The BitFit paper's small subset (its Table 3): the query bias and the FFN's intermediate bias (BERT naming).
 BITFIT_PAPER_SUBSET = ["attention.self.query", "intermediate.dense"]
@@ -68,7 +68,7 @@ class BitFitConfig(PeftConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.peft_type = extend_peft_type("BITFIT")
+        self.peft_type = LLMKitPeftType.BITFIT
         if isinstance(self.target_modules, list):
             self.target_modules = set(self.target_modules)
         if isinstance(self.exclude_modules, list):

@@ -8,7 +8,7 @@ from typing import Union
 from peft.config import PeftConfig
 from transformers.activations import ACT2FN
 
-from hf_llmkit.tuners.registration import extend_peft_type
+from hf_llmkit.tuners.registration import LLMKitPeftType
 
 PLACEMENTS = ("houlsby", "pfeiffer", "parallel")
 DEFAULT_REDUCTION_FACTOR = 16
@@ -114,7 +114,7 @@ class BottleneckConfig(PeftConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.peft_type = extend_peft_type("BOTTLENECK")
+        self.peft_type = LLMKitPeftType.BOTTLENECK
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement={self.placement!r} is not supported; use one of {PLACEMENTS}.")
         if self.bottleneck_size is not None and self.reduction_factor is not None:

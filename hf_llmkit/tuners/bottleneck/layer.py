@@ -10,32 +10,32 @@ import math
 from typing import Any
 
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from transformers.activations import ACT2FN
+
+from hf_llmkit.tuners.features import linear_features
+
+MERGE_ERROR = (
+    "Bottleneck adapters cannot be merged into the base weights: f(z W_down) W_up has an activation between the "
+    "projections, so it is no linear map of the base weights. Keep the PeftModel with the adapter for inference, "
+    "or call `unload()` to get the base model back without the adapter."
+)
 
 
 def linear_in_out(module: nn.Module) -> tuple[int, int]:
     """(in, out) features of a module: itself if Linear-like, else its first and last Linear-like descendant.
 
-    Uses module attributes / `ds_shape`, never `weight.shape`, so it is right under DeepSpeed ZeRO-3 partitioning.
+    Uses module attributes, never `weight.shape`, so it is right under DeepSpeed ZeRO-3 partitioning.
     """
     leaves = [m for m in module.modules() if hasattr(m, "weight") and not list(m.children())]
-    leaves = [m for m in leaves if _is_linear_like(m)]
+    leaves = [features for m in leaves if (features := linear_features(m)) is not None]
     if not leaves:
         raise TypeError(
             f"Cannot adapt {type(module).__name__}: it contains no Linear layer to infer its width from; "
             "target a Linear layer or a block (e.g. an MLP) built from them."
         )
-    first_in, _ = _get_in_out_features(leaves[0])
-    _, last_out = _get_in_out_features(leaves[-1])
-    return first_in, last_out
-
-
-def _is_linear_like(module: nn.Module) -> bool:
-    if isinstance(module, nn.Linear):  # includes bitsandbytes Linear4bit / Linear8bitLt
-        return True
-    return type(module).__name__ == "Conv1D" or (hasattr(module, "in_features") and hasattr(module, "out_features"))
+    return leaves[0][0], leaves[-1][1]
 
 
 def _compute_device_dtype(module: nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -106,11 +106,7 @@ class BottleneckLayer(nn.Module, BaseTunerLayer):
             nn.init.normal_(up.bias, std=0.02)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        raise ValueError(
-            "Bottleneck adapters cannot be merged into the base weights: f(z W_down) W_up has an activation "
-            "between the projections, so it is no linear map of the base weights. Keep the PeftModel with the "
-            "adapter for inference, or call `unload()` to get the base model back without the adapter."
-        )
+        raise ValueError(MERGE_ERROR)
 
     def unmerge(self) -> None:
         """Nothing is ever merged (see `merge`)."""

@@ -43,8 +43,9 @@ class PTuningLayer(BaseTunerLayer):
             )
         self.num_embeddings = base.num_embeddings
         self.embedding_dim = base.embedding_dim
+        self.in_features, self.out_features = self.num_embeddings, self.embedding_dim  # peft's embedding convention
 
-    def update_layer(self, adapter_name: str, config: PTuningConfig) -> None:
+    def update_layer(self, adapter_name: str, config: PTuningConfig, *, key: str = "") -> None:
         if config.token_dim is not None and config.token_dim != self.embedding_dim:
             raise ValueError(
                 f"token_dim={config.token_dim} but the embedding layer has dimension {self.embedding_dim}; "
@@ -79,11 +80,11 @@ class PTuningLayer(BaseTunerLayer):
 class PTuningEmbedding(nn.Module, PTuningLayer):
     """An `nn.Embedding` whose virtual token ids are embedded by the active adapters' prompt encoders."""
 
-    def __init__(self, base_layer: nn.Module, adapter_name: str, config: PTuningConfig, **kwargs: Any) -> None:
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: PTuningConfig, *, key: str = "") -> None:
         super().__init__()
         PTuningLayer.__init__(self, base_layer)
         self._active_adapter = adapter_name
-        self.update_layer(adapter_name, config)
+        self.update_layer(adapter_name, config, key=key)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         raise ValueError(MERGE_ERROR)

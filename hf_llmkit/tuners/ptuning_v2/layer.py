@@ -48,8 +48,9 @@ class PTuningV2Layer(BaseTunerLayer):
         self._disable_adapters = False
         self.merged_adapters = []
         self.kv_heads, self.head_dim, self.hidden_size = attention_geometry(self.get_base_layer())
+        self.in_features = self.out_features = self.hidden_size  # attention maps hidden states to hidden states
 
-    def update_layer(self, adapter_name: str, config: PTuningV2Config) -> None:
+    def update_layer(self, adapter_name: str, config: PTuningV2Config, *, key: str = "") -> None:
         geometry = dict(kv_heads=self.kv_heads, num_virtual_tokens=config.num_virtual_tokens, head_dim=self.head_dim)
         if config.prefix_projection and not config.inference_mode:
             hidden = config.encoder_hidden_size or self.hidden_size
@@ -74,11 +75,11 @@ class PTuningV2Layer(BaseTunerLayer):
 class PTuningV2Attention(nn.Module, PTuningV2Layer):
     """A transformers attention module whose keys/values get the active adapters' prefixes prepended."""
 
-    def __init__(self, base_layer: nn.Module, adapter_name: str, config: PTuningV2Config, **kwargs: Any) -> None:
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: PTuningV2Config, *, key: str = "") -> None:
         super().__init__()
         PTuningV2Layer.__init__(self, base_layer)
         self._active_adapter = adapter_name
-        self.update_layer(adapter_name, config)
+        self.update_layer(adapter_name, config, key=key)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         raise ValueError(MERGE_ERROR)
