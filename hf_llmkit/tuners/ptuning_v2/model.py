@@ -78,7 +78,7 @@ class PTuningV2Model(LLMKitTuner):
 
     def _unload_and_optionally_merge(self, merge: bool = True, *args: Any, **kwargs: Any) -> nn.Module:
         if merge:
-            raise ValueError(MERGE_ERROR)
+            self._check_merge_allowed()  # raises: prefixes cannot be folded into weights
         self._use_prefix_attention(False)
         return super()._unload_and_optionally_merge(False, *args, **kwargs)
 
