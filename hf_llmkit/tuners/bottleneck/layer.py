@@ -14,6 +14,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from transformers.activations import ACT2FN
 
+from hf_llmkit.tuners.base import UnmergeableLayer
 from hf_llmkit.tuners.features import linear_features
 
 MERGE_ERROR = (
@@ -52,8 +53,10 @@ def _compute_device_dtype(module: nn.Module) -> tuple[torch.device, torch.dtype]
     return device, dtype
 
 
-class BottleneckLayer(nn.Module, BaseTunerLayer):
+class BottleneckLayer(UnmergeableLayer, nn.Module, BaseTunerLayer):
     """A module wrapped with one bottleneck adapter per adapter name."""
+
+    merge_error = MERGE_ERROR
 
     adapter_layer_names = ("bottleneck_down", "bottleneck_up")
     other_param_names = ("bottleneck_act", "bottleneck_dropout", "bottleneck_scaling", "bottleneck_placement")
@@ -104,12 +107,6 @@ class BottleneckLayer(nn.Module, BaseTunerLayer):
         else:  # non-identity init so tests can see the adapter act
             nn.init.normal_(up.weight, std=0.5 / math.sqrt(up.in_features))
             nn.init.normal_(up.bias, std=0.02)
-
-    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        raise ValueError(MERGE_ERROR)
-
-    def unmerge(self) -> None:
-        """Nothing is ever merged (see `merge`)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         result = self.base_layer(*args, **kwargs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hf_llmkit.tuners.base import LLMKitTuner
 from hf_llmkit.tuners.bottleneck.config import BOTTLENECK_TARGET_MODULES, BottleneckConfig
-from hf_llmkit.tuners.bottleneck.layer import MERGE_ERROR, BottleneckLayer
+from hf_llmkit.tuners.bottleneck.layer import BottleneckLayer
 
 
 class BottleneckModel(LLMKitTuner):
@@ -20,7 +20,6 @@ class BottleneckModel(LLMKitTuner):
 
     prefix: str = "bottleneck_"
     tuner_layer_cls = BottleneckLayer
-    merge_error = MERGE_ERROR
 
     def _prepare_adapter_config(self, peft_config: BottleneckConfig, model_config: dict) -> BottleneckConfig:
         if peft_config.target_modules is None:

@@ -15,6 +15,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from hf_llmkit.tuners.base import UnmergeableLayer
 from hf_llmkit.tuners.ptuning.config import PTuningConfig
 from hf_llmkit.tuners.ptuning.encoder import PromptEncoder
 
@@ -77,20 +78,16 @@ class PTuningLayer(BaseTunerLayer):
         self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
 
 
-class PTuningEmbedding(nn.Module, PTuningLayer):
+class PTuningEmbedding(UnmergeableLayer, nn.Module, PTuningLayer):
     """An `nn.Embedding` whose virtual token ids are embedded by the active adapters' prompt encoders."""
+
+    merge_error = MERGE_ERROR
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config: PTuningConfig, *, key: str = "") -> None:
         super().__init__()
         PTuningLayer.__init__(self, base_layer)
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, key=key)
-
-    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        raise ValueError(MERGE_ERROR)
-
-    def unmerge(self) -> None:
-        raise ValueError(MERGE_ERROR)
 
     def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         active = [] if self.disable_adapters else [a for a in self.active_adapters if a in self.ptuning_encoder]

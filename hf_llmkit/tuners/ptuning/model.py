@@ -12,7 +12,7 @@ from torch import nn
 
 from hf_llmkit.tuners.base import LLMKitTuner
 from hf_llmkit.tuners.ptuning.config import PTuningConfig
-from hf_llmkit.tuners.ptuning.layer import MERGE_ERROR, PTuningEmbedding
+from hf_llmkit.tuners.ptuning.layer import PTuningEmbedding
 
 
 class PTuningModel(LLMKitTuner):
@@ -31,7 +31,6 @@ class PTuningModel(LLMKitTuner):
 
     prefix: str = "ptuning_"
     tuner_layer_cls = PTuningEmbedding
-    merge_error = MERGE_ERROR
 
     def _check_tied_modules(self, model: nn.Module, peft_config: PTuningConfig) -> None:
         # The wrapper never changes the embedding weight, so an output layer tied to it stays tied: peft's warning

@@ -15,7 +15,7 @@ from torch import nn
 from hf_llmkit.tuners.base import LLMKitTuner
 from hf_llmkit.tuners.ptuning_v2.attention import inner_name, is_prefix_attention, register_prefix_attention
 from hf_llmkit.tuners.ptuning_v2.config import PTuningV2Config
-from hf_llmkit.tuners.ptuning_v2.layer import MERGE_ERROR, PTuningV2Attention, PTuningV2Layer
+from hf_llmkit.tuners.ptuning_v2.layer import PTuningV2Attention, PTuningV2Layer
 from hf_llmkit.tuners.ptuning_v2.prefix import PlainPrefix, ProjectedPrefix
 
 _PROJECTION_KEYS = ("embedding", "down.weight", "down.bias", "up.weight", "up.bias")
@@ -46,7 +46,6 @@ class PTuningV2Model(LLMKitTuner):
 
     prefix: str = "ptuning_v2_"
     tuner_layer_cls = PTuningV2Attention
-    merge_error = MERGE_ERROR
 
     def _prepare_adapter_config(self, peft_config: PTuningV2Config, model_config: dict) -> PTuningV2Config:
         if peft_config.target_modules is None:
