@@ -34,6 +34,7 @@ __all__ = [
     "tiny_llama",
     "tiny_llama_config",
     "tiny_model",
+    "tiny_training_args",
 ]
 
 
@@ -232,6 +233,27 @@ def tiny_llama_config(**overrides: Any):
 def tiny_llama(*, seed: int = 0, **overrides: Any):
     """A randomly initialised tiny `LlamaForCausalLM` (fp32, eval mode), deterministic for a given seed."""
     return tiny_model("llama", seed=seed, **overrides)
+
+
+def tiny_training_args(output_dir: str | os.PathLike, **overrides: Any):
+    """`LLMKitTrainingArguments` for a few quiet CPU steps in a test: 4 steps of 2 rows at lr 1e-2, seed 0, no
+    reports, no progress bars, no checkpoints, no dataloader workers; `overrides` win (DeepSpeed runs pass
+    `use_cpu=False`)."""
+    from hf_llmkit.args import LLMKitTrainingArguments
+
+    kwargs = dict(
+        max_steps=4,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    kwargs.update(overrides)
+    return LLMKitTrainingArguments(str(output_dir), **kwargs)
 
 
 def minilm_path() -> Path:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 import hf_llmkit
-from hf_llmkit.testing import launch, tiny_llama
+from hf_llmkit.testing import launch, tiny_llama, tiny_training_args
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 512  # tiny_llama's vocabulary: P-tuning v1 virtual ids start here
@@ -38,28 +38,11 @@ def examples(n: int, *, length: int = 12, virtual: int = 0, seed: int = 0) -> li
     return rows
 
 
-def training_args(out_dir: str | os.PathLike, **overrides: Any) -> hf_llmkit.LLMKitTrainingArguments:
-    """CPU training arguments for a few steps (no reporting, no saving unless asked)."""
-    kwargs = dict(
-        max_steps=4,
-        per_device_train_batch_size=2,
-        learning_rate=1e-2,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        use_cpu=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
-    kwargs.update(overrides)
-    return hf_llmkit.LLMKitTrainingArguments(str(out_dir), **kwargs)
-
-
 def trainer(model: Any, data: list[dict], out_dir: str | os.PathLike, **overrides: Any):
-    """A `Trainer` over `data` with `training_args(out_dir, **overrides)`."""
+    """A `Trainer` over `data` with `tiny_training_args(out_dir, **overrides)`."""
     from transformers import Trainer
 
-    return Trainer(model=model, args=training_args(out_dir, **overrides), train_dataset=data)
+    return Trainer(model=model, args=tiny_training_args(out_dir, **overrides), train_dataset=data)
 
 
 def snapshot(model: torch.nn.Module, marker: str) -> dict[str, torch.Tensor]:
@@ -115,7 +98,7 @@ def zero3_train_and_save(model_dir: str, out_dir: str) -> dict[str, dict]:
     results = {}
     for name, make_config in METHODS.items():
         folder = os.path.join(out_dir, name)
-        args = training_args(folder, max_steps=2, deepspeed=deepspeed, use_cpu=False)
+        args = tiny_training_args(folder, max_steps=2, deepspeed=deepspeed, use_cpu=False)
         model = AutoModelForCausalLM.from_pretrained(model_dir)  # partitioned: the arguments came first
         partitioned = hasattr(model.model.layers[0].mlp.down_proj.weight, "ds_shape")
         data = examples(8, virtual=3 if name == "ptuning" else 0)
