@@ -30,8 +30,11 @@ __all__ = [
     "launch",
     "launch_script",
     "minilm_path",
+    "tiny_config",
     "tiny_llama",
     "tiny_llama_config",
+    "tiny_model",
+    "tiny_training_args",
 ]
 
 
@@ -167,36 +170,90 @@ def launch_script(
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout=text, stderr="")
 
 
+# One shape for every tiny model: 2 layers, hidden 64, 4 query heads over 2 key/value heads (GQA), vocabulary 512.
+TINY_SHAPE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+TINY_FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "bert")
+_GPT2_NAMES = dict(
+    vocab_size="vocab_size",
+    hidden_size="n_embd",
+    intermediate_size="n_inner",
+    num_hidden_layers="n_layer",
+    num_attention_heads="n_head",
+    max_position_embeddings="n_positions",
+)
+
+
+def tiny_config(model_type: str = "llama", **overrides: Any):
+    """A `model_type` config ("llama", "mistral", "qwen2", "gpt2", "bert") of `TINY_SHAPE`, small enough for CPU tests.
+
+    `overrides` use the family's own argument names (`n_layer` for GPT-2, `num_hidden_layers` elsewhere) and win.
+    """
+    from transformers import AutoConfig
+
+    if model_type not in TINY_FAMILIES:
+        raise ValueError(f"model_type={model_type!r} has no tiny config; use one of {TINY_FAMILIES}")
+    if model_type == "gpt2":
+        kwargs = {_GPT2_NAMES[k]: v for k, v in TINY_SHAPE.items() if k in _GPT2_NAMES}
+        kwargs.update(bos_token_id=1, eos_token_id=2)  # GPT-2's own ids lie outside the tiny vocabulary
+    elif model_type == "bert":
+        kwargs = {k: v for k, v in TINY_SHAPE.items() if k != "num_key_value_heads"}
+    else:
+        kwargs = dict(TINY_SHAPE, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if model_type == "llama":
+        kwargs.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    kwargs.update(overrides)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_model(model_type: str = "llama", *, seed: int = 0, **overrides: Any):
+    """A randomly initialised tiny model of `tiny_config(model_type, **overrides)` (fp32, eval mode, deterministic for
+    a given seed): the causal LM for decoder families, the bare encoder (`BertModel`) for BERT."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    config = tiny_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModel.from_config(config) if model_type == "bert" else AutoModelForCausalLM.from_config(config)
+    return model.eval()
+
+
 def tiny_llama_config(**overrides: Any):
     """A LlamaConfig small enough for CPU unit tests (GQA: 4 query heads, 2 key/value heads)."""
-    from transformers import LlamaConfig
-
-    kwargs = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
+    return tiny_config("llama", **overrides)
 
 
 def tiny_llama(*, seed: int = 0, **overrides: Any):
     """A randomly initialised tiny `LlamaForCausalLM` (fp32, eval mode), deterministic for a given seed."""
-    import torch
-    from transformers import LlamaForCausalLM
+    return tiny_model("llama", seed=seed, **overrides)
 
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_llama_config(**overrides))
-    return model.eval()
+
+def tiny_training_args(output_dir: str | os.PathLike, **overrides: Any):
+    """`LLMKitTrainingArguments` for a few quiet CPU steps in a test: 4 steps of 2 rows at lr 1e-2, seed 0, no
+    reports, no progress bars, no checkpoints, no dataloader workers; `overrides` win (DeepSpeed runs pass
+    `use_cpu=False`)."""
+    from hf_llmkit.args import LLMKitTrainingArguments
+
+    kwargs = dict(
+        max_steps=4,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    kwargs.update(overrides)
+    return LLMKitTrainingArguments(str(output_dir), **kwargs)
 
 
 def minilm_path() -> Path:

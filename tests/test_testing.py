@@ -61,3 +61,31 @@ def test_tiny_llama_is_deterministic():
     torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=0, atol=0)
     assert a.config.num_key_value_heads < a.config.num_attention_heads  # GQA, as the parallel tests need
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "gpt2", "bert"])
+def test_tiny_model_of_every_family_has_the_tiny_shape(model_type):
+    from hf_llmkit.testing import TINY_SHAPE, tiny_model
+
+    model = tiny_model(model_type, num_hidden_layers=1) if model_type != "gpt2" else tiny_model("gpt2", n_layer=1)
+    config = model.config
+    assert config.model_type == model_type and config.num_hidden_layers == 1 and not model.training
+    assert config.hidden_size == TINY_SHAPE["hidden_size"] and config.vocab_size == TINY_SHAPE["vocab_size"]
+    ids = torch.arange(3, 15).reshape(2, 6)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids)[0]).all()
+
+
+def test_tiny_config_names_the_families_it_knows():
+    from hf_llmkit.testing import tiny_config
+
+    with pytest.raises(ValueError, match="use one of"):
+        tiny_config("t5")
+
+
+def test_tiny_training_args_are_quiet_cpu_defaults_that_overrides_change(tmp_path):
+    from hf_llmkit.testing import tiny_training_args
+
+    args = tiny_training_args(tmp_path, max_steps=2)
+    assert args.max_steps == 2 and args.use_cpu and args.report_to == [] and args.save_strategy == "no"
+    assert args.output_dir == str(tmp_path)

@@ -3,7 +3,7 @@
 Each method's `__init__.py` calls `register_tuner(...)`; importing this package registers them all.
 """
 
-from hf_llmkit.tuners.registration import extend_peft_type, register_tuner  # noqa: I001 (registration first)
+from hf_llmkit.tuners.registration import LLMKitPeftType, register_tuner  # noqa: I001 (registration first)
 from hf_llmkit.tuners.bitfit import BitFitConfig
 from hf_llmkit.tuners.bottleneck import BottleneckConfig
 from hf_llmkit.tuners.ptuning import PTuningConfig
@@ -12,8 +12,8 @@ from hf_llmkit.tuners.ptuning_v2 import PTuningV2Config
 __all__ = [
     "BitFitConfig",
     "BottleneckConfig",
+    "LLMKitPeftType",
     "PTuningConfig",
     "PTuningV2Config",
-    "extend_peft_type",
     "register_tuner",
 ]

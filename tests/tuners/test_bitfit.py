@@ -5,25 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import get_peft_model
-from transformers import (
-    BertConfig,
-    BertModel,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-)
+from transformers import LlamaForCausalLM
 
 from hf_llmkit import BitFitConfig
-from hf_llmkit.testing import tiny_llama
+from hf_llmkit.testing import tiny_llama, tiny_model
 from hf_llmkit.tuners.bitfit import BITFIT_PAPER_SUBSET, BitFitLayer
-
-
-def _bert():
-    torch.manual_seed(0)
-    config = BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-    return BertModel(config, add_pooling_layer=False).eval()
 
 
 def _trainable(model) -> dict[str, int]:
@@ -31,7 +17,7 @@ def _trainable(model) -> dict[str, int]:
 
 
 def test_default_trains_every_existing_bias_and_nothing_else():
-    base = _bert()
+    base = tiny_model("bert")
     n_bias = sum(p.numel() for n, p in base.named_parameters() if n.endswith(".bias"))
     model = get_peft_model(base, BitFitConfig())
     trainable = _trainable(model)
@@ -41,7 +27,7 @@ def test_default_trains_every_existing_bias_and_nothing_else():
 
 
 def test_the_papers_query_and_intermediate_subset():
-    model = get_peft_model(_bert(), BitFitConfig(target_modules=BITFIT_PAPER_SUBSET))
+    model = get_peft_model(tiny_model("bert"), BitFitConfig(target_modules=BITFIT_PAPER_SUBSET))
     layers = {n.split(".bitfit_bias")[0].split("layer.")[1] for n in _trainable(model)}
     assert layers == {
         "0.attention.self.query",
@@ -49,13 +35,12 @@ def test_the_papers_query_and_intermediate_subset():
         "1.attention.self.query",
         "1.intermediate.dense",
     }
-    assert sum(_trainable(model).values()) == 2 * (32 + 64)
+    config = model.get_base_model().config
+    assert sum(_trainable(model).values()) == 2 * (config.hidden_size + config.intermediate_size)
 
 
 def test_gpt2_conv1d_and_layernorm_biases_merge_exactly():
-    torch.manual_seed(0)
-    base = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64)).eval()
-    model = get_peft_model(base, BitFitConfig(init_weights=False))
+    model = get_peft_model(tiny_model("gpt2"), BitFitConfig(init_weights=False))
     kinds = {type(m.get_base_layer()).__name__ for m in model.modules() if isinstance(m, BitFitLayer)}
     assert kinds == {"Conv1D", "LayerNorm"}  # the tied lm_head (no bias) is left alone
     ids = torch.randint(0, 128, (2, 8))
@@ -85,18 +70,8 @@ def test_added_biases_on_llama_become_real_biases_when_merged(tmp_path):
 
 
 def test_merging_added_biases_the_config_cannot_declare_warns():
-    torch.manual_seed(0)
-    config = MistralConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-    )
-    model = get_peft_model(
-        MistralForCausalLM(config), BitFitConfig(target_modules=["q_proj"], add_missing_biases=True)
-    )
+    mistral = tiny_model("mistral", num_hidden_layers=1)
+    model = get_peft_model(mistral, BitFitConfig(target_modules=["q_proj"], add_missing_biases=True))
     with pytest.warns(UserWarning, match="Keep the BitFit adapter"):
         model.merge_and_unload()
 
@@ -119,7 +94,7 @@ def test_bias_less_targets_name_add_missing_biases():
 
 def test_target_modules_matching_nothing_lists_close_candidates():
     with pytest.raises(ValueError, match=r"'qeury' -> did you mean \[.*'query'"):
-        get_peft_model(_bert(), BitFitConfig(target_modules=["qeury"]))
+        get_peft_model(tiny_model("bert"), BitFitConfig(target_modules=["qeury"]))
 
 
 def test_config_validation():

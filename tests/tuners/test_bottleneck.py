@@ -6,36 +6,10 @@ import pytest
 import torch
 from peft import get_peft_model
 from torch import nn
-from transformers import (
-    BertConfig,
-    BertModel,
-    GPT2Config,
-    GPT2LMHeadModel,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
 
 from hf_llmkit import BottleneckConfig
-from hf_llmkit.testing import tiny_llama
+from hf_llmkit.testing import tiny_llama, tiny_model
 from hf_llmkit.tuners.bottleneck import BottleneckLayer
-
-SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
-
-
-def _family(name: str) -> nn.Module:
-    torch.manual_seed(0)
-    if name == "llama":
-        return tiny_llama()
-    if name == "mistral":
-        return MistralForCausalLM(MistralConfig(num_key_value_heads=2, **SMALL)).eval()
-    if name == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, **SMALL)).eval()
-    if name == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64)).eval()
-    return BertModel(BertConfig(**SMALL)).eval()
-
 
 EXPECTED_TARGETS = {  # per family: (houlsby, pfeiffer, parallel) suffixes of layer 0's targeted modules
     "llama": (["mlp.down_proj", "self_attn.o_proj"], ["mlp.down_proj"], ["mlp"]),
@@ -50,7 +24,7 @@ EXPECTED_TARGETS = {  # per family: (houlsby, pfeiffer, parallel) suffixes of la
 @pytest.mark.parametrize("index", [0, 1, 2], ids=["houlsby", "pfeiffer", "parallel"])
 def test_default_targets_per_family(family, index):
     placement = ("houlsby", "pfeiffer", "parallel")[index]
-    model = _family(family)
+    model = tiny_model(family)
     ids = torch.randint(1, 100, (2, 8))
     with torch.no_grad():
         base = model(input_ids=ids)[0]

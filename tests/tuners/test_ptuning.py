@@ -12,33 +12,12 @@ from torch import nn
 
 from hf_llmkit import PTuningConfig, PTuningTemplate, build_ptuning_template
 from hf_llmkit.testing import corpus_tokenizer, tiny_llama
-from tests.tuners.ptuning_support import VOCAB, examples, fresh_logits, quantized_tiny_llama, run_zero3, trainer
+from tests.tuners.support import VOCAB, examples, fresh_logits, quantized_tiny_llama, snapshot, trainer
 
 
 def _virtual_batch() -> dict[str, torch.Tensor]:
     ids = torch.tensor([[VOCAB, VOCAB + 1, 7, 8, 9, VOCAB + 2, 10], [11, VOCAB, VOCAB + 1, 12, 13, 14, VOCAB + 2]])
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-
-
-def _encoder_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.named_parameters() if "ptuning_encoder" in k}
-
-
-@pytest.mark.parametrize(
-    ("name", "module", "stem"), [("PTUNING", "ptuning", "PTuning"), ("PTUNING_V2", "ptuning_v2", "PTuningV2")]
-)
-def test_import_registers_both_methods_with_peft(name, module, stem):
-    import importlib
-
-    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_PREFIX_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
-    from peft.utils import PeftType
-
-    package = importlib.import_module(f"hf_llmkit.tuners.{module}")
-    config_cls, model_cls = getattr(package, f"{stem}Config"), getattr(package, f"{stem}Model")
-    member = PeftType[name]
-    assert PEFT_TYPE_TO_CONFIG_MAPPING[name] is config_cls and PEFT_TYPE_TO_TUNER_MAPPING[member] is model_cls
-    assert PEFT_TYPE_TO_PREFIX_MAPPING[member] == model_cls.prefix == f"{module}_"
-    assert config_cls().peft_type is member
 
 
 @pytest.mark.parametrize(
@@ -164,12 +143,14 @@ def trained(tmp_path_factory):
         tmp = tmp_path_factory.mktemp(f"ptuning_{encoder}")
         config = PTuningConfig(num_virtual_tokens=3, encoder_reparameterization_type=encoder, encoder_hidden_size=32)
         peft_model = get_peft_model(tiny_llama(), config)
-        before = _encoder_state(peft_model)
+        before = snapshot(peft_model, "ptuning_encoder")
         trainer(peft_model, examples(8, virtual=3), tmp / "run").train()
         peft_model.save_pretrained(tmp / "adapter")
         with torch.no_grad():
             expected = peft_model.eval()(**batch).logits
-        runs[encoder] = dict(dir=tmp / "adapter", before=before, after=_encoder_state(peft_model), expected=expected)
+        runs[encoder] = dict(
+            dir=tmp / "adapter", before=before, after=snapshot(peft_model, "ptuning_encoder"), expected=expected
+        )
     reloaded = fresh_logits([(run["dir"], batch["input_ids"], batch["attention_mask"]) for run in runs.values()])
     for run, logits in zip(runs.values(), reloaded):
         run["reloaded"] = logits
@@ -198,11 +179,11 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     uninterrupted = get_peft_model(tiny_llama(), PTuningConfig(num_virtual_tokens=3))
     run = trainer(uninterrupted, data, tmp_path / "a", save_strategy="steps", save_steps=2)
     run.train()
-    final = _encoder_state(uninterrupted)
+    final = snapshot(uninterrupted, "ptuning_encoder")
     checkpoint = tmp_path / "a" / "checkpoint-2"
 
     reloaded = PeftModel.from_pretrained(tiny_llama(), checkpoint, is_trainable=True)
-    params = _encoder_state(reloaded)
+    params = snapshot(reloaded, "ptuning_encoder")
     assert params and all(p.requires_grad for k, p in reloaded.named_parameters() if "ptuning_encoder" in k)
     saved = load_file(checkpoint / "adapter_model.safetensors")
     assert {k.replace(".default.", "."): v for k, v in params.items()}.keys() == saved.keys()
@@ -211,15 +192,15 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     base = tiny_llama()
     torch.manual_seed(123)  # a different fresh encoder: the checkpoint must overwrite it
     resumed = get_peft_model(base, PTuningConfig(num_virtual_tokens=3))
-    assert not torch.equal(next(iter(_encoder_state(resumed).values())), next(iter(params.values())))
+    assert not torch.equal(next(iter(snapshot(resumed, "ptuning_encoder").values())), next(iter(params.values())))
     resumed_run = trainer(resumed, data, tmp_path / "b", save_strategy="steps", save_steps=2)
     resumed_run.train(resume_from_checkpoint=str(checkpoint))
     assert resumed_run.state.global_step == 4
-    for key, value in _encoder_state(resumed).items():
+    for key, value in snapshot(resumed, "ptuning_encoder").items():
         torch.testing.assert_close(value, final[key], rtol=0, atol=1e-6)
     # The model reloaded with is_trainable=True continues the same way (optimizer state from the checkpoint).
     trainer(reloaded, data, tmp_path / "c").train(resume_from_checkpoint=str(checkpoint))
-    for key, value in _encoder_state(reloaded).items():
+    for key, value in snapshot(reloaded, "ptuning_encoder").items():
         torch.testing.assert_close(value, final[key], rtol=0, atol=1e-6)
 
 
@@ -295,33 +276,15 @@ def test_multiple_adapters_disable_unload_and_merge_refusal(capsys):
 def test_on_a_bitsandbytes_4bit_base(tmp_path):
     pytest.importorskip("bitsandbytes")
     peft_model = get_peft_model(quantized_tiny_llama(tmp_path / "base"), PTuningConfig(num_virtual_tokens=3))
-    before = _encoder_state(peft_model)
+    before = snapshot(peft_model, "ptuning_encoder")
     trainer(peft_model, examples(4, virtual=3), tmp_path / "run", max_steps=2).train()
-    assert any(not torch.equal(before[k], v) for k, v in _encoder_state(peft_model).items())
+    assert any(not torch.equal(before[k], v) for k, v in snapshot(peft_model, "ptuning_encoder").items())
     peft_model.save_pretrained(tmp_path / "adapter")
     batch = _virtual_batch()
     with torch.no_grad():
         expected = peft_model.eval()(**batch).logits
         reloaded = PeftModel.from_pretrained(quantized_tiny_llama(tmp_path / "base2"), tmp_path / "adapter").eval()
         torch.testing.assert_close(reloaded(**batch).logits, expected, rtol=0, atol=0)
-
-
-@pytest.fixture(scope="module")
-def zero3_results(tmp_path_factory):
-    pytest.importorskip("deepspeed")
-    return run_zero3(tmp_path_factory.mktemp("zero3"))
-
-
-@pytest.mark.parametrize("method", ["ptuning", "ptuning_v2"])
-def test_deepspeed_zero3_saves_complete_adapter_weights(zero3_results, method):
-    """Both P-tuning methods (v2's test lives here so the ZeRO-3 run is paid for once)."""
-    result = zero3_results[method]
-    saved, shapes = result["saved"], result["shapes"]
-    assert "adapter_model.safetensors" in result["files"] and "model.safetensors" not in result["files"]
-    for model_key, shape in shapes.items():
-        key = model_key.replace(".default.", ".")
-        assert key in saved, f"{key} missing from the ZeRO-3 save"
-        assert tuple(saved[key].shape) == shape and saved[key].numel() > 0 and saved[key].abs().sum() > 0
 
 
 class _TextClassifier(nn.Module):

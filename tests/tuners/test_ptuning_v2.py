@@ -1,7 +1,7 @@
 """P-tuning v2 (`PTuningV2Config`): attention-interface prefixes vs a KV-cache reference, sdpa == eager, padding,
 generation, activation checkpointing, projection folding, save/reload, peft behaviours and a 4-bit base.
 
-The ZeRO-3 save of both P-tuning methods is tested in test_ptuning.py (one DeepSpeed run for both).
+The ZeRO-3 save of every method is tested in test_peft_workflows.py (one DeepSpeed run for all).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from hf_llmkit import PTuningV2Config
-from hf_llmkit.testing import tiny_llama
+from hf_llmkit.testing import tiny_llama, tiny_model
 from hf_llmkit.tuners.ptuning_v2 import PlainPrefix, ProjectedPrefix
-from tests.tuners.ptuning_support import examples, fresh_logits, quantized_tiny_llama, trainer
+from tests.tuners.support import examples, fresh_logits, quantized_tiny_llama, snapshot, trainer
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18]])
 
@@ -27,10 +27,6 @@ def _model(implementation: str = "sdpa", **config):
     model.config._attn_implementation = implementation
     torch.manual_seed(0)
     return get_peft_model(model, PTuningV2Config(num_virtual_tokens=config.pop("num_virtual_tokens", 3), **config))
-
-
-def _prefixes(peft_model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in peft_model.named_parameters() if "ptuning_v2_prefix" in k}
 
 
 @pytest.mark.parametrize(
@@ -116,30 +112,14 @@ def test_generate_with_cache_equals_generate_without(implementation):
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
 def test_sliding_window_families_sdpa_equals_eager_and_cached_generation(family):
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    config_cls, model_cls = {"mistral": (MistralConfig, MistralForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[
-        family
-    ]
     ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10, 11, 12], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17]])
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     logits = {}
     for implementation in ("sdpa", "eager"):
-        torch.manual_seed(0)
-        config = config_cls(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            sliding_window=4,
-            use_sliding_window=True,
-            max_window_layers=1,
-            attn_implementation=implementation,
-        )
-        peft_model = get_peft_model(model_cls(config).eval(), PTuningV2Config(num_virtual_tokens=3))
+        window = dict(sliding_window=4, use_sliding_window=True, max_window_layers=1)
+        model = tiny_model(family, attn_implementation=implementation, **window)
+        peft_model = get_peft_model(model, PTuningV2Config(num_virtual_tokens=3))
         with torch.no_grad():
             logits[implementation] = peft_model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
         cached = peft_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
@@ -182,12 +162,14 @@ def trained(tmp_path_factory):
     for projection in (False, True):
         tmp = tmp_path_factory.mktemp(f"ptuning_v2_{projection}")
         peft_model = _model(prefix_projection=projection, encoder_hidden_size=32 if projection else None)
-        before = _prefixes(peft_model)
+        before = snapshot(peft_model, "ptuning_v2_prefix")
         trainer(peft_model, examples(8), tmp / "run").train()
         peft_model.save_pretrained(tmp / "adapter")
         with torch.no_grad():
             expected = peft_model.eval()(input_ids=IDS).logits
-        runs[projection] = dict(dir=tmp / "adapter", before=before, after=_prefixes(peft_model), expected=expected)
+        runs[projection] = dict(
+            dir=tmp / "adapter", before=before, after=snapshot(peft_model, "ptuning_v2_prefix"), expected=expected
+        )
     for run, logits in zip(runs.values(), fresh_logits([(run["dir"], IDS, None) for run in runs.values()])):
         run["reloaded"] = logits
     return runs
@@ -225,8 +207,8 @@ def test_resume_from_checkpoint_with_projection_continues_exactly(tmp_path):
     torch.manual_seed(5)  # a different fresh projection: the checkpoint must overwrite it
     resumed = get_peft_model(tiny_llama(), PTuningV2Config(num_virtual_tokens=3, prefix_projection=True))
     trainer(resumed, data, tmp_path / "b").train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
-    final = _prefixes(uninterrupted)
-    for key, value in _prefixes(resumed).items():
+    final = snapshot(uninterrupted, "ptuning_v2_prefix")
+    for key, value in snapshot(resumed, "ptuning_v2_prefix").items():
         torch.testing.assert_close(value, final[key], rtol=0, atol=1e-6)
 
 
@@ -286,9 +268,9 @@ def test_switching_attention_after_injection_is_refused():
 def test_on_a_bitsandbytes_4bit_base(tmp_path):
     pytest.importorskip("bitsandbytes")
     peft_model = get_peft_model(quantized_tiny_llama(tmp_path / "base"), PTuningV2Config(num_virtual_tokens=3))
-    before = _prefixes(peft_model)
+    before = snapshot(peft_model, "ptuning_v2_prefix")
     trainer(peft_model, examples(4), tmp_path / "run", max_steps=2).train()
-    assert any(not torch.equal(before[k], v) for k, v in _prefixes(peft_model).items())
+    assert any(not torch.equal(before[k], v) for k, v in snapshot(peft_model, "ptuning_v2_prefix").items())
     peft_model.save_pretrained(tmp_path / "adapter")
     with torch.no_grad():
         expected = peft_model.eval()(input_ids=IDS).logits

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
+from transformers import Conv1D
+
+from hf_llmkit.tuners.features import linear_features
 
 
 def bias_shape(module: nn.Module, *, add_missing: bool) -> tuple[int, ...] | None:
@@ -20,11 +24,19 @@ def bias_shape(module: nn.Module, *, add_missing: bool) -> tuple[int, ...] | Non
     has_bias = getattr(module, "bias", None) is not None
     if isinstance(module, nn.Linear):
         return (module.out_features,) if has_bias or add_missing else None
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+    if isinstance(module, Conv1D):
         return (module.nf,) if has_bias else None
     if isinstance(module, nn.LayerNorm):
         return tuple(module.normalized_shape) if has_bias else None
     return None
+
+
+def in_out_features(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a module `bias_shape` accepts (a LayerNorm maps its normalized shape onto itself)."""
+    if isinstance(module, nn.LayerNorm):
+        size = math.prod(module.normalized_shape)
+        return size, size
+    return linear_features(module)
 
 
 class BitFitLayer(nn.Module, BaseTunerLayer):
@@ -33,7 +45,7 @@ class BitFitLayer(nn.Module, BaseTunerLayer):
     adapter_layer_names = ("bitfit_bias",)
     other_param_names = ()
 
-    def __init__(self, base_layer: nn.Module, adapter_name: str, config: Any) -> None:
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: Any, *, key: str = "") -> None:
         super().__init__()
         self.base_layer = base_layer
         self.bitfit_bias = nn.ParameterDict()
@@ -42,12 +54,14 @@ class BitFitLayer(nn.Module, BaseTunerLayer):
         self._created_base_bias = False  # merge gave a bias-less layer a bias; unmerge removes it again
         shape = bias_shape(base_layer, add_missing=config.add_missing_biases)
         if shape is None:
-            raise TypeError(f"BitFit cannot train a bias on {type(base_layer).__name__}.")
+            where = f" at {key}" if key else ""
+            raise TypeError(f"BitFit cannot train a bias on {type(base_layer).__name__}{where}.")
         self.bias_shape = shape
+        self.in_features, self.out_features = in_out_features(base_layer)
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config)
 
-    def update_layer(self, adapter_name: str, config: Any) -> None:
+    def update_layer(self, adapter_name: str, config: Any, *, key: str = "") -> None:
         device, dtype = self._device_dtype()
         delta = torch.zeros(self.bias_shape, device=device, dtype=dtype)
         if not config.init_weights:

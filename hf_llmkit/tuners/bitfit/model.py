@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import re
 import warnings
 
 import torch
-from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, _ExcludedModule, check_target_module_exists
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from hf_llmkit.tuners.base import LLMKitTuner
 from hf_llmkit.tuners.bitfit.config import BitFitConfig
 from hf_llmkit.tuners.bitfit.layer import BitFitLayer, bias_shape
-from hf_llmkit.tuners.matching import check_targets_exist, module_names
+from hf_llmkit.tuners.matching import module_names
 
 
-class BitFitModel(BaseTuner):
+class BitFitModel(LLMKitTuner):
     """BitFit (Ben Zaken et al. 2022) for `get_peft_model`: only bias terms train.
 
     Example:
@@ -26,8 +26,7 @@ class BitFitModel(BaseTuner):
     """
 
     prefix: str = "bitfit_"
-    tuner_layer_cls = BitFitLayer
-    target_module_mapping: dict = {}  # default targets are computed from the model (every eligible module)
+    tuner_layer_cls = BitFitLayer  # default targets are computed from the model (every eligible module)
 
     def _eligible(self, module: nn.Module, config: BitFitConfig) -> bool:
         base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
@@ -57,8 +56,9 @@ class BitFitModel(BaseTuner):
         return peft_config
 
     def _prepare_model(self, peft_config: BitFitConfig, model: nn.Module) -> None:
-        check_targets_exist(model, peft_config.target_modules, "BitFitConfig")
-        matched = [n for n in module_names(model) if _matches(peft_config, n)]
+        super()._prepare_model(peft_config, model)
+        matches = super()._check_target_module_exists  # peft's name matching, before the bias check below
+        matched = [n for n in module_names(model) if matches(peft_config, n)]
         if matched and not any(self._eligible(model.get_submodule(n), peft_config) for n in matched):
             raise ValueError(
                 f"target_modules={peft_config.target_modules} only match modules without a bias (e.g. "
@@ -66,28 +66,10 @@ class BitFitModel(BaseTuner):
             )
 
     def _check_target_module_exists(self, peft_config: BitFitConfig, key: str):
-        found = check_target_module_exists(peft_config, key)
-        if not found or isinstance(found, _ExcludedModule):
+        found = super()._check_target_module_exists(peft_config, key)
+        if not found:  # unmatched, or peft's (falsy) marker of an excluded module: hand it back unchanged
             return found
         return self._eligible(self.model.get_submodule(key), peft_config)
-
-    def _create_and_replace(
-        self,
-        peft_config: BitFitConfig,
-        adapter_name: str,
-        target: nn.Module,
-        target_name: str,
-        parent: nn.Module,
-        current_key: str,
-        **kwargs,
-    ) -> None:
-        if isinstance(target, BitFitLayer):
-            target.update_layer(adapter_name, peft_config)
-            return
-        new_module = BitFitLayer(target, adapter_name, peft_config)
-        if adapter_name not in self.active_adapters:
-            new_module.requires_grad_(False)  # an added, inactive adapter is not trainable
-        self._replace_module(parent, target_name, new_module, target)
 
     def merge_and_unload(
         self, progressbar: bool = False, safe_merge: bool = False, adapter_names: list[str] | None = None
@@ -134,8 +116,3 @@ def _declare_added_biases(model: nn.Module, added: list[str]) -> None:
             "BitFit adapter (PeftModel) for this model, or target only layers that already have biases.",
             stacklevel=3,
         )
-
-
-def _matches(config: BitFitConfig, name: str) -> bool:
-    found = check_target_module_exists(config, name)
-    return bool(found) and not isinstance(found, _ExcludedModule) and not re.search(r"\.base_layer$", name)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
-from peft.config import PeftConfig
 from transformers.activations import ACT2FN
 
-from hf_llmkit.tuners.registration import extend_peft_type
+from hf_llmkit.tuners.base import LayerSelectionConfig
+from hf_llmkit.tuners.registration import LLMKitPeftType
 
 PLACEMENTS = ("houlsby", "pfeiffer", "parallel")
 DEFAULT_REDUCTION_FACTOR = 16
@@ -41,7 +41,7 @@ BOTTLENECK_TARGET_MODULES: dict[str, dict[str, Union[list[str], str]]] = {
 
 
 @dataclass
-class BottleneckConfig(PeftConfig):
+class BottleneckConfig(LayerSelectionConfig):
     """Configuration of bottleneck adapters: `h + s * f(h W_down) W_up` (sequential) or beside a module (parallel).
 
     Args:
@@ -49,8 +49,6 @@ class BottleneckConfig(PeftConfig):
             Modules to adapt: a regex matched against full module names, or a list of name suffixes. Default: the
             placement's modules for Llama/Mistral/Qwen2/GPT-2/BERT (`BOTTLENECK_TARGET_MODULES`); other models
             must name them.
-        exclude_modules (`list[str]` or `str`, *optional*):
-            Modules never adapted, same matching rules as `target_modules`.
         placement (`str`):
             "houlsby": sequential adapters after the attention output projection and after the MLP; "pfeiffer":
             after the MLP only; "parallel": beside the module (input: the module's input), output scaled and added.
@@ -67,12 +65,8 @@ class BottleneckConfig(PeftConfig):
         init_weights (`bool`):
             True: the up projection starts at zero, so the adapted model equals the base model. False: random init
             (non-identity), for tests.
-        layers_to_transform (`list[int]` or `int`, *optional*):
-            Only adapt these layer indices.
-        layers_pattern (`list[str]` or `str`, *optional*):
-            Name of the layer list used with `layers_to_transform` (e.g. "layers", "h").
-        modules_to_save (`list[str]`, *optional*):
-            Extra modules trained in full and saved with the adapter (e.g. a classifier head).
+
+    `exclude_modules`, `layers_to_transform`, `layers_pattern` and `modules_to_save` as in `LayerSelectionConfig`.
     """
 
     target_modules: Union[list[str], str] | None = field(
@@ -80,9 +74,6 @@ class BottleneckConfig(PeftConfig):
         metadata={
             "help": "Modules to adapt (regex or list of name suffixes); default per model family and placement."
         },
-    )
-    exclude_modules: Union[list[str], str] | None = field(
-        default=None, metadata={"help": "Modules never adapted (regex or list of name suffixes)."}
     )
     placement: str = field(
         default="houlsby",
@@ -102,19 +93,10 @@ class BottleneckConfig(PeftConfig):
     init_weights: bool = field(
         default=True, metadata={"help": "Zero-init the up projection (identity at start); False = random init."}
     )
-    layers_to_transform: Union[list[int], int] | None = field(
-        default=None, metadata={"help": "Only adapt these layer indices."}
-    )
-    layers_pattern: Union[list[str], str] | None = field(
-        default=None, metadata={"help": "Layer list name used with layers_to_transform (e.g. 'layers')."}
-    )
-    modules_to_save: list[str] | None = field(
-        default=None, metadata={"help": "Extra modules trained in full and saved with the adapter."}
-    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.peft_type = extend_peft_type("BOTTLENECK")
+        self.peft_type = LLMKitPeftType.BOTTLENECK
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement={self.placement!r} is not supported; use one of {PLACEMENTS}.")
         if self.bottleneck_size is not None and self.reduction_factor is not None:
@@ -131,12 +113,6 @@ class BottleneckConfig(PeftConfig):
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}.")
         if self.scaling is None:
             self.scaling = 4.0 if self.placement == "parallel" else 1.0
-        if isinstance(self.target_modules, list):
-            self.target_modules = set(self.target_modules)
-        if isinstance(self.exclude_modules, list):
-            self.exclude_modules = set(self.exclude_modules)
-        if self.layers_pattern and self.layers_to_transform is None:
-            raise ValueError("layers_pattern only applies with layers_to_transform; set layers_to_transform too.")
 
     def bottleneck_for(self, hidden_size: int) -> int:
         """The bottleneck width for a module of `hidden_size` features."""

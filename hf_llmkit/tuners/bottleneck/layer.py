@@ -10,32 +10,33 @@ import math
 from typing import Any
 
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from transformers.activations import ACT2FN
+
+from hf_llmkit.tuners.base import UnmergeableLayer
+from hf_llmkit.tuners.features import linear_features
+
+MERGE_ERROR = (
+    "Bottleneck adapters cannot be merged into the base weights: f(z W_down) W_up has an activation between the "
+    "projections, so it is no linear map of the base weights. Keep the PeftModel with the adapter for inference, "
+    "or call `unload()` to get the base model back without the adapter."
+)
 
 
 def linear_in_out(module: nn.Module) -> tuple[int, int]:
     """(in, out) features of a module: itself if Linear-like, else its first and last Linear-like descendant.
 
-    Uses module attributes / `ds_shape`, never `weight.shape`, so it is right under DeepSpeed ZeRO-3 partitioning.
+    Uses module attributes, never `weight.shape`, so it is right under DeepSpeed ZeRO-3 partitioning.
     """
     leaves = [m for m in module.modules() if hasattr(m, "weight") and not list(m.children())]
-    leaves = [m for m in leaves if _is_linear_like(m)]
+    leaves = [features for m in leaves if (features := linear_features(m)) is not None]
     if not leaves:
         raise TypeError(
             f"Cannot adapt {type(module).__name__}: it contains no Linear layer to infer its width from; "
             "target a Linear layer or a block (e.g. an MLP) built from them."
         )
-    first_in, _ = _get_in_out_features(leaves[0])
-    _, last_out = _get_in_out_features(leaves[-1])
-    return first_in, last_out
-
-
-def _is_linear_like(module: nn.Module) -> bool:
-    if isinstance(module, nn.Linear):  # includes bitsandbytes Linear4bit / Linear8bitLt
-        return True
-    return type(module).__name__ == "Conv1D" or (hasattr(module, "in_features") and hasattr(module, "out_features"))
+    return leaves[0][0], leaves[-1][1]
 
 
 def _compute_device_dtype(module: nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -52,8 +53,10 @@ def _compute_device_dtype(module: nn.Module) -> tuple[torch.device, torch.dtype]
     return device, dtype
 
 
-class BottleneckLayer(nn.Module, BaseTunerLayer):
+class BottleneckLayer(UnmergeableLayer, nn.Module, BaseTunerLayer):
     """A module wrapped with one bottleneck adapter per adapter name."""
+
+    merge_error = MERGE_ERROR
 
     adapter_layer_names = ("bottleneck_down", "bottleneck_up")
     other_param_names = ("bottleneck_act", "bottleneck_dropout", "bottleneck_scaling", "bottleneck_placement")
@@ -104,16 +107,6 @@ class BottleneckLayer(nn.Module, BaseTunerLayer):
         else:  # non-identity init so tests can see the adapter act
             nn.init.normal_(up.weight, std=0.5 / math.sqrt(up.in_features))
             nn.init.normal_(up.bias, std=0.02)
-
-    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        raise ValueError(
-            "Bottleneck adapters cannot be merged into the base weights: f(z W_down) W_up has an activation "
-            "between the projections, so it is no linear map of the base weights. Keep the PeftModel with the "
-            "adapter for inference, or call `unload()` to get the base model back without the adapter."
-        )
-
-    def unmerge(self) -> None:
-        """Nothing is ever merged (see `merge`)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         result = self.base_layer(*args, **kwargs)

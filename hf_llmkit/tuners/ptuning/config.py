@@ -9,7 +9,7 @@ from typing import Literal, Union
 
 from peft.config import PeftConfig
 
-from hf_llmkit.tuners.registration import extend_peft_type
+from hf_llmkit.tuners.registration import LLMKitPeftType
 
 VIRTUAL_TOKEN_FORMAT = "[P{}]"
 _VIRTUAL_TOKEN_RE = re.compile(r"\[P(\d+)\]")
@@ -113,7 +113,7 @@ class PTuningConfig(PeftConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.peft_type = extend_peft_type("PTUNING")
+        self.peft_type = LLMKitPeftType.PTUNING
         if not isinstance(self.num_virtual_tokens, int) or self.num_virtual_tokens < 1:
             raise ValueError(f"num_virtual_tokens must be an int >= 1, got {self.num_virtual_tokens!r}")
         if self.template is None:

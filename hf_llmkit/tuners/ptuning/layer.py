@@ -15,6 +15,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from hf_llmkit.tuners.base import UnmergeableLayer
 from hf_llmkit.tuners.ptuning.config import PTuningConfig
 from hf_llmkit.tuners.ptuning.encoder import PromptEncoder
 
@@ -43,8 +44,9 @@ class PTuningLayer(BaseTunerLayer):
             )
         self.num_embeddings = base.num_embeddings
         self.embedding_dim = base.embedding_dim
+        self.in_features, self.out_features = self.num_embeddings, self.embedding_dim  # peft's embedding convention
 
-    def update_layer(self, adapter_name: str, config: PTuningConfig) -> None:
+    def update_layer(self, adapter_name: str, config: PTuningConfig, *, key: str = "") -> None:
         if config.token_dim is not None and config.token_dim != self.embedding_dim:
             raise ValueError(
                 f"token_dim={config.token_dim} but the embedding layer has dimension {self.embedding_dim}; "
@@ -76,20 +78,16 @@ class PTuningLayer(BaseTunerLayer):
         self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
 
 
-class PTuningEmbedding(nn.Module, PTuningLayer):
+class PTuningEmbedding(UnmergeableLayer, nn.Module, PTuningLayer):
     """An `nn.Embedding` whose virtual token ids are embedded by the active adapters' prompt encoders."""
 
-    def __init__(self, base_layer: nn.Module, adapter_name: str, config: PTuningConfig, **kwargs: Any) -> None:
+    merge_error = MERGE_ERROR
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: PTuningConfig, *, key: str = "") -> None:
         super().__init__()
         PTuningLayer.__init__(self, base_layer)
         self._active_adapter = adapter_name
-        self.update_layer(adapter_name, config)
-
-    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        raise ValueError(MERGE_ERROR)
-
-    def unmerge(self) -> None:
-        raise ValueError(MERGE_ERROR)
+        self.update_layer(adapter_name, config, key=key)
 
     def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         active = [] if self.disable_adapters else [a for a in self.active_adapters if a in self.ptuning_encoder]

@@ -10,12 +10,12 @@ from __future__ import annotations
 from peft.tuners.tuners_utils import check_target_module_exists
 from torch import nn
 
+from hf_llmkit.tuners.base import LLMKitTuner
 from hf_llmkit.tuners.ptuning.config import PTuningConfig
-from hf_llmkit.tuners.ptuning.layer import MERGE_ERROR, PTuningEmbedding, PTuningLayer
-from hf_llmkit.tuners.wrapping import WrappingTuner
+from hf_llmkit.tuners.ptuning.layer import PTuningEmbedding
 
 
-class PTuningModel(WrappingTuner):
+class PTuningModel(LLMKitTuner):
     """Wraps the input embedding of `model` so virtual tokens are embedded by a trainable prompt encoder.
 
     Example:
@@ -30,11 +30,7 @@ class PTuningModel(WrappingTuner):
     """
 
     prefix: str = "ptuning_"
-    tuner_layer_cls = PTuningLayer
-    wrapper_cls = PTuningEmbedding
-    adapter_dict_name = "ptuning_encoder"
-    merge_error = MERGE_ERROR
-    target_module_mapping: dict[str, list[str]] = {}
+    tuner_layer_cls = PTuningEmbedding
 
     def _check_tied_modules(self, model: nn.Module, peft_config: PTuningConfig) -> None:
         # The wrapper never changes the embedding weight, so an output layer tied to it stays tied: peft's warning

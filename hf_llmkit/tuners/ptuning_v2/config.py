@@ -7,7 +7,7 @@ from typing import Union
 
 from peft.config import PeftConfig
 
-from hf_llmkit.tuners.registration import extend_peft_type
+from hf_llmkit.tuners.registration import LLMKitPeftType
 
 
 @dataclass
@@ -55,7 +55,7 @@ class PTuningV2Config(PeftConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.peft_type = extend_peft_type("PTUNING_V2")
+        self.peft_type = LLMKitPeftType.PTUNING_V2
         if not isinstance(self.num_virtual_tokens, int) or self.num_virtual_tokens < 1:
             raise ValueError(f"num_virtual_tokens must be an int >= 1, got {self.num_virtual_tokens!r}")
         if self.encoder_hidden_size is not None and self.encoder_hidden_size < 1:

@@ -14,6 +14,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from hf_llmkit.tuners.base import UnmergeableLayer
 from hf_llmkit.tuners.ptuning_v2.attention import PREFIX_KWARG, is_prefix_attention
 from hf_llmkit.tuners.ptuning_v2.config import PTuningV2Config
 from hf_llmkit.tuners.ptuning_v2.prefix import PlainPrefix, ProjectedPrefix
@@ -48,8 +49,9 @@ class PTuningV2Layer(BaseTunerLayer):
         self._disable_adapters = False
         self.merged_adapters = []
         self.kv_heads, self.head_dim, self.hidden_size = attention_geometry(self.get_base_layer())
+        self.in_features = self.out_features = self.hidden_size  # attention maps hidden states to hidden states
 
-    def update_layer(self, adapter_name: str, config: PTuningV2Config) -> None:
+    def update_layer(self, adapter_name: str, config: PTuningV2Config, *, key: str = "") -> None:
         geometry = dict(kv_heads=self.kv_heads, num_virtual_tokens=config.num_virtual_tokens, head_dim=self.head_dim)
         if config.prefix_projection and not config.inference_mode:
             hidden = config.encoder_hidden_size or self.hidden_size
@@ -71,20 +73,16 @@ class PTuningV2Layer(BaseTunerLayer):
             self.ptuning_v2_prefix[adapter_name] = plain
 
 
-class PTuningV2Attention(nn.Module, PTuningV2Layer):
+class PTuningV2Attention(UnmergeableLayer, nn.Module, PTuningV2Layer):
     """A transformers attention module whose keys/values get the active adapters' prefixes prepended."""
 
-    def __init__(self, base_layer: nn.Module, adapter_name: str, config: PTuningV2Config, **kwargs: Any) -> None:
+    merge_error = MERGE_ERROR
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: PTuningV2Config, *, key: str = "") -> None:
         super().__init__()
         PTuningV2Layer.__init__(self, base_layer)
         self._active_adapter = adapter_name
-        self.update_layer(adapter_name, config)
-
-    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        raise ValueError(MERGE_ERROR)
-
-    def unmerge(self) -> None:
-        raise ValueError(MERGE_ERROR)
+        self.update_layer(adapter_name, config, key=key)
 
     def current_prefix(self) -> torch.Tensor | None:
         """The active adapters' prefixes, concatenated along the token axis: `[2, KVH, P, D]`, or None."""

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_llmkit.tuners.base import LLMKitTuner
 from hf_llmkit.tuners.ptuning_v2.attention import inner_name, is_prefix_attention, register_prefix_attention
 from hf_llmkit.tuners.ptuning_v2.config import PTuningV2Config
-from hf_llmkit.tuners.ptuning_v2.layer import MERGE_ERROR, PTuningV2Attention, PTuningV2Layer
+from hf_llmkit.tuners.ptuning_v2.layer import PTuningV2Attention, PTuningV2Layer
 from hf_llmkit.tuners.ptuning_v2.prefix import PlainPrefix, ProjectedPrefix
-from hf_llmkit.tuners.wrapping import WrappingTuner
 
 _PROJECTION_KEYS = ("embedding", "down.weight", "down.bias", "up.weight", "up.bias")
 
@@ -32,7 +32,7 @@ def attention_module_names(model: nn.Module) -> list[str]:
     return names
 
 
-class PTuningV2Model(WrappingTuner):
+class PTuningV2Model(LLMKitTuner):
     """Gives every targeted attention layer trainable prefix keys/values (deep prompt tuning).
 
     Example:
@@ -45,11 +45,7 @@ class PTuningV2Model(WrappingTuner):
     """
 
     prefix: str = "ptuning_v2_"
-    tuner_layer_cls = PTuningV2Layer
-    wrapper_cls = PTuningV2Attention
-    adapter_dict_name = "ptuning_v2_prefix"
-    merge_error = MERGE_ERROR
-    target_module_mapping: dict[str, list[str]] = {}
+    tuner_layer_cls = PTuningV2Attention
 
     def _prepare_adapter_config(self, peft_config: PTuningV2Config, model_config: dict) -> PTuningV2Config:
         if peft_config.target_modules is None:
@@ -61,12 +57,6 @@ class PTuningV2Model(WrappingTuner):
                 )
             peft_config.target_modules = set(names)
         return peft_config
-
-    def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
-        if not hasattr(new_module, "base_layer"):  # unloading: attention modules have no `.weight` to re-tie
-            setattr(parent, child_name, new_module)
-            return
-        super()._replace_module(parent, child_name, new_module, child)
 
     # --- the attention implementation switch -------------------------------------------------------------------
 
@@ -87,7 +77,7 @@ class PTuningV2Model(WrappingTuner):
 
     def _unload_and_optionally_merge(self, merge: bool = True, *args: Any, **kwargs: Any) -> nn.Module:
         if merge:
-            raise ValueError(MERGE_ERROR)
+            self._check_merge_allowed()  # raises: prefixes cannot be folded into weights
         self._use_prefix_attention(False)
         return super()._unload_and_optionally_merge(False, *args, **kwargs)
 

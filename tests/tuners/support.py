@@ -1,4 +1,5 @@
-"""Shared by test_ptuning.py and test_ptuning_v2.py: data, short Trainer runs, fresh-process reloads, 4-bit and ZeRO-3.
+"""Shared by the tuner tests: data, short Trainer runs, fresh-process reloads, a 4-bit base, and one ZeRO-3 run that
+trains and saves every method.
 
 Functions run in a fresh interpreter through `hf_llmkit.testing.launch`, so they live at module top level.
 """
@@ -12,10 +13,18 @@ from typing import Any
 import torch
 
 import hf_llmkit
-from hf_llmkit.testing import launch, tiny_llama
+from hf_llmkit.testing import launch, tiny_llama, tiny_training_args
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 512  # tiny_llama's vocabulary: P-tuning v1 virtual ids start here
+
+# What each method trains in the shared Trainer / ZeRO-3 runs (adapters start as the identity where they can).
+METHODS = {
+    "houlsby": lambda: hf_llmkit.BottleneckConfig(bottleneck_size=8),
+    "bitfit": lambda: hf_llmkit.BitFitConfig(add_missing_biases=True),
+    "ptuning": lambda: hf_llmkit.PTuningConfig(num_virtual_tokens=3),
+    "ptuning_v2": lambda: hf_llmkit.PTuningV2Config(num_virtual_tokens=3, prefix_projection=True),
+}
 
 
 def examples(n: int, *, length: int = 12, virtual: int = 0, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -30,29 +39,20 @@ def examples(n: int, *, length: int = 12, virtual: int = 0, seed: int = 0) -> li
 
 
 def trainer(model: Any, data: list[dict], out_dir: str | os.PathLike, **overrides: Any):
-    """A CPU `Trainer` for a few steps (no reporting, no saving unless asked)."""
+    """A `Trainer` over `data` with `tiny_training_args(out_dir, **overrides)`."""
     from transformers import Trainer
 
-    kwargs = dict(
-        max_steps=4,
-        per_device_train_batch_size=2,
-        learning_rate=1e-2,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        use_cpu=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
-    kwargs.update(overrides)
-    return Trainer(model=model, args=hf_llmkit.LLMKitTrainingArguments(str(out_dir), **kwargs), train_dataset=data)
+    return Trainer(model=model, args=tiny_training_args(out_dir, **overrides), train_dataset=data)
+
+
+def snapshot(model: torch.nn.Module, marker: str) -> dict[str, torch.Tensor]:
+    """Copies of the parameters whose name contains `marker` (e.g. an adapter attribute)."""
+    return {k: v.detach().clone() for k, v in model.named_parameters() if marker in k}
 
 
 def reload_logits(jobs: list[tuple[str, torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
     """Logits of `tiny_llama()` + each saved adapter (run in a fresh process by `fresh_logits`)."""
     from peft import PeftModel
-
-    import hf_llmkit  # noqa: F401  (registers the methods in this fresh interpreter)
 
     out = []
     for adapter_dir, input_ids, attention_mask in jobs:
@@ -63,7 +63,7 @@ def reload_logits(jobs: list[tuple[str, torch.Tensor, torch.Tensor | None]]) -> 
 
 
 def fresh_logits(jobs: list[tuple[str | os.PathLike, torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
-    """`reload_logits` in one brand-new interpreter (nothing registered or cached from this process).
+    """`reload_logits` in one brand-new interpreter that imports hf_llmkit first (nothing cached from this process).
 
     Jobs are batched because importing the stack in a new interpreter costs seconds.
     """
@@ -81,36 +81,39 @@ def quantized_tiny_llama(folder: str | os.PathLike, **overrides: Any):
     return AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant, device_map="cpu")
 
 
-def zero3_train_and_save(out_dir: str) -> dict[str, dict]:
-    """Train both P-tuning methods two steps under DeepSpeed ZeRO-3 (one CPU rank) and save them with the Trainer.
-
-    Returns per method the saved tensors and the full (unpartitioned) shapes the adapter should have.
-    """
+def zero3_train_and_save(model_dir: str, out_dir: str) -> dict[str, dict]:
+    """One DeepSpeed ZeRO-3 rank: per method, load the base partitioned (zero.Init), add the adapter, train two steps
+    and save with the Trainer. Returns per method whether the base was partitioned, the saved tensors and files."""
     from peft import get_peft_model
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, Trainer
 
-    configs = {
-        "ptuning": (hf_llmkit.PTuningConfig(num_virtual_tokens=3), 3),
-        "ptuning_v2": (hf_llmkit.PTuningV2Config(num_virtual_tokens=3, prefix_projection=True), 0),
-    }
     deepspeed = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
         "zero_allow_untested_optimizer": True,
     }
     results = {}
-    for method, (config, virtual) in configs.items():
-        model = get_peft_model(tiny_llama(), config)
-        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if ".ptuning" in k}
-        folder = os.path.join(out_dir, method)
-        run = trainer(model, examples(8, virtual=virtual), folder, max_steps=2, deepspeed=deepspeed, use_cpu=False)
+    for name, make_config in METHODS.items():
+        folder = os.path.join(out_dir, name)
+        args = tiny_training_args(folder, max_steps=2, deepspeed=deepspeed, use_cpu=False)
+        model = AutoModelForCausalLM.from_pretrained(model_dir)  # partitioned: the arguments came first
+        partitioned = hasattr(model.model.layers[0].mlp.down_proj.weight, "ds_shape")
+        data = examples(8, virtual=3 if name == "ptuning" else 0)
+        run = Trainer(model=get_peft_model(model, make_config()), args=args, train_dataset=data)
         run.train()
         run.save_model(folder)
         saved = load_file(os.path.join(folder, "adapter_model.safetensors"))
-        results[method] = {"saved": saved, "shapes": shapes, "files": sorted(os.listdir(folder))}
+        results[name] = {"partitioned": partitioned, "saved": saved, "files": sorted(os.listdir(folder))}
     return results
 
 
-def run_zero3(out_dir: str | os.PathLike) -> dict[str, dict]:
-    return launch(zero3_train_and_save, str(out_dir), nprocs=1, timeout=300, env={"PYTHONPATH": str(REPO)})[0]
+def run_zero3(tmp: Path) -> dict[str, dict]:
+    tiny_llama().save_pretrained(tmp / "base")
+    env = {"PYTHONPATH": str(REPO), "ACCELERATE_USE_DEEPSPEED": "true"}
+    return launch(
+        zero3_train_and_save, str(tmp / "base"), str(tmp / "out"), nprocs=1, timeout=300, init_process_group=False,
+        env=env,
+    )[0]  # fmt: skip

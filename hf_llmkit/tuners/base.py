@@ -1,0 +1,124 @@
+"""The peft plumbing every hf_llmkit method shares (bottleneck, BitFit, P-tuning v1/v2).
+
+- `LLMKitTuner` (a peft `BaseTuner`): each method names its layer class (`tuner_layer_cls`, built as
+  `cls(target, adapter_name, config, key=name)`); this class checks the targets before injection (difflib hints),
+  wraps each target once (a second adapter updates the existing layer), refuses another method's layer, puts whole
+  blocks back on `unload()`, gives whole-module adapter state the right checkpoint keys, and refuses every merge when
+  the layer class declares a `merge_error`.
+- `UnmergeableLayer`: `merge()` raises the layer's `merge_error`; nothing is ever merged, so `unmerge()` does nothing.
+- `LayerSelectionConfig`: peft's module-selection fields (`exclude_modules`, `layers_to_transform`,
+  `layers_pattern`, `modules_to_save`), normalised and checked as peft's own configs do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+from peft.config import PeftConfig
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+from torch import nn
+
+from hf_llmkit.tuners.matching import check_targets_exist
+
+
+@dataclass
+class LayerSelectionConfig(PeftConfig):
+    """Which modules a layer tuner adapts besides `target_modules` (declared by each method with its own default).
+
+    Args:
+        exclude_modules (`list[str]` or `str`, *optional*):
+            Modules never adapted, same matching rules as `target_modules`.
+        layers_to_transform (`list[int]` or `int`, *optional*):
+            Only adapt these layer indices.
+        layers_pattern (`list[str]` or `str`, *optional*):
+            Name of the layer list used with `layers_to_transform` (e.g. "layers", "h").
+        modules_to_save (`list[str]`, *optional*):
+            Extra modules trained in full and saved with the adapter (e.g. a classifier head).
+    """
+
+    exclude_modules: Union[list[str], str] | None = field(
+        default=None, metadata={"help": "Modules never adapted (regex or list of name suffixes)."}
+    )
+    layers_to_transform: Union[list[int], int] | None = field(
+        default=None, metadata={"help": "Only adapt these layer indices."}
+    )
+    layers_pattern: Union[list[str], str] | None = field(
+        default=None, metadata={"help": "Layer list name used with layers_to_transform (e.g. 'layers')."}
+    )
+    modules_to_save: list[str] | None = field(
+        default=None, metadata={"help": "Extra modules trained in full and saved with the adapter."}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(getattr(self, "target_modules", None), list):
+            self.target_modules = set(self.target_modules)
+        if isinstance(self.exclude_modules, list):
+            self.exclude_modules = set(self.exclude_modules)
+        if self.layers_pattern and self.layers_to_transform is None:
+            raise ValueError("layers_pattern only applies with layers_to_transform; set layers_to_transform too.")
+
+
+class UnmergeableLayer:
+    """Mixin of tuner layers whose adapter is no linear map of a base weight (so there is nothing to fold)."""
+
+    merge_error: ClassVar[str]  # the ValueError message: why, and what to use instead (`unload()`)
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        raise ValueError(self.merge_error)
+
+    def unmerge(self) -> None:
+        """Nothing is ever merged (see `merge`)."""
+
+
+class LLMKitTuner(BaseTuner):
+    target_module_mapping: ClassVar[dict] = {}  # defaults are computed from the model in _prepare_adapter_config
+
+    def _prepare_model(self, peft_config: Any, model: nn.Module) -> None:
+        check_targets_exist(model, peft_config.target_modules, type(peft_config).__name__)
+
+    def _create_and_replace(
+        self,
+        peft_config: Any,
+        adapter_name: str,
+        target: nn.Module,
+        target_name: str,
+        parent: nn.Module,
+        current_key: str,
+        **optional_kwargs: Any,
+    ) -> None:
+        if isinstance(target, self.tuner_layer_cls):
+            target.update_layer(adapter_name, peft_config, key=current_key)
+            return
+        if isinstance(target, BaseTunerLayer):
+            raise ValueError(
+                f"{current_key} is already wrapped by another PEFT method; apply {type(peft_config).__name__} first"
+            )
+        new_module = self.tuner_layer_cls(target, adapter_name, peft_config, key=current_key)
+        if adapter_name not in self.active_adapters:
+            new_module.requires_grad_(False)  # an added, inactive adapter is not trainable
+        self._replace_module(parent, target_name, new_module, target)
+
+    def _check_merge_allowed(self) -> None:
+        if issubclass(self.tuner_layer_cls, UnmergeableLayer):
+            raise ValueError(self.tuner_layer_cls.merge_error)
+        super()._check_merge_allowed()
+
+    def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
+        if not hasattr(new_module, "base_layer") and not hasattr(child.get_base_layer(), "weight"):
+            # Unloading a wrapped block (an MLP, an attention module): put it back as is; peft's version would copy
+            # a `.weight` that a block does not have.
+            setattr(parent, child_name, new_module)
+            return
+        super()._replace_module(parent, child_name, new_module, child)
+
+    @classmethod
+    def _remove_adapter_name_from_key(cls, key: str, adapter_name: str) -> str:
+        # `<attr>.<adapter>.head.0.weight` -> `<attr>.head.0.weight` for adapter state held as whole modules (a
+        # ModuleDict of encoders); peft's default only strips `<attr>.<adapter>` followed by a single suffix.
+        for attr in cls.tuner_layer_cls.adapter_layer_names:
+            marker = f".{attr}.{adapter_name}."
+            if marker in key:
+                return key.replace(marker, f".{attr}.", 1)
+        return super()._remove_adapter_name_from_key(key, adapter_name)
