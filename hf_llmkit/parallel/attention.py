@@ -16,6 +16,10 @@ builder the model's mask code calls) under a name spelled from its layers, e.g. 
 are spelled `fa2`/`fa3`/`fa4` in those names: `set_attn_implementation` tries to load a flash library for any name
 that contains "flash"; the kernel itself is still told its real name.
 
+Kernels and mask builders are looked up as registered with transformers (`AttentionInterface()`,
+`AttentionMaskInterface()`), not through process-local overrides of the shared `ALL_ATTENTION_FUNCTIONS` instance:
+DeepSpeed's Ulysses, for one, replaces `"sdpa"` there for the whole process, and a stack must not run it inside.
+
 Tensors a layer hands to the layers inside it through keyword arguments and that hold one slice per key/value head
 (the P-tuning v2 prefix) are declared with `register_head_sharded_kwarg`, so a layer that splits the heads over
 ranks (Ulysses) splits them too.
@@ -31,8 +35,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.masking_utils import AttentionMaskInterface
 
 from hf_llmkit.compat.transformers_attention import ConfigReportingKernel, configured_attention, model_eager_attention
 
@@ -111,9 +114,15 @@ def kernel_function(kernel: str, module: nn.Module) -> AttentionCall:
                 "attn_implementation='sdpa'"
             )
         return fn
-    if kernel not in ALL_ATTENTION_FUNCTIONS:
+    registered = AttentionInterface()  # the registered functions, without process-local overrides
+    if kernel not in registered:
         raise ValueError(f"attention implementation {kernel!r} is not registered with transformers")
-    return ALL_ATTENTION_FUNCTIONS[kernel]
+    return registered[kernel]
+
+
+def kernel_mask_function(kernel: str) -> Callable[..., Any] | None:
+    """The mask builder transformers registered for a kernel (None when it has none)."""
+    return AttentionMaskInterface().get(kernel)
 
 
 def _call_kernel(kernel: str, fn: AttentionCall, module: Any, *args: Any, **kwargs: Any):
@@ -155,7 +164,7 @@ class AttentionStack:
             fn = layer.mask_function(self.kernel)
             if fn is not None:
                 return fn
-        return ALL_MASK_ATTENTION_FUNCTIONS.get(self.kernel)
+        return kernel_mask_function(self.kernel)
 
 
 class StackedAttention:
@@ -186,7 +195,7 @@ class StackedAttention:
 def stack_named(name: str | None) -> AttentionStack:
     """The stack an implementation name stands for (a plain kernel when it is not one of ours)."""
     name = name or "eager"
-    registered = ALL_ATTENTION_FUNCTIONS.get(name)
+    registered = AttentionInterface().get(name)
     if isinstance(registered, StackedAttention):
         return registered.stack
     return AttentionStack(kernel=name)

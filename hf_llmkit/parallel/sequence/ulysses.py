@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from transformers.masking_utils import (
-    ALL_MASK_ATTENTION_FUNCTIONS,
     bidirectional_mask_function,
     causal_mask_function,
     sliding_window_causal_mask_function,
@@ -44,6 +43,7 @@ from hf_llmkit.parallel.attention import (
     add_attention_layer,
     attention_layer,
     head_sharded_kwargs,
+    kernel_mask_function,
     remove_attention_layer,
 )
 
@@ -166,7 +166,7 @@ class UlyssesAttention(AttentionLayer):
             pattern = sliding_window_causal_mask_function(sliding_window)
         else:
             pattern = causal_mask_function
-        mask = ALL_MASK_ATTENTION_FUNCTIONS[kernel](
+        mask = kernel_mask_function(kernel)(
             batch_size=query.shape[0],
             q_length=seq,
             kv_length=seq,

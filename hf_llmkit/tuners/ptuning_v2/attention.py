@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers import AttentionInterface
 
 from hf_llmkit.parallel.attention import (
     AttentionCall,
@@ -55,7 +55,7 @@ class PrefixAttention(AttentionLayer):
     name_prefix = "ptuning_v2_"
 
     def check_kernel(self, kernel: str) -> None:
-        if kernel != "eager" and kernel not in ALL_ATTENTION_FUNCTIONS:
+        if kernel != "eager" and kernel not in AttentionInterface():
             raise ValueError(f"attention implementation {kernel!r} is not registered with transformers")
 
     def __call__(
