@@ -1,5 +1,5 @@
 """Ulysses sequence parallelism: loss and gradients equal single-rank training on real gloo ranks (also with
-P-tuning v2 prefixes inside, added before or after); bad input fails.
+P-tuning v2 prefixes inside, added before or after, and with the ALST switches); bad input fails.
 
 Each multi-rank test is one launch that checks several configurations (process start-up dominates on CPU).
 """
@@ -22,6 +22,8 @@ from hf_llmkit.parallel import (
     sequence_parallel_loss,
     shard_sequence_batch,
 )
+from hf_llmkit.parallel.sequence import TiledLoss, TiledMLP, offload_saved_activations, sequence_parallel_mean
+from hf_llmkit.parallel.sequence.tiled_loss import TARGETS_KWARG
 from hf_llmkit.parallel.sequence.ulysses import kv_replication
 from hf_llmkit.testing import launch, tiny_llama
 
@@ -46,11 +48,16 @@ def make_batch(seq: int, *, seed: int = 1, padding: str = "both") -> dict[str, t
     return batch
 
 
-def build(attn: str, kv_heads: int, heads: int, *, ptuning: str | None, group=None):
+def build(attn: str, kv_heads: int, heads: int, *, ptuning: str | None, group=None, long: bool = False):
     """A tiny Llama; with `ptuning`, P-tuning v2 prefixes added before (`"peft_first"`) or after (`"sp_first"`)
-    the Ulysses layer (`group`); without it, just the Ulysses layer (or nothing when `group` is None)."""
+    the Ulysses layer (`group`); without it, just the Ulysses layer (or nothing when `group` is None). `long` adds
+    activation checkpointing, the tiled loss and the tiled MLP (chunks that do not divide the shard)."""
     model = tiny_llama(seed=0, num_attention_heads=heads, num_key_value_heads=kv_heads, attn_implementation=attn)
     model.train()
+    if long:
+        model.activation_checkpointing_enable()
+        TiledLoss(model, chunk_size=3)
+        TiledMLP(model, chunk_size=4)
     if group is not None and ptuning != "peft_first":
         apply_sequence_parallel(model, group=group)
     if ptuning is not None:
@@ -61,10 +68,14 @@ def build(attn: str, kv_heads: int, heads: int, *, ptuning: str | None, group=No
     return model
 
 
-def compare(attn: str, kv_heads: int, batch: dict, groups, *, heads: int = 4, ptuning: str | None = None):
+def compare(
+    attn: str, kv_heads: int, batch: dict, groups, *, heads: int = 4, ptuning: str | None = None, long: bool = False
+):
     """|loss - reference| and max |grad - reference| over the trainable parameters (grads averaged over the world,
     as DDP does). The reference is single-process HF training on every DP group's batch; DDP averages over DP
-    groups. With `ptuning`, both are P-tuning v2 models (same prefixes), in the given order of application.
+    groups. With `ptuning`, both are P-tuning v2 models (same prefixes), in the given order of application. With
+    `long`, ours also runs the ALST switches (checkpointing, tiled loss and MLP, offload's copy path); the reference
+    stays untiled.
     """
     reference = build(attn, kv_heads, heads, ptuning="peft_first" if ptuning else None)
     ref_losses = []
@@ -73,11 +84,16 @@ def compare(attn: str, kv_heads: int, batch: dict, groups, *, heads: int = 4, pt
         loss = reference(**own).loss / groups.dp_size
         loss.backward()
         ref_losses.append(loss.item() * groups.dp_size)
-    model = build(attn, kv_heads, heads, ptuning=ptuning, group=groups.sp_group)
+    model = build(attn, kv_heads, heads, ptuning=ptuning, group=groups.sp_group, long=long)
     shard = shard_sequence_batch(batch, sp_rank=groups.sp_rank, sp_size=groups.sp_size)
     inputs = {k: shard[k] for k in ("input_ids", "attention_mask", "position_ids") if k in shard}
-    logits = model(**inputs).logits
-    loss = sequence_parallel_loss(logits, shard["shift_labels"], group=groups.sp_group)
+    targets, group = shard["shift_labels"], groups.sp_group
+    if long:
+        with offload_saved_activations(include_cpu=True, min_bytes=0):
+            total = model(**inputs, **{TARGETS_KWARG: targets}).loss  # this rank's summed token losses
+        loss = sequence_parallel_mean(total, targets, group=group)
+    else:
+        loss = sequence_parallel_loss(model(**inputs).logits, targets, group=group)
     loss.backward()
     worst = 0.0
     pairs = [(r, o) for r, o in zip(reference.parameters(), model.parameters()) if o.requires_grad]
@@ -89,8 +105,9 @@ def compare(attn: str, kv_heads: int, batch: dict, groups, *, heads: int = 4, pt
     return abs(loss.item() - ref_losses[groups.dp_rank]), worst
 
 
-def ptuning_v2_cases(groups) -> dict:
-    """P-tuning v2 + SP = P-tuning v2 on one rank, in both orders of application; GQA split and replicated."""
+def stacked_cases(groups) -> dict:
+    """P-tuning v2 + SP = P-tuning v2 on one rank, in both orders of application (GQA split and replicated); SP +
+    the ALST switches = the untiled model on one rank."""
     out = {
         "ptv2_sp_first_gqa_sdpa_padded": compare("sdpa", 2, make_batch(13), groups, ptuning="sp_first"),
         "ptv2_peft_first_gqa_sdpa_padded": compare("sdpa", 2, make_batch(13), groups, ptuning="peft_first"),
@@ -99,6 +116,8 @@ def ptuning_v2_cases(groups) -> dict:
             "eager", 4, make_batch(13, padding="right"), groups, ptuning="sp_first"
         ),
         "ptv2_sp_first_no_mask": compare("sdpa", 2, make_batch(12, padding="none"), groups, ptuning="sp_first"),
+        "alst_switches_gqa_sdpa_padded": compare("sdpa", 2, make_batch(23), groups, long=True),
+        "alst_switches_ptv2_replicated_kv": compare("sdpa", 1, make_batch(22), groups, ptuning="sp_first", long=True),
     }
     return out
 
@@ -131,7 +150,7 @@ def equivalence_two_ranks() -> dict:
     batch = make_batch(16, padding="none")
     batch["labels"][:, 7:] = -100
     out["rank_without_tokens"] = compare("sdpa", 2, batch, groups)
-    out.update(ptuning_v2_cases(groups))
+    out.update(stacked_cases(groups))
     out["errors"] = error_messages(groups)
     out["errors"]["names"] = stack_names(groups)
     return out
@@ -181,6 +200,7 @@ def equivalence_four_ranks() -> dict:
         "dp2_x_sp2_gqa_padded": compare("sdpa", 2, make_batch(13, seed=sp2.dp_rank), sp2),
         "ptv2_sp_first_replicated_kv_sp4": compare("sdpa", 2, make_batch(13), sp4, ptuning="sp_first"),
         "ptv2_peft_first_dp2_x_sp2": compare("sdpa", 2, make_batch(13, seed=sp2.dp_rank), sp2, ptuning="peft_first"),
+        "alst_switches_sp4": compare("sdpa", 2, make_batch(29), sp4, long=True),
     }
 
 

@@ -1,4 +1,5 @@
-"""`LLMKitTrainer` with `sequence_parallel_size=2` on 2 CPU ranks equals single-rank training.
+"""`LLMKitTrainer` with `sequence_parallel_size=2` on 2 CPU ranks equals single-rank training (also with the ALST
+switches: tiled loss, tiled MLP, activation-checkpoint offload).
 
 `sp_train_script.py` trains 3 SGD steps on padded SFT-style rows and replays the same global batches in a plain
 single-process loop; parameters, logged losses and the eval loss must agree (fp32).
@@ -30,16 +31,19 @@ def check(result: dict, engine: str) -> None:
     assert result["eval_loss"] == pytest.approx(result["ref_eval_loss"], abs=1e-5)
 
 
-def test_accelerate_ddp_lora_gradient_checkpointing_replicated_kv(tmp_path):
-    result = run(tmp_path, "accelerate", "--peft", "lora", "--gradient_checkpointing", "--kv_heads", "1")
-    check(result, "DistributedDataParallel")
+def test_accelerate_ddp_lora_gradient_checkpointing_replicated_kv_alst_switches(tmp_path):
+    """DDP + LoRA + checkpointing + tiled loss + tiled MLP + offload on SP=2 = plain single-rank training."""
+    flags = ["--peft", "lora", "--gradient_checkpointing", "--kv_heads", "1", "--long_sequence"]
+    check(run(tmp_path, "accelerate", *flags), "DistributedDataParallel")
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_zero_torchrun(tmp_path, stage):
-    """ZeRO-2 with our bottleneck adapters; ZeRO-3 (partitioned parameters) with gradient checkpointing."""
+    """ZeRO-2 with our bottleneck adapters; ZeRO-3 (partitioned parameters, gathered at each chunk's call) with
+    gradient checkpointing and the ALST switches."""
     pytest.importorskip("deepspeed")
-    flags = ["--zero", str(stage)] + (["--gradient_checkpointing"] if stage == 3 else ["--peft", "bottleneck"])
+    flags = ["--zero", str(stage)]
+    flags += ["--gradient_checkpointing", "--long_sequence"] if stage == 3 else ["--peft", "bottleneck"]
     check(run(tmp_path, "torchrun", *flags), "DeepSpeedEngine")
 
 

@@ -45,7 +45,7 @@ class offload_saved_activations(saved_tensors_hooks):  # noqa: N801 - a context 
                 or tensor.numel() * tensor.element_size() < min_bytes
             ):
                 return tensor
-            host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
+            host = torch.empty_like(tensor, device="cpu", pin_memory=pin)  # dense layouts keep their strides
             host.copy_(tensor, non_blocking=pin)
             self.copied_bytes += host.numel() * host.element_size()
             return (tensor.device, host)

@@ -39,10 +39,9 @@ def chunk_count(length: int, chunk_size: int) -> int:
 
 
 def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden).float()  # [B, c, V], only this chunk's
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    # 2D whatever the chunk's strides (a view, or an offloaded copy when recomputed): the same kernels both times
+    logits = head(hidden.reshape(-1, hidden.shape[-1])).float()  # [B * c, V], only this chunk's
+    return F.cross_entropy(logits, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def tiled_cross_entropy_sum(

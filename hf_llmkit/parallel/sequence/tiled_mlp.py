@@ -63,10 +63,14 @@ class _TiledModule:
         self._pending = None
         n = self.owner.chunks_for(x.shape[1])
         outs = [
-            checkpoint(self.module.forward, part, *rest, use_reentrant=False, **kw)  # [B, c, H]
+            checkpoint(self._chunk, part, *rest, use_reentrant=False, **kw)  # [B, c, H]
             for part in sequence_chunks(x, n)
         ]
         return torch.cat(outs, dim=1)  # [B, S, H]
+
+    def _chunk(self, part: torch.Tensor, *rest: Any, **kw: Any) -> torch.Tensor:
+        # contiguous whatever the chunk's strides (a view, or an offloaded copy when recomputed): same kernels
+        return self.module.forward(part.contiguous(), *rest, **kw)
 
 
 class TiledMLP:
