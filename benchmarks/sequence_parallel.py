@@ -14,8 +14,9 @@ For sp = 1, 2, 4 (world = sp; sp = 1 is the model on one rank) a small Llama (GQ
 Memory is the peak, over one forward + backward, of the bytes of all tensors alive at once that the step created
 (`_tensor_memory.TensorMemory`: every storage an operator returns -- activations saved for backward, transients such
 as logits and their gradients, recomputation, collective buffers -- counted until it is freed), on the rank with
-the largest peak. Parameters and their (preallocated) gradients are outside it; so are a kernel's internal scratch
-buffers and allocator caching. It is the CPU counterpart of CUDA's `max_memory_allocated` minus the model. The
+the largest peak. Gradients count as they are allocated (set to None before each step, as `Trainer` does);
+parameters do not, nor a kernel's internal scratch buffers or allocator caching: it is the CPU counterpart of
+CUDA's `max_memory_allocated` minus the parameters (and an optimizer's state, not involved here). The
 longest sequence is the largest multiple of 64 * sp tokens whose peak stays within `--budget-mib`: predicted from
 the peaks at two lengths (memory is affine in the length: sdpa's flash kernel), then confirmed by running the
 prediction and the next step (bisecting when the prediction is off).
@@ -23,8 +24,8 @@ prediction and the next step (bisecting when the prediction is off).
 Step time: every variant at `--time-seq` tokens, in interleaved rounds with the order rotated each round
 (`_common.Bench`), each round's time the slowest rank's; min and median of per-round ratios.
 
-    python benchmarks/sequence_parallel.py --quick     # about 5 minutes on 2 cores
-    python benchmarks/sequence_parallel.py             # the full run (sp 1, 2, 4): about 40 minutes
+    python benchmarks/sequence_parallel.py --quick     # sp 1 and 2, 16 MiB: about 4 minutes on 2 quiet cores
+    python benchmarks/sequence_parallel.py             # sp 1, 2, 4, 32 MiB: about 30 minutes
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def _ours(switches: str, group) -> callable:
             else:
                 loss = F.cross_entropy(model(**inputs).logits[0].float(), targets[0], ignore_index=IGNORE_INDEX)
         loss.backward()
-        model.zero_grad(set_to_none=False)
+        model.zero_grad(set_to_none=True)
         return loss.item()
 
     return step
@@ -135,7 +136,7 @@ def _deepspeed(switches: str, group, world: int) -> callable:
         else:
             loss = sequence_parallel_loss(engine(**inputs).logits, targets, group=group)
         engine.backward(loss) if engine is not None else loss.backward()
-        module.zero_grad(set_to_none=False)
+        module.zero_grad(set_to_none=True)
         return loss.item()
 
     return step
@@ -235,7 +236,10 @@ def report(results: dict) -> None:
         rows.append([name, *[str(v) if v else "-" for v in got], *[f"{v / base:.2f}x" if v else "-" for v in got]])
     print(f"\n## Longest sequence within {config['budget_mib']:g} MiB of peak tensor memory per rank\n")
     print(markdown_table(rows))
-    print(f"\n(peak bytes of tensors alive at once during fwd+bwd, largest rank; chunks of {CHUNK} positions)")
+    print(
+        f"\n(peak bytes of tensors alive at once during fwd+bwd, gradients included, parameters not; largest rank; "
+        f"tiles of {CHUNK} positions; offload is a no-op on CPU)"
+    )
     for sp, run in runs.items():
         loss = run["losses"]
         spread = max(loss.values()) - min(loss.values())
@@ -260,7 +264,7 @@ def report(results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--budget-mib", type=float, default=64.0)
+    parser.add_argument("--budget-mib", type=float, default=32.0)
     parser.add_argument("--probe", type=int, default=512, help="tokens per rank of the first memory probe")
     parser.add_argument("--time-seq", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=5)

@@ -201,3 +201,21 @@ def test_trainer_with_every_switch_trains_like_the_plain_trainer(tmp_path):
     )
     assert max((tiled[n] - p).abs().max().item() for n, p in plain.items()) < TOL
     assert losses == pytest.approx(plain_losses, abs=TOL) and eval_loss == pytest.approx(plain_eval, abs=TOL)
+
+
+@pytest.mark.gpu
+def test_offload_on_cuda_moves_checkpoint_inputs_to_pinned_host_memory_and_keeps_gradients():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: on CPU the offload hooks run but copy nothing (tested above)")
+    data = {k: v.cuda() for k, v in batch().items()}
+    reference = tiny_llama().cuda().train()
+    reference(**data).loss.backward()
+    model = tiny_llama().cuda().train()
+    model.activation_checkpointing_enable()
+    TiledLoss(model, chunk_size=5)
+    TiledMLP(model, chunk_size=7)
+    with offload_saved_activations(min_bytes=0) as offload:
+        tiled_step(model, data, offload=False)
+    assert offload.copied_bytes > 0
+    worst = max((p.grad - r.grad).abs().max().item() for p, r in zip(model.parameters(), reference.parameters()))
+    assert worst < TOL

@@ -47,16 +47,19 @@ def test_deepspeed_zero_torchrun(tmp_path, stage):
     check(run(tmp_path, "torchrun", *flags), "DeepSpeedEngine")
 
 
-def test_run_clm_sequence_parallel_size_flag(tmp_path):
-    """examples/run_clm.py gets --sequence_parallel_size from LLMKitTrainingArguments and trains on 2 ranks."""
+def test_run_clm_sequence_parallel_size_and_alst_flags(tmp_path):
+    """examples/run_clm.py gets --sequence_parallel_size and the ALST switches from LLMKitTrainingArguments and
+    trains on 2 ranks."""
     example = Path(__file__).resolve().parents[2] / "examples" / "run_clm.py"
     tiny = ["--vocab_size", "512", "--hidden_size", "64", "--intermediate_size", "128", "--num_hidden_layers", "2",
             "--max_position_embeddings", "64", "--block_size", "32", "--per_device_train_batch_size", "4",
             "--per_device_eval_batch_size", "8", "--max_train_samples", "32", "--max_eval_samples", "16",
             "--logging_steps", "1", "--disable_tqdm", "true", "--warmup_steps", "0"]  # fmt: skip
+    alst = ["--gradient_checkpointing", "true", "--tiled_loss", "true", "--tiled_loss_chunk_size", "5",
+            "--tiled_mlp", "true", "--offload_activation_checkpoints", "true"]  # fmt: skip
     out = launch_script(
         example,
-        [*tiny, "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--sequence_parallel_size", "2"],
+        [*tiny, *alst, "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--sequence_parallel_size", "2"],
         nprocs=2,
         launcher="accelerate",
         timeout=300,
@@ -65,4 +68,5 @@ def test_run_clm_sequence_parallel_size_flag(tmp_path):
     state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
     # 32 blocks, 4 per step, one data-parallel group: 8 steps per epoch (the SP ranks share each batch)
     assert state["global_step"] == 2 and state["log_history"][0]["epoch"] == pytest.approx(1 / 8)
+    assert all(0 < log["loss"] < 10 for log in state["log_history"] if "loss" in log)
     assert (tmp_path / "out" / "model.safetensors").is_file()
