@@ -21,6 +21,11 @@ longest sequence is the largest multiple of 64 * sp tokens whose peak stays with
 the peaks at two lengths (memory is affine in the length: sdpa's flash kernel), then confirmed by running the
 prediction and the next step (bisecting when the prediction is off).
 
+The losses of all variants at the first probe length are compared (they agree to fp32 rounding). Gradients are
+not: DeepSpeed's `TiledFusedLogitsLoss` computes the LM head's weight gradient inside its forward, so a scale applied
+to its output afterwards (the token mean here, gradient accumulation, fp16 loss scaling) reaches the hidden states'
+gradient but not the head's -- ours (checkpointed chunks) gives the untiled gradients.
+
 Step time: every variant at `--time-seq` tokens, in interleaved rounds with the order rotated each round
 (`_common.Bench`), each round's time the slowest rank's; min and median of per-round ratios.
 
@@ -203,7 +208,7 @@ def bench_rank(config: dict) -> dict:
     probe = config["probe"] * world
     losses = {name: _max_over_ranks([step(_batch(probe, sp_rank, world))])[0] for name, step in steps.items()}
     memory = {}
-    for name, step in steps.items():
+    for name, step in steps.items() if config["memory"] else ():
         longest, runs = _longest(step, config["budget"], sp_rank, world, probe)
         memory[name] = {"max_seq": longest, "runs": runs, "peak_at_probe": _peak(step, probe, sp_rank, world)}
     batch = _batch(config["time_seq"], sp_rank, world)
@@ -228,6 +233,18 @@ def _ratio(seconds: dict, a: str, b: str) -> str:
 
 def report(results: dict) -> None:
     runs, config = results["runs"], results["config"]
+    if config["memory"] and "1" in runs:
+        report_memory(runs, config)
+    report_time(runs, config)
+    for sp, run in runs.items():
+        loss = run["losses"]
+        spread = max(loss.values()) - min(loss.values())
+        print(f"sp={sp}: losses of all variants at {config['probe'] * int(sp)} tokens agree within {spread:.2e}")
+        for name, err in run["errors"].items():
+            print(f"sp={sp}: {name} cannot run: {err[:300]}")
+
+
+def report_memory(runs: dict, config: dict) -> None:
     base = runs["1"]["memory"]["hf_llmkit plain"]["max_seq"]
     rows = [["variant", *[f"sp={sp} longest" for sp in runs], *[f"sp={sp} x plain sp=1" for sp in runs]]]
     names = list(dict.fromkeys(name for run in runs.values() for name in run["memory"]))
@@ -240,12 +257,9 @@ def report(results: dict) -> None:
         f"\n(peak bytes of tensors alive at once during fwd+bwd, gradients included, parameters not; largest rank; "
         f"tiles of {CHUNK} positions; offload is a no-op on CPU)"
     )
-    for sp, run in runs.items():
-        loss = run["losses"]
-        spread = max(loss.values()) - min(loss.values())
-        print(f"sp={sp}: losses of all variants at {config['probe'] * int(sp)} tokens agree within {spread:.2e}")
-        for name, err in run["errors"].items():
-            print(f"sp={sp}: {name} cannot run: {err[:300]}")
+
+
+def report_time(runs: dict, config: dict) -> None:
     print(f"\n## Step time at {config['time_seq']} tokens (fwd+bwd; min / median of per-round ratios)\n")
     rows = [["sp", "variant", "median s", "x hf_llmkit plain", "ours / deepspeed (same switches)"]]
     for sp, run in runs.items():
@@ -270,6 +284,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--time-only", action="store_true", help="skip the longest-sequence search")
     parser.add_argument("--quick", action="store_true", help="sp 1 and 2, 16 MiB, 1024 tokens, 3 rounds")
     args = parser.parse_args()
     if args.quick:
@@ -282,6 +297,7 @@ def main() -> None:
         "rounds": args.rounds,
         "threads": args.threads,
         "peer": not args.no_peer,
+        "memory": not args.time_only,
     }
     bench = importlib.import_module("sequence_parallel")  # launch() imports the rank function by module name
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
@@ -289,14 +305,22 @@ def main() -> None:
     for sp in args.sp:
         results["runs"][str(sp)] = launch(bench.bench_rank, config, nprocs=sp, timeout=3600, env=env)[0]
     report(results)
+    if not config["memory"]:
+        print(f"\nwrote {write_results('sequence_parallel_time', results)}")
+        return
     names = list(dict.fromkeys(name for run in results["runs"].values() for name in run["memory"]))
-    series = {}
+    series: dict[str, tuple[list[int], list[int]]] = {}
     for name in names:
         runs = [(int(sp), run["memory"][name]) for sp, run in results["runs"].items() if name in run["memory"]]
-        series[name] = ([sp for sp, _ in runs], [got["max_seq"] for _, got in runs])
+        points = ([sp for sp, _ in runs], [got["max_seq"] for _, got in runs])
+        same = next((label for label, other in series.items() if other == points), None)  # lines that coincide
+        if same is not None:
+            series[f"{same} = {name}"] = series.pop(same)
+        else:
+            series[name] = points
     png = plot_lines(
         "sequence_parallel", series, xlabel="sequence-parallel ranks (sp)", ylabel="longest sequence (tokens)",
-        title=f"Longest trainable sequence within {args.budget_mib:g} MiB per rank (CPU, tiny Llama)",
+        title=f"Longest trainable sequence within {args.budget_mib:g} MiB per rank (CPU, tiny Llama)", logx=True,
     )  # fmt: skip
     print(f"\nwrote {write_results('sequence_parallel', results)}" + (f" and {png}" if png else ""))
 
