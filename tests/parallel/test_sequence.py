@@ -198,6 +198,13 @@ def equivalence_four_ranks() -> dict:
         "gqa_replicated_kv_padded": compare("sdpa", 2, make_batch(13), sp4),  # 2 kv heads copied to 4 ranks
         "mha_eager": compare("eager", 4, make_batch(16), sp4),
         "dp2_x_sp2_gqa_padded": compare("sdpa", 2, make_batch(13, seed=sp2.dp_rank), sp2),
+    }
+
+
+def stacked_four_ranks() -> dict:
+    sp4 = new_sequence_parallel_groups(sp_size=4)
+    sp2 = new_sequence_parallel_groups(sp_size=2)
+    return {
         "ptv2_sp_first_replicated_kv_sp4": compare("sdpa", 2, make_batch(13), sp4, ptuning="sp_first"),
         "ptv2_peft_first_dp2_x_sp2": compare("sdpa", 2, make_batch(13, seed=sp2.dp_rank), sp2, ptuning="peft_first"),
         "alst_switches_sp4": compare("sdpa", 2, make_batch(29), sp4, long=True),
@@ -229,6 +236,13 @@ def test_four_ranks_match_single_rank_and_dp_x_sp_groups():
     result = launch(equivalence_four_ranks, nprocs=4)[0]
     assert result.pop("members") == [(0, 0), (1, 0), (0, 1), (1, 1)]
     for name, (loss_diff, grad_diff) in result.items():
+        assert loss_diff < TOL and grad_diff < TOL, (name, loss_diff, grad_diff)
+
+
+@pytest.mark.slow
+def test_four_ranks_p_tuning_v2_and_alst_switches():
+    """The 2-rank test's stacked cases on 4 ranks: replicated kv heads with prefixes, dp 2 x sp 2, tiles on sp 4."""
+    for name, (loss_diff, grad_diff) in launch(stacked_four_ranks, nprocs=4)[0].items():
         assert loss_diff < TOL and grad_diff < TOL, (name, loss_diff, grad_diff)
 
 
