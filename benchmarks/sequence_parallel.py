@@ -1,43 +1,72 @@
 #!/usr/bin/env python
-"""Ulysses sequence parallelism on CPU gloo ranks: activation memory per rank, tokens/s, longest sequence in budget.
+"""Long sequences on CPU gloo ranks: the longest trainable sequence in a fixed memory budget, and step time, for
+Ulysses sequence parallelism x the ALST switches, against DeepSpeed's Ulysses and DeepSpeed's ALST pieces.
 
-For sp = 1, 2, 4 (1 = the plain model on one rank) a small Llama (GQA) runs forward + backward on one sequence per
-length. Memory is the bytes of tensors autograd saves for backward (activations; parameters excluded, each storage
-counted once), taken with `torch.autograd.graph.saved_tensors_hooks` -- torch has no CPU allocator statistics, and
-process RSS mixes in the allocator's caching and the other ranks' share of a 2-core machine. The budget search
-doubles then bisects the sequence length (multiples of 64) until the largest rank's saved activations exceed the
-budget. The peer is DeepSpeed's HF Ulysses integration (`UlyssesSPAttentionHF`), set up through accelerate's
-`ParallelismConfig(sp_backend="deepspeed")` on the same ranks, model and shards; when it cannot run here the
-table says why.
+For sp = 1, 2, 4 (world = sp; sp = 1 is the model on one rank) a small Llama (GQA, see MODEL) trains on one sequence:
+- hf_llmkit plain: no switch (at sp = 1 the plain HF model: the baseline of every "x sp=1" ratio);
+- hf_llmkit ckpt: transformers' activation checkpointing;
+- hf_llmkit tiled: tiled loss + tiled MLP (CHUNK positions per chunk), no checkpointing;
+- hf_llmkit alst: checkpointing + tiled loss + tiled MLP + activation-checkpoint offload (offload is a no-op on
+  CPU: the same hooks run, nothing is copied);
+- deepspeed ulysses (sp > 1): DeepSpeed's `UlyssesSPAttentionHF` through accelerate `ParallelismConfig`;
+- deepspeed alst: DeepSpeed's Ulysses (sp > 1) + its `TiledMLP` and `TiledFusedLogitsLoss` + checkpointing.
 
-    python benchmarks/sequence_parallel.py                # default run: a few minutes on 2 cores
-    python benchmarks/sequence_parallel.py --lengths 1024 4096 --budget-mib 96
+Memory is the peak, over one forward + backward, of the bytes of all tensors alive at once that the step created
+(`_tensor_memory.TensorMemory`: every storage an operator returns -- activations saved for backward, transients such
+as logits and their gradients, recomputation, collective buffers -- counted until it is freed), on the rank with
+the largest peak. Gradients count as they are allocated (set to None before each step, as `Trainer` does);
+parameters do not, nor a kernel's internal scratch buffers or allocator caching: it is the CPU counterpart of
+CUDA's `max_memory_allocated` minus the parameters (and an optimizer's state, not involved here). The
+longest sequence is the largest multiple of 64 * sp tokens whose peak stays within `--budget-mib`: predicted from
+the peaks at two lengths (memory is affine in the length: sdpa's flash kernel), then confirmed by running the
+prediction and the next step (bisecting when the prediction is off).
+
+The losses of all variants at the first probe length are compared (they agree to fp32 rounding). Gradients are
+not: DeepSpeed's `TiledFusedLogitsLoss` computes the LM head's weight gradient inside its forward, so a scale applied
+to its output afterwards (the token mean here, gradient accumulation, fp16 loss scaling) reaches the hidden states'
+gradient but not the head's -- ours (checkpointed chunks) gives the untiled gradients.
+
+Step time: every variant at `--time-seq` tokens, in interleaved rounds with the order rotated each round
+(`_common.Bench`), each round's time the slowest rank's; min and median of per-round ratios.
+
+    python benchmarks/sequence_parallel.py --quick     # sp 1 and 2, 16 MiB: about 4 minutes on 2 quiet cores
+    python benchmarks/sequence_parallel.py             # sp 1, 2, 4, 32 MiB: about 30 minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
-import json
 import os
+import statistics
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-from hf_llmkit.parallel import (
-    apply_sequence_parallel,
-    new_sequence_parallel_groups,
-    sequence_parallel_loss,
-    shard_sequence_batch,
-)
-from hf_llmkit.testing import launch, tiny_llama
+import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
-STEP = 64  # granularity of the longest-sequence search
+sys.path.insert(0, str(HERE))
+
+from _common import Bench, load_note, machine_state, markdown_table, plot_lines, write_results  # noqa: E402
+from _tensor_memory import TensorMemory  # noqa: E402
+
+from hf_llmkit.parallel import new_sequence_parallel_groups, shard_sequence_batch  # noqa: E402
+from hf_llmkit.parallel.sequence import (  # noqa: E402
+    TiledLoss,
+    TiledMLP,
+    apply_sequence_parallel,
+    offload_saved_activations,
+    sequence_parallel_loss,
+    sequence_parallel_mean,
+)
+from hf_llmkit.parallel.sequence.data import IGNORE_INDEX  # noqa: E402
+from hf_llmkit.parallel.sequence.tiled_loss import TARGETS_KWARG  # noqa: E402
+from hf_llmkit.testing import launch, tiny_llama  # noqa: E402
+
 MODEL = dict(
     vocab_size=1024,
     hidden_size=256,
@@ -45,32 +74,10 @@ MODEL = dict(
     num_hidden_layers=2,
     num_attention_heads=8,
     num_key_value_heads=4,
-    max_position_embeddings=1 << 17,
+    max_position_embeddings=1 << 18,
 )
-
-
-def _step(model, batch: dict, group) -> tuple[int, float]:
-    """One forward + backward; returns (saved activation bytes, seconds)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    start = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        inputs = {k: batch[k] for k in ("input_ids", "position_ids")}
-        logits = model(**inputs).logits
-        if group is None:
-            loss = torch.nn.functional.cross_entropy(logits[0].float(), batch["shift_labels"][0])
-        else:
-            loss = sequence_parallel_loss(logits, batch["shift_labels"], group=group)
-    model.backward(loss) if hasattr(model, "backward") else loss.backward()  # a DeepSpeed engine wants its own
-    model.zero_grad()
-    return sum(saved.values()), time.perf_counter() - start
+CHUNK = 256  # positions per tiled-loss / tiled-MLP chunk, ours and DeepSpeed's
+OURS = ("plain", "ckpt", "tiled", "alst")
 
 
 def _batch(seq: int, sp_rank: int, sp_size: int) -> dict:
@@ -79,135 +86,243 @@ def _batch(seq: int, sp_rank: int, sp_size: int) -> dict:
     return shard_sequence_batch({"input_ids": ids, "labels": ids.clone()}, sp_rank=sp_rank, sp_size=sp_size)
 
 
-def _max_over_ranks(value: float) -> float:
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+def _mean(total: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        return sequence_parallel_mean(total, targets, group=group)
+    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
 
-def _measure(models: dict, group, sp_rank: int, sp_size: int, lengths: list[int], budget: int, repeats: int) -> dict:
-    """Every model on the same shards; step times interleaved so machine noise hits all of them alike."""
-    out = {name: {"rows": []} for name in models}
-    for seq in lengths:
-        batch = _batch(seq, sp_rank, sp_size)
-        mem = {name: _step(model, batch, group)[0] for name, model in models.items()}  # also the warm-up
-        best = dict.fromkeys(models, float("inf"))
-        for _ in range(repeats):
-            for name, model in models.items():
-                best[name] = min(best[name], _step(model, batch, group)[1])
-        for name in models:
-            act = _max_over_ranks(mem[name]) / 2**20
-            out[name]["rows"].append({"seq": seq, "act_mib": act, "tok_s": seq / _max_over_ranks(best[name])})
-    for name, model in models.items():
-
-        def fits(seq: int, model=model) -> bool:
-            return _max_over_ranks(_step(model, _batch(seq, sp_rank, sp_size), group)[0]) <= budget
-
-        low, high = 0, STEP * sp_size
-        while fits(high):  # double until over budget, then bisect in steps of STEP tokens
-            low, high = high, high * 2
-        while high - low > STEP:
-            mid = (low + high) // 2 // STEP * STEP
-            low, high = (mid, high) if fits(mid) else (low, mid)
-        out[name]["max_seq"] = low
-    return out
-
-
-def bench_rank(lengths: list[int], budget: int, repeats: int, peer: bool) -> dict:
-    """One rank of a run with world = sp: ours (sp = 1: the plain model), and DeepSpeed's Ulysses when `peer`."""
-    torch.set_num_threads(1)
-    world = dist.get_world_size()
-    ours = tiny_llama(seed=0, **MODEL).train()
-    if world == 1:
-        return _measure({"hf_llmkit": ours}, None, 0, 1, lengths, budget, repeats)
-    groups = new_sequence_parallel_groups(sp_size=world)
-    apply_sequence_parallel(ours, group=groups.sp_group)
-    models, errors = {"hf_llmkit": ours}, {}
-    if peer:
-        try:
-            models["deepspeed"] = deepspeed_ulysses(world)
-        except Exception as err:  # the peer's own failure on this machine is a result, reported in the table
-            errors["deepspeed"] = {"error": f"{type(err).__name__}: {err}"}
-    return {**_measure(models, groups.sp_group, groups.sp_rank, world, lengths, budget, repeats), **errors}
-
-
-def deepspeed_ulysses(world: int):
-    """DeepSpeed's HF Ulysses through accelerate `ParallelismConfig(sp_backend="deepspeed")`: the prepared engine."""
-    from accelerate import Accelerator, PartialState
-    from accelerate.parallelism_config import ParallelismConfig
-    from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig
-
-    # Without an accelerator, PartialState finds no DeepSpeed backend and reports 1 process: configure it on gloo.
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    PartialState(backend="gloo")
-    ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
-    handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")
-    accelerator = Accelerator(
-        parallelism_config=ParallelismConfig(sp_size=world, sp_backend="deepspeed", sp_handler=handler),
-        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config),
-    )
+def _ours(switches: str, group) -> callable:
+    """One of our variants: a step function (fwd + bwd on a shard) returning the loss."""
     model = tiny_llama(seed=0, **MODEL).train()
-    engine, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
-    return engine
+    if group is not None:
+        apply_sequence_parallel(model, group=group)
+    if switches in ("ckpt", "alst"):
+        model.activation_checkpointing_enable()
+    if switches in ("tiled", "alst"):
+        TiledLoss(model, chunk_size=CHUNK)
+        TiledMLP(model, chunk_size=CHUNK)
+
+    def step(batch: dict) -> float:
+        inputs = {k: batch[k] for k in ("input_ids", "position_ids")}
+        targets = batch["shift_labels"]
+        with offload_saved_activations() if switches == "alst" else contextlib.nullcontext():
+            if switches in ("tiled", "alst"):
+                loss = _mean(model(**inputs, **{TARGETS_KWARG: targets}).loss, targets, group)
+            elif group is not None:
+                loss = sequence_parallel_loss(model(**inputs).logits, targets, group=group)
+            else:
+                loss = F.cross_entropy(model(**inputs).logits[0].float(), targets[0], ignore_index=IGNORE_INDEX)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def _deepspeed(switches: str, group, world: int) -> callable:
+    """DeepSpeed's Ulysses (sp > 1) and, for "alst", its TiledMLP / TiledFusedLogitsLoss + checkpointing."""
+    import _deepspeed_alst as peer
+
+    model = tiny_llama(seed=0, **MODEL).train()
+    if switches == "alst":
+        model.activation_checkpointing_enable()
+        peer.deepspeed_tiled_mlp(model, chunk_size=CHUNK)
+    engine = peer.deepspeed_ulysses(model, world) if world > 1 and switches == "ulysses" else None
+    if world > 1 and switches == "alst" and not peer.ulysses_is_registered():
+        raise RuntimeError("DeepSpeed's Ulysses is not registered (the deepspeed ulysses peer failed to start)")
+    module = engine.module if engine is not None else model
+
+    def step(batch: dict) -> float:
+        inputs = {k: batch[k] for k in ("input_ids", "position_ids")}
+        targets = batch["shift_labels"]
+        if switches == "alst":
+            loss = _mean(peer.deepspeed_tiled_loss_sum(module, inputs, targets, chunk_size=CHUNK), targets, group)
+        else:
+            loss = sequence_parallel_loss(engine(**inputs).logits, targets, group=group)
+        engine.backward(loss) if engine is not None else loss.backward()
+        module.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _peak(step, seq: int, sp_rank: int, sp_size: int) -> int:
+    batch = _batch(seq, sp_rank, sp_size)
+    with TensorMemory() as mem:
+        step(batch)
+    return int(_max_over_ranks([mem.peak_bytes])[0])
+
+
+def _longest(step, budget: int, sp_rank: int, sp_size: int, probe: int) -> tuple[int, int]:
+    """(longest multiple of 64 * sp tokens whose peak fits `budget`, steps run): an affine prediction from two
+    probes, confirmed by running it and the next length, searched outward then bisected when it is off."""
+    unit = 64 * sp_size
+    m1, m2 = _peak(step, probe, sp_rank, sp_size), _peak(step, 2 * probe, sp_rank, sp_size)
+    runs = 2
+    per_token = max((m2 - m1) / probe, 1e-9)
+    seq = max(unit, int((probe + (budget - m1) / per_token) // unit * unit))
+    low, high, stride = None, None, unit
+    while low is None or high is None or high - low > unit:
+        runs += 1
+        if _peak(step, seq, sp_rank, sp_size) <= budget:
+            low = seq
+        else:
+            high = seq
+        if low is not None and high is not None:
+            seq = max(low + unit, (low + high) // 2 // unit * unit)
+            if seq >= high:
+                break
+        elif low is not None:
+            seq, stride = low + stride, stride * 2
+        else:
+            seq, stride = high - stride, stride * 2
+            if seq < unit:
+                return 0, runs
+    return low, runs
+
+
+def bench_rank(config: dict) -> dict:
+    """One rank of a run with world = sp: memory search then interleaved timing of every variant."""
+    torch.set_num_threads(config["threads"])
+    world = dist.get_world_size()
+    groups = new_sequence_parallel_groups(sp_size=world) if world > 1 else None
+    group, sp_rank = (groups.sp_group, groups.sp_rank) if groups else (None, 0)
+    steps = {f"hf_llmkit {name}": _ours(name, group) for name in OURS}
+    errors = {}
+    for name in ("ulysses", "alst") if config["peer"] else ():
+        if name == "ulysses" and world == 1:
+            continue
+        try:
+            steps[f"deepspeed {name}"] = _deepspeed(name, group, world)
+        except Exception as err:  # the peer's own failure here is a result, reported in the table
+            errors[f"deepspeed {name}"] = f"{type(err).__name__}: {err}"
+    probe = config["probe"] * world
+    losses = {name: _max_over_ranks([step(_batch(probe, sp_rank, world))])[0] for name, step in steps.items()}
+    memory = {}
+    for name, step in steps.items() if config["memory"] else ():
+        longest, runs = _longest(step, config["budget"], sp_rank, world, probe)
+        memory[name] = {"max_seq": longest, "runs": runs, "peak_at_probe": _peak(step, probe, sp_rank, world)}
+    batch = _batch(config["time_seq"], sp_rank, world)
+    variants = {name: partial(step, batch) for name, step in steps.items()}
+    timings = Bench(rounds=config["rounds"], warmup=1).run(variants)
+    seconds = {name: _max_over_ranks(ts) for name, ts in timings.seconds.items()}  # the slowest rank, per round
+    return {
+        "losses": losses,
+        "memory": memory,
+        "seconds": seconds,
+        "machine": [timings.before, timings.after],
+        "errors": errors,
+    }
+
+
+def _ratio(seconds: dict, a: str, b: str) -> str:
+    if a not in seconds or b not in seconds:
+        return "-"
+    per_round = [x / y for x, y in zip(seconds[a], seconds[b])]
+    return f"{min(per_round):.2f} / {statistics.median(per_round):.2f}"
+
+
+def report(results: dict) -> None:
+    runs, config = results["runs"], results["config"]
+    if config["memory"] and "1" in runs:
+        report_memory(runs, config)
+    report_time(runs, config)
+    for sp, run in runs.items():
+        loss = run["losses"]
+        spread = max(loss.values()) - min(loss.values())
+        print(f"sp={sp}: losses of all variants at {config['probe'] * int(sp)} tokens agree within {spread:.2e}")
+        for name, err in run["errors"].items():
+            print(f"sp={sp}: {name} cannot run: {err[:300]}")
+
+
+def report_memory(runs: dict, config: dict) -> None:
+    base = runs["1"]["memory"]["hf_llmkit plain"]["max_seq"]
+    rows = [["variant", *[f"sp={sp} longest" for sp in runs], *[f"sp={sp} x plain sp=1" for sp in runs]]]
+    names = list(dict.fromkeys(name for run in runs.values() for name in run["memory"]))
+    for name in names:
+        got = [runs[sp]["memory"].get(name, {}).get("max_seq") for sp in runs]
+        rows.append([name, *[str(v) if v else "-" for v in got], *[f"{v / base:.2f}x" if v else "-" for v in got]])
+    print(f"\n## Longest sequence within {config['budget_mib']:g} MiB of peak tensor memory per rank\n")
+    print(markdown_table(rows))
+    print(
+        f"\n(peak bytes of tensors alive at once during fwd+bwd, gradients included, parameters not; largest rank; "
+        f"tiles of {CHUNK} positions; offload is a no-op on CPU)"
+    )
+
+
+def report_time(runs: dict, config: dict) -> None:
+    print(f"\n## Step time at {config['time_seq']} tokens (fwd+bwd; min / median of per-round ratios)\n")
+    rows = [["sp", "variant", "median s", "x hf_llmkit plain", "ours / deepspeed (same switches)"]]
+    for sp, run in runs.items():
+        seconds = run["seconds"]
+        for name in seconds:
+            peer = {"hf_llmkit plain": "deepspeed ulysses", "hf_llmkit alst": "deepspeed alst"}.get(name, "")
+            rows.append(
+                [sp, name, f"{statistics.median(seconds[name]):.3f}", _ratio(seconds, name, "hf_llmkit plain"),
+                 _ratio(seconds, name, peer) if peer else ""]
+            )  # fmt: skip
+    print(markdown_table(rows))
+    for sp, run in runs.items():
+        print(f"sp={sp}: {load_note(*run['machine'])} (x{sp} ranks, {config['threads']} torch thread(s) each)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--budget-mib", type=float, default=24.0)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--budget-mib", type=float, default=32.0)
+    parser.add_argument("--probe", type=int, default=512, help="tokens per rank of the first memory probe")
+    parser.add_argument("--time-seq", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-peer", action="store_true")
-    parser.add_argument("--out", default=str(RESULTS / "sequence_parallel.json"))
+    parser.add_argument("--time-only", action="store_true", help="skip the longest-sequence search")
+    parser.add_argument("--quick", action="store_true", help="sp 1 and 2, 16 MiB, 1024 tokens, 3 rounds")
     args = parser.parse_args()
-    budget = int(args.budget_mib * 2**20)
-    call = (args.lengths, budget, args.repeats)
-    # launch() imports the rank function by module name: this file, importable as `sequence_parallel`
-    sys.path.insert(0, str(HERE))
-    bench = importlib.import_module("sequence_parallel")
+    if args.quick:
+        args.sp, args.budget_mib, args.probe, args.time_seq, args.rounds = [1, 2], 16.0, 256, 1024, 3
+    config = {
+        "budget": int(args.budget_mib * 2**20),
+        "budget_mib": args.budget_mib,
+        "probe": args.probe,
+        "time_seq": args.time_seq,
+        "rounds": args.rounds,
+        "threads": args.threads,
+        "peer": not args.no_peer,
+        "memory": not args.time_only,
+    }
+    bench = importlib.import_module("sequence_parallel")  # launch() imports the rank function by module name
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
-    results: dict = {"config": {**MODEL, "budget_mib": args.budget_mib, "lengths": args.lengths}, "runs": {}}
+    results = {"config": {**config, "model": MODEL, "chunk": CHUNK}, "machine": machine_state(), "runs": {}}
     for sp in args.sp:
-        got = launch(bench.bench_rank, *call, not args.no_peer, nprocs=sp, timeout=900, env=env)[0]
-        for name, run in got.items():
-            results["runs"][f"{name} sp={sp}"] = run
-    print_table(results)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {args.out}")
-
-
-def print_table(results: dict) -> None:
-    runs = results["runs"]
-    base = runs.get("hf_llmkit sp=1")  # ratios against sp = 1 (the plain model on one rank) and, for the peer,
-
-    def ours(name: str) -> dict | None:  # against hf_llmkit at the same sp
-        return runs.get("hf_llmkit " + name.split(" ")[-1])
-
-    print(f"\nsaved activations per rank and tokens/s, fwd+bwd, budget {results['config']['budget_mib']} MiB\n")
-    print("| run | seq | act MiB/rank | vs sp=1 | tokens/s | vs sp=1 | peer/ours act | peer/ours tok/s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, run in runs.items():
-        if "error" in run:
-            print(f"| {name} | - | cannot run: {run['error'][:300]} | | | | | |")
-            continue
-        mine = ours(name) if not name.startswith("hf_llmkit") else None
-        for i, row in enumerate(run["rows"]):
-            ref = base["rows"][i] if base else row
-            vs = f"{row['act_mib'] / mine['rows'][i]['act_mib']:.2f} | " if mine else "| "
-            vs += f"{row['tok_s'] / mine['rows'][i]['tok_s']:.2f}" if mine else ""
-            print(
-                f"| {name} | {row['seq']} | {row['act_mib']:.1f} | {row['act_mib'] / ref['act_mib']:.2f} | "
-                f"{row['tok_s']:.0f} | {row['tok_s'] / ref['tok_s']:.2f} | {vs} |"
-            )
-    print("\n| run | longest sequence in budget | vs sp=1 |")
-    print("|---|---|---|")
-    for name, run in runs.items():
-        if "error" not in run:
-            ratio = run["max_seq"] / base["max_seq"] if base and base["max_seq"] else float("nan")
-            print(f"| {name} | {run['max_seq']} | {ratio:.2f}x |")
+        results["runs"][str(sp)] = launch(bench.bench_rank, config, nprocs=sp, timeout=3600, env=env)[0]
+    report(results)
+    if not config["memory"]:
+        print(f"\nwrote {write_results('sequence_parallel_time', results)}")
+        return
+    names = list(dict.fromkeys(name for run in results["runs"].values() for name in run["memory"]))
+    series: dict[str, tuple[list[int], list[int]]] = {}
+    for name in names:
+        runs = [(int(sp), run["memory"][name]) for sp, run in results["runs"].items() if name in run["memory"]]
+        points = ([sp for sp, _ in runs], [got["max_seq"] for _, got in runs])
+        same = next((label for label, other in series.items() if other == points), None)  # lines that coincide
+        if same is not None:
+            series[f"{same} = {name}"] = series.pop(same)
+        else:
+            series[name] = points
+    png = plot_lines(
+        "sequence_parallel", series, xlabel="sequence-parallel ranks (sp)", ylabel="longest sequence (tokens)",
+        title=f"Longest trainable sequence within {args.budget_mib:g} MiB per rank (CPU, tiny Llama)", logx=True,
+    )  # fmt: skip
+    print(f"\nwrote {write_results('sequence_parallel', results)}" + (f" and {png}" if png else ""))
 
 
 if __name__ == "__main__":

@@ -67,6 +67,17 @@ class LLMKitTrainingArguments(TrainingArguments):
         sequence_parallel_size: Sequence parallelism (Ulysses). Number of ranks that split each sample's sequence
             (world = data-parallel size x this); `LLMKitTrainer` shards batches along the sequence, wraps the model's
             attention with all-to-all head exchange and averages the loss over the group's tokens. 1 = off.
+        tiled_loss: Long sequences (ALST). Compute the LM head and the cross-entropy in chunks of
+            `tiled_loss_chunk_size` positions under checkpointing, never materialising `[sequence, vocab]` logits;
+            loss and gradients equal the untiled ones. With or without sequence parallelism; causal LMs whose head is
+            a plain projection (models that soft-cap or scale logits are refused at the first step).
+        tiled_loss_chunk_size: Long sequences. Positions (per rank) per tiled-loss chunk.
+        tiled_mlp: Long sequences (ALST). Run each decoder layer's MLP in chunks of `tiled_mlp_chunk_size` positions,
+            each under checkpointing, so the `[sequence, intermediate]` activations are never kept (dense MLPs only).
+        tiled_mlp_chunk_size: Long sequences. Positions (per rank) per tiled-MLP chunk; 0 = the model's hidden size.
+        offload_activation_checkpoints: Long sequences (ALST). Keep what autograd saves between checkpointed layers
+            (each layer's input) in pinned host memory instead of accelerator memory; needs
+            `activation_checkpointing` (`gradient_checkpointing`). A no-op on CPU-only machines.
     """
 
     auto_resume: bool = field(
@@ -97,6 +108,29 @@ class LLMKitTrainingArguments(TrainingArguments):
         },
     )
 
+    tiled_loss: bool = field(
+        default=False,
+        metadata={"help": "Compute logits and cross-entropy in sequence chunks (never [sequence, vocab] at once)."},
+    )
+    tiled_loss_chunk_size: int = field(
+        default=1024, metadata={"help": "Positions per rank in each tiled-loss chunk (with --tiled_loss)."}
+    )
+    tiled_mlp: bool = field(
+        default=False,
+        metadata={"help": "Apply each decoder layer's MLP in sequence chunks under checkpointing."},
+    )
+    tiled_mlp_chunk_size: int = field(
+        default=0,
+        metadata={"help": "Positions per rank in each tiled-MLP chunk (with --tiled_mlp); 0 = the hidden size."},
+    )
+    offload_activation_checkpoints: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep activation-checkpoint inputs in pinned host memory (needs --gradient_checkpointing; "
+            "a no-op without an accelerator)."
+        },
+    )
+
     def __post_init__(self):
         if self.save_retries < 0:
             raise ValueError(f"save_retries must be >= 0 (0 disables retries), got {self.save_retries}")
@@ -110,6 +144,13 @@ class LLMKitTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"sequence_parallel_size={self.sequence_parallel_size} must be >= 1 and divide the number of ranks "
                 f"({world}); launch a multiple of it (e.g. --num_processes {max(self.sequence_parallel_size, 1)})"
+            )
+        if self.tiled_loss_chunk_size < 1:
+            raise ValueError(f"tiled_loss_chunk_size must be >= 1 positions, got {self.tiled_loss_chunk_size}")
+        if self.tiled_mlp_chunk_size < 0:
+            raise ValueError(
+                f"tiled_mlp_chunk_size must be >= 1 positions (or 0 for the hidden size), "
+                f"got {self.tiled_mlp_chunk_size}"
             )
         multi_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1
         if self.deepspeed and not _has_accelerator():
@@ -125,3 +166,8 @@ class LLMKitTrainingArguments(TrainingArguments):
             if self.accelerator_config is None or isinstance(self.accelerator_config, dict):
                 self.accelerator_config = {**(self.accelerator_config or {}), "use_configured_state": True}
         super().__post_init__()
+        if self.offload_activation_checkpoints and not self.activation_checkpointing:
+            raise ValueError(
+                "offload_activation_checkpoints moves activation-checkpoint inputs to host memory, so it needs "
+                "checkpointing: add --gradient_checkpointing true (or drop --offload_activation_checkpoints)"
+            )

@@ -11,6 +11,7 @@ from transformers import Trainer, TrainingArguments
 from hf_llmkit.callbacks.log_bridge import add_callback_logs
 from hf_llmkit.callbacks.recovery import save_with_retries, train_with_recovery
 from hf_llmkit.trainers.eval_preparation import forget_evaluation_preparation
+from hf_llmkit.trainers.long_sequence import TrainerLongSequence
 from hf_llmkit.trainers.moe_loss import (
     MoELossTracker,
     aux_loss_scale,
@@ -47,11 +48,17 @@ class LLMKitTrainer(Trainer):
             register_zero3_leaf_modules(self.model)
         # Sequence parallelism (hf_llmkit.trainers.sequence_parallel): groups, attention wrapper, batch sharding, loss.
         self._sequence_parallel = TrainerSequenceParallel.for_trainer(self)
+        # Long sequences (hf_llmkit.trainers.long_sequence): tiled loss, tiled MLP, activation-checkpoint offload.
+        self._long_sequence = TrainerLongSequence.for_trainer(self)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """`Trainer.compute_loss`, plus the MoE auxiliary losses of the forward it ran (training only)."""
         if self._sequence_parallel is not None:
-            result = self._sequence_parallel.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+            result = self._sequence_parallel.compute_loss(
+                self, model, inputs, return_outputs, num_items_in_batch, long_sequence=self._long_sequence
+            )
+        elif self._long_sequence is not None:
+            result = self._long_sequence.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
         else:
             result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if not model.training:

@@ -15,6 +15,7 @@ accelerate's `gather_for_metrics` as if every rank held different samples.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from hf_llmkit.parallel.groups import SequenceParallelGroups, new_sequence_parallel_groups
 from hf_llmkit.parallel.sequence.data import SequenceParallelCollator
-from hf_llmkit.parallel.sequence.loss import sequence_parallel_loss
+from hf_llmkit.parallel.sequence.loss import sequence_parallel_loss, sequence_parallel_mean
 from hf_llmkit.parallel.sequence.ulysses import apply_sequence_parallel
 
 
@@ -70,24 +71,39 @@ class TrainerSequenceParallel:
             raise ValueError(f"cannot split {type(loader).__name__} batches over data-parallel ranks")
         return loader
 
-    def compute_loss(self, trainer: Any, model, inputs: dict, return_outputs: bool, num_items_in_batch=None):
-        """The full-sequence causal-LM loss of this rank's SP group (see the module docstring for the scaling)."""
+    def compute_loss(
+        self, trainer: Any, model, inputs: dict, return_outputs: bool, num_items_in_batch=None, long_sequence=None
+    ):
+        """The full-sequence causal-LM loss of this rank's SP group (see the module docstring for the scaling).
+
+        `long_sequence` (a `TrainerLongSequence`) adds the tiled loss / tiled MLP / offload switches.
+        """
         inputs = dict(inputs)
         shift_labels = inputs.pop("shift_labels", None)
         inputs.pop("labels", None)  # the shard's unshifted labels: the targets are in shift_labels
         if shift_labels is None:
             raise ValueError("sequence-parallel training needs `labels` in the batch (the causal-LM targets)")
-        outputs = model(**inputs)
-        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]  # [B, S/P, V]
+        tiled = long_sequence is not None and long_sequence.tiles_loss(model)
+        extra = long_sequence.loss_kwargs(shift_labels) if tiled else {}
+        forward = long_sequence.forward(model, shift_labels.shape[1]) if long_sequence else contextlib.nullcontext()
+        with forward:
+            outputs = model(**inputs, **extra)
         denominator = None
         if num_items_in_batch is not None:
             if trainer.args.average_tokens_across_devices and trainer.args.world_size > 1:
                 # counted over every rank's shards: the world's tokens; this SP group's share of the DP mean
                 denominator = num_items_in_batch / self.groups.dp_size
             else:
-                denominator = torch.as_tensor(num_items_in_batch, device=logits.device, dtype=torch.float32).clone()
+                denominator = torch.as_tensor(num_items_in_batch, device=shift_labels.device, dtype=torch.float32)
+                denominator = denominator.clone()
                 torch.distributed.all_reduce(denominator, group=self.groups.sp_group)
-        loss = sequence_parallel_loss(logits, shift_labels, group=self.groups.sp_group, num_items_in_batch=denominator)
+        group = self.groups.sp_group
+        if tiled:  # the forward returned this rank's summed token losses
+            loss = sequence_parallel_mean(outputs["loss"], shift_labels, group=group, num_items_in_batch=denominator)
+            outputs["loss"] = loss
+        else:
+            logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]  # [B, S/P, V]
+            loss = sequence_parallel_loss(logits, shift_labels, group=group, num_items_in_batch=denominator)
         return (loss, outputs) if return_outputs else loss
 
 

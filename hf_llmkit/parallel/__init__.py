@@ -1,5 +1,7 @@
-"""Parallelism and sparse layers: mixture-of-experts (`MoELayer`, expert parallelism, `upcycle_to_moe`) and Ulysses
-sequence parallelism (`apply_sequence_parallel`, `shard_sequence_batch`, `sequence_parallel_loss`)."""
+"""Parallelism and sparse layers: mixture-of-experts (`MoELayer`, expert parallelism, `upcycle_to_moe`), Ulysses
+sequence parallelism (`apply_sequence_parallel`, `shard_sequence_batch`, `sequence_parallel_loss`) and the ALST
+long-sequence pieces (`TiledLoss`, `TiledMLP`, `offload_saved_activations`). Attention wrappers share one stack:
+`hf_llmkit.parallel.attention`."""
 
 from hf_llmkit.parallel.groups import (
     SequenceParallelGroups,
@@ -20,11 +22,15 @@ from hf_llmkit.parallel.moe import (
 )
 from hf_llmkit.parallel.sequence import (
     SequenceParallelCollator,
+    TiledLoss,
+    TiledMLP,
     UlyssesAttention,
     apply_sequence_parallel,
+    offload_saved_activations,
     remove_sequence_parallel,
     sequence_parallel_group,
     sequence_parallel_loss,
+    sequence_parallel_mean,
     shard_sequence_batch,
 )
 
@@ -34,6 +40,8 @@ __all__ = [
     "MoELayer",
     "SequenceParallelCollator",
     "SequenceParallelGroups",
+    "TiledLoss",
+    "TiledMLP",
     "TopKRouter",
     "UlyssesAttention",
     "apply_sequence_parallel",
@@ -41,10 +49,12 @@ __all__ = [
     "moe_layers",
     "new_expert_parallel_group",
     "new_sequence_parallel_groups",
+    "offload_saved_activations",
     "remove_sequence_parallel",
     "router_z_loss",
     "sequence_parallel_group",
     "sequence_parallel_loss",
+    "sequence_parallel_mean",
     "shard_sequence_batch",
     "supported_architectures",
     "upcycle_to_moe",

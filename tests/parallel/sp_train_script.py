@@ -15,6 +15,7 @@ import torch
 from transformers import default_data_collator
 
 from hf_llmkit import LLMKitTrainingArguments
+from hf_llmkit.compat.transformers_attention import configured_attention
 from hf_llmkit.testing import tiny_llama
 from hf_llmkit.trainers import LLMKitTrainer
 
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument("--peft", choices=["none", "lora", "bottleneck"], default="none")
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--zero", type=int, default=0, help="DeepSpeed ZeRO stage (0 = DDP)")
+    parser.add_argument("--long_sequence", action="store_true", help="tiled loss + tiled MLP (+ offload with GC)")
     args = parser.parse_args()
     train, evals = make_rows(STEPS * BATCH, 0), make_rows(2 * BATCH, 1)
     ds_config = None  # LLMKitTrainingArguments starts DeepSpeed on gloo when there is no accelerator
@@ -101,6 +103,10 @@ def main() -> None:
             "bf16": {"enabled": False},
             "fp16": {"enabled": False},
         }
+    long_sequence = {}
+    if args.long_sequence:  # chunks that do not divide the 7-token shards
+        long_sequence = dict(tiled_loss=True, tiled_loss_chunk_size=3, tiled_mlp=True, tiled_mlp_chunk_size=2)
+        long_sequence["offload_activation_checkpoints"] = args.gradient_checkpointing
     targs = LLMKitTrainingArguments(
         output_dir=os.path.join(os.path.dirname(args.out), "trainer_out"),
         sequence_parallel_size=args.sp,
@@ -120,6 +126,7 @@ def main() -> None:
         deepspeed=ds_config,
         disable_tqdm=True,
         seed=0,
+        **long_sequence,
     )
     model = build_model(args)
     trainer = LLMKitTrainer(
@@ -147,7 +154,7 @@ def main() -> None:
             "ref_eval_loss": ref_eval,
             "world": trainer.args.world_size,
             "engine": type(trainer.model_wrapped).__name__,
-            "attn": trained.config._attn_implementation,
+            "attn": configured_attention(trained.config),
         }
         with open(args.out, "w") as f:
             json.dump(result, f)

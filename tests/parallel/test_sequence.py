@@ -1,4 +1,5 @@
-"""Ulysses sequence parallelism: loss and gradients equal single-rank training on real gloo ranks; bad input fails.
+"""Ulysses sequence parallelism: loss and gradients equal single-rank training on real gloo ranks (also with
+P-tuning v2 prefixes inside, added before or after, and with the ALST switches); bad input fails.
 
 Each multi-rank test is one launch that checks several configurations (process start-up dominates on CPU).
 """
@@ -8,8 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from peft import get_peft_model
 from torch.distributed.device_mesh import init_device_mesh
 
+from hf_llmkit import PTuningV2Config
+from hf_llmkit.compat.transformers_attention import configured_attention
 from hf_llmkit.parallel import (
     apply_sequence_parallel,
     new_sequence_parallel_groups,
@@ -18,6 +22,8 @@ from hf_llmkit.parallel import (
     sequence_parallel_loss,
     shard_sequence_batch,
 )
+from hf_llmkit.parallel.sequence import TiledLoss, TiledMLP, offload_saved_activations, sequence_parallel_mean
+from hf_llmkit.parallel.sequence.tiled_loss import TARGETS_KWARG
 from hf_llmkit.parallel.sequence.ulysses import kv_replication
 from hf_llmkit.testing import launch, tiny_llama
 
@@ -42,32 +48,93 @@ def make_batch(seq: int, *, seed: int = 1, padding: str = "both") -> dict[str, t
     return batch
 
 
-def compare(attn: str, kv_heads: int, batch: dict, groups, *, heads: int = 4) -> tuple[float, float]:
-    """|loss - reference| and max |grad - reference| (grads averaged over the world, as DDP does).
+def build(attn: str, kv_heads: int, heads: int, *, ptuning: str | None, group=None, long: bool = False):
+    """A tiny Llama; with `ptuning`, P-tuning v2 prefixes added before (`"peft_first"`) or after (`"sp_first"`)
+    the Ulysses layer (`group`); without it, just the Ulysses layer (or nothing when `group` is None). `long` adds
+    activation checkpointing, the tiled loss and the tiled MLP (chunks that do not divide the shard)."""
+    model = tiny_llama(seed=0, num_attention_heads=heads, num_key_value_heads=kv_heads, attn_implementation=attn)
+    model.train()
+    if long:
+        model.activation_checkpointing_enable()
+        TiledLoss(model, chunk_size=3)
+        TiledMLP(model, chunk_size=4)
+    if group is not None and ptuning != "peft_first":
+        apply_sequence_parallel(model, group=group)
+    if ptuning is not None:
+        torch.manual_seed(1)
+        model = get_peft_model(model, PTuningV2Config(num_virtual_tokens=3))
+    if group is not None and ptuning == "peft_first":
+        apply_sequence_parallel(model, group=group)
+    return model
 
-    The reference is single-process HF training on every DP group's batch; DDP averages over DP groups.
+
+def compare(
+    attn: str, kv_heads: int, batch: dict, groups, *, heads: int = 4, ptuning: str | None = None, long: bool = False
+):
+    """|loss - reference| and max |grad - reference| over the trainable parameters (grads averaged over the world,
+    as DDP does). The reference is single-process HF training on every DP group's batch; DDP averages over DP
+    groups. With `ptuning`, both are P-tuning v2 models (same prefixes), in the given order of application. With
+    `long`, ours also runs the ALST switches (checkpointing, tiled loss and MLP, offload's copy path); the reference
+    stays untiled.
     """
-    kwargs = dict(seed=0, num_attention_heads=heads, num_key_value_heads=kv_heads, attn_implementation=attn)
-    reference = tiny_llama(**kwargs).train()
+    reference = build(attn, kv_heads, heads, ptuning="peft_first" if ptuning else None)
     ref_losses = []
     for dp_rank in range(groups.dp_size):
         own = batch if groups.dp_size == 1 else make_batch(batch["input_ids"].shape[1], seed=dp_rank)
         loss = reference(**own).loss / groups.dp_size
         loss.backward()
         ref_losses.append(loss.item() * groups.dp_size)
-    model = tiny_llama(**kwargs).train()
-    apply_sequence_parallel(model, group=groups.sp_group)
+    model = build(attn, kv_heads, heads, ptuning=ptuning, group=groups.sp_group, long=long)
     shard = shard_sequence_batch(batch, sp_rank=groups.sp_rank, sp_size=groups.sp_size)
     inputs = {k: shard[k] for k in ("input_ids", "attention_mask", "position_ids") if k in shard}
-    logits = model(**inputs).logits
-    loss = sequence_parallel_loss(logits, shard["shift_labels"], group=groups.sp_group)
+    targets, group = shard["shift_labels"], groups.sp_group
+    if long:
+        with offload_saved_activations(include_cpu=True, min_bytes=0):
+            total = model(**inputs, **{TARGETS_KWARG: targets}).loss  # this rank's summed token losses
+        loss = sequence_parallel_mean(total, targets, group=group)
+    else:
+        loss = sequence_parallel_loss(model(**inputs).logits, targets, group=group)
     loss.backward()
     worst = 0.0
-    for ref, ours in zip(reference.parameters(), model.parameters()):
+    pairs = [(r, o) for r, o in zip(reference.parameters(), model.parameters()) if o.requires_grad]
+    assert pairs and all(r.shape == o.shape for r, o in pairs)
+    for ref, ours in pairs:
         grad = ours.grad.clone()
         dist.all_reduce(grad)
         worst = max(worst, (grad / dist.get_world_size() - ref.grad).abs().max().item())
     return abs(loss.item() - ref_losses[groups.dp_rank]), worst
+
+
+def stacked_cases(groups) -> dict:
+    """P-tuning v2 + SP = P-tuning v2 on one rank, in both orders of application (GQA split and replicated); SP +
+    the ALST switches = the untiled model on one rank."""
+    out = {
+        "ptv2_sp_first_gqa_sdpa_padded": compare("sdpa", 2, make_batch(13), groups, ptuning="sp_first"),
+        "ptv2_peft_first_gqa_sdpa_padded": compare("sdpa", 2, make_batch(13), groups, ptuning="peft_first"),
+        "ptv2_peft_first_replicated_kv_sdpa": compare("sdpa", 1, make_batch(12), groups, ptuning="peft_first"),
+        "ptv2_sp_first_mha_eager_right_padded": compare(
+            "eager", 4, make_batch(13, padding="right"), groups, ptuning="sp_first"
+        ),
+        "ptv2_sp_first_no_mask": compare("sdpa", 2, make_batch(12, padding="none"), groups, ptuning="sp_first"),
+        "alst_switches_gqa_sdpa_padded": compare("sdpa", 2, make_batch(23), groups, long=True),
+        "alst_switches_ptv2_replicated_kv": compare("sdpa", 1, make_batch(22), groups, ptuning="sp_first", long=True),
+    }
+    return out
+
+
+def stack_names(groups) -> list[str]:
+    """The attention implementation names through adding and removing both layers."""
+    model = build("sdpa", 2, 4, ptuning="sp_first", group=groups.sp_group)
+    names = [configured_attention(model.config)]
+    with model.disable_adapter():
+        names.append(configured_attention(model.config))
+    names.append(configured_attention(model.config))
+    remove_sequence_parallel(model)
+    names.append(configured_attention(model.config))
+    apply_sequence_parallel(model, group=groups.sp_group)
+    base = model.unload()
+    names.append(configured_attention(base.config))
+    return [name.split("@")[0] for name in names]
 
 
 def equivalence_two_ranks() -> dict:
@@ -83,7 +150,9 @@ def equivalence_two_ranks() -> dict:
     batch = make_batch(16, padding="none")
     batch["labels"][:, 7:] = -100
     out["rank_without_tokens"] = compare("sdpa", 2, batch, groups)
+    out.update(stacked_cases(groups))
     out["errors"] = error_messages(groups)
+    out["errors"]["names"] = stack_names(groups)
     return out
 
 
@@ -112,7 +181,7 @@ def error_messages(groups) -> dict:
     model = apply_sequence_parallel(tiny_llama(), group=groups.sp_group)
     wrapped = sequence_parallel_group(model) is groups.sp_group
     remove_sequence_parallel(model)
-    messages["round_trip"] = wrapped and model.config._attn_implementation == "sdpa"
+    messages["round_trip"] = wrapped and configured_attention(model.config) == "sdpa"
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "sp"))
     model = apply_sequence_parallel(tiny_llama(attn_implementation="eager"), mesh=mesh)
     messages["mesh"] = sequence_parallel_group(model) is mesh.get_group("sp")
@@ -132,6 +201,16 @@ def equivalence_four_ranks() -> dict:
     }
 
 
+def stacked_four_ranks() -> dict:
+    sp4 = new_sequence_parallel_groups(sp_size=4)
+    sp2 = new_sequence_parallel_groups(sp_size=2)
+    return {
+        "ptv2_sp_first_replicated_kv_sp4": compare("sdpa", 2, make_batch(13), sp4, ptuning="sp_first"),
+        "ptv2_peft_first_dp2_x_sp2": compare("sdpa", 2, make_batch(13, seed=sp2.dp_rank), sp2, ptuning="peft_first"),
+        "alst_switches_sp4": compare("sdpa", 2, make_batch(29), sp4, long=True),
+    }
+
+
 def test_two_ranks_match_single_rank_and_reject_bad_input():
     result = launch(equivalence_two_ranks, nprocs=2)[0]
     errors = result.pop("errors")
@@ -144,12 +223,26 @@ def test_two_ranks_match_single_rank_and_reject_bad_input():
     assert "exactly one of group=" in errors["group_and_mesh"]
     assert errors["round_trip"] is True
     assert errors["mesh"] is True
+    assert errors["names"] == [
+        "llmkit_ulysses_ptuning_v2_sdpa",
+        "llmkit_ulysses_sdpa",  # disable_adapter() takes the prefix layer out, SP stays
+        "llmkit_ulysses_ptuning_v2_sdpa",
+        "ptuning_v2_sdpa",
+        "llmkit_ulysses_sdpa",  # unload() after SP was re-applied outside the prefixes
+    ]
 
 
 def test_four_ranks_match_single_rank_and_dp_x_sp_groups():
     result = launch(equivalence_four_ranks, nprocs=4)[0]
     assert result.pop("members") == [(0, 0), (1, 0), (0, 1), (1, 1)]
     for name, (loss_diff, grad_diff) in result.items():
+        assert loss_diff < TOL and grad_diff < TOL, (name, loss_diff, grad_diff)
+
+
+@pytest.mark.slow
+def test_four_ranks_p_tuning_v2_and_alst_switches():
+    """The 2-rank test's stacked cases on 4 ranks: replicated kv heads with prefixes, dp 2 x sp 2, tiles on sp 4."""
+    for name, (loss_diff, grad_diff) in launch(stacked_four_ranks, nprocs=4)[0].items():
         assert loss_diff < TOL and grad_diff < TOL, (name, loss_diff, grad_diff)
 
 

@@ -1,4 +1,5 @@
-"""`LLMKitTrainer` with `sequence_parallel_size=2` on 2 CPU ranks equals single-rank training.
+"""`LLMKitTrainer` with `sequence_parallel_size=2` on 2 CPU ranks equals single-rank training (also with the ALST
+switches: tiled loss, tiled MLP, activation-checkpoint offload).
 
 `sp_train_script.py` trains 3 SGD steps on padded SFT-style rows and replays the same global batches in a plain
 single-process loop; parameters, logged losses and the eval loss must agree (fp32).
@@ -37,22 +38,27 @@ def test_accelerate_ddp_lora_gradient_checkpointing_replicated_kv(tmp_path):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_zero_torchrun(tmp_path, stage):
-    """ZeRO-2 with our bottleneck adapters; ZeRO-3 (partitioned parameters) with gradient checkpointing."""
+    """ZeRO-2 with our bottleneck adapters; ZeRO-3 (partitioned parameters, gathered at each chunk's call) with
+    gradient checkpointing and the ALST switches."""
     pytest.importorskip("deepspeed")
-    flags = ["--zero", str(stage)] + (["--gradient_checkpointing"] if stage == 3 else ["--peft", "bottleneck"])
+    flags = ["--zero", str(stage)]
+    flags += ["--gradient_checkpointing", "--long_sequence"] if stage == 3 else ["--peft", "bottleneck"]
     check(run(tmp_path, "torchrun", *flags), "DeepSpeedEngine")
 
 
-def test_run_clm_sequence_parallel_size_flag(tmp_path):
-    """examples/run_clm.py gets --sequence_parallel_size from LLMKitTrainingArguments and trains on 2 ranks."""
+def test_run_clm_sequence_parallel_size_and_alst_flags(tmp_path):
+    """examples/run_clm.py gets --sequence_parallel_size and the ALST switches from LLMKitTrainingArguments and
+    trains on 2 ranks."""
     example = Path(__file__).resolve().parents[2] / "examples" / "run_clm.py"
     tiny = ["--vocab_size", "512", "--hidden_size", "64", "--intermediate_size", "128", "--num_hidden_layers", "2",
             "--max_position_embeddings", "64", "--block_size", "32", "--per_device_train_batch_size", "4",
             "--per_device_eval_batch_size", "8", "--max_train_samples", "32", "--max_eval_samples", "16",
             "--logging_steps", "1", "--disable_tqdm", "true", "--warmup_steps", "0"]  # fmt: skip
+    alst = ["--gradient_checkpointing", "true", "--tiled_loss", "true", "--tiled_loss_chunk_size", "5",
+            "--tiled_mlp", "true", "--offload_activation_checkpoints", "true"]  # fmt: skip
     out = launch_script(
         example,
-        [*tiny, "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--sequence_parallel_size", "2"],
+        [*tiny, *alst, "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--sequence_parallel_size", "2"],
         nprocs=2,
         launcher="accelerate",
         timeout=300,
@@ -61,4 +67,5 @@ def test_run_clm_sequence_parallel_size_flag(tmp_path):
     state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
     # 32 blocks, 4 per step, one data-parallel group: 8 steps per epoch (the SP ranks share each batch)
     assert state["global_step"] == 2 and state["log_history"][0]["epoch"] == pytest.approx(1 / 8)
+    assert all(0 < log["loss"] < 10 for log in state["log_history"] if "loss" in log)
     assert (tmp_path / "out" / "model.safetensors").is_file()

@@ -57,6 +57,20 @@ def sequence_parallel_loss(
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+    return sequence_parallel_mean(local_sum, shift_labels, group=group, num_items_in_batch=num_items_in_batch)
+
+
+def sequence_parallel_mean(
+    local_sum: torch.Tensor,
+    shift_labels: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """The group's token-weighted mean from this rank's summed token losses (e.g. from the tiled loss).
+
+    Args and the denominator as in `sequence_parallel_loss`; `local_sum` is the sum of this rank's token losses.
+    """
     total = all_reduce_sum(local_sum, group)
     if num_items_in_batch is None:
         count = (shift_labels != IGNORE_INDEX).sum().to(device=local_sum.device, dtype=torch.float32)

@@ -1,19 +1,21 @@
-"""Ulysses sequence parallelism for transformers models, plugged in through `transformers.AttentionInterface`.
+"""Ulysses sequence parallelism for transformers models: the outermost layer of hf_llmkit's attention stack.
 
 Each rank of a sequence-parallel (SP) group holds `S / P` consecutive tokens of every sample. In each attention
 layer the wrapper exchanges query/key/value with one all-to-all so that every rank holds the FULL sequence for
-`H / P` heads, runs the model's own attention implementation (sdpa, eager, flash) on it, and exchanges the output
-back to sequence shards. Everything outside attention (embeddings, MLPs, norms, the LM head) is per-token and
-runs on the local shard unchanged.
+`H / P` heads, runs the rest of the attention stack (P-tuning v2 prefixes, if any, then the model's own kernel:
+sdpa, eager, flash) on it, and exchanges the output back to sequence shards. Everything outside attention
+(embeddings, MLPs, norms, the LM head) is per-token and runs on the local shard unchanged.
 
     from hf_llmkit.parallel import apply_sequence_parallel, new_sequence_parallel_groups
 
     groups = new_sequence_parallel_groups(sp_size=2)
-    apply_sequence_parallel(model, group=groups.sp_group)   # model.config._attn_implementation now wraps sdpa
+    apply_sequence_parallel(model, group=groups.sp_group)   # the model now runs "llmkit_ulysses_sdpa@..."
 
-The model's mask code runs on the local shard; the mask function registered with our attention name passes the
-local 2D padding mask through unchanged, and the wrapper gathers it and builds the mask for the full sequence
-with transformers' own mask function of the wrapped implementation (causal, sliding-window or bidirectional).
+The wrapper is installed through `hf_llmkit.parallel.attention` (transformers' public attention API), so it
+stacks with P-tuning v2 in either order of application. The model's mask code runs on the local shard; the mask
+function registered with our attention name passes the local 2D padding mask through unchanged, and the wrapper
+gathers it and builds the mask for the full sequence with transformers' own mask function of the kernel (causal,
+sliding-window or bidirectional).
 
 Limits: training and evaluation only (no KV cache); `position_ids` are not passed to the inner kernel, so packed
 sequences must carry an attention mask rather than position resets; attention weights are not returned. With
@@ -23,23 +25,29 @@ to a multiple of P changes that row's output -- it matters only when such a posi
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import AttentionInterface
 from transformers.masking_utils import (
-    ALL_MASK_ATTENTION_FUNCTIONS,
-    AttentionMaskInterface,
     bidirectional_mask_function,
     causal_mask_function,
     sliding_window_causal_mask_function,
 )
 
-PREFIX = "llmkit_ulysses_"
-# Inner implementations whose call convention and mask builder we know; flash is used only when installed.
+from hf_llmkit.parallel.attention import (
+    AttentionCall,
+    AttentionLayer,
+    ModuleView,
+    add_attention_layer,
+    attention_layer,
+    head_sharded_kwargs,
+    kernel_mask_function,
+    remove_attention_layer,
+)
+
+# Kernels whose call convention and mask builder we know; flash is used only when installed.
 WRAPPABLE = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
@@ -97,59 +105,49 @@ def kv_replication(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
     )
 
 
-class _ConfigView:
-    """The module's config with `_attn_implementation` reporting the wrapped implementation (flash reads it)."""
-
-    def __init__(self, config: Any, inner: str):
-        self._config, self._attn_implementation = config, inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._config, name)
-
-
-class _ModuleView:
-    """The attention module as the inner implementation must see it on one head shard."""
-
-    def __init__(self, module: nn.Module, *, num_key_value_groups: int, inner: str):
-        self._module = module
-        self.num_key_value_groups = num_key_value_groups
-        self.config = _ConfigView(module.config, inner)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
-
-
-def _eager_for(module: nn.Module):
-    """The eager function of the module's own modeling file (transformers keeps `eager` out of the interface)."""
-    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    if fn is None:
-        raise ValueError(
-            f"{type(module).__name__} has no module-level eager_attention_forward to wrap; load the model with "
-            "attn_implementation='sdpa' before applying sequence parallelism"
-        )
-    return fn
-
-
 def _local_padding_mask(attention_mask: torch.Tensor | None, **_: Any) -> torch.Tensor | None:
     """Mask builder registered for our attention names: hand the local 2D padding mask to the wrapper unchanged."""
     return attention_mask
 
 
-class UlyssesAttention:
-    """The attention function registered for one (inner implementation, SP group) pair."""
+def _rank_heads(t: torch.Tensor, dim: int, repeat: int, rank: int, sp_size: int) -> torch.Tensor:
+    """The key/value heads of a per-head tensor (e.g. a P-tuning v2 prefix) that this rank holds after exchange."""
+    if repeat > 1:
+        t = t.repeat_interleave(repeat, dim=dim)
+    n = t.shape[dim] // sp_size
+    return t.narrow(dim, rank * n, n)
 
-    def __init__(self, inner: str, group: dist.ProcessGroup):
-        self.inner, self.group = inner, group
+
+class UlyssesAttention(AttentionLayer):
+    """The Ulysses layer of the attention stack for one SP group."""
+
+    kind = "ulysses"
+    order = 0
+    name_prefix = "llmkit_ulysses_"
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
         self.sp_size = dist.get_world_size(group)
+        self.sp_rank = dist.get_rank(group)
         self._mask_cache: tuple[tuple, torch.Tensor | None, torch.Tensor | None] | None = None
 
-    def _inner_fn(self, module: nn.Module):
-        return _eager_for(module) if self.inner == "eager" else AttentionInterface._global_mapping[self.inner]
+    def name_suffix(self) -> str:
+        return f"@{id(self.group):x}"
 
-    def _full_mask(self, module: nn.Module, local: torch.Tensor | None, query: torch.Tensor, seq: int, kwargs):
-        """The mask the inner implementation would get for the full sequence (built once per forward)."""
+    def check_kernel(self, kernel: str) -> None:
+        if kernel not in WRAPPABLE:
+            raise ValueError(
+                f"attention implementation {kernel!r} cannot be wrapped for sequence parallelism; load the model "
+                f"with attn_implementation set to one of {', '.join(WRAPPABLE)}"
+            )
+
+    def mask_function(self, kernel: str):
+        return _local_padding_mask
+
+    def _full_mask(self, module, kernel: str, local: torch.Tensor | None, query: torch.Tensor, seq: int, kwargs):
+        """The mask the kernel would get for the full sequence (built once per forward)."""
         sliding_window = kwargs.get("sliding_window")
-        key = (self.inner, query.shape[0], seq, query.dtype, query.device, sliding_window)
+        key = (kernel, query.shape[0], seq, query.dtype, query.device, sliding_window)
         if self._mask_cache is not None and self._mask_cache[0] == key and self._mask_cache[1] is local:
             return self._mask_cache[2]
         full_padding = None
@@ -164,11 +162,11 @@ class UlyssesAttention:
             full_padding = torch.cat(parts, dim=1)  # [B, S]
         if not getattr(module, "is_causal", True):
             pattern = bidirectional_mask_function
-        elif sliding_window is not None and not self.inner.startswith("flash"):
+        elif sliding_window is not None and not kernel.startswith("flash"):
             pattern = sliding_window_causal_mask_function(sliding_window)
         else:
             pattern = causal_mask_function
-        mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[self.inner](
+        mask = kernel_mask_function(kernel)(
             batch_size=query.shape[0],
             q_length=seq,
             kv_length=seq,
@@ -192,6 +190,9 @@ class UlyssesAttention:
         key: torch.Tensor,  # [B, Hkv, S/P, D]
         value: torch.Tensor,  # [B, Hkv, S/P, D]
         attention_mask: torch.Tensor | None,
+        *,
+        inner: AttentionCall,
+        kernel: str,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
@@ -203,35 +204,28 @@ class UlyssesAttention:
             key = key.repeat_interleave(repeat, dim=1)  # [B, P, S/P, D]
             value = value.repeat_interleave(repeat, dim=1)
         q, k, v = (sequence_to_heads(t, self.group) for t in (query, key, value))  # [B, heads/P, S, D]
+        for name, dim in head_sharded_kwargs().items():  # e.g. P-tuning v2 prefixes: keep this rank's kv heads
+            if kwargs.get(name) is not None:
+                kwargs[name] = _rank_heads(kwargs[name], dim, repeat, self.sp_rank, p)
         seq = q.shape[2]
-        mask = self._full_mask(module, attention_mask, q, seq, kwargs)
+        mask = self._full_mask(module, kernel, attention_mask, q, seq, kwargs)
         groups = q.shape[1] // k.shape[1]
         target = module
-        if groups != getattr(module, "num_key_value_groups", groups) or self.inner.startswith("flash"):
-            target = _ModuleView(module, num_key_value_groups=groups, inner=self.inner)
+        if groups != getattr(module, "num_key_value_groups", groups):
+            target = ModuleView(module, num_key_value_groups=groups)
         kwargs.pop("position_ids", None)  # local positions; RoPE was applied before this call
-        out, _ = self._inner_fn(module)(target, q, k, v, mask, **kwargs)  # [B, S, H/P, D]
+        out, _ = inner(target, q, k, v, mask, **kwargs)  # [B, S, H/P, D]
         return heads_to_sequence(out, self.group), None  # [B, S/P, H, D]
 
 
-def _attention_configs(model: nn.Module) -> list[Any]:
-    """Configs of every transformers model inside `model` (peft and DDP wrappers included), deduplicated."""
+def _check_heads(model: nn.Module, sp_size: int) -> None:
     from transformers import PreTrainedModel
 
-    configs: dict[int, Any] = {}
     for sub in model.modules():
         if isinstance(sub, PreTrainedModel):
-            configs.setdefault(id(sub.config), sub.config)
-    if not configs:
-        raise TypeError(f"apply_sequence_parallel needs a transformers PreTrainedModel, got {type(model).__name__}")
-    return list(configs.values())
-
-
-def _check_heads(config: Any, sp_size: int) -> None:
-    heads = getattr(config, "num_attention_heads", None)
-    if heads is None:
-        return
-    kv_replication(heads, getattr(config, "num_key_value_heads", None) or heads, sp_size)
+            heads = getattr(sub.config, "num_attention_heads", None)
+            if heads is not None:
+                kv_replication(heads, getattr(sub.config, "num_key_value_heads", None) or heads, sp_size)
 
 
 def apply_sequence_parallel(
@@ -239,9 +233,10 @@ def apply_sequence_parallel(
 ) -> nn.Module:
     """Make `model`'s attention Ulysses sequence-parallel over `group` (or `mesh[mesh_dim]`); returns `model`.
 
-    The current implementation (sdpa, eager or flash-attention) becomes the inner attention. Inputs must then
-    be sequence shards (see `shard_sequence_batch`) with global `position_ids`. Idempotent for the same group.
-    Raises `ValueError` when the heads do not split over the group or the implementation cannot be wrapped.
+    The current kernel (sdpa, eager or flash-attention) stays the inner attention, and other attention layers
+    (P-tuning v2 prefixes) stay inside, whether they were added before or after. Inputs must then be sequence
+    shards (see `shard_sequence_batch`) with global `position_ids`. Idempotent for the same group.
+    Raises `ValueError` when the heads do not split over the group or the kernel cannot be wrapped.
     """
     if (group is None) == (mesh is None):
         raise ValueError("pass exactly one of group= (a ProcessGroup) or mesh= (a DeviceMesh with an 'sp' dim)")
@@ -249,41 +244,19 @@ def apply_sequence_parallel(
         group = mesh.get_group(mesh_dim)
     if not dist.is_initialized():
         raise ValueError("apply_sequence_parallel needs torch.distributed initialised (init_process_group first)")
-    sp_size = dist.get_world_size(group)
-    for config in _attention_configs(model):
-        current = config._attn_implementation or "eager"
-        if current.startswith(PREFIX):
-            registered = AttentionInterface._global_mapping.get(current)
-            if registered is not None and registered.group is group:
-                continue
-            current = registered.inner if registered is not None else current.removeprefix(PREFIX).split("@")[0]
-        if current not in WRAPPABLE:
-            raise ValueError(
-                f"attention implementation {current!r} cannot be wrapped for sequence parallelism; load the model "
-                f"with attn_implementation set to one of {', '.join(WRAPPABLE)}"
-            )
-        _check_heads(config, sp_size)
-        name = f"{PREFIX}{current}@{id(group):x}"
-        AttentionInterface.register(name, UlyssesAttention(current, group))
-        AttentionMaskInterface.register(name, _local_padding_mask)
-        config._attn_implementation = name
-    return model
+    current = attention_layer(model, UlyssesAttention.kind)
+    if current is not None and current.group is group:
+        return model
+    _check_heads(model, dist.get_world_size(group))
+    return add_attention_layer(model, UlyssesAttention(group))
 
 
 def remove_sequence_parallel(model: nn.Module) -> nn.Module:
-    """Restore the wrapped attention implementation on every config of `model` (e.g. before generation)."""
-    for config in _attention_configs(model):
-        current = config._attn_implementation or ""
-        if current.startswith(PREFIX):
-            registered = AttentionInterface._global_mapping.get(current)
-            config._attn_implementation = registered.inner if registered is not None else "sdpa"
-    return model
+    """Take the Ulysses layer out of `model`'s attention (e.g. before generation); other layers stay."""
+    return remove_attention_layer(model, UlyssesAttention.kind)
 
 
 def sequence_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The SP group `model` was wrapped for, or None when it is not sequence parallel."""
-    for config in _attention_configs(model):
-        registered = AttentionInterface._global_mapping.get(config._attn_implementation or "")
-        if isinstance(registered, UlyssesAttention):
-            return registered.group
-    return None
+    layer = attention_layer(model, UlyssesAttention.kind)
+    return layer.group if layer is not None else None

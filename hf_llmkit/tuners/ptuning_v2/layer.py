@@ -14,8 +14,9 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from hf_llmkit.parallel.attention import stack_of
 from hf_llmkit.tuners.base import UnmergeableLayer
-from hf_llmkit.tuners.ptuning_v2.attention import PREFIX_KWARG, is_prefix_attention
+from hf_llmkit.tuners.ptuning_v2.attention import PREFIX_KWARG, PrefixAttention
 from hf_llmkit.tuners.ptuning_v2.config import PTuningV2Config
 from hf_llmkit.tuners.ptuning_v2.prefix import PlainPrefix, ProjectedPrefix
 
@@ -96,10 +97,10 @@ class PTuningV2Attention(UnmergeableLayer, nn.Module, PTuningV2Layer):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         prefix = self.current_prefix()
         if prefix is not None:
-            implementation = self.get_base_layer().config._attn_implementation
-            if not is_prefix_attention(implementation):
+            stack = stack_of(self.get_base_layer().config)
+            if stack.find(PrefixAttention.kind) is None:
                 raise ValueError(
-                    f"the model's attention implementation is {implementation!r}, so the P-tuning v2 prefixes would "
+                    f"the model's attention implementation is {stack.name!r}, so the P-tuning v2 prefixes would "
                     "be ignored; change implementations before get_peft_model (or unload(), switch, and re-apply)"
                 )
             kwargs[PREFIX_KWARG] = prefix

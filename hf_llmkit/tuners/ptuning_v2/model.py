@@ -1,8 +1,9 @@
 """P-tuning v2 as a layer-injecting peft tuner: prefix keys/values per attention layer via the attention interface.
 
-Injection wraps each attention module in `PTuningV2Attention` and switches `config._attn_implementation` from, say,
-`"sdpa"` to the registered `"ptuning_v2_sdpa"`, which delegates to sdpa; `disable_adapter()` and `unload()` switch it
-back. Saving writes the folded prefixes (plus, by default, the MLP reparameterisation so training can resume).
+Injection wraps each attention module in `PTuningV2Attention` and adds the prefix layer to the model's attention stack
+(`hf_llmkit.parallel.attention`), switching, say, `"sdpa"` to `"ptuning_v2_sdpa"`, which delegates to sdpa (or to
+`"llmkit_ulysses_ptuning_v2_sdpa@..."` under sequence parallelism); `disable_adapter()` and `unload()` take the layer
+out again. Saving writes the folded prefixes (plus, by default, the MLP reparameterisation so training can resume).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_llmkit.parallel.attention import add_attention_layer, remove_attention_layer
 from hf_llmkit.tuners.base import LLMKitTuner
-from hf_llmkit.tuners.ptuning_v2.attention import inner_name, is_prefix_attention, register_prefix_attention
+from hf_llmkit.tuners.ptuning_v2.attention import PrefixAttention
 from hf_llmkit.tuners.ptuning_v2.config import PTuningV2Config
 from hf_llmkit.tuners.ptuning_v2.layer import PTuningV2Attention, PTuningV2Layer
 from hf_llmkit.tuners.ptuning_v2.prefix import PlainPrefix, ProjectedPrefix
@@ -64,12 +66,10 @@ class PTuningV2Model(LLMKitTuner):
         self._use_prefix_attention(True)
 
     def _use_prefix_attention(self, enabled: bool) -> None:
-        config = self.model.config
-        current = config._attn_implementation or "eager"
-        if enabled and not is_prefix_attention(current):
-            config._attn_implementation = register_prefix_attention(current)
-        elif not enabled and is_prefix_attention(current):
-            config._attn_implementation = inner_name(current)
+        if enabled:
+            add_attention_layer(self.model, PrefixAttention())
+        else:
+            remove_attention_layer(self.model, PrefixAttention.kind)
 
     def _enable_adapter_layers(self, enabled: bool = True) -> None:
         super()._enable_adapter_layers(enabled)

@@ -1,0 +1,63 @@
+"""Activation-checkpoint offload (ALST): tensors saved for backward outside checkpointed regions go to host memory.
+
+With activation checkpointing on, what the forward keeps for backward is mostly each checkpointed layer's input
+(`[B, S, H]` per layer) plus what runs outside the layers (the final norm, the tiled loss's hidden states). Under
+`offload_saved_activations()`, those tensors are copied to pinned host memory when autograd saves them and copied
+back when the backward needs them, so the accelerator holds only one layer's recomputation at a time. Inside a
+checkpointed region, torch's own checkpoint hooks take precedence, so recomputed activations stay on the device.
+
+Tensors already on the CPU are kept as they are: on a machine without an accelerator this is a no-op that runs the
+same hooks (`include_cpu=True` copies them too, which tests use to exercise the copy path). Parameters (and
+their views, e.g. the transposed weight a matmul saves) are never copied: they stay where they live.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+_PACKED = tuple[torch.device, torch.Tensor]
+
+
+def _pinnable() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    return bool(accelerator is not None and accelerator.is_available())
+
+
+class offload_saved_activations(saved_tensors_hooks):  # noqa: N801 - a context manager, named like torch's
+    """Context manager: tensors autograd saves inside it live in (pinned) host memory until backward.
+
+    Args:
+        min_bytes: tensors smaller than this stay where they are (copies of small tensors cost more than they free).
+        include_cpu: also copy tensors that are already on the CPU (a test hook for the copy path).
+    """
+
+    def __init__(self, *, min_bytes: int = 1 << 16, include_cpu: bool = False) -> None:
+        self.copied_bytes = 0
+        pin = _pinnable()
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor | _PACKED:
+            if (
+                (tensor.device.type == "cpu" and not include_cpu)
+                or isinstance(tensor, torch.nn.Parameter)
+                or isinstance(tensor._base, torch.nn.Parameter)  # a weight's transpose, saved by a matmul
+                or tensor.is_sparse
+                or tensor.numel() * tensor.element_size() < min_bytes
+            ):
+                return tensor
+            host = torch.empty_like(tensor, device="cpu", pin_memory=pin)  # dense layouts keep their strides
+            host.copy_(tensor, non_blocking=pin)
+            self.copied_bytes += host.numel() * host.element_size()
+            return (tensor.device, host)
+
+        def unpack(packed: torch.Tensor | _PACKED) -> torch.Tensor:
+            if torch.is_tensor(packed):
+                return packed
+            device, host = packed
+            return host.to(device, non_blocking=pin) if device.type != "cpu" else host
+
+        super().__init__(pack, unpack)
+
+    def __enter__(self) -> offload_saved_activations:
+        super().__enter__()
+        return self
