@@ -217,11 +217,13 @@ def tiny_model(model_type: str = "llama", *, seed: int = 0, **overrides: Any):
     """A randomly initialised tiny model of `tiny_config(model_type, **overrides)` (fp32, eval mode, deterministic for
     a given seed): the causal LM for decoder families, the bare encoder (`BertModel`) for BERT."""
     import torch
-    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
 
     config = tiny_config(model_type, **overrides)
     torch.manual_seed(seed)
-    model = AutoModel.from_config(config) if model_type == "bert" else AutoModelForCausalLM.from_config(config)
+    # The class itself, not `from_config`: under a live ZeRO-3 config `from_config` would partition the weights.
+    mapping = MODEL_MAPPING if model_type == "bert" else MODEL_FOR_CAUSAL_LM_MAPPING
+    model = mapping[type(config)](config)
     return model.eval()
 
 
