@@ -10,8 +10,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_callback import ExportableState
 
-from hf_llmkit.callbacks import FaultToleranceCallback, LossScaleCallback, SavePeftModelCallback
-from hf_llmkit.callbacks import verify_checkpoint
+from hf_llmkit.callbacks import FaultToleranceCallback, LossScaleCallback, SavePeftModelCallback, verify_checkpoint
 from hf_llmkit.callbacks.checkpoint_manifest import MANIFEST_NAME
 from tests.callbacks.support import Blocks, make_trainer, small_model
 

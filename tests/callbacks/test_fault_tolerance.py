@@ -18,8 +18,8 @@ from hf_llmkit.callbacks import (
     FaultToleranceCallback,
     TrainingDivergedError,
     latest_complete_checkpoint,
+    verify_checkpoint,
 )
-from hf_llmkit.callbacks import verify_checkpoint
 from hf_llmkit.callbacks.checkpoint_housekeeping import rotate_checkpoints
 from hf_llmkit.callbacks.checkpoint_manifest import MANIFEST_NAME, list_checkpoints, mark_writing
 from tests.callbacks.support import Blocks, data_order, make_trainer, poison_loss, record_blocks, small_model
