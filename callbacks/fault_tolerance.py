@@ -59,7 +59,7 @@ from hf_llmkit.callbacks.run_end import (
     StopRequest,
     TrainingDivergedError,
     TrainingInterrupted,
-    log_once,
+    logged,
 )
 from hf_llmkit.callbacks.save_retries import save_with_retries
 
@@ -214,21 +214,24 @@ class FaultToleranceCallback(TrainerCallback, ExportableState):
         if request is None:
             return
         self.close()
+        main = state.is_world_process_zero
         if request.kind == "preempted":
             message = preemption_message(request, args.output_dir)
-            log_once(message, is_main_process=state.is_world_process_zero, level=logging.WARNING)
-            raise TrainingInterrupted(message, exit_code=request.exit_code)
-        message = request.reason
+            error = TrainingInterrupted(message, exit_code=request.exit_code)
+            raise logged(error, is_main_process=main, level=logging.WARNING)
+        message = f"training diverged: {request.reason}"
         if request.kind == "rollback":
             message = (
-                f"{request.reason} at step {request.step}; use hf_llmkit.trainers.LLMKitTrainer to roll back "
-                f"automatically, or resume from {request.checkpoint} with a lower learning rate"
+                f"training diverged: {request.reason} at step {request.step}; use hf_llmkit.trainers.LLMKitTrainer to "
+                f"roll back automatically, or resume from {request.checkpoint} with a lower learning rate"
             )
-        log_once(message, is_main_process=state.is_world_process_zero)
-        raise TrainingDivergedError(message)
+        raise logged(TrainingDivergedError(message), is_main_process=main)
 
     # -- Trainer events -------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        # Resumed from a checkpoint saved without this callback, the Trainer's save would fail with KeyError on
+        # the missing `stateful_callbacks` entry (transformers 5.23): give it one.
+        state.stateful_callbacks.setdefault(type(self).__name__, self.state())
         self._signal, self._pending = None, None
         self._install_signals()
         self.watch.attach(model)

@@ -52,6 +52,7 @@ class RunEndingError(RuntimeError, SystemExit):
     def __init__(self, message: str, *, exit_code: int | None = None):
         super().__init__(message)
         self.code = self.default_code if exit_code is None else exit_code
+        self.logged = False  # set once its one line was logged
 
     @property
     def exit_code(self) -> int:
@@ -114,3 +115,11 @@ def log_once(message: str, *, is_main_process: bool, level: int = logging.ERROR)
     """Log the one line that explains a run's end, from the main process only."""
     if is_main_process:
         logger.log(level, "%s", message)
+
+
+def logged(error: RunEndingError, *, is_main_process: bool, level: int = logging.ERROR) -> RunEndingError:
+    """`error`, its one line logged (once, from the main process): `raise logged(SomeError(...), ...)`."""
+    if not error.logged:
+        log_once(str(error), is_main_process=is_main_process, level=level)
+        error.logged = True
+    return error

@@ -80,12 +80,23 @@ def describe_write_error(err: BaseException, folder: str | os.PathLike) -> str |
         return None
     free = _free_space(Path(folder))
     if code is None:
-        return f"a write failed ({str(err).strip()}); the disk may be full ({free} free)"
+        limit = _file_size_limit()
+        limit = f", or a file reached the file size limit ({limit} bytes, ulimit -f)" if limit else ""
+        return f"a write failed ({' '.join(str(err).split())}); the disk may be full ({free} free){limit}"
     words = _WORDS.get(code, os.strerror(code).lower())
     filename = getattr(err, "filename", None)
     if filename and Path(filename) != Path(folder):
         words = f"{words} ({filename})"
     return f"{words}, {free} free" if code in (errno.ENOSPC, errno.EDQUOT) else words
+
+
+def _file_size_limit() -> int | None:
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def _free_space(folder: Path) -> str:

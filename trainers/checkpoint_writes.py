@@ -37,7 +37,7 @@ from hf_llmkit.callbacks.checkpoint_housekeeping import (
 from hf_llmkit.callbacks.checkpoint_manifest import clear_writing, mark_writing, payload_files, write_manifest
 from hf_llmkit.callbacks.checkpoint_status import CheckpointState, classify_checkpoint
 from hf_llmkit.callbacks.distributed import any_rank, barrier
-from hf_llmkit.callbacks.run_end import CheckpointWriteError, log_once
+from hf_llmkit.callbacks.run_end import CheckpointWriteError, logged
 from hf_llmkit.callbacks.save_retries import describe_write_error, save_with_retries
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ def save_checkpoint(trainer, write: Callable[[], None], identity: dict | None) -
         return
     barrier()  # the folder is cleared before any rank writes into it
     mark_writing(folder)
+    _register_stateful_callbacks(trainer)
 
     def attempt() -> None:
         write()
@@ -127,13 +128,26 @@ def save_checkpoint(trainer, write: Callable[[], None], identity: dict | None) -
         if main:
             remove_checkpoint(folder)  # ours and never completed; frees what it took
         message = f"could not write {folder}: {reason}; the last complete checkpoint is untouched"
-        log_once(message, is_main_process=main)
-        raise CheckpointWriteError(message) from err
+        raise logged(CheckpointWriteError(message), is_main_process=main) from err
     barrier()  # every rank's files are on disk
     if main:
         clear_writing(folder)
         rotate_checkpoints(args.output_dir, limit, keep=(state.best_model_checkpoint,))
         drop_abandoned(args.output_dir)
+
+
+def _register_stateful_callbacks(trainer) -> None:
+    """Give every `ExportableState` callback (and the control) an entry in `state.stateful_callbacks`.
+
+    Resumed from a checkpoint saved without one of them (a plain Trainer's, or before a callback was added), the
+    Trainer's save fails with a KeyError on the missing entry (transformers 5.23).
+    """
+    from transformers.trainer_callback import ExportableState
+
+    stateful = trainer.state.stateful_callbacks
+    for callback in [*trainer.callback_handler.callbacks, trainer.control]:
+        if isinstance(callback, ExportableState):
+            stateful.setdefault(type(callback).__name__, callback.state())
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int, int]]:
@@ -163,8 +177,7 @@ def save_final_model(trainer, save: Callable[[], None], output_dir: str) -> None
         if reason is None:
             raise
         message = f"could not write the final model into {folder}: {reason}; the checkpoints are untouched"
-        log_once(message, is_main_process=main)
-        raise CheckpointWriteError(message) from err
+        raise logged(CheckpointWriteError(message), is_main_process=main) from err
     barrier()
     if not main:
         return

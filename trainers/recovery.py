@@ -32,10 +32,11 @@ from hf_llmkit.callbacks.fault_tolerance import FaultToleranceCallback, preempti
 from hf_llmkit.callbacks.run_end import (
     EXIT_DIVERGED,
     EXIT_PREEMPTED,
+    RunEndingError,
     StopRequest,
     TrainingDivergedError,
     TrainingInterrupted,
-    log_once,
+    logged,
 )
 from hf_llmkit.trainers.resume import prepare_output_dir, resolve_resume
 from hf_llmkit.trainers.run_identity import check_run_identity, run_identity
@@ -134,19 +135,20 @@ def _end_run(trainer, request: StopRequest) -> None:
         code = request.exit_code if request.exit_code is not None else getattr(args, "preemption_exit_code", None)
         code = EXIT_PREEMPTED if code is None else code
         message = f"{preemption_message(request, args.output_dir)} (exit status {code})"
-        log_once(message, is_main_process=main, level=logging.WARNING)
-        raise TrainingInterrupted(message, exit_code=code)
+        raise logged(TrainingInterrupted(message, exit_code=code), is_main_process=main, level=logging.WARNING)
     code = getattr(args, "divergence_exit_code", EXIT_DIVERGED)
-    log_once(f"training diverged: {request.reason}", is_main_process=main)
-    raise TrainingDivergedError(request.reason, exit_code=code)
+    raise logged(TrainingDivergedError(f"training diverged: {request.reason}", exit_code=code), is_main_process=main)
 
 
 def run_training(trainer, train: Callable[..., Any], resume_from_checkpoint=None, **kwargs) -> Any:
     """`train(resume_from_checkpoint=..., **kwargs)` with the checks, restarts and endings described above."""
     trainer.run_identity = run_identity(trainer)
-    resume = resolve_resume(trainer, resume_from_checkpoint)
-    if resume is not None:
-        check_run_identity(trainer.run_identity, resume, trainer.args.output_dir)
+    try:
+        resume = resolve_resume(trainer, resume_from_checkpoint)
+        if resume is not None:
+            check_run_identity(trainer.run_identity, resume, trainer.args.output_dir)
+    except RunEndingError as err:
+        raise logged(err, is_main_process=trainer.is_world_process_zero()) from err.__cause__
     prepare_output_dir(trainer, resume)
     if resume is not None:
         restore_callback_state(trainer, resume)
@@ -174,6 +176,8 @@ def run_training(trainer, train: Callable[..., Any], resume_from_checkpoint=None
                 request.reason,
             )  # fmt: skip
             _reset_for_retrain(trainer)
+    except RunEndingError as err:  # e.g. a checkpoint that fails to load: one line, once
+        raise logged(err, is_main_process=trainer.is_world_process_zero()) from err.__cause__
     finally:
         for watcher in _watchers(trainer):
             watcher.close()  # signal handlers and hooks, also when training raised

@@ -49,6 +49,7 @@ _VOLATILE = {
 }
 _PEFT_VOLATILE = {"base_model_name_or_path", "revision", "inference_mode"}
 _DATA_SAMPLES = 8
+_ORDER = ("model", "peft", "quantization", "sequence_parallel_size", "data", "parameters")  # most telling first
 
 
 def _plain(value: Any) -> Any:
@@ -121,9 +122,9 @@ def run_identity(trainer) -> dict:
             "model": _config_dict(config) if config is not None else type(model).__name__,
             "peft": _peft_configs(model),
             "quantization": quantization,
-            "parameters": _parameters(model),
             "sequence_parallel_size": getattr(trainer.args, "sequence_parallel_size", 1),
             "data": _data_identity(trainer.train_dataset),
+            "parameters": _parameters(model),
         }
     )
 
@@ -133,28 +134,38 @@ def write_run_identity(identity: dict, folder: str | os.PathLike) -> None:
     path.write_text(json.dumps(identity, indent=1, sort_keys=True), encoding="utf-8")
 
 
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+def _flatten(value: Any, prefix: str) -> dict[str, Any]:
     if isinstance(value, dict) and value:
         flat: dict[str, Any] = {}
         for key, item in value.items():
-            flat.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+            flat.update(_flatten(item, f"{prefix}.{key}"))
         return flat
     return {prefix: value}
 
 
 def _short(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else value
+    if isinstance(value, dict) and value and all(isinstance(v, dict) and "peft_type" in v for v in value.values()):
+        return ", ".join(f"{name}={config['peft_type']}" for name, config in value.items())  # PEFT adapters
+    text = "none" if value is None else value if isinstance(value, str) else json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
 def differences(recorded: dict, current: dict) -> list[str]:
-    """`field: recorded -> current` for every field that differs (nested fields dotted)."""
-    old, new = _flatten(recorded), _flatten(current)
+    """`field: recorded -> current` for every field that differs, most telling first (nested fields dotted)."""
     changed = []
-    for key in sorted(set(old) | set(new)):
-        if key in ("format",) or old.get(key) == new.get(key):
+    keys = [k for k in _ORDER if k in current or k in recorded]
+    keys += sorted((set(current) | set(recorded)) - set(keys) - {"format"})
+    for key in keys:
+        old, new = recorded.get(key), current.get(key)
+        if old == new:
             continue
-        changed.append(f"{key}: {_short(old.get(key))} -> {_short(new.get(key))}")
+        if not (isinstance(old, dict) and isinstance(new, dict)):
+            changed.append(f"{key}: {_short(old)} -> {_short(new)}")
+            continue
+        flat_old, flat_new = _flatten(old, key), _flatten(new, key)
+        for name in sorted(set(flat_old) | set(flat_new)):
+            if flat_old.get(name) != flat_new.get(name):
+                changed.append(f"{name}: {_short(flat_old.get(name))} -> {_short(flat_new.get(name))}")
     return changed
 
 
