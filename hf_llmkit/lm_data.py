@@ -52,7 +52,11 @@ def load_texts(files: Sequence[Path]) -> Dataset:
     parts = []
     for path in files:
         kind = TEXT_SUFFIXES[path.suffix]
-        part = load_dataset(kind, data_files=str(path), split="train", keep_in_memory=True)
+        # force_redownload: datasets caches a built file by path and mtime; ours is keyed by content, and only a miss
+        # of ours gets here, so the file is read afresh.
+        part = load_dataset(
+            kind, data_files=str(path), split="train", keep_in_memory=True, download_mode="force_redownload"
+        )
         if "text" not in part.column_names:
             raise ValueError(f"{path} has no 'text' field (columns: {part.column_names}); rename the field to 'text'")
         parts.append(part.select_columns(["text"]))
