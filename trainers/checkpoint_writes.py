@@ -77,12 +77,15 @@ def _trainer_rotation_held_off(args):
 
 def _clear_the_way(folder: Path) -> bool:
     """Main process, before writing `folder`: False when it already holds a checkpoint that loads (skip the save)."""
-    if not folder.exists():
+    if not folder.exists() and not folder.is_symlink():
         return True
     verdict = classify_checkpoint(folder, checksums=False)
     if verdict.resumable:
         return False
-    if verdict.state is CheckpointState.INTERRUPTED:
+    if folder.is_symlink():  # never write through a link out of output_dir: drop the link, keep its target
+        folder.unlink()
+        logger.warning("removed the link %s before writing this step's checkpoint (%s)", folder, verdict.reason)
+    elif verdict.state is CheckpointState.INTERRUPTED:
         remove_checkpoint(folder)
     else:
         prefix = CORRUPT_PREFIX if verdict.state is CheckpointState.CORRUPT else INCOMPLETE_PREFIX

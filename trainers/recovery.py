@@ -38,14 +38,13 @@ from hf_llmkit.callbacks.run_end import (
     TrainingInterrupted,
     logged,
 )
-from hf_llmkit.trainers.resume import prepare_output_dir, resolve_resume
+from hf_llmkit.trainers.resume import ROLLBACK_PREFIX, prepare_output_dir, resolve_resume
 from hf_llmkit.trainers.run_identity import check_run_identity, run_identity
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ROLLBACK_PREFIX", "TrainingAlreadyComplete", "prepare_rollback_checkpoint", "run_training"]
 
-ROLLBACK_PREFIX = "llmkit-rollback"
 TRAINER_STATE = "trainer_state.json"
 
 

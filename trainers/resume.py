@@ -18,7 +18,7 @@ import logging
 import os
 from pathlib import Path
 
-from hf_llmkit.callbacks.checkpoint_housekeeping import tidy_checkpoints
+from hf_llmkit.callbacks.checkpoint_housekeeping import remove_checkpoint, tidy_checkpoints
 from hf_llmkit.callbacks.checkpoint_manifest import checkpoint_step
 from hf_llmkit.callbacks.checkpoint_status import classify_checkpoint, latest_complete_checkpoint
 from hf_llmkit.callbacks.distributed import barrier
@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["ResumeError", "load_own_adapters", "prepare_output_dir", "resolve_resume", "resume_step"]
 
 TRAINER_STATE = "trainer_state.json"
+ROLLBACK_PREFIX = "llmkit-rollback"  # restart points of in-process rollbacks (hf_llmkit.trainers.recovery)
 
 
 class ResumeError(RunEndingError, ValueError):
@@ -78,9 +79,18 @@ def resume_step(checkpoint: str | os.PathLike | None) -> int:
 
 
 def prepare_output_dir(trainer, checkpoint: str | None) -> None:
-    """Main process: clear `output_dir` for a run that starts at `checkpoint`; every rank waits for it."""
-    if trainer.args.should_save and Path(trainer.args.output_dir).is_dir():
-        tidy_checkpoints(trainer.args.output_dir, resume_step=resume_step(checkpoint))
+    """Main process: clear `output_dir` for a run that starts at `checkpoint`; every rank waits for it.
+
+    Also removes restart points a killed run left behind (`llmkit-rollback-*`, ours and never resumed from).
+    """
+    output_dir = Path(trainer.args.output_dir)
+    barrier()  # every rank has chosen its resume point before anything moves
+    if trainer.args.should_save and output_dir.is_dir():
+        tidy_checkpoints(output_dir, resume_step=resume_step(checkpoint))
+        keep = Path(checkpoint).resolve() if checkpoint is not None else None
+        for folder in output_dir.glob(f"{ROLLBACK_PREFIX}-*"):
+            if folder.resolve() != keep:
+                remove_checkpoint(folder)
     barrier()
 
 

@@ -155,3 +155,13 @@ def test_best_model_checkpoint_is_verified_before_loading(tmp_path):
         weights.write(b"\x00\x01")
     with pytest.raises(ResumeError, match="cannot load the best model"):
         trainer._load_best_model()
+
+
+def test_a_symlink_at_the_step_to_write_is_replaced_not_written_through(run, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not a checkpoint")
+    (run / "checkpoint-6").symlink_to(outside, target_is_directory=True)
+    make_trainer(run, callbacks=[FaultToleranceCallback()], max_steps=6, auto_resume=True).train()
+    assert not (run / "checkpoint-6").is_symlink() and verify_checkpoint(run / "checkpoint-6") is None
+    assert [p.name for p in outside.iterdir()] == ["keep.txt"]
