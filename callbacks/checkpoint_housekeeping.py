@@ -22,7 +22,13 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hf_llmkit.callbacks.checkpoint_manifest import MANIFEST_NAME, checkpoint_step, list_checkpoints
+from hf_llmkit.callbacks.checkpoint_manifest import (
+    MANIFEST_NAME,
+    WRITING_MARKER,
+    checkpoint_step,
+    list_checkpoints,
+    mark_writing,
+)
 from hf_llmkit.callbacks.checkpoint_status import CheckpointState, classify_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -59,15 +65,25 @@ def remove_checkpoint(folder: str | os.PathLike) -> bool:
         if folder.is_symlink():
             logger.warning("not deleting %s: it is a symlink", folder)
         return False
+    # Marked as ours-being-written first, so a deletion cut short leaves an `interrupted` folder that the next
+    # run finishes deleting (never a fragment that looks complete, or foreign).
+    mark_writing(folder)
     (folder / MANIFEST_NAME).unlink(missing_ok=True)
-    shutil.rmtree(folder, ignore_errors=True)  # rmtree removes links inside, never their targets
+    for child in folder.iterdir():
+        if child.name == WRITING_MARKER:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)  # rmtree removes links inside, never their targets
+        else:
+            child.unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
     return True
 
 
 def move_aside(folder: str | os.PathLike, prefix: str) -> Path | None:
-    """Rename `folder` to `<prefix><name>` (with `-2`, `-3`... if taken); None for a symlink (left alone)."""
+    """Rename `folder` (or a stray file) to `<prefix><name>` (`-2`, `-3`... if taken); None for a symlink."""
     folder = Path(folder)
-    if not _owned(folder):
+    if folder.is_symlink() or not folder.exists():
         return None
     target, n = folder.with_name(prefix + folder.name), 2
     while target.exists() or target.is_symlink():

@@ -34,6 +34,7 @@ from pathlib import Path
 from hf_llmkit.callbacks.checkpoint_manifest import (
     TMP_MARK,
     check_manifest,
+    checkpoint_step,
     is_writing,
     list_checkpoints,
     read_manifest,
@@ -150,7 +151,7 @@ def _has_weights(folder: Path) -> bool:
     )
 
 
-def problem_when_loading(folder: str | os.PathLike) -> str | None:
+def problem_when_loading(folder: str | os.PathLike, *, expected_step: int | None = None) -> str | None:
     """Why a checkpoint folder without a manifest cannot be resumed from, or None when it loads.
 
     Reads what a loader reads first: `trainer_state.json`, every safetensors header (its data must fill the file),
@@ -166,6 +167,8 @@ def problem_when_loading(folder: str | os.PathLike) -> str | None:
         return f"{TRAINER_STATE} does not parse ({err})"
     if not isinstance(step, int):
         return f"{TRAINER_STATE} has no global_step"
+    if expected_step is not None and step != expected_step:
+        return f"{TRAINER_STATE} is for step {step}, not {expected_step} (a renamed folder)"
     if not _has_weights(folder):
         return "no model or adapter weights"
     for dirpath, dirnames, filenames in os.walk(folder):
@@ -194,13 +197,17 @@ def classify_checkpoint(folder: str | os.PathLike, *, checksums: bool = True) ->
         manifest = read_manifest(folder)
     except ValueError as err:
         return CheckpointVerdict(folder, CheckpointState.CORRUPT, str(err))
+    step = checkpoint_step(folder)
     if manifest is not None:
         reason = check_manifest(folder, manifest, checksums=checksums)
+        recorded = manifest.get("step")
+        if reason is None and step is not None and recorded is not None and recorded != step:
+            reason = f"renamed: its manifest is for checkpoint-{recorded}"
         state = CheckpointState.COMPLETE if reason is None else CheckpointState.CORRUPT
         return CheckpointVerdict(folder, state, reason)
     if is_writing(folder):
         return CheckpointVerdict(folder, CheckpointState.INTERRUPTED, "our write of it never finished")
-    reason = problem_when_loading(folder)
+    reason = problem_when_loading(folder, expected_step=step)
     if reason is None:
         return CheckpointVerdict(folder, CheckpointState.UNMANAGED, "no manifest, but it loads")
     return CheckpointVerdict(folder, CheckpointState.INCOMPLETE, f"no manifest and {reason}")

@@ -90,7 +90,7 @@ def _clear_the_way(folder: Path) -> bool:
     else:
         prefix = CORRUPT_PREFIX if verdict.state is CheckpointState.CORRUPT else INCOMPLETE_PREFIX
         target = move_aside(folder, prefix)
-        logger.warning("moved %s aside to %s before writing it: %s", folder.name, target, verdict.reason)
+        logger.warning("moved %s aside to %s before writing it: %s", folder.name, target.name, verdict.reason)
     return True
 
 

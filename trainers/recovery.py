@@ -146,9 +146,9 @@ def run_training(trainer, train: Callable[..., Any], resume_from_checkpoint=None
         resume = resolve_resume(trainer, resume_from_checkpoint)
         if resume is not None:
             check_run_identity(trainer.run_identity, resume, trainer.args.output_dir)
+        prepare_output_dir(trainer, resume)
     except RunEndingError as err:
         raise logged(err, is_main_process=trainer.is_world_process_zero()) from err.__cause__
-    prepare_output_dir(trainer, resume)
     if resume is not None:
         restore_callback_state(trainer, resume)
     take = getattr(trainer.control, "take_stop_request", lambda: None)

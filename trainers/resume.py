@@ -33,7 +33,8 @@ ROLLBACK_PREFIX = "llmkit-rollback"  # restart points of in-process rollbacks (h
 
 
 class ResumeError(RunEndingError, ValueError):
-    """This run cannot resume from that checkpoint (wrong folder, corrupt, or another run's); exit status 2."""
+    """This run cannot start: it cannot resume from that checkpoint (wrong folder, corrupt, another run's), or its
+    output folder cannot be written. Exit status 2."""
 
     default_code = 2
 
@@ -78,6 +79,18 @@ def resume_step(checkpoint: str | os.PathLike | None) -> int:
         return checkpoint_step(checkpoint) or 0
 
 
+def _probe_writable(output_dir: Path) -> None:
+    """Find out now, not at the first save after training, that `output_dir` cannot be written."""
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe = output_dir / f".llmkit-write-probe-{os.getpid()}"
+        probe.write_bytes(b"probe")
+        probe.unlink()
+    except OSError as err:
+        what = "is a file" if output_dir.is_file() else f"cannot be written ({err.strerror or err})"
+        raise ResumeError(f"output_dir {output_dir} {what}; pass a writable folder as --output_dir") from err
+
+
 def prepare_output_dir(trainer, checkpoint: str | None) -> None:
     """Main process: clear `output_dir` for a run that starts at `checkpoint`; every rank waits for it.
 
@@ -85,7 +98,8 @@ def prepare_output_dir(trainer, checkpoint: str | None) -> None:
     """
     output_dir = Path(trainer.args.output_dir)
     barrier()  # every rank has chosen its resume point before anything moves
-    if trainer.args.should_save and output_dir.is_dir():
+    if trainer.args.should_save:
+        _probe_writable(output_dir)
         tidy_checkpoints(output_dir, resume_step=resume_step(checkpoint))
         keep = Path(checkpoint).resolve() if checkpoint is not None else None
         for folder in output_dir.glob(f"{ROLLBACK_PREFIX}-*"):

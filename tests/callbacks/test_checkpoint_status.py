@@ -212,6 +212,8 @@ def test_nothing_follows_a_symlink_out_of_the_output_folder(run, tmp_path):
     (run / "checkpoint-6" / "extra.txt").symlink_to(target)
     shutil.copytree(run / "checkpoint-6", run / "checkpoint-10", symlinks=True)
     (run / "checkpoint-10" / MANIFEST_NAME).unlink()  # loads: unmanaged, the newest
+    state = json.loads((run / "checkpoint-10" / "trainer_state.json").read_text())
+    (run / "checkpoint-10" / "trainer_state.json").write_text(json.dumps({**state, "global_step": 10}))
     rotate_checkpoints(run, 1)
     assert not (run / "checkpoint-6").exists() and target.read_bytes() == b"keep me"
     assert os.path.islink(run / "checkpoint-8") and outside.is_dir()

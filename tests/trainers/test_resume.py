@@ -165,3 +165,20 @@ def test_a_symlink_at_the_step_to_write_is_replaced_not_written_through(run, tmp
     make_trainer(run, callbacks=[FaultToleranceCallback()], max_steps=6, auto_resume=True).train()
     assert not (run / "checkpoint-6").is_symlink() and verify_checkpoint(run / "checkpoint-6") is None
     assert [p.name for p in outside.iterdir()] == ["keep.txt"]
+
+
+def test_an_output_dir_that_cannot_be_written_is_found_before_training(tmp_path):
+    target = tmp_path / "out"
+    trainer = make_trainer(target, callbacks=[FaultToleranceCallback()], max_steps=2)
+    shutil.rmtree(target, ignore_errors=True)
+    target.write_text("not a folder")  # e.g. a typo that names an existing file
+    with pytest.raises(ResumeError, match="output_dir .* is a file; pass a writable folder") as error:
+        trainer.train()
+    assert error.value.code == 2 and trainer.state.global_step == 0
+
+
+def test_renamed_checkpoint_folders_are_not_trusted(run):
+    (run / "checkpoint-4").rename(run / "checkpoint-8")
+    assert "renamed: its manifest is for checkpoint-4" in classify_checkpoint(run / "checkpoint-8").reason
+    (run / "checkpoint-8" / MANIFEST_NAME).unlink()
+    assert "is for step 4, not 8" in classify_checkpoint(run / "checkpoint-8").reason
