@@ -32,6 +32,7 @@ from hf_llmkit.callbacks.fault_tolerance import FaultToleranceCallback, preempti
 from hf_llmkit.callbacks.run_end import (
     EXIT_DIVERGED,
     EXIT_PREEMPTED,
+    RequestingControl,
     RunEndingError,
     StopRequest,
     TrainingDivergedError,
@@ -151,7 +152,10 @@ def run_training(trainer, train: Callable[..., Any], resume_from_checkpoint=None
         raise logged(err, is_main_process=trainer.is_world_process_zero()) from err.__cause__
     if resume is not None:
         restore_callback_state(trainer, resume)
-    take = getattr(trainer.control, "take_stop_request", lambda: None)
+
+    def take() -> StopRequest | None:  # read afresh: a restored callback state replaces the control object
+        return trainer.control.take_stop_request() if isinstance(trainer.control, RequestingControl) else None
+
     take()  # nothing left over from an earlier train() call
     made: list[str] = []
     try:

@@ -56,3 +56,22 @@ def test_with_a_plain_trainer_sigterm_ends_the_run_with_143_after_the_checkpoint
     assert signal.getsignal(signal.SIGTERM) == previous
     assert (tmp_path / "checkpoint-3" / "llmkit_manifest.json").is_file()
     assert trainer.args.save_total_limit == 3  # the callback never changes the arguments
+
+
+def test_rollback_also_works_when_the_trainer_restores_callback_states(tmp_path):
+    """With `restore_callback_states_from_checkpoint`, the Trainer replaces the callback and the control objects on
+    resume; the rollback request and count still arrive."""
+    order = data_order(tmp_path, steps=8)
+    model = small_model()
+    poison_loss(model)
+    trainer = make_trainer(
+        tmp_path / "run",
+        model=model,
+        data=Blocks(poison=(order[2][0], order[5][0])),  # steps 3 and 6: the second request comes after a resume
+        callbacks=[FaultToleranceCallback()],
+        max_steps=8,
+        restore_callback_states_from_checkpoint=True,
+    )
+    assert trainer.train().global_step == 8
+    [live] = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, FaultToleranceCallback)]
+    assert live.rollbacks == 2
