@@ -8,9 +8,10 @@ which keeps other processes' noise out of both numbers. The target
 is under 1% of a tiny-model step. An end-to-end ratio (median step with all three callbacks / without) is
 reported too, from interleaved runs.
 
-Part 2, checkpoint time: the peer is the plain HF `Trainer` checkpoint (`_save_checkpoint`: model, optimizer,
-scheduler, RNG, state). Ours is the same save followed by `FaultToleranceCallback.on_save` (barrier, manifest with
-sha256 checksums, fsync, rotation), and variants without checksums / without fsync.
+Part 2, checkpoint time: the peer is the plain HF `Trainer` checkpoint (`Trainer._save_checkpoint`: model,
+optimizer, scheduler, RNG, state). Ours is `LLMKitTrainer._save_checkpoint` (writing marker, the same save, run
+record, classifier-based rotation) followed by `FaultToleranceCallback.on_save` (barrier, manifest with sha256
+checksums, fsync, rotation), and variants without checksums / without fsync.
 
     python benchmarks/callbacks.py            # ~2 minutes on 2 idle CPU cores
     python benchmarks/callbacks.py --steps 60 --saves 7
@@ -21,7 +22,6 @@ Writes benchmarks/results/callbacks.json.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import tempfile
@@ -30,14 +30,14 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+from _common import load_note, machine_state, write_results
+from transformers import Trainer, TrainerCallback, default_data_collator
 
 from hf_llmkit import LLMKitTrainingArguments
 from hf_llmkit.callbacks import FaultToleranceCallback, LossScaleCallback, SavePeftModelCallback
 from hf_llmkit.testing import tiny_llama
 from hf_llmkit.trainers import LLMKitTrainer
 
-RESULTS = Path(__file__).with_name("results") / "callbacks.json"
 PER_STEP_EVENTS = ("on_step_begin", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_substep_end")
 
 
@@ -107,7 +107,7 @@ def _event_cost(callback, trainer, repeats: int) -> float:
     batch = trainer.train_dataset[0]
     with torch.no_grad():
         output = trainer.model(input_ids=batch["input_ids"][None], labels=batch["labels"][None])
-    capture = getattr(callback, "_capture_loss", None)
+    capture = getattr(getattr(callback, "watch", None), "capture", None)  # FaultToleranceCallback's loss hook
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -144,6 +144,7 @@ def per_step_overhead(steps: int) -> dict:
             )
             cost = _event_cost(callback, trainer, repeats=7)
             callback.on_train_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
+            trainer.control.take_stop_request()
         step = min(clock.steps[2:])
         rows[name] = {"step_ms": step * 1e3, "callback_us_per_step": cost * 1e6, "overhead_pct": 100 * cost / step}
     # End to end, interleaved: no callbacks vs all three (fastest step of each run, median over rounds).
@@ -178,7 +179,7 @@ def checkpoint_times(saves: int, hidden: int) -> dict:
             num_key_value_heads=4,
             vocab_size=4096,
         ).train()
-        args = TrainingArguments(
+        args = LLMKitTrainingArguments(
             output_dir=out,
             max_steps=1,
             per_device_train_batch_size=2,
@@ -187,7 +188,7 @@ def checkpoint_times(saves: int, hidden: int) -> dict:
             use_cpu=True,
             save_strategy="no",
         )
-        trainer = Trainer(
+        trainer = LLMKitTrainer(
             model=model, args=args, train_dataset=Blocks(8, 32, 4096), data_collator=default_data_collator
         )
         trainer.train()  # optimizer state exists, so the checkpoint has its real size
@@ -196,8 +197,10 @@ def checkpoint_times(saves: int, hidden: int) -> dict:
             for name, settings in variants.items():  # interleaved: noise hits every variant alike
                 trainer.state.global_step = 100 * round_ + list(variants).index(name) + 1
                 start = time.perf_counter()
-                trainer._save_checkpoint(trainer.model, trial=None)
-                if settings is not None:
+                if settings is None:
+                    Trainer._save_checkpoint(trainer, trainer.model, trial=None)  # the peer, unchanged
+                else:
+                    trainer._save_checkpoint(trainer.model, trial=None)
                     callback = FaultToleranceCallback(**settings)
                     callback.on_save(trainer.args, trainer.state, trainer.control, model=trainer.model)
                 times[name].append(time.perf_counter() - start)
@@ -224,6 +227,7 @@ def main() -> None:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
+    before = machine_state()
     overhead = per_step_overhead(ns.steps)
     print("\n### Per-step overhead (tiny Llama, batch 8 x 64 tokens, real GradScaler)\n")
     print("| callback | fastest step (ms) | callback time per step (us) | overhead |")
@@ -243,9 +247,12 @@ def main() -> None:
     for name, row in ckpt["rows"].items():
         print(f"| {name} | {row['seconds']:.3f} | {row['ratio_vs_peer']:.2f} |")
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"overhead": overhead, "checkpoint": ckpt, "args": vars(ns)}, indent=2))
-    print(f"\nwrote {RESULTS}")
+    after = machine_state()
+    print(f"\n{load_note(before, after)}")
+    path = write_results(
+        "callbacks", {"overhead": overhead, "checkpoint": ckpt, "args": vars(ns), "machine": [before, after]}
+    )
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

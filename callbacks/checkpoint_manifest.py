@@ -1,48 +1,49 @@
-"""Checkpoint manifests: a checkpoint counts only once its manifest (files, sizes, checksums) is written, last.
+"""Checkpoint manifests and write markers: what a folder we wrote holds, and whether our write of it finished.
 
-The HF Trainer writes `checkpoint-N/` file by file and `transformers.trainer_utils.get_last_checkpoint` returns the
-highest-numbered folder, complete or not: a kill in the middle of a write leaves a folder every later resume trips
-over. Here a checkpoint is *complete* only when `llmkit_manifest.json` exists and every file it lists is present
-with the recorded size (and, when verifying deeply, the recorded checksum). The manifest is written atomically
-(temporary file, fsync, rename) after every rank has finished writing, so its presence proves the rest.
+A folder hf_llmkit writes (a `checkpoint-N`, a final model folder, an adapter folder) goes through two stages:
 
-Example:
-    ```python
-    from hf_llmkit.callbacks import latest_complete_checkpoint
+1. **Writing.** Before its first byte, every writer creates the marker `.llmkit-writing` in the folder. A folder
+   with the marker and no valid manifest is "our write was interrupted": the only kind of folder that may be
+   deleted without a second thought.
+2. **Complete.** Once every writer has finished, `llmkit_manifest.json` is written last and atomically (temporary
+   file, fsync, rename): every file with its size and checksum. Then the marker is removed.
 
-    trainer.train(resume_from_checkpoint=latest_complete_checkpoint("outputs/run"))
-    ```
+Manifest entries are relative paths confined to their folder: an absolute path, a `..` component or a symlink that
+leaves the folder makes the manifest invalid (`check_manifest`). Which folders are complete, interrupted,
+foreign or corrupt is decided in `hf_llmkit.callbacks.checkpoint_status`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import re
-import shutil
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-
-logger = logging.getLogger(__name__)
+from pathlib import Path, PurePosixPath
 
 MANIFEST_NAME = "llmkit_manifest.json"
+WRITING_MARKER = ".llmkit-writing"
 MANIFEST_FORMAT = 1
+TMP_MARK = ".llmkit-tmp"  # suffix of folders/files being written atomically; never part of a manifest
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-_TMP_MARK = ".llmkit-tmp"  # suffix of folders/files being written atomically; never part of a manifest
 _CHUNK = 4 << 20
+_NOT_PAYLOAD = {MANIFEST_NAME, WRITING_MARKER}
 
 __all__ = [
     "MANIFEST_NAME",
+    "TMP_MARK",
+    "WRITING_MARKER",
     "add_to_manifest",
+    "check_manifest",
     "checkpoint_step",
-    "latest_complete_checkpoint",
+    "clear_writing",
+    "is_writing",
     "list_checkpoints",
-    "remove_checkpoint",
-    "rotate_checkpoints",
-    "verify_checkpoint",
+    "mark_writing",
+    "read_manifest",
     "write_manifest",
 ]
 
@@ -58,10 +59,31 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    found = [(checkpoint_step(p), p) for p in root.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
+    found = [(checkpoint_step(p), p) for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir()]
     return [p for _, p in sorted(found)]
 
 
+# -- write markers ------------------------------------------------------------------------------------------
+def mark_writing(folder: str | os.PathLike) -> Path:
+    """Create `folder` (if needed) and its writing marker; call before the first byte of a write, on every writer."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    marker = folder / WRITING_MARKER
+    with open(marker, "a", encoding="utf-8") as handle:
+        handle.write(f"{os.getpid()}\n")
+    return marker
+
+
+def clear_writing(folder: str | os.PathLike) -> None:
+    """Remove the writing marker (after the manifest, or once every writer has finished)."""
+    (Path(folder) / WRITING_MARKER).unlink(missing_ok=True)
+
+
+def is_writing(folder: str | os.PathLike) -> bool:
+    return (Path(folder) / WRITING_MARKER).is_file()
+
+
+# -- writing manifests -------------------------------------------------------------------------------------
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -85,32 +107,19 @@ def _digest(path: Path, algorithm: str, fsync: bool) -> str:
     return hasher.hexdigest()
 
 
-def _payload_files(checkpoint: Path) -> list[Path]:
+def payload_files(folder: Path, *, recursive: bool = True) -> list[Path]:
+    """The regular files a manifest of `folder` covers (no symlinks, temporaries, marker or manifest)."""
     files = []
-    for dirpath, dirnames, filenames in os.walk(checkpoint):
-        dirnames[:] = sorted(d for d in dirnames if _TMP_MARK not in d)
+    for dirpath, dirnames, filenames in os.walk(folder):  # never follows symlinked folders
+        dirnames[:] = sorted(d for d in dirnames if TMP_MARK not in d) if recursive else []
         for name in sorted(filenames):
-            if name != MANIFEST_NAME and _TMP_MARK not in name:
-                files.append(Path(dirpath) / name)
+            path = Path(dirpath) / name
+            if name not in _NOT_PAYLOAD and TMP_MARK not in name and not path.is_symlink():
+                files.append(path)
     return files
 
 
-def write_manifest(
-    checkpoint: str | os.PathLike,
-    *,
-    checksum: str | None = "sha256",
-    fsync: bool = True,
-    extra: dict | None = None,
-) -> Path:
-    """List every file of `checkpoint` with its size (and checksum) and write the manifest atomically, last.
-
-    Call it once every rank has finished writing. `checksum` is a `hashlib` algorithm name, or None to record
-    sizes only; with `fsync` the files and the manifest are flushed to stable storage first.
-    """
-    checkpoint = Path(checkpoint)
-    if checksum is not None and checksum not in hashlib.algorithms_available:
-        raise ValueError(f"checksum {checksum!r} is not a hashlib algorithm; use 'sha256', 'blake2b' or None")
-
+def _describe(paths: list[Path], checksum: str | None, fsync: bool) -> list[dict]:
     def describe(path: Path) -> dict:
         entry: dict = {"size": path.stat().st_size}
         if checksum is not None:
@@ -120,122 +129,126 @@ def write_manifest(
                 os.fsync(handle.fileno())
         return entry
 
-    paths = _payload_files(checkpoint)
     # hashlib and fsync release the GIL: a few threads overlap hashing one file with flushing another.
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1, len(paths)))) as pool:
-        entries = list(pool.map(describe, paths))
-    files = {path.relative_to(checkpoint).as_posix(): entry for path, entry in zip(paths, entries)}
-    manifest = {"format": MANIFEST_FORMAT, "step": checkpoint_step(checkpoint), "checksum": checksum}
-    manifest.update(extra or {})
-    manifest.update(created=time.time(), files=files)
-    tmp = checkpoint / (MANIFEST_NAME + _TMP_MARK)
+        return list(pool.map(describe, paths))
+
+
+def _replace_manifest(folder: Path, manifest: dict, fsync: bool) -> Path:
+    tmp = folder / (MANIFEST_NAME + TMP_MARK)
     with open(tmp, "w", encoding="utf-8") as handle:
         json.dump(manifest, handle, indent=1, sort_keys=True)
         handle.flush()
         if fsync:
             os.fsync(handle.fileno())
-    os.replace(tmp, checkpoint / MANIFEST_NAME)
+    os.replace(tmp, folder / MANIFEST_NAME)
     if fsync:
-        _fsync_dir(checkpoint)
-    return checkpoint / MANIFEST_NAME
+        _fsync_dir(folder)
+    return folder / MANIFEST_NAME
 
 
-def add_to_manifest(checkpoint: str | os.PathLike, subfolder: str, *, fsync: bool = True) -> bool:
-    """Record the files of `checkpoint/subfolder` in an existing manifest (atomically); False if there is none.
+def write_manifest(
+    folder: str | os.PathLike,
+    *,
+    checksum: str | None = "sha256",
+    fsync: bool = True,
+    extra: dict | None = None,
+    files: Iterable[str | os.PathLike] | None = None,
+) -> Path:
+    """List the files of `folder` with their sizes (and checksums) and write the manifest atomically, last.
 
-    Lets a writer that runs after the manifest (another callback's `on_save`) keep the checkpoint self-describing.
+    Call it once every writer has finished. `files` restricts the manifest to these paths (relative to `folder`;
+    default: every file below it). `checksum` is a `hashlib` algorithm name, or None to record sizes only; with
+    `fsync` the files and the manifest reach stable storage first. The writing marker is removed afterwards.
     """
-    checkpoint = Path(checkpoint)
-    path = checkpoint / MANIFEST_NAME
-    if not path.is_file():
+    folder = Path(folder)
+    if checksum is not None and checksum not in hashlib.algorithms_available:
+        raise ValueError(f"checksum {checksum!r} is not a hashlib algorithm; use 'sha256', 'blake2b' or None")
+    paths = payload_files(folder) if files is None else [folder / name for name in files]
+    entries = _describe(paths, checksum, fsync)
+    listed = {path.relative_to(folder).as_posix(): entry for path, entry in zip(paths, entries)}
+    manifest = {"format": MANIFEST_FORMAT, "step": checkpoint_step(folder), "checksum": checksum}
+    manifest.update(extra or {})
+    manifest.update(created=time.time(), files=listed)
+    path = _replace_manifest(folder, manifest, fsync)
+    clear_writing(folder)
+    return path
+
+
+def add_to_manifest(folder: str | os.PathLike, subfolder: str, *, fsync: bool = True) -> bool:
+    """Record the files of `folder/subfolder` in an existing manifest (atomically); False if there is none.
+
+    Lets a writer that runs after the manifest (another callback's `on_save`) keep the folder self-describing.
+    """
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if manifest is None or not isinstance(manifest.get("files"), dict):
         return False
-    manifest = json.loads(path.read_text(encoding="utf-8"))
     algorithm = manifest.get("checksum")
-    for file in _payload_files(checkpoint / subfolder):
-        entry: dict = {"size": file.stat().st_size}
-        if algorithm is not None:
-            entry[algorithm] = _digest(file, algorithm, fsync)
-        manifest["files"][file.relative_to(checkpoint).as_posix()] = entry
-    tmp = checkpoint / (MANIFEST_NAME + _TMP_MARK)
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, path)
+    paths = payload_files(folder / subfolder)
+    for path, entry in zip(paths, _describe(paths, algorithm, fsync)):
+        manifest["files"][path.relative_to(folder).as_posix()] = entry
+    _replace_manifest(folder, manifest, fsync)
     return True
 
 
-def verify_checkpoint(checkpoint: str | os.PathLike, *, checksums: bool = True) -> str | None:
-    """None when `checkpoint` is complete, else the reason it is not (missing manifest, missing/short/corrupt file)."""
-    checkpoint = Path(checkpoint)
-    path = checkpoint / MANIFEST_NAME
+# -- reading and checking manifests ------------------------------------------------------------------------
+def read_manifest(folder: str | os.PathLike) -> dict | None:
+    """The parsed manifest of `folder`, None when there is none; raises ValueError when it is unreadable."""
+    path = Path(folder) / MANIFEST_NAME
     if not path.is_file():
-        return "no manifest (the write never finished)"
+        return None
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError) as err:
-        return f"unreadable manifest ({err})"
-    if not files:
-        return "empty manifest"
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"unreadable manifest ({err})") from err
+    if not isinstance(manifest, dict):
+        raise ValueError("unreadable manifest (not a JSON object)")
+    return manifest
+
+
+def _confined(folder: Path, name: str) -> Path | None:
+    """`folder/name` when `name` is a relative path that stays inside `folder` (symlinks resolved), else None."""
+    if not isinstance(name, str) or not name or "\\" in name or "\x00" in name:
+        return None
+    relative = PurePosixPath(name)
+    if relative.is_absolute() or any(part in ("..", "") for part in relative.parts):
+        return None
+    path = folder / relative
+    try:
+        resolved, root = path.resolve(), folder.resolve()
+    except (OSError, RuntimeError):  # a symlink loop
+        return None
+    return path if resolved == root or root in resolved.parents else None
+
+
+def check_manifest(folder: str | os.PathLike, manifest: dict, *, checksums: bool = True) -> str | None:
+    """None when every entry of `manifest` matches `folder`, else what differs (first problem found)."""
+    folder = Path(folder)
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return "empty manifest" if isinstance(files, dict) else "unreadable manifest (no 'files' table)"
     algorithm = manifest.get("checksum") if checksums else None
+    if algorithm is not None and algorithm not in hashlib.algorithms_available:
+        return f"the manifest names an unknown checksum {algorithm!r}"
     for name, entry in files.items():
-        file = checkpoint / name
+        path = _confined(folder, name)
+        if path is None:
+            return f"the manifest lists {name!r}, outside the folder"
+        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int):
+            return f"the manifest entry of {name} has no size"
         try:
-            size = file.stat().st_size
+            size = path.stat().st_size
         except OSError:
             return f"missing file {name}"
         if size != entry["size"]:
             return f"{name} has {size} bytes, the manifest says {entry['size']}"
-        if algorithm is not None and _digest(file, algorithm, fsync=False) != entry.get(algorithm):
+        if algorithm is None:
+            continue
+        try:
+            digest = _digest(path, algorithm, fsync=False)
+        except OSError as err:
+            return f"cannot read {name} ({err.strerror or err})"
+        if digest != entry.get(algorithm):
             return f"{name} fails its {algorithm} checksum"
     return None
-
-
-def latest_complete_checkpoint(output_dir: str | os.PathLike, *, checksums: bool = True) -> str | None:
-    """The newest `checkpoint-N` under `output_dir` whose manifest verifies; incomplete/corrupt ones are skipped.
-
-    Use it instead of `transformers.trainer_utils.get_last_checkpoint`, which returns half-written folders.
-    Returns None when there is no complete checkpoint (start from scratch).
-    """
-    for checkpoint in reversed(list_checkpoints(output_dir)):
-        reason = verify_checkpoint(checkpoint, checksums=checksums)
-        if reason is None:
-            return str(checkpoint)
-        logger.warning("skipping checkpoint %s: %s", checkpoint, reason)
-    return None
-
-
-def remove_checkpoint(checkpoint: str | os.PathLike) -> None:
-    """Delete a checkpoint folder, manifest first, so a deletion cut short never leaves a 'complete' fragment."""
-    checkpoint = Path(checkpoint)
-    (checkpoint / MANIFEST_NAME).unlink(missing_ok=True)
-    shutil.rmtree(checkpoint, ignore_errors=True)
-
-
-def rotate_checkpoints(
-    output_dir: str | os.PathLike, save_total_limit: int | None, *, keep: tuple[str | os.PathLike, ...] = ()
-) -> list[Path]:
-    """Apply `save_total_limit` to complete checkpoints; returns the folders deleted.
-
-    Never deletes the newest complete checkpoint (nor any in `keep`, e.g. the best model); incomplete checkpoints
-    older than the newest complete one can never be resumed from and are deleted too. Incomplete checkpoints newer
-    than it are left alone (a write may be in progress).
-    """
-    checkpoints = list_checkpoints(output_dir)
-    complete = [c for c in checkpoints if verify_checkpoint(c, checksums=False) is None]
-    if not complete:
-        return []
-    newest = complete[-1]
-    newest_step = checkpoint_step(newest)
-    protected = {newest.resolve(), *(Path(k).resolve() for k in keep if k)}
-    doomed = [c for c in checkpoints if c not in complete and checkpoint_step(c) < newest_step]
-    if save_total_limit is not None and save_total_limit > 0:
-        excess = len(complete) - max(save_total_limit, 1)
-        for checkpoint in complete:
-            if excess <= 0:
-                break
-            if checkpoint.resolve() not in protected:
-                doomed.append(checkpoint)
-                excess -= 1
-    for checkpoint in doomed:
-        logger.info("deleting checkpoint %s (save_total_limit / incomplete)", checkpoint)
-        remove_checkpoint(checkpoint)
-    return doomed

@@ -1,18 +1,24 @@
 """`FaultToleranceCallback`: checkpoints that survive kills, clean preemption, and rollback on NaN/spiking loss.
 
 - **Complete checkpoints.** After every save, once all ranks have finished writing, the main process writes a
-  manifest (files, sizes, checksums) into the checkpoint, last; only then does the checkpoint count
-  (`latest_complete_checkpoint`). The callback takes over `save_total_limit` rotation from the Trainer (whose
-  rotation runs before the checkpoint is complete) and never deletes the newest complete checkpoint.
-- **Preemption.** SIGTERM / SIGUSR1 make every rank save at the next step boundary and exit with `exit_code`,
-  so a scheduler requeue or `torchrun --max-restarts` resumes from that checkpoint.
+  manifest (files, sizes, checksums) into the checkpoint, last; only then does the checkpoint count. Resume, rotation
+  and verification share one classifier (`hf_llmkit.callbacks.checkpoint_status`): only our own interrupted writes
+  are ever deleted unasked, corrupt checkpoints are moved aside, checkpoints without a manifest (a plain `Trainer`,
+  an older version) are validated by loading and resumed from. After each manifest the callback applies
+  `save_total_limit` itself (never deleting the newest complete checkpoint).
+- **Preemption.** SIGTERM / SIGUSR1 make every rank save at the next step boundary and stop. The run then ends with
+  `TrainingInterrupted`, exit status 143 by default (`exit_code`, or `LLMKitTrainingArguments.preemption_exit_code`):
+  a preempted run is not a finished one, and re-running the same command continues it.
 - **Divergence.** A NaN/Inf training loss, a loss above `loss_spike_factor` x its running average, or non-finite
   weights at save time roll training back to the last complete checkpoint and skip the data since then, at most
-  `max_rollbacks` times, then stop with `TrainingDivergedError`. The in-process restart needs `LLMKitTrainer`;
-  with a plain `Trainer` the callback stops with that error instead.
+  `max_rollbacks` times, then end the run with `TrainingDivergedError` (exit status 3 when uncaught). The rollback
+  count and the loss average are `ExportableState` attributes: they survive a resume.
 
-With `LLMKitTrainer`, transient I/O errors during a save are retried (`save_retries`) and `auto_resume=True`
-resumes from the latest complete checkpoint, so re-running the same command continues the run.
+The callback only asks, through `control`: with `LLMKitTrainer` (whose `RequestingControl` carries a `StopRequest`)
+the trainer rolls back or ends the run, retries transient I/O errors during a save, and with `auto_resume=True`
+resumes from the newest complete checkpoint. With a plain `Trainer` the callback raises the matching error itself
+once the step's saves are done, and the Trainer's own `save_total_limit` rotation (which runs before the manifest
+exists) stays in charge: prefer `LLMKitTrainer`.
 
 Example:
     ```python
@@ -27,9 +33,8 @@ Example:
     args = LLMKitTrainingArguments(
         output_dir="outputs/ft", max_steps=8, save_steps=2, save_total_limit=2, auto_resume=True, report_to="none"
     )
-    trainer = LLMKitTrainer(
-        model=tiny_llama().train(), args=args, train_dataset=data, callbacks=[FaultToleranceCallback(exit_code=0)]
-    )
+    trainer = LLMKitTrainer(model=tiny_llama().train(), args=args, train_dataset=data,
+                            callbacks=[FaultToleranceCallback()])
     trainer.train()  # run it again after a kill: it resumes from the newest complete checkpoint
     ```
 """
@@ -37,47 +42,39 @@ Example:
 from __future__ import annotations
 
 import logging
-import math
 import signal
-import sys
 import threading
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
-from hf_llmkit.callbacks.checkpoint_manifest import (
-    latest_complete_checkpoint,
-    list_checkpoints,
-    remove_checkpoint,
-    rotate_checkpoints,
-    verify_checkpoint,
-    write_manifest,
-)
-from hf_llmkit.callbacks.recovery import (
-    RollbackRequest,
-    TrainingAlreadyComplete,
+from hf_llmkit.callbacks.checkpoint_housekeeping import drop_abandoned, remove_checkpoint, rotate_checkpoints
+from hf_llmkit.callbacks.checkpoint_manifest import mark_writing, write_manifest
+from hf_llmkit.callbacks.checkpoint_status import CheckpointState, classify_checkpoint, latest_complete_checkpoint
+from hf_llmkit.callbacks.distributed import any_rank, barrier, world_size
+from hf_llmkit.callbacks.loss_watch import LossWatch
+from hf_llmkit.callbacks.run_end import (
+    RequestingControl,
+    StopRequest,
     TrainingDivergedError,
-    any_rank,
-    save_with_retries,
+    TrainingInterrupted,
+    logged,
 )
+from hf_llmkit.callbacks.save_retries import save_with_retries
 
 logger = logging.getLogger(__name__)
 
 
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-class FaultToleranceCallback(TrainerCallback):
+class FaultToleranceCallback(TrainerCallback, ExportableState):
     """Makes a Trainer run survive kills, preemption and loss blow-ups (see the module docstring).
 
     Args:
         checksum: `hashlib` algorithm for the manifest checksums, or None to record sizes only.
         fsync: Flush checkpoint files and the manifest to stable storage before the checkpoint counts.
         signals: Signal names that request a save-and-exit at the next step boundary.
-        exit_code: Process exit status after a signal-triggered save (pick what your requeue logic expects).
+        exit_code: Exit status of a run stopped by one of `signals` (after its checkpoint is complete); None uses
+            `LLMKitTrainingArguments.preemption_exit_code` (default 143, the SIGTERM convention).
         max_rollbacks: How many NaN/spike rollbacks are allowed before `TrainingDivergedError`.
         loss_spike_factor: Roll back when a step's loss exceeds this multiple of its running average
             (None: only NaN/Inf losses roll back).
@@ -92,8 +89,8 @@ class FaultToleranceCallback(TrainerCallback):
         *,
         checksum: str | None = "sha256",
         fsync: bool = True,
-        signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
-        exit_code: int = 0,
+        signals: tuple[str, ...] | list[str] = ("SIGTERM", "SIGUSR1"),
+        exit_code: int | None = None,
         max_rollbacks: int = 3,
         loss_spike_factor: float | None = None,
         loss_spike_warmup_steps: int = 20,
@@ -104,38 +101,64 @@ class FaultToleranceCallback(TrainerCallback):
         unknown = [name for name in signals if not isinstance(getattr(signal, str(name), None), signal.Signals)]
         if unknown:
             raise ValueError(f"unknown signal names {unknown}; use names such as 'SIGTERM' or 'SIGUSR1'")
-        if not 0 <= exit_code <= 255:
-            raise ValueError(f"exit_code must be in 0..255, got {exit_code}")
+        if exit_code is not None and not 0 <= exit_code <= 255:
+            raise ValueError(f"exit_code must be in 0..255 (or None for the trainer's default), got {exit_code}")
         if max_rollbacks < 0:
             raise ValueError(f"max_rollbacks must be >= 0 (0 disables rollback), got {max_rollbacks}")
-        if loss_spike_factor is not None and loss_spike_factor <= 1.0:
-            raise ValueError(f"loss_spike_factor must be > 1 (e.g. 3.0) or None, got {loss_spike_factor}")
-        if not 0.0 < loss_ema_decay < 1.0:
-            raise ValueError(f"loss_ema_decay must be in (0, 1), e.g. 0.9; got {loss_ema_decay}")
-        if loss_spike_warmup_steps < 1 or manifest_retries < 0:
-            raise ValueError("loss_spike_warmup_steps must be >= 1 and manifest_retries >= 0")
+        if manifest_retries < 0:
+            raise ValueError(f"manifest_retries must be >= 0, got {manifest_retries}")
         self.checksum, self.fsync, self.exit_code = checksum, fsync, exit_code
+        self.signal_names = tuple(signals)
         self.signals = tuple(getattr(signal, name) for name in signals)
-        self.max_rollbacks, self.loss_spike_factor = max_rollbacks, loss_spike_factor
-        self.loss_spike_warmup_steps, self.loss_ema_decay = loss_spike_warmup_steps, loss_ema_decay
-        self.check_weights_on_save, self.manifest_retries = check_weights_on_save, manifest_retries
-        self.recovery_supported = False  # set by LLMKitTrainer, which can restart training in-process
-        self.pending_rollback: RollbackRequest | None = None
-        self.rollbacks = 0
-        self.preempted = False
-        self._save_total_limit: int | None = None
-        self._took_rotation = False
+        self.max_rollbacks, self.manifest_retries = max_rollbacks, manifest_retries
+        self.check_weights_on_save = check_weights_on_save
+        self.watch = LossWatch(
+            spike_factor=loss_spike_factor, warmup_steps=loss_spike_warmup_steps, ema_decay=loss_ema_decay
+        )
+        self.rollbacks = 0  # resumable state (see `state`)
         self._signal: int | None = None
         self._old_handlers: dict[int, object] = {}
-        self._hook = None
-        self._losses: list[torch.Tensor] = []
-        self._ema: float | None = None
-        self._good_steps = 0
+        self._pending: StopRequest | None = None  # plain Trainer only: raised once the step's saves are done
+
+    # -- ExportableState: what survives a resume ------------------------------------------------------------
+    def state(self) -> dict:
+        return {
+            "args": {
+                "checksum": self.checksum,
+                "fsync": self.fsync,
+                "signals": list(self.signal_names),
+                "exit_code": self.exit_code,
+                "max_rollbacks": self.max_rollbacks,
+                "loss_spike_factor": self.watch.spike_factor,
+                "loss_spike_warmup_steps": self.watch.warmup_steps,
+                "loss_ema_decay": self.watch.ema_decay,
+                "check_weights_on_save": self.check_weights_on_save,
+                "manifest_retries": self.manifest_retries,
+            },
+            "attributes": {"rollbacks": self.rollbacks, "loss_ema": self.loss_ema, "good_steps": self.good_steps},
+        }
+
+    # the loss watch's running average, exposed as attributes so `from_state` / `setattr` restore it
+    @property
+    def loss_ema(self) -> float | None:
+        return self.watch.ema
+
+    @loss_ema.setter
+    def loss_ema(self, value: float | None) -> None:
+        self.watch.ema = value
+
+    @property
+    def good_steps(self) -> int:
+        return self.watch.good_steps
+
+    @good_steps.setter
+    def good_steps(self, value: int) -> None:
+        self.watch.good_steps = value
 
     # -- signals --------------------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
         if self._signal is None:
-            logger.warning("received %s: saving at the next step boundary, then exiting", signal.Signals(signum).name)
+            logger.warning("received %s: saving at the next step boundary, then stopping", signal.Signals(signum).name)
         self._signal = signum
 
     def _install_signals(self) -> None:
@@ -146,174 +169,152 @@ class FaultToleranceCallback(TrainerCallback):
             if signum not in self._old_handlers:
                 self._old_handlers[signum] = signal.signal(signum, self._on_signal)
 
-    def _restore_signals(self) -> None:
+    def close(self) -> None:
+        """Restore the signal handlers and remove the loss hook. Runs at `on_train_end`; `LLMKitTrainer` also calls
+        it when training ends with an exception."""
         for signum, handler in self._old_handlers.items():
             signal.signal(signum, handler)
         self._old_handlers.clear()
+        self.watch.detach()
 
-    # -- loss watch -----------------------------------------------------------------------------------------
-    def _capture_loss(self, module, inputs, output) -> None:
-        if not module.training:
-            return
-        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            self._losses.append(loss.detach())
+    # -- requests -------------------------------------------------------------------------------------------
+    def _stop(self, control, request: StopRequest) -> None:
+        if isinstance(control, RequestingControl):
+            control.request_stop(request)
+        else:  # a plain Trainer: stop now, raise once this step's saves are done
+            control.should_training_stop = True
+            control.should_save = request.kind == "preempted"
+            self._pending = self._pending or request
 
-    def _step_verdict(self, args) -> tuple[bool, bool, float | None]:
-        """(signal seen on any rank, loss non-finite on any rank, mean loss over ranks) for the step just done."""
-        losses, self._losses = self._losses, []
-        values = torch.stack([loss.float().reshape(()) for loss in losses]).tolist() if losses else []  # one sync
-        nonfinite = sum(not math.isfinite(v) for v in values)
-        stats = [float(self._signal is not None), float(nonfinite), 0.0, 0.0]
-        if values and not nonfinite:
-            stats[2:] = [sum(values) / len(values), 1.0]
-        if _world_size() > 1:
-            tensor = torch.tensor(stats, device=args.device)
-            dist.all_reduce(tensor)  # one small collective per step: every rank must reach the same decision
-            stats = tensor.tolist()
-        signal_seen, nonfinite_ranks, loss_sum, finite_ranks = stats
-        return signal_seen > 0, nonfinite_ranks > 0, (loss_sum / finite_ranks if finite_ranks else None)
-
-    def _is_spike(self, loss: float | None) -> bool:
-        if loss is None or self.loss_spike_factor is None:
-            return False
-        spike = self._good_steps >= self.loss_spike_warmup_steps and loss > self.loss_spike_factor * self._ema
-        if not spike:
-            self._ema = (
-                loss if self._ema is None else self.loss_ema_decay * self._ema + (1 - self.loss_ema_decay) * loss
-            )
-            self._good_steps += 1
-        return spike
-
-    def _request_rollback(self, args, state, control, reason: str) -> None:
-        control.should_save = False
-        control.should_training_stop = True
+    def _diverged(self, args, state, control, reason: str) -> None:
         step = state.global_step
         if self.rollbacks >= self.max_rollbacks:
-            raise TrainingDivergedError(
+            message = (
                 f"{reason} at step {step}, and {self.rollbacks} rollback(s) already used (max_rollbacks="
                 f"{self.max_rollbacks}); lower the learning rate, inspect the data before step {step}, or raise "
                 "max_rollbacks"
             )
+            self._stop(control, StopRequest("diverged", step, message, rollbacks=self.rollbacks))
+            return
         checkpoint = latest_complete_checkpoint(args.output_dir)
         if checkpoint is None:
-            raise TrainingDivergedError(
-                f"{reason} at step {step} and no complete checkpoint in {args.output_dir} to roll back to; "
-                "save more often (lower save_steps) or lower the learning rate"
+            message = (
+                f"{reason} at step {step} and no complete checkpoint in {args.output_dir} to roll back to; save more "
+                "often (lower save_steps) or lower the learning rate"
             )
+            self._stop(control, StopRequest("diverged", step, message, rollbacks=self.rollbacks))
+            return
         self.rollbacks += 1
-        self.pending_rollback = RollbackRequest(checkpoint=checkpoint, bad_step=step, reason=reason)
         logger.warning("%s at step %d: rolling back to %s (rollback %d)", reason, step, checkpoint, self.rollbacks)
+        self._stop(control, StopRequest("rollback", step, reason, checkpoint=checkpoint, rollbacks=self.rollbacks))
 
-    def take_rollback_request(self) -> RollbackRequest | None:
-        """The pending rollback (consumed); `LLMKitTrainer` calls this after `train` returns."""
-        request, self.pending_rollback = self.pending_rollback, None
-        return request
+    def _raise_pending(self, args, state) -> None:
+        """Plain Trainer only: nobody else acts on the request, so the callback ends the run with an error."""
+        request, self._pending = self._pending, None
+        if request is None:
+            return
+        self.close()
+        main = state.is_world_process_zero
+        if request.kind == "preempted":
+            message = preemption_message(request, args.output_dir)
+            error = TrainingInterrupted(message, exit_code=request.exit_code)
+            raise logged(error, is_main_process=main, level=logging.WARNING)
+        message = f"training diverged: {request.reason}"
+        if request.kind == "rollback":
+            message = (
+                f"training diverged: {request.reason} at step {request.step}; use hf_llmkit.trainers.LLMKitTrainer to "
+                f"roll back automatically, or resume from {request.checkpoint} with a lower learning rate"
+            )
+        raise logged(TrainingDivergedError(message), is_main_process=main)
 
     # -- Trainer events -------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if not self._took_rotation:  # the Trainer would rotate before the manifest exists; we rotate after it
-            self._save_total_limit, args.save_total_limit = args.save_total_limit, None
-            self._took_rotation = True
-        self._signal, self.preempted, self._losses = None, False, []
+        # Resumed from a checkpoint saved without this callback, the Trainer's save would fail with KeyError on
+        # the missing `stateful_callbacks` entry (transformers 5.23): give it one.
+        state.stateful_callbacks.setdefault(type(self).__name__, self.state())
+        self._signal, self._pending = None, None
         self._install_signals()
-        if model is not None and self._hook is None:
-            self._hook = model.register_forward_hook(self._capture_loss)
-        if state.is_world_process_zero:
-            self._drop_superseded(args.output_dir, state.global_step)
+        self.watch.attach(model)
+        if not isinstance(control, RequestingControl):  # LLMKitTrainer tidies before it loads the checkpoint
+            from hf_llmkit.callbacks.checkpoint_housekeeping import tidy_checkpoints
 
-    @staticmethod
-    def _drop_superseded(output_dir: str, step: int) -> None:
-        """Checkpoints newer than the resume point belong to an abandoned timeline (or a half-finished write)."""
-        checkpoints = list_checkpoints(output_dir)
-        if not any(verify_checkpoint(c, checksums=False) is None for c in checkpoints):
-            return  # no manifests at all: not written by us, leave them alone
-        for checkpoint in checkpoints:
-            if int(checkpoint.name.rsplit("-", 1)[1]) > step:
-                logger.info("removing %s: newer than the resume point (step %d)", checkpoint, step)
-                remove_checkpoint(checkpoint)
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        # Resumed from the final checkpoint of a run that stopped mid-epoch, the Trainer would run one more step
-        # (and another at every re-run); LLMKitTrainer turns this into "already complete".
-        if self.recovery_supported and 0 < state.max_steps <= state.global_step:
-            raise TrainingAlreadyComplete()
+            if state.is_world_process_zero:
+                tidy_checkpoints(args.output_dir, resume_step=state.global_step)
+                if args.save_total_limit:
+                    logger.warning(
+                        "save_total_limit with a plain Trainer: its rotation runs before the manifest is written "
+                        "and counts incomplete folders; use hf_llmkit.trainers.LLMKitTrainer for manifest-aware "
+                        "rotation"
+                    )
+            barrier()
 
     def on_step_end(self, args, state, control, **kwargs):
-        signal_seen, nonfinite, loss = self._step_verdict(args)
+        signal_seen, nonfinite, loss = self.watch.verdict(args.device, signal_seen=self._signal is not None)
         if nonfinite:
-            self._request_rollback(args, state, control, "non-finite training loss")
-        elif self._is_spike(loss):
-            self._request_rollback(args, state, control, f"loss spike {loss:.4g} (running average {self._ema:.4g})")
+            self._diverged(args, state, control, "non-finite training loss")
+        elif self.watch.is_spike(loss):
+            self._diverged(args, state, control, f"loss spike {loss:.4g} (running average {self.watch.ema:.4g})")
         elif signal_seen:
+            name = signal.Signals(self._signal).name if self._signal else "a signal"
             control.should_save = True
-            control.should_training_stop = True
-            self.preempted = True
+            self._stop(control, StopRequest("preempted", state.global_step, name, exit_code=self.exit_code))
+        self._mark_plain_trainer_save(args, state, control)
         return control
 
-    def _weights_finite(self, model) -> bool:
-        if model is None or not self.check_weights_on_save:
-            return True
-        # One fp32-accumulated sum per tensor: NaN/Inf anywhere makes it non-finite (and it is far cheaper than
-        # an elementwise isfinite over every weight).
-        sums = [
-            torch.sum(p.detach(), dtype=torch.float32) for p in model.parameters() if p.requires_grad and p.numel()
-        ]
-        return not sums or bool(torch.isfinite(torch.stack([s.cpu() for s in sums])).all())
+    def _mark_plain_trainer_save(self, args, state, control) -> None:
+        """A plain Trainer is about to write `checkpoint-N`: the marker goes in before its first byte, and a step
+        whose checkpoint is already complete is not written again (`LLMKitTrainer._save_checkpoint` does both)."""
+        if not control.should_save or isinstance(control, RequestingControl):
+            return
+        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if checkpoint.is_dir() and classify_checkpoint(checkpoint, checksums=False).resumable:
+            control.should_save = False
+        elif args.should_save or args.save_on_each_node or world_size() > 1:
+            mark_writing(checkpoint)
 
     def on_save(self, args, state, control, model=None, **kwargs):
         checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if any_rank(not self._weights_finite(model), args.device):
+        if any_rank(self.check_weights_on_save and not self.watch.weights_finite(model), args.device):
+            barrier()
             if state.is_world_process_zero:
-                remove_checkpoint(checkpoint)
-            self._request_rollback(args, state, control, "non-finite weights at save time")
+                remove_checkpoint(checkpoint)  # ours, never completed
+            self._diverged(args, state, control, "non-finite weights at save time")
             return control
-        if _world_size() > 1:
-            dist.barrier()  # every rank has finished writing its part
+        barrier()  # every rank has finished writing its part
         if state.is_world_process_zero and checkpoint.is_dir():
-            save_with_retries(
-                lambda: write_manifest(
-                    checkpoint, checksum=self.checksum, fsync=self.fsync, extra={"world_size": args.world_size}
-                ),
-                retries=self.manifest_retries,
-                delay=0.5,
-                what=f"manifest of {checkpoint.name}",
-                collective=False,  # only the main process writes the manifest
-            )
-            rotate_checkpoints(args.output_dir, self._save_total_limit, keep=(state.best_model_checkpoint,))
+            verdict = classify_checkpoint(checkpoint, checksums=False)
+            if verdict.state is not CheckpointState.COMPLETE:  # not yet listed (a re-save is skipped earlier)
+                save_with_retries(
+                    lambda: write_manifest(
+                        checkpoint, checksum=self.checksum, fsync=self.fsync, extra={"world_size": args.world_size}
+                    ),
+                    retries=self.manifest_retries,
+                    delay=0.5,
+                    what=f"manifest of {checkpoint.name}",
+                    collective=False,  # only the main process writes the manifest
+                )
+            rotate_checkpoints(args.output_dir, args.save_total_limit, keep=(state.best_model_checkpoint,))
+            drop_abandoned(args.output_dir)
         return control
 
     def on_epoch_end(self, args, state, control, **kwargs):
-        if self.pending_rollback is not None:
-            control.should_save = False
+        request = getattr(control, "stop_request", None)
+        if request is not None and request.kind != "preempted":
+            control.should_save = False  # never save the diverged state, even at an epoch-end save
+        self._mark_plain_trainer_save(args, state, control)
+        self._raise_pending(args, state)
         return control
 
-    def release(self, args) -> None:
-        """Restore the signal handlers and `save_total_limit`, remove the loss hook (also after an exception)."""
-        self._restore_signals()
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        if self._took_rotation:
-            args.save_total_limit, self._took_rotation = self._save_total_limit, False
-
-    def on_train_end(self, args, state, control, model=None, **kwargs):
-        if self.pending_rollback is None or not self.recovery_supported:
-            self.release(args)
-        else:  # LLMKitTrainer restarts training right away: keep the rotation, drop the rest
-            self._restore_signals()
-            if self._hook is not None:
-                self._hook.remove()
-                self._hook = None
-        if self.pending_rollback is not None and not self.recovery_supported:
-            request = self.pending_rollback
-            raise TrainingDivergedError(
-                f"{request.reason} at step {request.bad_step}; use hf_llmkit.trainers.LLMKitTrainer to roll back "
-                f"automatically, or resume from {request.checkpoint} with a lower learning rate"
-            )
-        if self.preempted:
-            logger.warning(
-                "checkpoint saved at step %d after a signal; exiting with %d", state.global_step, self.exit_code
-            )
-            sys.exit(self.exit_code)
+    def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+        self._raise_pending(args, state)
         return control
+
+
+def preemption_message(request: StopRequest, output_dir: str) -> str:
+    """The one line a preempted run ends with: what happened, where the checkpoint is, how to continue."""
+    checkpoint = Path(output_dir) / f"checkpoint-{request.step}"
+    return (
+        f"received {request.reason}: stopped at step {request.step} after saving the complete checkpoint "
+        f"{checkpoint}; run the same command again to continue from it"
+    )

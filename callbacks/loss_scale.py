@@ -57,8 +57,8 @@ class _AmpScale:
 
     An overflow is read off the scale itself (it drops exactly when inf/NaN gradients were found), not off
     accelerate's `step_was_skipped`: optimizers that handle AMP scaling themselves (fused AdamW, the Trainer's
-    default) are always "called", so that flag stays False even when the update was skipped. The comparison stays
-    on the device; it is summed once per logging window.
+    default) are always "called", so that flag stays False even when the update was skipped. The scale is read
+    with the public `get_scale()` (a host read of one scalar per step).
     """
 
     name = "torch.amp.GradScaler"
@@ -67,15 +67,14 @@ class _AmpScale:
         self.scaler, self.min_scale = scaler, min_scale
         self._before = None
 
-    def _current(self):
-        value = getattr(self.scaler, "_scale", None)
-        return value.detach().clone() if value is not None else self.scaler.get_scale()
+    def _current(self) -> float:
+        return float(self.scaler.get_scale())
 
     def before_step(self) -> None:
         self._before = self._current()
 
     def after_step(self, optimizer):
-        """(overflow, skipped) for the step just taken: a bool or a 0-dim device tensor each."""
+        """(overflow, skipped) for the step just taken."""
         if self._before is None:
             return False, False
         dropped = self._current() < self._before
@@ -169,7 +168,7 @@ class LossScaleCallback(TrainerCallback):
         if self.backend is None:
             return
         overflow, skipped = self.backend.after_step(optimizer)
-        self._window["overflows"] += overflow  # ints or device tensors: no sync per step
+        self._window["overflows"] += overflow
         self._window["skipped"] += skipped
 
     def _drain_window(self) -> tuple[int, int]:

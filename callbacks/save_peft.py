@@ -6,8 +6,14 @@ Under DeepSpeed ZeRO-3 the adapter parameters are partitioned across ranks: they
 (`deepspeed.zero.GatheredParameters`) before saving, on every rank, and only the main process writes. Each saved
 tensor is then read back from disk and checked to be non-empty and of the parameter's full shape; a mismatch
 raises `AdapterSaveError` instead of leaving an unusable adapter behind. Each folder is written under a temporary
-name and renamed into place, so a kill never leaves a half-written adapter. Works for every PEFT method saved
-through `PeftModel.save_pretrained`: peft's own (LoRA, IA3, ...) and hf_llmkit's (bottleneck adapters, BitFit).
+name with a manifest (`verify_checkpoint` checks it) and renamed into place, so a kill never leaves a half-written
+adapter. Works for every PEFT method saved through `PeftModel.save_pretrained`: peft's own (LoRA, IA3, ...) and
+hf_llmkit's (bottleneck adapters, BitFit, P-tuning v1/v2).
+
+A run stopped early (preemption, rollback, divergence: a `StopRequest` on the control) writes no final adapter:
+`output_dir/<subfolder>` always holds the end of a finished run. Resuming a plain `Trainer` loads every adapter
+subfolder of the checkpoint as an extra adapter, this callback's `<subfolder>` included; the callback removes that
+stray copy before training starts, so it is never trained, saved or nested (`LLMKitTrainer` does not load it).
 
 Example:
     ```python
@@ -40,7 +46,7 @@ import torch
 from safetensors import safe_open
 from transformers import TrainerCallback
 
-from hf_llmkit.callbacks.checkpoint_manifest import _TMP_MARK, add_to_manifest
+from hf_llmkit.callbacks.checkpoint_manifest import TMP_MARK, add_to_manifest, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +141,7 @@ class SavePeftModelCallback(TrainerCallback):
         save_at_train_end: bool = True,
     ):
         for name, value in (("subfolder", subfolder), ("merged_subfolder", merged_subfolder)):
-            if not value or os.sep in value or value.startswith(("checkpoint-", ".")) or _TMP_MARK in value:
+            if not value or os.sep in value or value.startswith(("checkpoint-", ".")) or TMP_MARK in value:
                 raise ValueError(f"{name} must be a plain folder name such as 'adapter', got {value!r}")
         if subfolder == merged_subfolder:
             raise ValueError("subfolder and merged_subfolder must differ, e.g. 'adapter' and 'merged'")
@@ -143,6 +149,7 @@ class SavePeftModelCallback(TrainerCallback):
         self.save_processing_class, self.save_merged = save_processing_class, save_merged
         self.save_at_train_end = save_at_train_end
         self._warned: set[str] = set()
+        self._adapters_at_init: set[str] | None = None
 
     def _warn_once(self, key: str, message: str, *args, level: int = logging.WARNING) -> None:
         if key not in self._warned:
@@ -172,7 +179,7 @@ class SavePeftModelCallback(TrainerCallback):
 
     def _write_adapter(self, peft_model, processing_class, root: Path) -> None:
         final = root / self.subfolder
-        tmp = root / (self.subfolder + _TMP_MARK)
+        tmp = root / (self.subfolder + TMP_MARK)
         shutil.rmtree(tmp, ignore_errors=True)
         peft_model.save_pretrained(tmp, safe_serialization=True)
         for name in peft_model.peft_config:
@@ -180,6 +187,7 @@ class SavePeftModelCallback(TrainerCallback):
             verify_adapter_folder(folder, expected_adapter_shapes(peft_model, name))
         if self.save_processing_class and processing_class is not None:
             processing_class.save_pretrained(tmp)
+        write_manifest(tmp)
         _replace_folder(tmp, final)
 
     def _write_merged(self, peft_model, processing_class, root: Path, zero3: bool) -> None:
@@ -192,13 +200,29 @@ class SavePeftModelCallback(TrainerCallback):
         except (AttributeError, NotImplementedError, ValueError, TypeError) as err:
             self._warn_once("merged-method", "save_merged: %s adapters cannot be merged (%s); skipped", method, err)
             return
-        tmp = root / (self.merged_subfolder + _TMP_MARK)
+        tmp = root / (self.merged_subfolder + TMP_MARK)
         shutil.rmtree(tmp, ignore_errors=True)
         merged.save_pretrained(tmp, safe_serialization=True)
         if self.save_processing_class and processing_class is not None:
             processing_class.save_pretrained(tmp)
         del merged
+        write_manifest(tmp)
         _replace_folder(tmp, root / self.merged_subfolder)
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        peft_model = _peft_model(model)
+        self._adapters_at_init = set(peft_model.peft_config) if peft_model is not None else None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        """Drop the copy of our checkpoint subfolder a plain Trainer's resume loaded as an extra adapter."""
+        peft_model = _peft_model(model)
+        if peft_model is None:
+            return
+        for name in (self.subfolder, self.merged_subfolder):
+            known = self._adapters_at_init is not None and name in self._adapters_at_init
+            if name in peft_model.peft_config and not known and name not in peft_model.active_adapters:
+                peft_model.delete_adapter(name)
+                logger.info("removed the adapter %r the Trainer loaded from checkpoint/%s/ on resume", name, name)
 
     def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
         checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
@@ -212,6 +236,8 @@ class SavePeftModelCallback(TrainerCallback):
                     add_to_manifest(checkpoint, folder)
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+        if getattr(control, "stop_request", None) is not None:
+            return  # stopped early (preempted / rolled back / diverged): not the end of the run
         if self.save_at_train_end:
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
             self.save(

@@ -60,6 +60,11 @@ class LLMKitTrainingArguments(TrainingArguments):
             checkpoint to resume from.
         save_retries: Fault tolerance. Re-run a checkpoint save this many times after a transient I/O error.
         save_retry_delay: Fault tolerance. Seconds before the first save retry; doubles at each retry.
+        preemption_exit_code: Fault tolerance. Exit status of a run that a `FaultToleranceCallback` stopped on
+            SIGTERM / SIGUSR1 once its checkpoint was complete (`TrainingInterrupted`); 143 is the SIGTERM convention
+            that schedulers and `torchrun --max-restarts` read as "interrupted, run again".
+        divergence_exit_code: Fault tolerance. Exit status of a run whose loss diverged beyond `max_rollbacks`
+            (`TrainingDivergedError`).
         moe_aux_loss_coef: Mixture of experts. Weight of the Switch load-balancing loss (mean over the model's
             `MoELayer`s) that `LLMKitTrainer` adds to the training loss; 0 turns it off. Only models with
             `MoELayer`s (e.g. from `upcycle_to_moe`) are affected.
@@ -92,6 +97,12 @@ class LLMKitTrainingArguments(TrainingArguments):
     )
     save_retry_delay: float = field(
         default=1.0, metadata={"help": "Seconds before the first save retry (doubles at each retry)."}
+    )
+    preemption_exit_code: int = field(
+        default=143, metadata={"help": "Exit status after a SIGTERM/SIGUSR1 save (143: interrupted, run again)."}
+    )
+    divergence_exit_code: int = field(
+        default=3, metadata={"help": "Exit status when the loss diverges beyond the allowed rollbacks."}
     )
     moe_aux_loss_coef: float = field(
         default=0.01,
@@ -136,6 +147,9 @@ class LLMKitTrainingArguments(TrainingArguments):
             raise ValueError(f"save_retries must be >= 0 (0 disables retries), got {self.save_retries}")
         if self.save_retry_delay < 0:
             raise ValueError(f"save_retry_delay must be >= 0 seconds, got {self.save_retry_delay}")
+        for name in ("preemption_exit_code", "divergence_exit_code"):
+            if not 0 <= getattr(self, name) <= 255:
+                raise ValueError(f"{name} must be an exit status in 0..255, got {getattr(self, name)}")
         for name in ("moe_aux_loss_coef", "moe_z_loss_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 disables that MoE loss), got {getattr(self, name)}")

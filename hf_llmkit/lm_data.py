@@ -2,8 +2,9 @@
 
 The pipeline of the Chinese-LLaMA-Alpaca-2 pre-training recipe, with `datasets`: `map` to tokenize, `map` to
 concatenate and cut into `block_size` blocks (labels = inputs; the model shifts them), a seeded split, and
-the processed result cached with `save_to_disk` under a key made of the sources, the tokenizer and the
-block size, so a second run (or the other ranks) reuses it.
+the processed result cached with `save_to_disk` under a key made of the sources' content (sha256 of each file's
+bytes), the tokenizer and the block size, so a second run (or the other ranks) reuses it, and an edited file is
+never served from a stale cache.
 """
 
 from __future__ import annotations
@@ -51,23 +52,36 @@ def load_texts(files: Sequence[Path]) -> Dataset:
     parts = []
     for path in files:
         kind = TEXT_SUFFIXES[path.suffix]
-        part = load_dataset(kind, data_files=str(path), split="train", keep_in_memory=True)
+        # force_redownload: datasets caches a built file by path and mtime; ours is keyed by content, and only a miss
+        # of ours gets here, so the file is read afresh.
+        part = load_dataset(
+            kind, data_files=str(path), split="train", keep_in_memory=True, download_mode="force_redownload"
+        )
         if "text" not in part.column_names:
             raise ValueError(f"{path} has no 'text' field (columns: {part.column_names}); rename the field to 'text'")
         parts.append(part.select_columns(["text"]))
     return concatenate_datasets(parts)
 
 
+def _file_digest(path: Path) -> bytes:
+    """sha256 of the file's bytes: the cache follows the content (an edit that keeps size and mtime, a copy)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.digest()
+
+
 def _cache_key(files: Sequence[Path], texts: Sequence[str] | None, tokenizer, block_size: int, split: float) -> str:
     digest = hashlib.sha256()
     for path in files:
-        stat = path.stat()
-        digest.update(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        digest.update(f"{path.suffix}:".encode())  # .txt and .json of the same bytes read differently
+        digest.update(_file_digest(path))
     for text in texts or ():
         digest.update(text.encode())
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
     digest.update(hashlib.sha256(vocab.encode()).digest())
-    digest.update(f"{type(tokenizer).__name__}:{block_size}:{split}:v1".encode())
+    digest.update(f"{type(tokenizer).__name__}:{block_size}:{split}:v2".encode())
     return digest.hexdigest()[:16]
 
 

@@ -1,15 +1,24 @@
 """`LLMKitTrainer`: the HF `Trainer`, plus the features switched on by `LLMKitTrainingArguments`.
 
-It overrides only documented `Trainer` hooks, and each feature lives in its own module; this class only
-dispatches to them, so a run with default arguments behaves exactly like `transformers.Trainer`.
+Each feature lives in its own module; this class only dispatches to them, so a run with default arguments trains
+like `transformers.Trainer`. Public hooks overridden: `train`, `training_step`, `compute_loss`, `save_model`,
+`get_train_dataloader`, `get_eval_dataloader`, `log`. Private hooks overridden (no public hook runs at these points;
+each is listed with its reason and checked against the installed transformers in `hf_llmkit.compat.transformers`):
+
+- `_save_checkpoint`: write markers before the first byte, hold off the Trainer's pre-manifest rotation, retry
+  transient I/O errors, one line on a full disk, the run record (hf_llmkit.trainers.checkpoint_writes);
+- `_load_from_checkpoint`: resume exactly the PEFT model's own adapters, and MoE hub-layout experts;
+- `_load_best_model`: verify the best checkpoint before loading it; MoE experts.
 """
 
 from __future__ import annotations
 
 from transformers import Trainer, TrainingArguments
 
+from hf_llmkit.callbacks.checkpoint_status import classify_checkpoint
 from hf_llmkit.callbacks.log_bridge import add_callback_logs
-from hf_llmkit.callbacks.recovery import save_with_retries, train_with_recovery
+from hf_llmkit.callbacks.run_end import RequestingControl
+from hf_llmkit.trainers.checkpoint_writes import save_checkpoint, save_final_model
 from hf_llmkit.trainers.eval_preparation import forget_evaluation_preparation
 from hf_llmkit.trainers.long_sequence import TrainerLongSequence
 from hf_llmkit.trainers.moe_loss import (
@@ -19,6 +28,8 @@ from hf_llmkit.trainers.moe_loss import (
     load_moe_checkpoint,
     register_zero3_leaf_modules,
 )
+from hf_llmkit.trainers.recovery import TrainingAlreadyComplete, run_training
+from hf_llmkit.trainers.resume import ResumeError, load_own_adapters
 from hf_llmkit.trainers.sequence_parallel import TrainerSequenceParallel
 
 
@@ -39,6 +50,9 @@ class LLMKitTrainer(Trainer):
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, TrainingArguments):
             raise TypeError(f"LLMKitTrainer needs TrainingArguments, got {type(self.args).__name__}")
+        # Callbacks file stop requests (rollback, preemption, divergence) here; `train` acts on them.
+        self.control = RequestingControl()
+        self.run_identity: dict | None = None  # what this run is (hf_llmkit.trainers.run_identity), set by train()
         # Mixture of experts (hf_llmkit.trainers.moe_loss): auxiliary losses + routing logs for MoELayer models.
         self._moe_loss = MoELossTracker(
             aux_loss_coef=getattr(self.args, "moe_aux_loss_coef", 0.0),
@@ -76,33 +90,47 @@ class LLMKitTrainer(Trainer):
         loader = super().get_eval_dataloader(eval_dataset)
         return self._sequence_parallel.shard_loader(loader) if self._sequence_parallel is not None else loader
 
-    # Fault tolerance (hf_llmkit.callbacks.recovery): a callback cannot restart the loop or re-run a save.
+    # Fault tolerance (hf_llmkit.trainers.recovery / checkpoint_writes / resume / run_identity).
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
-        """`Trainer.train`; `auto_resume` / `resume_from_checkpoint=True` pick the latest *complete* checkpoint, and a
-        `FaultToleranceCallback` rollback restarts from the last good checkpoint."""
+        """`Trainer.train`; `auto_resume` / `resume_from_checkpoint=True` pick the latest complete checkpoint, a
+        checkpoint of another run is refused before any work, and callbacks' stop requests are acted on."""
         forget_evaluation_preparation(self)  # an earlier evaluate() must not leave the model out of DDP
-        return train_with_recovery(
+        return run_training(
             self, super().train, resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
         )
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if 0 < self.state.max_steps <= self.state.global_step:
+            raise TrainingAlreadyComplete()  # resumed at the end: the Trainer would run one step too many
+        return super().training_step(model, inputs, num_items_in_batch)
+
     def _save_checkpoint(self, model, trial):
-        save_with_retries(
-            lambda: super(LLMKitTrainer, self)._save_checkpoint(model, trial),
-            retries=getattr(self.args, "save_retries", 0),
-            delay=getattr(self.args, "save_retry_delay", 1.0),
-            device=self.args.device,
-            what=f"checkpoint at step {self.state.global_step}",
-        )
+        save_checkpoint(self, lambda: super(LLMKitTrainer, self)._save_checkpoint(model, trial), self.run_identity)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model`; a final save (not a checkpoint's) is marked while written and gets a manifest."""
+        if _internal_call:
+            return super().save_model(output_dir, _internal_call=True)
+        target = output_dir if output_dir is not None else self.args.output_dir
+        save_final_model(self, lambda: super(LLMKitTrainer, self).save_model(output_dir), target)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        """Resuming an MoE model loads its hub-layout experts through `from_pretrained`'s conversion."""
+        """Resuming loads an MoE model's hub-layout experts through `from_pretrained`'s conversion, and a PEFT
+        model's own adapters only."""
         target = model if model is not None else self.model
         if has_moe_blocks(target) and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             return load_moe_checkpoint(target, resume_from_checkpoint)
+        if not (self.is_deepspeed_enabled or self.is_fsdp_enabled) and load_own_adapters(
+            target, resume_from_checkpoint
+        ):
+            return None
         return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_best_model(self):
-        """`load_best_model_at_end` of an MoE model: the same hub-layout conversion as resuming."""
+        """`load_best_model_at_end`: the best checkpoint must verify; MoE models get the hub-layout conversion."""
+        verdict = classify_checkpoint(self.state.best_model_checkpoint)
+        if not verdict.resumable:
+            raise ResumeError(f"cannot load the best model: {verdict.describe()}")
         if has_moe_blocks(self.model) and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             return load_moe_checkpoint(self.model, self.state.best_model_checkpoint)
         return super()._load_best_model()

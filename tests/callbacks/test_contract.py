@@ -10,8 +10,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_callback import ExportableState
 
-from hf_llmkit.callbacks import FaultToleranceCallback, LossScaleCallback, SavePeftModelCallback
-from hf_llmkit.callbacks.checkpoint_manifest import MANIFEST_NAME, verify_checkpoint
+from hf_llmkit.callbacks import FaultToleranceCallback, LossScaleCallback, SavePeftModelCallback, verify_checkpoint
+from hf_llmkit.callbacks.checkpoint_manifest import MANIFEST_NAME
 from tests.callbacks.support import Blocks, make_trainer, small_model
 
 FACTORIES = {
@@ -75,7 +75,7 @@ def test_every_event_with_live_trainer_objects(tmp_path, name):
         assert result is None or isinstance(result, TrainerControl), (name, event)
         control = result or control
     assert signal.getsignal(signal.SIGTERM) == sigterm  # nothing left installed after on_train_end
-    assert trainer.args.save_total_limit == 3  # rotation handed back
+    assert trainer.args.save_total_limit == 3  # never changed
     if name == "fault_tolerance":
         assert verify_checkpoint(tmp_path / "checkpoint-1") is None
     if name == "save_peft":

@@ -13,13 +13,15 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_llmkit import LLMKitTrainingArguments
-from hf_llmkit.callbacks import FaultToleranceCallback, TrainingDivergedError, latest_complete_checkpoint
-from hf_llmkit.callbacks.checkpoint_manifest import (
-    MANIFEST_NAME,
-    list_checkpoints,
-    rotate_checkpoints,
+from hf_llmkit.callbacks import (
+    CheckpointWriteError,
+    FaultToleranceCallback,
+    TrainingDivergedError,
+    latest_complete_checkpoint,
     verify_checkpoint,
 )
+from hf_llmkit.callbacks.checkpoint_housekeeping import rotate_checkpoints
+from hf_llmkit.callbacks.checkpoint_manifest import MANIFEST_NAME, list_checkpoints, mark_writing
 from tests.callbacks.support import Blocks, data_order, make_trainer, poison_loss, record_blocks, small_model
 
 
@@ -54,8 +56,9 @@ def test_resume_skips_incomplete_and_corrupt_checkpoints(trained, tmp_path):
 
     out = tmp_path / "run"
     shutil.copytree(trained, out)
-    # checkpoint-6: a write that never finished (manifest missing) -> get_last_checkpoint still picks it
+    # checkpoint-6: our write that never finished (marker, no manifest) -> get_last_checkpoint still picks it
     (out / "checkpoint-6" / MANIFEST_NAME).unlink()
+    mark_writing(out / "checkpoint-6")
     assert get_last_checkpoint(str(out)).endswith("checkpoint-6")
     assert latest_complete_checkpoint(out).endswith("checkpoint-4")
     # checkpoint-4: same size, one flipped byte -> only the checksum notices
@@ -79,9 +82,11 @@ def test_rotation_keeps_newest_complete_and_drops_stale_incomplete(trained, tmp_
     out = tmp_path / "run"
     shutil.copytree(trained, out)
     shutil.copytree(out / "checkpoint-2", out / "checkpoint-1")
-    (out / "checkpoint-1" / MANIFEST_NAME).unlink()  # an old half-written one: garbage
+    (out / "checkpoint-1" / MANIFEST_NAME).unlink()
+    mark_writing(out / "checkpoint-1")  # an old write of ours that never finished: garbage
     shutil.copytree(out / "checkpoint-6", out / "checkpoint-8")
-    (out / "checkpoint-8" / MANIFEST_NAME).unlink()  # newer, incomplete: maybe being written, keep
+    (out / "checkpoint-8" / MANIFEST_NAME).unlink()
+    mark_writing(out / "checkpoint-8")  # newer, being written: keep
     deleted = rotate_checkpoints(out, 1)
     assert sorted(_names(deleted)) == ["checkpoint-1", "checkpoint-2", "checkpoint-4"]
     assert _names(list_checkpoints(out)) == ["checkpoint-6", "checkpoint-8"]
@@ -92,7 +97,7 @@ def test_training_with_save_total_limit_and_auto_resume(tmp_path):
     trainer = make_trainer(tmp_path, callbacks=[FaultToleranceCallback()], save_total_limit=1, max_steps=4)
     trainer.train()
     assert _names(list_checkpoints(tmp_path)) == ["checkpoint-4"]
-    assert trainer.args.save_total_limit == 1  # handed back after training
+    assert trainer.args.save_total_limit == 1  # never changed
     weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     # Re-running the same command: resumes at step 4 == max_steps and trains nothing more.
     again = make_trainer(
@@ -208,9 +213,11 @@ def test_transient_io_errors_during_save_are_retried(tmp_path):
 def test_permanent_io_errors_are_not_retried(tmp_path):
     trainer = make_trainer(tmp_path, callbacks=[FaultToleranceCallback()], max_steps=2)
     trainer.processing_class = _FlakyTokenizer(failures=5, code=errno.EACCES)
-    with pytest.raises(PermissionError):
+    with pytest.raises(CheckpointWriteError, match="permission denied") as error:
         trainer.train()
+    assert isinstance(error.value.__cause__, PermissionError) and error.value.code == 74
     assert trainer.processing_class.calls == 1
+    assert not (tmp_path / "checkpoint-2").exists()  # our half-written folder is gone
 
 
 @pytest.mark.parametrize(

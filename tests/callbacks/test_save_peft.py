@@ -132,3 +132,26 @@ def test_zero3_saves_a_complete_adapter(tmp_path):
     strip = {k.replace(".default", ""): v for k, v in result["expected"].items()}
     assert result["ours"] == strip and result["final"] == strip
     assert all(0 not in shape for shape in result["ours"].values())
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["plain-trainer", "llmkit-trainer"])
+def test_resumed_training_saves_the_final_adapter_not_a_checkpoint_copy(tmp_path, plain):
+    """Resuming loads checkpoint-N/adapter/ as an extra adapter in a plain Trainer; it must never be trained,
+    saved, nested (adapter/adapter) or written over the final adapter."""
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+
+    def trainer(max_steps):
+        model = get_peft_model(small_model(), config)
+        return model, make_trainer(
+            tmp_path, model=model, plain=plain, max_steps=max_steps, learning_rate=5e-2,
+            callbacks=[SavePeftModelCallback()],
+        )  # fmt: skip
+
+    trainer(2)[1].train()
+    model, resumed = trainer(4)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    resumed.save_model()
+    assert list(model.peft_config) == ["default"]
+    assert not list(tmp_path.rglob("adapter/adapter"))
+    final = PeftModel.from_pretrained(small_model().eval(), tmp_path / "adapter")
+    torch.testing.assert_close(_logits(final), _logits(model.eval()), rtol=0, atol=0)

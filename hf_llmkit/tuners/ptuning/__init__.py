@@ -6,8 +6,9 @@ from hf_llmkit.tuners.ptuning.layer import PTuningEmbedding, PTuningLayer
 from hf_llmkit.tuners.ptuning.model import PTuningModel
 from hf_llmkit.tuners.ptuning.template import PTuningTemplate, build_ptuning_template
 from hf_llmkit.tuners.registration import register_tuner
+from hf_llmkit.tuners.strict_loading import enforce_strict_loading
 
-register_tuner(name="ptuning", config_cls=PTuningConfig, model_cls=PTuningModel)
+register_tuner(name="ptuning", config_cls=PTuningConfig, model_cls=enforce_strict_loading(PTuningModel))
 
 __all__ = [
     "PTuningConfig",

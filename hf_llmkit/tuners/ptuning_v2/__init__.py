@@ -6,8 +6,9 @@ from hf_llmkit.tuners.ptuning_v2.layer import PTuningV2Attention, PTuningV2Layer
 from hf_llmkit.tuners.ptuning_v2.model import PTuningV2Model
 from hf_llmkit.tuners.ptuning_v2.prefix import PlainPrefix, ProjectedPrefix
 from hf_llmkit.tuners.registration import register_tuner
+from hf_llmkit.tuners.strict_loading import enforce_strict_loading
 
-register_tuner(name="ptuning_v2", config_cls=PTuningV2Config, model_cls=PTuningV2Model)
+register_tuner(name="ptuning_v2", config_cls=PTuningV2Config, model_cls=enforce_strict_loading(PTuningV2Model))
 
 __all__ = [
     "PTuningV2Attention",

@@ -1,0 +1,125 @@
+"""How a run ends early: the requests callbacks make through `control`, and the errors that end the run.
+
+Callbacks never exit the process or mutate the arguments. A callback that needs the run to end (a preemption
+signal, a diverged loss) sets `control.should_training_stop` and, when the trainer can act on more than that,
+files a `StopRequest` on the control object: `LLMKitTrainer` hands the Trainer a `RequestingControl`, reads the
+request once `Trainer.train` returns, and rolls back or ends the run. With a plain `Trainer` (a plain
+`TrainerControl`) the callback raises the matching error itself, since nothing else would.
+
+The errors below are `RuntimeError`s (so `except Exception` catches them) that are also `SystemExit`s: left
+uncaught, the interpreter exits with their `code` and prints no traceback. Whoever raises one logs its one-line
+message first (main process only).
+
+- `TrainingInterrupted`: SIGTERM / SIGUSR1 stopped the run after a complete checkpoint; re-run the command to go
+  on. Exit status 143 (`LLMKitTrainingArguments.preemption_exit_code`, or the callback's `exit_code`).
+- `TrainingDivergedError`: the loss went NaN/Inf or spiked beyond `max_rollbacks`. Exit status 3
+  (`divergence_exit_code`).
+- `CheckpointWriteError`: a disk-full or permission error during a save; the last complete checkpoint is untouched.
+  Exit status 74 (EX_IOERR).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from transformers import TrainerControl
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "EXIT_DIVERGED",
+    "EXIT_IO_ERROR",
+    "EXIT_PREEMPTED",
+    "CheckpointWriteError",
+    "RequestingControl",
+    "RunEndingError",
+    "StopRequest",
+    "TrainingDivergedError",
+    "TrainingInterrupted",
+]
+
+EXIT_PREEMPTED = 143  # 128 + SIGTERM, what schedulers and `torchrun --max-restarts` read as "killed, retry"
+EXIT_DIVERGED = 3
+EXIT_IO_ERROR = 74  # sysexits.h EX_IOERR
+
+
+class RunEndingError(RuntimeError, SystemExit):
+    """An error that ends a training run with its own exit code (uncaught: no traceback, exit status `code`)."""
+
+    default_code = 1
+
+    def __init__(self, message: str, *, exit_code: int | None = None):
+        super().__init__(message)
+        self.code = self.default_code if exit_code is None else exit_code
+        self.logged = False  # set once its one line was logged
+
+    @property
+    def exit_code(self) -> int:
+        return self.code
+
+
+class TrainingInterrupted(RunEndingError):
+    """Stopped by a preemption signal after saving a complete checkpoint; re-running the command continues."""
+
+    default_code = EXIT_PREEMPTED
+
+
+class TrainingDivergedError(RunEndingError):
+    """The loss went NaN/Inf or spiked more often than `max_rollbacks` allows, or there was nothing to roll back to."""
+
+    default_code = EXIT_DIVERGED
+
+
+class CheckpointWriteError(RunEndingError):
+    """A checkpoint could not be written (disk full, no permission, read-only filesystem); the last complete one
+    is untouched. The original `OSError` / `RuntimeError` is the `__cause__`."""
+
+    default_code = EXIT_IO_ERROR
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """Why a callback stopped training, for the trainer to act on.
+
+    `kind` is `"rollback"` (restart from `checkpoint` as if the steps up to `step` had run: the data window in
+    between is skipped), `"diverged"` (no rollback left: end the run) or `"preempted"` (a signal; the checkpoint
+    at `step` is complete: end the run with `exit_code`, or the trainer's default when None).
+    """
+
+    kind: str
+    step: int
+    reason: str
+    checkpoint: str | None = None
+    rollbacks: int = 0
+    exit_code: int | None = None
+
+
+class RequestingControl(TrainerControl):
+    """The `TrainerControl` of a trainer that acts on `StopRequest`s (`LLMKitTrainer`); the first request wins."""
+
+    stop_request: StopRequest | None = None
+
+    def request_stop(self, request: StopRequest) -> None:
+        self.should_training_stop = True
+        self.should_save = self.should_save and request.kind == "preempted"
+        if self.stop_request is None:
+            self.stop_request = request
+
+    def take_stop_request(self) -> StopRequest | None:
+        request, self.stop_request = self.stop_request, None
+        return request
+
+
+def log_once(message: str, *, is_main_process: bool, level: int = logging.ERROR) -> None:
+    """Log the one line that explains a run's end, from the main process only."""
+    if is_main_process:
+        logger.log(level, "%s", message)
+
+
+def logged(error: RunEndingError, *, is_main_process: bool, level: int = logging.ERROR) -> RunEndingError:
+    """`error`, its one line logged (once, from the main process): `raise logged(SomeError(...), ...)`."""
+    if not error.logged:
+        log_once(str(error), is_main_process=is_main_process, level=level)
+        error.logged = True
+    return error

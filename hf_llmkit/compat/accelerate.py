@@ -1,0 +1,28 @@
+"""accelerate internals hf_llmkit relies on (checked against accelerate 1.15.0).
+
+- `model._is_accelerate_prepared`: the mark `Accelerator.prepare_model` leaves on a model it prepared (also in
+  `evaluation_mode`, where it does not wrap the model in DDP); a marked model is never prepared again.
+- `Accelerator._models`: the models the accelerator tracks (for `save_state`, `free_memory`, `unwrap`).
+
+`LLMKitTrainer` forgets an evaluation-only preparation before training (hf_llmkit.trainers.eval_preparation): no
+public API undoes `prepare_model`.
+"""
+
+from __future__ import annotations
+
+CHECKED_AGAINST = "1.15.0"
+PREPARED_MARK = "_is_accelerate_prepared"
+
+__all__ = ["CHECKED_AGAINST", "PREPARED_MARK", "forget_prepared_model", "is_prepared"]
+
+
+def is_prepared(model) -> bool:
+    """Whether `Accelerator.prepare_model` has prepared `model` (wrapped or not)."""
+    return bool(getattr(model, PREPARED_MARK, False))
+
+
+def forget_prepared_model(accelerator, model) -> None:
+    """Undo the bookkeeping of `prepare_model(model, evaluation_mode=True)` so `model` can be prepared again."""
+    if PREPARED_MARK in vars(model):
+        delattr(model, PREPARED_MARK)
+    accelerator._models[:] = [m for m in accelerator._models if m is not model]

@@ -1,0 +1,112 @@
+"""The main job survives kill -9 and preemption: `examples/run_clm.py` SIGKILLed (or SIGTERMed) after its first
+checkpoint and re-run with the same command ends with every final artifact (model, adapter, tokenizer)
+byte-identical to an uninterrupted run, for every training method it offers (issue 11, sections 2 and 3).
+
+Full fine-tuning, LoRA, bottleneck and the SIGTERM case share one harness process (one import) in `make test`;
+the other methods are `slow`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HARNESS = Path(__file__).with_name("clm_kill_harness.py")
+# The tiny settings of tests/examples, 6 steps with a checkpoint every 2 (the kill lands after checkpoint-2).
+TINY = [
+    "--vocab_size", "512", "--hidden_size", "64", "--intermediate_size", "128", "--num_hidden_layers", "2",
+    "--max_position_embeddings", "64", "--block_size", "32", "--per_device_train_batch_size", "4",
+    "--per_device_eval_batch_size", "8", "--max_train_samples", "64", "--max_eval_samples", "16",
+    "--logging_steps", "1", "--disable_tqdm", "true", "--warmup_steps", "0", "--max_steps", "6", "--save_steps", "2",
+]  # fmt: skip
+QUICK = {
+    "full": {"flags": []},
+    "lora": {"flags": ["--peft_method", "lora", "--lora_rank", "4"]},
+    "bottleneck": {"flags": ["--peft_method", "bottleneck", "--bottleneck_size", "8"]},
+    "full-sigterm": {"flags": [], "signal": "SIGTERM"},
+}
+SLOW = {
+    "bitfit": {"flags": ["--peft_method", "bitfit"]},
+    "ptuning": {
+        "flags": [
+            "--peft_method",
+            "ptuning",
+            "--num_virtual_tokens",
+            "3",
+            "--ptuning_template",
+            "[P0][P1] {text} [P2]",
+        ]
+    },
+    "ptuning_v2": {
+        "flags": ["--peft_method", "ptuning_v2", "--num_virtual_tokens", "4", "--prefix_projection", "true"]
+    },
+    "dkm": {"flags": ["--quantization", "dkm", "--dkm_bits", "3"]},
+    "moe": {"flags": ["--upcycle_moe", "true", "--moe_num_experts", "4", "--moe_top_k", "2"]},
+    "sequence_parallel_2_ranks": {"flags": ["--sequence_parallel_size", "2"], "ranks": 2},
+}
+DKM_XFAIL = pytest.mark.xfail(strict=True, reason="DKM latent weights: fixed on the dkm branch")
+
+
+def _harness(workdir: Path, cases: dict) -> dict:
+    spec = workdir / "cases.json"
+    spec.write_text(json.dumps({name: {**case, "flags": [*TINY, *case["flags"]]} for name, case in cases.items()}))
+    proc = subprocess.run(
+        [sys.executable, str(HARNESS), str(workdir), "--cases", str(spec)],
+        capture_output=True,
+        text=True,
+        timeout=300 + 150 * len(cases),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> tuple[Path, dict]:
+    workdir = tmp_path_factory.mktemp("clm_quick")
+    return workdir, _harness(workdir, QUICK)
+
+
+def _check_same_final_artifacts(name: str, case: dict, result: dict, workdir: Path) -> None:
+    ranks = case.get("ranks", 1)
+    assert result["reference_exit"] == [0] * ranks, result
+    assert result["signalled"] and result["interrupted_after"] == "checkpoint-2", result  # stopped after a save
+    assert result["resumed_exit"] == [0] * ranks, result
+    comparison = result["comparison"]
+    weights = [file for file in comparison["files"] if file.endswith(".safetensors")]
+    assert weights and any(file.startswith("tokenizer") for file in comparison["files"]), comparison
+    assert comparison["missing"] == [] and comparison["extra"] == [], comparison
+    assert comparison["differing"] == {}, comparison
+    if "--peft_method" in case["flags"]:  # the final adapter is the final one, not a nested copy of a checkpoint's
+        assert "adapter/adapter_model.safetensors" in comparison["files"]
+        assert not (workdir / name / "resumed" / "adapter" / "adapter").exists()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [*(n for n in QUICK if n != "full-sigterm")]
+    + [pytest.param(n, marks=[pytest.mark.slow, *([DKM_XFAIL] if n == "dkm" else [])]) for n in SLOW],
+)
+def test_killed_run_resumes_to_the_same_final_artifacts(name, tmp_path_factory, request):
+    if name in QUICK:
+        workdir, results = request.getfixturevalue("quick")  # only now: a slow cell alone does not run them
+    else:
+        workdir = tmp_path_factory.mktemp(f"clm_{name}")
+        results = _harness(workdir, {name: SLOW[name]})
+    _check_same_final_artifacts(name, {**QUICK, **SLOW}[name], results[name], workdir)
+
+
+def test_sigterm_saves_exits_143_with_one_line_and_the_same_command_finishes_the_same(quick):
+    workdir, results = quick
+    result = results["full-sigterm"]
+    assert result["interrupted_exit"] == [143] and result["interrupted_tracebacks"] == 0, result
+    [line] = result["interrupted_stop_lines"]
+    assert "received SIGTERM" in line and "run the same command again to continue" in line, line
+    assert line.endswith("(exit status 143)")
+    saved = line.split("saving the complete checkpoint ")[1].split(";")[0]
+    assert Path(saved).name in result["left_after_interruption"]
+    assert "model.safetensors" not in result["left_after_interruption"]  # a preempted run writes no final model
+    assert any(saved in row for row in result["resumed_from"]), result["resumed_from"]
+    _check_same_final_artifacts("full-sigterm", QUICK["full-sigterm"], result, workdir)

@@ -1,0 +1,20 @@
+"""accelerate still marks and tracks prepared models the way hf_llmkit.compat.accelerate undoes it."""
+
+from __future__ import annotations
+
+import accelerate
+import torch
+from accelerate import Accelerator
+
+from hf_llmkit.compat.accelerate import CHECKED_AGAINST, PREPARED_MARK, forget_prepared_model, is_prepared
+
+
+def test_evaluation_preparation_can_be_undone():
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 2)
+    prepared = accelerator.prepare_model(model, evaluation_mode=True)
+    where = f"accelerate {accelerate.__version__} (checked against {CHECKED_AGAINST})"
+    assert prepared is model and is_prepared(model), f"{where} no longer sets {PREPARED_MARK}"
+    assert any(m is model for m in accelerator._models), f"{where} no longer tracks models in Accelerator._models"
+    forget_prepared_model(accelerator, model)
+    assert not is_prepared(model) and not any(m is model for m in accelerator._models)

@@ -1,0 +1,189 @@
+"""The training loop around `Trainer.train` that `LLMKitTrainer` runs: resume checks, rollbacks, how a run ends.
+
+`run_training` does, in order:
+
+1. records what this run is (`run_identity`), resolves the resume point (`auto_resume`, `True`, or a folder) and
+   refuses, before any work, a checkpoint that cannot be resumed from or belongs to another run;
+2. clears the way in `output_dir` (`prepare_output_dir`) and restores the `ExportableState` attributes of the
+   `FaultToleranceCallback` (rollback count, loss average) from the checkpoint;
+3. runs `Trainer.train`, then acts on the `StopRequest` a callback filed on the `RequestingControl`: a rollback
+   restarts from the last good checkpoint with the offending data window skipped; a preemption or a divergence
+   ends the run with `TrainingInterrupted` / `TrainingDivergedError` (their exit codes come from the arguments).
+
+A checkpoint resumed at `max_steps` finishes without training a step (`TrainingAlreadyComplete`, raised by
+`LLMKitTrainer.training_step`): resumed mid-epoch, the Trainer would otherwise run one step past the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transformers.trainer_utils import TrainOutput
+
+from hf_llmkit.callbacks.checkpoint_manifest import MANIFEST_NAME, checkpoint_step
+from hf_llmkit.callbacks.distributed import barrier
+from hf_llmkit.callbacks.fault_tolerance import FaultToleranceCallback, preemption_message
+from hf_llmkit.callbacks.run_end import (
+    EXIT_DIVERGED,
+    EXIT_PREEMPTED,
+    RequestingControl,
+    RunEndingError,
+    StopRequest,
+    TrainingDivergedError,
+    TrainingInterrupted,
+    logged,
+)
+from hf_llmkit.trainers.resume import ROLLBACK_PREFIX, prepare_output_dir, resolve_resume
+from hf_llmkit.trainers.run_identity import check_run_identity, run_identity
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ROLLBACK_PREFIX", "TrainingAlreadyComplete", "prepare_rollback_checkpoint", "run_training"]
+
+TRAINER_STATE = "trainer_state.json"
+
+
+class TrainingAlreadyComplete(Exception):
+    """Raised before the first step of a run resumed at `max_steps` (the Trainer would train one step too many)."""
+
+
+def _watchers(trainer) -> list[FaultToleranceCallback]:
+    return [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, FaultToleranceCallback)]
+
+
+def restore_callback_state(trainer, checkpoint: str) -> None:
+    """Apply the `ExportableState` attributes saved in `checkpoint` to the live `FaultToleranceCallback`s.
+
+    The Trainer does this itself only with `restore_callback_states_from_checkpoint=True` (and then replaces the
+    callback objects, constructor arguments included); here the callbacks keep the arguments they were given.
+    """
+    if trainer.args.restore_callback_states_from_checkpoint:
+        return
+    try:
+        saved = json.loads((Path(checkpoint) / TRAINER_STATE).read_text(encoding="utf-8"))["stateful_callbacks"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    states = saved.get(FaultToleranceCallback.__name__) if isinstance(saved, dict) else None
+    states = states if isinstance(states, list) else [states] if states else []
+    for watcher, state in zip(_watchers(trainer), states):
+        for name, value in (state.get("attributes") or {}).items():
+            setattr(watcher, name, value)
+
+
+def rollback_path(request: StopRequest, output_dir: str | os.PathLike) -> Path:
+    """Where the restart point goes (not named `checkpoint-N`: never auto-resumed)."""
+    return Path(output_dir) / f"{ROLLBACK_PREFIX}-{checkpoint_step(request.checkpoint)}-to-{request.step}"
+
+
+def prepare_rollback_checkpoint(request: StopRequest, output_dir: str | os.PathLike) -> str:
+    """A resumable copy of the good checkpoint whose `trainer_state.json` says `request.step`.
+
+    Resuming from it restores weights, optimizer, scheduler and RNG from the good checkpoint while the Trainer
+    fast-forwards the data loader past the bad step, so the batches since the checkpoint (the offending window) are
+    skipped and counted as steps without an update. The saved rollback count is the new one. Files are hard-linked
+    (copied where links are impossible); the manifest is dropped (the copy's state file differs).
+    """
+    source, target = Path(request.checkpoint), rollback_path(request, output_dir)
+    if target.exists():
+        shutil.rmtree(target)
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(source, target, copy_function=link)
+    (target / MANIFEST_NAME).unlink(missing_ok=True)
+    state_file = target / TRAINER_STATE
+    state_file.unlink()  # a hard link: write a fresh file, never the good checkpoint's
+    state = json.loads((source / TRAINER_STATE).read_text(encoding="utf-8"))
+    state["global_step"] = request.step
+    saved = state.get("stateful_callbacks", {}).get(FaultToleranceCallback.__name__)
+    for entry in saved if isinstance(saved, list) else [saved] if saved else []:
+        entry.setdefault("attributes", {})["rollbacks"] = request.rollbacks
+    state_file.write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
+    return str(target)
+
+
+def _reset_for_retrain(trainer) -> None:
+    """Let `Trainer.train` build its optimizer wrapper again; the states are reloaded from the checkpoint."""
+    inner = getattr(trainer.optimizer, "optimizer", None)
+    if inner is not None:  # accelerate's AcceleratedOptimizer: re-preparing would wrap it twice
+        trainer.optimizer = inner
+
+
+def _finish_complete_run(trainer) -> TrainOutput:
+    """The resumed checkpoint is the end of training: its weights are loaded, no step runs."""
+    logger.info("training already finished at step %d (resumed from its last checkpoint)", trainer.state.global_step)
+    trainer.is_in_train = False
+    trainer.control = trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    train_loss = sum(losses) / len(losses) if losses else float("nan")
+    return TrainOutput(trainer.state.global_step, train_loss, {"train_loss": train_loss, "train_runtime": 0.0})
+
+
+def _end_run(trainer, request: StopRequest) -> None:
+    args, main = trainer.args, trainer.is_world_process_zero()
+    if request.kind == "preempted":
+        code = request.exit_code if request.exit_code is not None else getattr(args, "preemption_exit_code", None)
+        code = EXIT_PREEMPTED if code is None else code
+        message = f"{preemption_message(request, args.output_dir)} (exit status {code})"
+        raise logged(TrainingInterrupted(message, exit_code=code), is_main_process=main, level=logging.WARNING)
+    code = getattr(args, "divergence_exit_code", EXIT_DIVERGED)
+    raise logged(TrainingDivergedError(f"training diverged: {request.reason}", exit_code=code), is_main_process=main)
+
+
+def run_training(trainer, train: Callable[..., Any], resume_from_checkpoint=None, **kwargs) -> Any:
+    """`train(resume_from_checkpoint=..., **kwargs)` with the checks, restarts and endings described above."""
+    trainer.run_identity = run_identity(trainer)
+    try:
+        resume = resolve_resume(trainer, resume_from_checkpoint)
+        if resume is not None:
+            check_run_identity(trainer.run_identity, resume, trainer.args.output_dir)
+        prepare_output_dir(trainer, resume)
+    except RunEndingError as err:
+        raise logged(err, is_main_process=trainer.is_world_process_zero()) from err.__cause__
+    if resume is not None:
+        restore_callback_state(trainer, resume)
+
+    def take() -> StopRequest | None:  # read afresh: a restored callback state replaces the control object
+        return trainer.control.take_stop_request() if isinstance(trainer.control, RequestingControl) else None
+
+    take()  # nothing left over from an earlier train() call
+    made: list[str] = []
+    try:
+        while True:
+            try:
+                output = train(resume_from_checkpoint=resume, **kwargs)
+            except TrainingAlreadyComplete:
+                return _finish_complete_run(trainer)
+            request = take()
+            if request is None:
+                return output
+            if request.kind != "rollback":
+                _end_run(trainer, request)
+            if trainer.is_world_process_zero():
+                prepare_rollback_checkpoint(request, trainer.args.output_dir)
+            barrier()
+            resume = str(rollback_path(request, trainer.args.output_dir))
+            made.append(resume)
+            logger.warning(
+                "rolling back to %s and skipping the data up to step %d (%s)", request.checkpoint, request.step,
+                request.reason,
+            )  # fmt: skip
+            _reset_for_retrain(trainer)
+    except RunEndingError as err:  # e.g. a checkpoint that fails to load: one line, once
+        raise logged(err, is_main_process=trainer.is_world_process_zero()) from err.__cause__
+    finally:
+        for watcher in _watchers(trainer):
+            watcher.close()  # signal handlers and hooks, also when training raised
+        if trainer.is_world_process_zero():
+            for folder in made:
+                shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,191 @@
+"""Which run a checkpoint belongs to, so that resuming into a different run stops before any work.
+
+Every checkpoint `LLMKitTrainer` writes holds `llmkit_run.json`: the model's architecture and sizes (its config,
+without dtype / attention implementation / version fields), the PEFT method and its config, the quantization
+config, the MoE settings (part of the config), the parameters' names and shapes, the sequence-parallel size, and
+the training data (number of samples and a digest of a few evenly spread samples). Resuming compares it with the
+current run: any difference ends with one line naming it and the fix (another `--output_dir`, or
+`--overwrite_output_dir true` to start over). What may change between the runs of one job (`max_steps`,
+`save_steps`, logging, learning rate, number of ranks) is not recorded.
+A checkpoint without the file (a plain `Trainer`, an older version) is resumed without the check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from hf_llmkit.trainers.resume import ResumeError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RUN_IDENTITY_FILE", "check_run_identity", "run_identity", "write_run_identity"]
+
+RUN_IDENTITY_FILE = "llmkit_run.json"
+FORMAT = 1
+# Config fields that describe how a model runs, not which model it is.
+_VOLATILE = {
+    "transformers_version",
+    "_name_or_path",
+    "name_or_path",
+    "_commit_hash",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "attn_implementation",
+    "_attn_implementation",
+    "_attn_implementation_autoset",
+    "_attn_implementation_internal",
+    "_experts_implementation",
+    "experts_implementation",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "quantization_config",  # recorded on its own
+}
+_PEFT_VOLATILE = {"base_model_name_or_path", "revision", "inference_mode"}
+_DATA_SAMPLES = 8
+_ORDER = ("model", "peft", "quantization", "sequence_parallel_size", "data", "parameters")  # most telling first
+
+
+def _plain(value: Any) -> Any:
+    """`value` as plain JSON data (sets sorted, enums and other objects as strings)."""
+    return json.loads(json.dumps(value, default=_default, sort_keys=True))
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=str)
+    enum_value = getattr(value, "value", None)
+    return enum_value if isinstance(enum_value, str) else str(value)
+
+
+def _parameters(model) -> dict:
+    """Parameter count and a digest of every parameter / buffer name and shape (any structural change shows here)."""
+    digest, count = hashlib.sha256(), 0
+    named = [*model.named_parameters(), *model.named_buffers()]
+    for name, tensor in sorted(named, key=lambda item: item[0]):
+        digest.update(f"{name}:{tuple(getattr(tensor, 'ds_shape', tensor.shape))};".encode())
+    for param in model.parameters():
+        count += getattr(param, "ds_numel", param.numel())
+    return {"count": count, "layout": digest.hexdigest()[:16]}
+
+
+def _config_dict(config) -> dict:
+    raw = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    return {k: v for k, v in raw.items() if k not in _VOLATILE and not k.startswith("_")}
+
+
+def _peft_configs(model) -> dict | None:
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or not configs:
+        return None
+    return {name: {k: v for k, v in cfg.to_dict().items() if k not in _PEFT_VOLATILE} for name, cfg in configs.items()}
+
+
+def _base_config(model):
+    for candidate in (model, getattr(model, "get_base_model", lambda: None)()):
+        if candidate is not None and getattr(candidate, "config", None) is not None:
+            return candidate.config
+    return None
+
+
+def _data_identity(dataset) -> dict | None:
+    """Length and a digest of a few evenly spread samples (cheap; deterministic for the same data)."""
+    if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        return None
+    n = len(dataset)
+    digest = hashlib.sha256()
+    for index in sorted({round(i * (n - 1) / max(_DATA_SAMPLES - 1, 1)) for i in range(_DATA_SAMPLES)} if n else ()):
+        sample = dataset[index]
+        items = sample.items() if isinstance(sample, dict) else [("", sample)]
+        for key, value in sorted(items, key=lambda kv: str(kv[0])):
+            value = value.tolist() if hasattr(value, "tolist") else value
+            digest.update(json.dumps([str(key), value], default=str).encode())
+    return {"samples": n, "digest": digest.hexdigest()[:16]}
+
+
+def run_identity(trainer) -> dict:
+    """What makes this trainer's run this run (see the module docstring)."""
+    model = trainer.model
+    config = _base_config(model)
+    quantization = getattr(config, "quantization_config", None) if config is not None else None
+    if quantization is not None and hasattr(quantization, "to_dict"):
+        quantization = quantization.to_dict()
+    return _plain(
+        {
+            "format": FORMAT,
+            "model": _config_dict(config) if config is not None else type(model).__name__,
+            "peft": _peft_configs(model),
+            "quantization": quantization,
+            "sequence_parallel_size": getattr(trainer.args, "sequence_parallel_size", 1),
+            "data": _data_identity(trainer.train_dataset),
+            "parameters": _parameters(model),
+        }
+    )
+
+
+def write_run_identity(identity: dict, folder: str | os.PathLike) -> None:
+    path = Path(folder) / RUN_IDENTITY_FILE
+    path.write_text(json.dumps(identity, indent=1, sort_keys=True), encoding="utf-8")
+
+
+def _flatten(value: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(value, dict) and value:
+        flat: dict[str, Any] = {}
+        for key, item in value.items():
+            flat.update(_flatten(item, f"{prefix}.{key}"))
+        return flat
+    return {prefix: value}
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, dict) and value and all(isinstance(v, dict) and "peft_type" in v for v in value.values()):
+        return ", ".join(f"{name}={config['peft_type']}" for name, config in value.items())  # PEFT adapters
+    text = "none" if value is None else value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def differences(recorded: dict, current: dict) -> list[str]:
+    """`field: recorded -> current` for every field that differs, most telling first (nested fields dotted)."""
+    changed = []
+    keys = [k for k in _ORDER if k in current or k in recorded]
+    keys += sorted((set(current) | set(recorded)) - set(keys) - {"format"})
+    for key in keys:
+        old, new = recorded.get(key), current.get(key)
+        if old == new:
+            continue
+        if not (isinstance(old, dict) and isinstance(new, dict)):
+            changed.append(f"{key}: {_short(old)} -> {_short(new)}")
+            continue
+        flat_old, flat_new = _flatten(old, key), _flatten(new, key)
+        for name in sorted(set(flat_old) | set(flat_new)):
+            if flat_old.get(name) != flat_new.get(name):
+                changed.append(f"{name}: {_short(flat_old.get(name))} -> {_short(flat_new.get(name))}")
+    return changed
+
+
+def check_run_identity(identity: dict, checkpoint: str | os.PathLike, output_dir: str) -> None:
+    """Raise `ResumeError` (one line) when `checkpoint` was written by a different run."""
+    path = Path(checkpoint) / RUN_IDENTITY_FILE
+    if not path.is_file():
+        logger.info(
+            "%s has no %s (written without LLMKitTrainer): resuming without the run check", checkpoint, path.name
+        )
+        return
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ResumeError(f"{path} is unreadable ({err}); resume from another checkpoint") from err
+    changed = differences(recorded, identity)
+    if not changed:
+        return
+    shown = "; ".join(changed[:3]) + (f"; and {len(changed) - 3} more" if len(changed) > 3 else "")
+    raise ResumeError(
+        f"{checkpoint} belongs to a different run ({shown}); pass another --output_dir for this run, or "
+        f"--overwrite_output_dir true to start over in {output_dir}"
+    )
