@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from transformers import TrainingArguments
@@ -68,6 +69,14 @@ class LLMKitTrainingArguments(TrainingArguments):
             (world = data-parallel size x this); `LLMKitTrainer` shards batches along the sequence, wraps the model's
             attention with all-to-all head exchange and averages the loss over the group's tokens. 1 = off.
     """
+
+    # `--help` of a command built on `hf_llmkit.cli.CommandLineParser` lists these fields under these titles; a field
+    # added here and not listed appears under "more options".
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "fault tolerance": ("auto_resume", "resume_verify_checksums", "save_retries", "save_retry_delay"),
+        "mixture of experts": ("moe_aux_loss_coef", "moe_z_loss_coef"),
+        "sequence parallel": ("sequence_parallel_size",),
+    }
 
     auto_resume: bool = field(
         default=False,
