@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -23,6 +24,7 @@ __all__ = ["USAGE_EXIT_CODE", "UsageError", "exit_on_error", "one_line", "usage_
 
 USAGE_EXIT_CODE = 2  # argparse's status for bad arguments
 _MAX_CHARS = 600
+_OTHER_RANKS_EXIT_DELAY_S = 3.0
 
 
 class UsageError(ValueError):
@@ -55,8 +57,9 @@ def exit_on_error(
 ) -> None:
     """Call `run()`; a `UsageError` (or an error listed in `exit_codes`) ends the process with one line on stderr.
 
-    Every rank of a multi-rank launch stops with the same status; only rank 0 prints the line. Other errors keep
-    their traceback: they are bugs or failures, not input to fix.
+    Every rank of a multi-rank launch stops with the same status; only rank 0 prints the line (the others wait a
+    moment first, so that a launcher stopping the group on the first failed rank does not cut rank 0 short).
+    Other errors keep their traceback: they are bugs or failures, not input to fix.
     """
     codes = {UsageError: USAGE_EXIT_CODE, **(exit_codes or {})}
     try:
@@ -65,4 +68,6 @@ def exit_on_error(
         code = next(code for kind, code in codes.items() if isinstance(err, kind))
         if _is_first_rank():
             print(f"{prog}: error: {one_line(err)}", file=sys.stderr, flush=True)
+        else:  # the other ranks read the same input: let rank 0 print before a launcher stops the group
+            time.sleep(_OTHER_RANKS_EXIT_DELAY_S)
         raise SystemExit(code) from None

@@ -117,7 +117,8 @@ def load_model(model_args: Any, tokenizer: Any, *, quantization_config: Any = No
             model = AutoModelForCausalLM.from_config(config, **kwargs)
         except _BUILD_ERRORS as err:
             raise ValueError(
-                f"transformers cannot build this {config.model_type} model ({err}); fix its sizes"
+                f"transformers cannot build a {config.model_type} model from this config ({_describe(err)}); "
+                "fix --config_overrides or the size flags"
             ) from None
         if quantization_config is not None:
             from hf_llmkit.quantization import quantize_model

@@ -105,8 +105,8 @@ class CommandLineParser(HfArgumentParser):
         if derived_defaults is not None:
             values.update({k: v for k, v in derived_defaults(dict(values), given).items() if k not in given})
         with usage_errors():
+            check_feature_flags(self.flag_groups, values, given)  # before __post_init__: the flag is the news
             parsed = tuple(self._build(dtype, values) for dtype in self.dataclass_types)
-            check_feature_flags(self.flag_groups, _field_values(parsed), given)
         return parsed, given
 
     def given_flags(self, argv: Sequence[str]) -> set[str]:
@@ -133,14 +133,6 @@ class CommandLineParser(HfArgumentParser):
         close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else "; --help lists the options"
         return f"unknown option {name}{hint}"
-
-
-def _field_values(parsed: Iterable[Any]) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for obj in parsed:
-        for f in dataclasses.fields(obj):
-            values.setdefault(f.name, getattr(obj, f.name))
-    return values
 
 
 def json_file_to_argv(path: str | Path) -> list[str]:
