@@ -82,6 +82,7 @@ EMBEDDED_DEFAULTS = dict(
     dataloader_pin_memory=torch.cuda.is_available(),
     seed=42,
     auto_resume=True,
+    ddp_find_unused_parameters=False,  # every trainable weight takes part in each step (MoE experts are fused tensors)
 )
 
 
@@ -106,9 +107,11 @@ HELP = HelpLayout(
     training_flags=("output_dir", "max_steps", "num_train_epochs", "per_device_train_batch_size",
                     "per_device_eval_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type",
                     "warmup_steps", "warmup_ratio", "weight_decay", "logging_steps", "save_steps", "save_total_limit",
-                    "eval_strategy", "eval_steps", "seed", "fp16", "bf16", "gradient_checkpointing", "deepspeed",
+                    "eval_strategy", "eval_steps", "seed", "fp16", "bf16", "activation_checkpointing", "deepspeed",
                     "ddp_find_unused_parameters", "resume_from_checkpoint", "report_to", "do_train", "do_eval"),
 )  # fmt: skip
+# The seed recipe's spellings that transformers 5 deprecated: same meaning, no deprecation warning.
+SEED_SPELLINGS = {"--gradient_checkpointing": "--activation_checkpointing"}
 CROSS_FLAGS = (FlagGroup("--upcycle_moe true", ("moe_aux_loss_coef", "moe_z_loss_coef"), lambda v: v["upcycle_moe"]),)
 
 
@@ -134,11 +137,15 @@ def default_output_dir(values: dict[str, Any]) -> str:
 
 
 def _derived_defaults(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
-    return {
-        "output_dir": default_output_dir(values),
-        "auto_resume": not values["overwrite_output_dir"],
-        "ddp_find_unused_parameters": values["upcycle_moe"],  # experts a batch routes no token to get no gradient
-    }
+    """Defaults that follow from what was typed (a typed flag always wins)."""
+    if "warmup_ratio" in given and "warmup_steps" in given:
+        raise UsageError("pass --warmup_ratio or --warmup_steps, not both (a --warmup_steps below 1 is a ratio)")
+    derived = {"output_dir": default_output_dir(values), "auto_resume": not values["overwrite_output_dir"]}
+    if "num_train_epochs" in given:
+        derived["max_steps"] = -1  # the epochs decide the length, not the embedded default of 300 steps
+    if values["warmup_ratio"] is not None:
+        derived["warmup_steps"] = values["warmup_ratio"]
+    return derived
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -146,7 +153,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     types = [ModelArguments, DataArguments, PeftArguments, DKMArguments, KbitArguments, MoEArguments, RunArguments]
     parser = CommandLineParser(
         [*types, LLMKitTrainingArguments], layout=HELP, flag_groups=CROSS_FLAGS, prog="run_clm.py",
-        description=__doc__.split("\n\n")[0],
+        description=__doc__.split("\n\n")[0], renamed_flags=SEED_SPELLINGS,
     )  # fmt: skip
     parser.set_defaults(**EMBEDDED_DEFAULTS)
     parsed, given = parser.parse(argv, derived_defaults=_derived_defaults)
@@ -237,7 +244,9 @@ def build_model(args: Args, tokenizer) -> Model:
     if args.kbit.load_in_kbits != 16:
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.training.gradient_checkpointing)
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=args.training.activation_checkpointing
+        )
     model = get_peft_model(model, peft_config)
     return Model(model, tokenizer, template, base)
 
@@ -286,7 +295,7 @@ def build_trainer(args: Args, built: Model, train, evaluation) -> LLMKitTrainer:
         callbacks.append(FaultToleranceCallback())
     if run.save_peft_adapter and args.peft.peft_method != "none":
         callbacks.append(SavePeftModelCallback())
-    if run.log_loss_scale and (training.fp16 or training.deepspeed):  # the loss scale exists only in fp16
+    if run.log_loss_scale and training.fp16:  # the loss scale exists only in fp16
         callbacks.append(LossScaleCallback())
     return LLMKitTrainer(
         model=built.model,
@@ -310,7 +319,8 @@ def train_and_evaluate(args: Args, trainer: LLMKitTrainer) -> dict[str, Any]:
     """Evaluate before (new runs), train (resuming when output_dir holds this run's checkpoint), evaluate after;
     writes train_results.json, eval_results.json and all_results.json as transformers' run_clm does."""
     training, results = args.training, {}
-    if training.do_eval and not _resuming(training):
+    # DeepSpeed builds its engine in train(): ZeRO-1/2 cannot evaluate before it (transformers refuses)
+    if training.do_eval and not _resuming(training) and not training.deepspeed:
         results["eval_perplexity_before"] = perplexity(trainer.evaluate()["eval_loss"])
     if training.do_train:
         outcome = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)

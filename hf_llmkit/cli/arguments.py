@@ -150,12 +150,14 @@ class RunArguments:
         save_peft_adapter: `SavePeftModelCallback`: the PEFT adapter + tokenizer in every checkpoint and in
             output_dir/adapter.
         log_loss_scale: `LossScaleCallback`: the live fp16 loss scale and overflows in the logs (fp16 runs).
+        warmup_ratio: The seed recipe's `--warmup_ratio`: warm up over this share of the steps (transformers 5
+            reads a `--warmup_steps` below 1 as that ratio; pass one or the other).
     """
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "fault tolerance": ("overwrite_output_dir", "fault_tolerance"),
         "PEFT": ("save_peft_adapter",),
-        "training": ("log_loss_scale",),
+        "training": ("log_loss_scale", "warmup_ratio"),
     }
     flag_groups: ClassVar[tuple[FlagGroup, ...]] = (
         FlagGroup("a --peft_method", ("save_peft_adapter",), lambda v: v["peft_method"] != "none"),
@@ -171,6 +173,14 @@ class RunArguments:
         default=True, metadata={"help": "Save the PEFT adapter + tokenizer into every checkpoint and output_dir."}
     )
     log_loss_scale: bool = field(default=True, metadata={"help": "Log the live fp16 loss scale and overflows."})
+    warmup_ratio: float | None = field(
+        default=None,
+        metadata={"help": "Warm up over this share of the steps (the seed's flag; = --warmup_steps < 1)."},
+    )
+
+    def __post_init__(self):
+        if self.warmup_ratio is not None and not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"--warmup_ratio {self.warmup_ratio} must be in [0, 1); e.g. 0.05 warms up over 5%")
 
 
 def resolve_block_size(data_args: DataArguments, config: Any) -> int:

@@ -9,7 +9,11 @@ filter; `import hf_llmkit` installs them, before peft / bitsandbytes / DeepSpeed
 - bitsandbytes' LLM.int8 on CPU: "MatMul8bitLt: inputs will be cast from ... to float16", once per matmul;
 - DeepSpeed on a machine without an accelerator: "Setting accelerator to CPU" (kept where an accelerator exists,
   since there it means detection failed);
-- peft reading transformers' deprecated `is_gradient_checkpointing` (a FutureWarning about peft's code).
+- peft reading transformers' deprecated `is_gradient_checkpointing` (a FutureWarning about peft's code);
+- DeepSpeed calling torch's deprecated `all_gather_into_tensor` (a FutureWarning about DeepSpeed's code);
+- accelerate under the Trainer with DeepSpeed: "Gradient accumulation steps mismatch: GradientAccumulationPlugin
+  has 1, DeepSpeed config has N. Using DeepSpeed's value." (the Trainer fills DeepSpeed's value from its own
+  `gradient_accumulation_steps`, so the value used is the one asked for).
 
 `configure_console(main_process=...)` sets INFO logs and dataset progress bars on the main process only; the other
 ranks log warnings and errors.
@@ -26,20 +30,20 @@ _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class _DropMessage(logging.Filter):
-    """Drops records of one logger whose message starts with `prefix`."""
+    """Drops the records of one logger whose message contains `text` (one known message, nothing else)."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, text: str) -> None:
         super().__init__()
-        self.prefix = prefix
+        self.text = text
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
+        return self.text not in str(record.msg)
 
 
-def _drop(logger_name: str, prefix: str) -> None:
+def _drop(logger_name: str, text: str) -> None:
     logger = logging.getLogger(logger_name)
-    if not any(isinstance(f, _DropMessage) and f.prefix == prefix for f in logger.filters):
-        logger.addFilter(_DropMessage(prefix))
+    if not any(isinstance(f, _DropMessage) and f.text == text for f in logger.filters):
+        logger.addFilter(_DropMessage(text))
 
 
 def _has_accelerator() -> bool:
@@ -55,7 +59,11 @@ def silence_known_noise() -> None:
     _drop("bitsandbytes.autograd._functions", "MatMul8bitLt: inputs will be cast from")
     if not _has_accelerator():
         _drop("DeepSpeed", "Setting accelerator to CPU.")
+    _drop("accelerate.accelerator", "Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1,")
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated", category=FutureWarning
+    )
 
 
 def configure_console(*, main_process: bool) -> None:

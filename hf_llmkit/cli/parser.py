@@ -54,6 +54,8 @@ class CommandLineParser(HfArgumentParser):
             `help_groups = {"title": ("field", ...)}`; each may list `flag_groups` (`FlagGroup`s).
         layout: Group order and the `TrainingArguments` flags `--help` shows (`hf_llmkit.cli.help.HelpLayout`).
         flag_groups: More `FlagGroup`s, for flags whose feature is switched on in another dataclass.
+        renamed_flags: Old spellings read as new ones (`{"--gradient_checkpointing": "--activation_checkpointing"}`),
+            so a recipe written for an older transformers keeps its meaning without a deprecation warning.
         kwargs: Passed to `argparse.ArgumentParser` (`prog`, `description`, ...).
     """
 
@@ -63,8 +65,10 @@ class CommandLineParser(HfArgumentParser):
         *,
         layout: HelpLayout | None = None,
         flag_groups: Iterable[FlagGroup] = (),
+        renamed_flags: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
+        self.renamed_flags = dict(renamed_flags or {})
         self.flag_actions: list[argparse.Action] = []  # every action, recorded as it is added (help, flag lookup)
         self.layout = layout or HelpLayout()
         kwargs.setdefault("allow_abbrev", False)  # `--lora_r` must not silently mean `--lora_rank`
@@ -97,6 +101,7 @@ class CommandLineParser(HfArgumentParser):
         argv = list(sys.argv[1:] if argv is None else argv)
         if argv and argv[0].endswith(".json") and not argv[0].startswith("-"):
             argv = json_file_to_argv(argv[0]) + argv[1:]
+        argv = [self._rename(token) for token in argv]
         namespace, rest = self.parse_known_args(argv)
         if rest:
             raise UsageError(self._unknown_message(rest))
@@ -119,6 +124,10 @@ class CommandLineParser(HfArgumentParser):
                 if dest is not None and dest != argparse.SUPPRESS:
                     given.add(dest)
         return given
+
+    def _rename(self, token: str) -> str:
+        name, sep, value = token.partition("=")
+        return self.renamed_flags.get(name, name) + sep + value if token.startswith("--") else token
 
     def _build(self, dtype: type, values: dict[str, Any]) -> Any:
         names = {f.name for f in dataclasses.fields(dtype) if f.init}
