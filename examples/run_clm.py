@@ -34,6 +34,8 @@ import torch
 from peft import get_peft_model
 from transformers import TrainerCallback, set_seed
 from transformers import default_data_collator as collate
+from transformers.integrations import TensorBoardCallback
+from transformers.integrations.integration_utils import default_logdir
 
 from hf_llmkit import LLMKitTrainingArguments
 from hf_llmkit.callbacks import FaultToleranceCallback, LossScaleCallback, SavePeftModelCallback, TrainingDivergedError
@@ -49,7 +51,7 @@ from hf_llmkit.cli.help import HelpLayout
 from hf_llmkit.cli.model_loading import load_model, load_tokenizer, ties_embeddings
 from hf_llmkit.cli.output import configure_console
 from hf_llmkit.cli.parser import CommandLineParser
-from hf_llmkit.cli.results import count_parameters, markdown_table, perplexity, save_results
+from hf_llmkit.cli.results import count_parameters, describe_setup, perplexity, results_table, save_results
 from hf_llmkit.corpus import corpus_texts, default_cache_dir
 from hf_llmkit.data_files import find_data_files, read_file_rows, read_text_rows
 from hf_llmkit.lm_data import build_lm_datasets
@@ -228,9 +230,9 @@ def build_model(args: Args, tokenizer) -> Model:
     if args.training.sequence_parallel_size > 1:
         from hf_llmkit.parallel.sequence.ulysses import kv_replication
 
-        config = model.config
-        kv_replication(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
-                       or config.num_attention_heads, args.training.sequence_parallel_size)  # fmt: skip
+        heads = model.config.num_attention_heads  # the heads must split over the ranks of a sequence
+        kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
+        kv_replication(heads, kv_heads, args.training.sequence_parallel_size)
     peft_config = args.peft.build_config(tied_embeddings=ties_embeddings(model))
     if peft_config is None:
         return Model(model, tokenizer)
@@ -271,9 +273,7 @@ def prepare_datasets(args: Args, built: Model, texts: list[str], held_out: list[
         train = train.select(range(min(data.max_train_samples, len(train))))
     if data.max_eval_samples is not None:
         evaluation = evaluation.select(range(min(data.max_eval_samples, len(evaluation))))
-    if (
-        built.template is not None
-    ):  # P-tuning v1: every block is placed in the template (same length, [Pk] unpredicted)
+    if built.template is not None:  # P-tuning v1: each block is placed in the template ([Pk] not predicted)
         train, evaluation = built.template.wrap_blocks(train), built.template.wrap_blocks(evaluation)
     logger.info("blocks of %d tokens: %d train, %d validation", block_size, len(train), len(evaluation))
     return train, evaluation
@@ -297,7 +297,7 @@ def build_trainer(args: Args, built: Model, train, evaluation) -> LLMKitTrainer:
         callbacks.append(SavePeftModelCallback())
     if run.log_loss_scale and training.fp16:  # the loss scale exists only in fp16
         callbacks.append(LossScaleCallback())
-    return LLMKitTrainer(
+    trainer = LLMKitTrainer(
         model=built.model,
         args=training,
         train_dataset=train if training.do_train else None,
@@ -306,6 +306,12 @@ def build_trainer(args: Args, built: Model, train, evaluation) -> LLMKitTrainer:
         data_collator=collate,
         callbacks=callbacks,
     )
+    for callback in trainer.callback_handler.callbacks:
+        # transformers 5.23's TensorBoardCallback picks its folder in on_train_begin; a log before it (our evaluation
+        # before training) would open a writer in ./runs of the current folder and keep it for the whole run
+        if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
+            callback.logging_dir = os.path.join(training.output_dir, default_logdir())
+    return trainer
 
 
 def _resuming(training: LLMKitTrainingArguments) -> bool:
@@ -351,56 +357,6 @@ def write_adapter_base(args: Args, built: Model) -> Path | None:
     return base_dir
 
 
-def describe(args: Args) -> list[tuple[str, str]]:
-    """The rows of the results table that say what was trained."""
-    peft, dkm, kbit, moe, training = args.peft, args.dkm, args.kbit, args.moe, args.training
-    method = {
-        "none": "full fine-tuning",
-        "lora": f"LoRA (rank {peft.lora_rank}, alpha {peft.lora_alpha:g})",
-        "bottleneck": f"bottleneck adapters ({peft.bottleneck_placement})",
-        "bitfit": "BitFit",
-        "ptuning": f"P-tuning v1 ({peft.num_virtual_tokens} virtual tokens)",
-        "ptuning_v2": f"P-tuning v2 ({peft.num_virtual_tokens} prefix tokens per layer)",
-    }[peft.peft_method]
-    quantization = "none"
-    if dkm.quantization == "dkm":
-        quantization = f"DKM {dkm.dkm_bits}-bit ({dkm.dkm_granularity})"
-    elif kbit.load_in_kbits != 16:
-        quantization = f"bitsandbytes {kbit.load_in_kbits}-bit base"
-    experts = f"{moe.moe_num_experts} experts, top-{moe.moe_top_k} (upcycled)" if moe.upcycle_moe else "none"
-    sp = training.sequence_parallel_size
-    return [
-        ("method", method),
-        ("quantization", quantization),
-        ("mixture of experts", experts),
-        ("sequence parallel", f"{sp} ranks per sequence" if sp > 1 else "off"),
-        ("ranks", str(training.world_size)),
-    ]
-
-
-def print_results(args: Args, results: dict[str, Any]) -> None:
-    def fmt(key: str, spec: str = ".3f") -> str:
-        value = results.get(key)
-        return "-" if value is None else format(value, spec)
-
-    steps = str(results.get("global_step", "-"))
-    if results.get("resumed_at"):
-        steps += f" (resumed at step {results['resumed_at']})"
-    rows = [
-        *describe(args),
-        ("parameters (trainable)", f"{results['parameters']:,} ({results['trainable_parameters']:,})"),
-        ("steps", steps),
-        ("train loss", fmt("train_loss")),
-        ("eval perplexity before", fmt("eval_perplexity_before", ".2f")),
-        ("eval perplexity after", fmt("eval_perplexity", ".2f")),
-        ("wall time", f"{results['wall_time_s']:.1f} s"),
-        ("outputs", results["output_dir"]),
-    ]
-    if results.get("adapter_base"):
-        rows.append(("adapter base", f"{results['adapter_base']} (the model the adapter was trained on)"))
-    print("\n" + markdown_table(rows), flush=True)
-
-
 def run(argv: list[str] | None = None) -> dict[str, Any]:
     """The main job; returns its results (also written to output_dir as *_results.json)."""
     start = time.perf_counter()
@@ -420,7 +376,8 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     results.update(output_dir=args.training.output_dir, wall_time_s=time.perf_counter() - start)
     results["adapter_base"] = str(base_dir) if base_dir is not None else None
     if trainer.is_world_process_zero():
-        print_results(args, results)
+        setup = describe_setup(peft=args.peft, dkm=args.dkm, kbit=args.kbit, moe=args.moe, training=args.training)
+        print("\n" + results_table(setup, results), flush=True)
     return results
 
 

@@ -68,7 +68,7 @@ class ModelArguments:
     model_type: str = field(default="llama", metadata={"help": "From scratch: the architecture (llama, qwen2...)."})
     config_overrides: str | None = field(
         default=None,
-        metadata={"help": "From scratch: config changes, e.g. 'rope_theta=5e5,tie_word_embeddings=true'."},
+        metadata={"help": "From scratch: config changes, e.g. 'rms_norm_eps=1e-5,tie_word_embeddings=true'."},
     )
     vocab_size: int = field(default=4096, metadata={"help": "From scratch: BPE vocabulary trained on the corpus."})
     hidden_size: int = field(default=256, metadata={"help": "From scratch: hidden size."})

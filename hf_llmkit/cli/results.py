@@ -2,6 +2,8 @@
 
 `save_results(trainer, "train", metrics)` writes `train_results.json` and merges it into `all_results.json`
 (`Trainer.save_metrics`); for "eval" it adds `perplexity` first, as transformers' own `run_clm.py` does.
+`results_table(describe_setup(...), results)` is the table a run ends with: what was trained (method,
+quantization, experts, sequence parallelism, ranks), parameters counted once per storage, steps, losses, time.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["count_parameters", "markdown_table", "perplexity", "save_results"]
+__all__ = ["count_parameters", "describe_setup", "markdown_table", "perplexity", "results_table", "save_results"]
 
 
 def perplexity(loss: float) -> float:
@@ -51,3 +53,57 @@ def count_parameters(model: Any) -> tuple[int, int]:
         unique.setdefault(key, param)
     params = unique.values()
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def describe_setup(*, peft: Any, dkm: Any, kbit: Any, moe: Any, training: Any) -> list[tuple[str, str]]:
+    """The table rows that say what was trained, from `PeftArguments`, `DKMArguments`, `KbitArguments`,
+    `MoEArguments` and `LLMKitTrainingArguments`."""
+    method = {
+        "none": "full fine-tuning",
+        "lora": f"LoRA (rank {peft.lora_rank}, alpha {peft.lora_alpha:g})",
+        "bottleneck": f"bottleneck adapters ({peft.bottleneck_placement})",
+        "bitfit": "BitFit",
+        "ptuning": f"P-tuning v1 ({peft.num_virtual_tokens} virtual tokens)",
+        "ptuning_v2": f"P-tuning v2 ({peft.num_virtual_tokens} prefix tokens per layer)",
+    }[peft.peft_method]
+    quantization = "none"
+    if dkm.quantization == "dkm":
+        quantization = f"DKM {dkm.dkm_bits}-bit ({dkm.dkm_granularity})"
+    elif kbit.load_in_kbits != 16:
+        quantization = f"bitsandbytes {kbit.load_in_kbits}-bit base"
+    experts = f"{moe.moe_num_experts} experts, top-{moe.moe_top_k} (upcycled)" if moe.upcycle_moe else "none"
+    sp = training.sequence_parallel_size
+    return [
+        ("method", method),
+        ("quantization", quantization),
+        ("mixture of experts", experts),
+        ("sequence parallel", f"{sp} ranks per sequence" if sp > 1 else "off"),
+        ("ranks", str(training.world_size)),
+    ]
+
+
+def results_table(setup: list[tuple[str, str]], results: dict[str, Any]) -> str:
+    """The markdown table a run ends with: `setup` rows, then the results of `train_and_evaluate`."""
+
+    def fmt(key: str, spec: str = ".3f") -> str:
+        value = results.get(key)
+        return "-" if value is None else format(value, spec)
+
+    steps = str(results.get("global_step", "-"))
+    if results.get("resumed_at") and results["resumed_at"] == results.get("global_step"):
+        steps += " (this run had finished: nothing left to train; --overwrite_output_dir true starts over)"
+    elif results.get("resumed_at"):
+        steps += f" (resumed at step {results['resumed_at']})"
+    rows = [
+        *setup,
+        ("parameters (trainable)", f"{results['parameters']:,} ({results['trainable_parameters']:,})"),
+        ("steps", steps),
+        ("train loss", fmt("train_loss")),
+        ("eval perplexity before", fmt("eval_perplexity_before", ".2f")),
+        ("eval perplexity after", fmt("eval_perplexity", ".2f")),
+        ("wall time", f"{results['wall_time_s']:.1f} s"),
+        ("outputs", results["output_dir"]),
+    ]
+    if results.get("adapter_base"):
+        rows.append(("adapter base", f"{results['adapter_base']} (the model the adapter was trained on)"))
+    return markdown_table(rows)
