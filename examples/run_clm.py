@@ -43,6 +43,7 @@ from hf_llmkit.cli import FlagGroup, UsageError, exit_on_error, usage_errors  # 
 from hf_llmkit.cli.arguments import SCRATCH_SIZES, DataArguments, ModelArguments, RunArguments, resolve_block_size
 from hf_llmkit.cli.folders import (
     check_checkpoint_folder,
+    check_json_file,
     check_model_folder,
     check_tokenizer_folder,
     check_writable_folder,
@@ -150,6 +151,11 @@ def _derived_defaults(values: dict[str, Any], given: set[str]) -> dict[str, Any]
     return derived
 
 
+def _check_deepspeed_file(values: dict[str, Any]) -> None:
+    if isinstance(values["deepspeed"], str) and not values["deepspeed"].lstrip().startswith("{"):
+        check_json_file(values["deepspeed"], flag="--deepspeed")
+
+
 def parse_args(argv: list[str] | None = None) -> Args:
     """The run's arguments; bad flags and flags of a feature that is off raise `UsageError`."""
     types = [ModelArguments, DataArguments, PeftArguments, DKMArguments, KbitArguments, MoEArguments, RunArguments]
@@ -158,7 +164,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
         description=__doc__.split("\n\n")[0], renamed_flags=SEED_SPELLINGS,
     )  # fmt: skip
     parser.set_defaults(**EMBEDDED_DEFAULTS)
-    parsed, given = parser.parse(argv, derived_defaults=_derived_defaults)
+    parsed, given = parser.parse(argv, derived_defaults=_derived_defaults, prechecks=[_check_deepspeed_file])
     args = Args(*parsed, given=frozenset(given))
     with usage_errors():
         check_combinations(args)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,7 +44,7 @@ def validation_block_count(blocks: int, percentage: float) -> int:
         raise ValueError(f"--validation_split_percentage {percentage} must be between 0 and 100 (exclusive)")
     if blocks < 2:
         raise ValueError(f"the data gives {blocks} block(s); a train/validation split needs at least 2")
-    return min(max(1, round(blocks * percentage / 100)), blocks - 1)
+    return min(max(1, math.ceil(blocks * percentage / 100)), blocks - 1)  # datasets' rounding for a float test_size
 
 
 def _blocks(texts: Dataset, tokenizer, block_size: int, num_proc: int | None, what: str) -> Dataset:

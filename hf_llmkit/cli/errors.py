@@ -55,7 +55,9 @@ def _is_first_rank() -> bool:
 def exit_on_error(
     run: Callable[[], Any], *, prog: str, exit_codes: Mapping[type[BaseException], int] | None = None
 ) -> None:
-    """Call `run()`; a `UsageError` (or an error listed in `exit_codes`) ends the process with one line on stderr.
+    """Call `run()`; a `UsageError`, an error listed in `exit_codes`, or an error whose class sets an integer
+    `exit_code` attribute (a library error meant for the person running the command) ends the process with that
+    status and one line on stderr.
 
     Every rank of a multi-rank launch stops with the same status; only rank 0 prints the line (the others wait a
     moment first, so that a launcher stopping the group on the first failed rank does not cut rank 0 short).
@@ -64,8 +66,10 @@ def exit_on_error(
     codes = {UsageError: USAGE_EXIT_CODE, **(exit_codes or {})}
     try:
         run()
-    except tuple(codes) as err:
-        code = next(code for kind, code in codes.items() if isinstance(err, kind))
+    except Exception as err:
+        code = next((code for kind, code in codes.items() if isinstance(err, kind)), getattr(err, "exit_code", None))
+        if not isinstance(code, int):
+            raise
         if _is_first_rank():
             print(f"{prog}: error: {one_line(err)}", file=sys.stderr, flush=True)
         else:  # the other ranks read the same input: let rank 0 print before a launcher stops the group

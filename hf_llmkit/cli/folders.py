@@ -7,6 +7,7 @@ Each raises `ValueError` with one sentence that names the flag and the fix:
 - `check_model_folder`: a local model folder with a `config.json` that parses and readable weights.
 - `check_tokenizer_folder`: a local tokenizer folder.
 - `check_checkpoint_folder`: a Trainer checkpoint (`trainer_state.json` that parses).
+- `check_json_file`: a configuration file (a DeepSpeed config, say) that exists and holds a JSON object.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["check_checkpoint_folder", "check_model_folder", "check_tokenizer_folder", "check_writable_folder"]
+__all__ = [
+    "check_checkpoint_folder",
+    "check_json_file",
+    "check_model_folder",
+    "check_tokenizer_folder",
+    "check_writable_folder",
+]
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -124,3 +131,12 @@ def check_checkpoint_folder(path: str | os.PathLike, *, flag: str = "--resume_fr
         hint = f" (it holds {inside[-1]}: pass that)" if inside else ""
         raise ValueError(f"{flag} {path} is not a checkpoint: no trainer_state.json{hint}")
     _read_json(state, f"{flag}:")
+
+
+def check_json_file(path: str | os.PathLike, *, flag: str) -> None:
+    """A file holding one JSON object (e.g. `--deepspeed ds_config.json`)."""
+    file = Path(path)
+    if not file.is_file():
+        what = "is a folder" if file.is_dir() else "does not exist"
+        raise ValueError(f"{flag} {path} {what}; pass a JSON config file")
+    _read_json(file, f"{flag}:")

@@ -71,7 +71,7 @@ def configure_console(*, main_process: bool) -> None:
     import datasets
     import transformers
 
-    logging.basicConfig(format=_LOG_FORMAT, level=logging.INFO if main_process else logging.WARNING, force=True)
+    logging.basicConfig(format=_LOG_FORMAT, level=logging.INFO if main_process else logging.WARNING)
     transformers.utils.logging.set_verbosity_warning()
     transformers.utils.logging.disable_progress_bar()  # per-save "Writing model shards" bars between the steps
     if not main_process:

@@ -91,12 +91,18 @@ class CommandLineParser(HfArgumentParser):
         return format_help(self, full=full)
 
     def parse(
-        self, argv: Sequence[str] | None = None, *, derived_defaults: DerivedDefaults | None = None
+        self,
+        argv: Sequence[str] | None = None,
+        *,
+        derived_defaults: DerivedDefaults | None = None,
+        prechecks: Iterable[Callable[[dict[str, Any]], None]] = (),
     ) -> tuple[tuple[Any, ...], set[str]]:
         """Parse `argv` (default: `sys.argv[1:]`) into the dataclasses; also return the flags that were typed.
 
         `derived_defaults(values, given)` may return new values for flags the user did not type (by field name);
-        they apply before the dataclasses are built, so their `__post_init__` checks see them.
+        they apply before the dataclasses are built, so their `__post_init__` checks see them. Each of
+        `prechecks(values)` runs before that too and raises `ValueError` for input that a `__post_init__` would
+        act on (a `TrainingArguments` with a missing DeepSpeed file leaves global state half set up).
         """
         argv = list(sys.argv[1:] if argv is None else argv)
         if argv and argv[0].endswith(".json") and not argv[0].startswith("-"):
@@ -111,6 +117,8 @@ class CommandLineParser(HfArgumentParser):
             values.update({k: v for k, v in derived_defaults(dict(values), given).items() if k not in given})
         with usage_errors():
             check_feature_flags(self.flag_groups, values, given)  # before __post_init__: the flag is the news
+            for check in prechecks:
+                check(values)
             parsed = tuple(self._build(dtype, values) for dtype in self.dataclass_types)
         return parsed, given
 

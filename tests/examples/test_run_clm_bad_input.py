@@ -109,7 +109,8 @@ CASES = [
     ("unknown-flag", [*SIZES, "--lora_rnk", "4"], "unknown option --lora_rnk; did you mean --lora_rank?"),
     ("invalid-choice", [*SIZES, "--peft_method", "lorra"], "--peft_method: invalid choice: 'lorra'"),
     ("bad-int", [*SIZES, "--max_steps", "ten"], "--max_steps: invalid int value: 'ten'"),
-    ("deepspeed-missing", [*SIZES, "--deepspeed", "{d}/nothing.json"], "nothing.json"),
+    ("deepspeed-missing", [*SIZES, "--deepspeed", "{d}/nothing.json"], "--deepspeed {d}/nothing.json does not exist"),
+    ("deepspeed-corrupt", [*SIZES, "--deepspeed", "{d}/args.json"], "--deepspeed: {d}/args.json is corrupt"),
     ("args-json-malformed", ["{d}/args.json"], "args.json is not a JSON file of flags"),
     ("sp-without-ranks", [*SIZES, "--sequence_parallel_size", "2"], "sequence_parallel_size=2 must be >= 1 and"),
 ]  # fmt: skip
@@ -186,3 +187,12 @@ def test_bad_input_count_is_reported():
     """The closing note counts these: every case above ends as one line."""
     assert len(CASES) >= 45 and len({case[0] for case in CASES}) == len(CASES)
     assert json.dumps([case[0] for case in CASES])
+
+
+def test_divergence_ends_with_one_line_and_its_own_exit_status(tmp_path):
+    """Not bad input but not a crash either: a loss that cannot be rolled back ends with one line, status 3."""
+    args = [*SIZES, *RUN, "--max_steps", "6", "--learning_rate", "1e12", "--output_dir", str(tmp_path / "o")]
+    proc = _script(args)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "non-finite training loss" in lines[0] and "Traceback" not in proc.stderr
