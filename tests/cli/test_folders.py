@@ -39,15 +39,18 @@ def test_unwritable_folder_is_found_by_writing(tmp_path):
     locked.chmod(0o555)
     code = (
         "from hf_llmkit.cli.folders import check_writable_folder\n"
-        "try:\n"
-        f"    check_writable_folder({str(locked / 'out')!r}, flag='--output_dir')\n"
-        "except ValueError as err:\n"
-        "    print(err)\n"
+        f"for path, flag in [({str(locked / 'out')!r}, '--output_dir'), ({str(locked)!r}, '--data_cache_dir')]:\n"
+        "    try:\n"
+        "        check_writable_folder(path, flag=flag)\n"
+        "    except ValueError as err:\n"
+        "        print(err)\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, **honour_permissions()
     )
-    assert "is not writable (Permission denied" in proc.stdout, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 and all("is not writable (Permission denied" in line for line in lines), proc.stderr[-2000:]
+    assert lines[0].startswith("--output_dir") and lines[1].startswith("--data_cache_dir")
 
 
 def test_model_folder_checks(tmp_path):

@@ -40,7 +40,10 @@ print(json.dumps({"loss": loss, "auto_loss": auto_loss, "blocks": len(ids)}))
 
 @pytest.mark.parametrize(
     "flags",
-    [["--peft_method", "lora", "--lora_rank", "4"], ["--peft_method", "bottleneck", "--bottleneck_size", "8"]],
+    [
+        ["--peft_method", "lora", "--lora_rank", "4"],
+        pytest.param(["--peft_method", "bottleneck", "--bottleneck_size", "8"], marks=pytest.mark.slow),
+    ],
     ids=["lora", "bottleneck"],
 )
 def test_adapter_on_the_saved_base_reproduces_the_evaluated_model(run_clm, tmp_path, flags):
