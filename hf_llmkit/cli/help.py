@@ -90,11 +90,17 @@ def _invocation(action: argparse.Action) -> str:
         return name
     if _is_bool(action) or getattr(action.type, "__name__", "") == "string_to_bool":
         return f"{name} {{true,false}}"
-    if action.choices:
+    if action.choices and not _long_choices(action):
         metavar = "{" + ",".join(str(c) for c in action.choices) + "}"
+    elif action.choices:
+        metavar = "NAME"
     else:
         metavar = _TYPE_METAVAR.get(action.type, "VALUE")
     return f"{name} {metavar} [...]" if action.nargs in ("+", "*") else f"{name} {metavar}"
+
+
+def _long_choices(action: argparse.Action) -> bool:
+    return bool(action.choices) and len(",".join(str(c) for c in action.choices)) > 60
 
 
 def _default_text(value: Any) -> str | None:
@@ -115,6 +121,8 @@ def _help_text(action: argparse.Action) -> str:
     aliases = [o for o in action.option_strings if o not in (_primary(action), dash) and o.startswith("--")]
     if aliases:
         text += f" (also {', '.join(aliases)})"
+    if _long_choices(action):
+        text += f" One of: {', '.join(str(c) for c in action.choices)}."
     default = _default_text(action.default)
     if default is not None and "default" not in text.lower() and action.nargs != 0:
         text += f" (default: {default})"
