@@ -52,7 +52,16 @@ def count_parameters(model: Any) -> tuple[int, int]:
             key = (param.device, param.untyped_storage().data_ptr(), param.storage_offset(), tuple(param.shape))
         unique.setdefault(key, param)
     params = unique.values()
-    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    return sum(map(_logical_numel, params)), sum(_logical_numel(p) for p in params if p.requires_grad)
+
+
+def _logical_numel(param: Any) -> int:
+    """Weights, not storage elements: a bitsandbytes 4-bit parameter packs several weights per element."""
+    try:
+        from bitsandbytes.nn import Params4bit
+    except ImportError:
+        return param.numel()
+    return param.numel() * 2 * param.element_size() if isinstance(param, Params4bit) else param.numel()
 
 
 def describe_setup(*, peft: Any, dkm: Any, kbit: Any, moe: Any, training: Any) -> list[tuple[str, str]]:
