@@ -1,67 +1,73 @@
 #!/usr/bin/env python
 """Pre-train or continue training a causal language model with the HF Trainer: hf_llmkit's main job.
 
-Modelled on the Chinese-LLaMA-Alpaca-2 recipe `run_clm_pt_with_peft.py`: `HfArgumentParser` over model,
-data and training argument dataclasses; a text corpus tokenized and grouped into blocks with `datasets`
-(cached), a train/validation split, training with the Trainer, evaluation perplexity, checkpoints and
-resume. It runs with no arguments:
+Modelled on transformers' `run_clm.py` and the Chinese-LLaMA-Alpaca-2 recipe `run_clm_pt_with_peft.py` (whose
+flags it accepts with their meaning): model, data and training arguments parsed by `HfArgumentParser`; a text
+corpus tokenized and grouped into blocks with `datasets` (cached); a train/validation split or a held-out file;
+the Trainer with hf_llmkit's callbacks; evaluation perplexity; results files; checkpoints and resume. It runs
+with no arguments:
 
     python examples/run_clm.py                      # tiny Llama pre-trained from scratch on the embedded corpus
     accelerate launch --multi_gpu --num_processes 2 examples/run_clm.py        # the same on 2 ranks
     python examples/run_clm.py --model_name_or_path path/to/model --train_file corpus.txt --block_size 256
-    python examples/run_clm.py --upcycle_moe true --moe_num_experts 8   # sparse upcycling to Mixtral
-    python examples/run_clm.py --peft_method bottleneck --bottleneck_placement pfeiffer   # or lora, bitfit
-    python examples/run_clm.py --peft_method ptuning_v2 --num_virtual_tokens 16 --prefix_projection true  # or ptuning
+    python examples/run_clm.py --peft_method lora --trainable q_proj,v_proj --modules_to_save embed_tokens,lm_head
+    python examples/run_clm.py args.json            # the flags as one JSON object
+    python examples/run_clm.py --help               # our options, grouped (--help-all: every TrainingArguments flag)
 
-Without `--model_name_or_path` it builds a small Llama-architecture model from a config (sizes below) and
-a byte-level BPE tokenizer trained on the English corpus that ships with Python (`pydoc_data.topics`).
-Without `--dataset_dir` / `--train_file` it trains on that corpus. Re-running the same command resumes from
-the newest checkpoint in `--output_dir`.
+Without `--model_name_or_path` it builds a small model of `--model_type` (llama) from a config and a byte-level
+BPE tokenizer trained on the English corpus that ships with Python (`pydoc_data.topics`). Each combination of
+features gets its own default output folder (outputs/run_clm, outputs/run_clm-lora, ...); re-running the same
+command resumes from the newest complete checkpoint there (`LLMKitTrainingArguments.auto_resume`). Bad input
+stops before any work with one line and exit status 2.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
-import math
 import os
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
-import transformers
 from peft import get_peft_model
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    HfArgumentParser,
-    LlamaConfig,
-    LlamaForCausalLM,
-    default_data_collator,
-    set_seed,
-)
+from transformers import TrainerCallback, set_seed
+from transformers import default_data_collator as collate
+from transformers.integrations import TensorBoardCallback
+from transformers.integrations.integration_utils import default_logdir
 
 from hf_llmkit import LLMKitTrainingArguments
-from hf_llmkit.callbacks import (
-    FaultToleranceCallback,
-    LossScaleCallback,
-    SavePeftModelCallback,
-    latest_complete_checkpoint,
+from hf_llmkit.callbacks import FaultToleranceCallback, LossScaleCallback, SavePeftModelCallback, TrainingDivergedError
+from hf_llmkit.cli import FlagGroup, UsageError, exit_on_error, usage_errors  # noqa: F401 (callers catch run_clm.UsageError)
+from hf_llmkit.cli.arguments import SCRATCH_SIZES, DataArguments, ModelArguments, RunArguments, resolve_block_size
+from hf_llmkit.cli.folders import (
+    check_checkpoint_folder,
+    check_json_file,
+    check_model_folder,
+    check_tokenizer_folder,
+    check_writable_folder,
 )
-from hf_llmkit.corpus import corpus_texts, corpus_tokenizer, default_cache_dir
-from hf_llmkit.lm_data import build_lm_datasets, find_data_files
+from hf_llmkit.cli.help import HelpLayout
+from hf_llmkit.cli.model_loading import load_model, load_tokenizer, ties_embeddings
+from hf_llmkit.cli.output import configure_console
+from hf_llmkit.cli.parser import CommandLineParser
+from hf_llmkit.cli.results import count_parameters, describe_setup, perplexity, results_table, save_results
+from hf_llmkit.corpus import corpus_texts, default_cache_dir
+from hf_llmkit.data_files import find_data_files, read_file_rows, read_text_rows
+from hf_llmkit.lm_data import build_lm_datasets
 from hf_llmkit.parallel.moe.arguments import MoEArguments
+from hf_llmkit.quantization.arguments import DKMArguments, KbitArguments
 from hf_llmkit.trainers import LLMKitTrainer
 from hf_llmkit.tuners.arguments import PeftArguments
 from hf_llmkit.tuners.ptuning import PTuningTemplate
 
 logger = logging.getLogger("run_clm")
+DIVERGED_EXIT_CODE = 3  # the loss diverged after --max_rollbacks rollbacks: not bad input, not a crash
 
-# Embedded defaults: what `python examples/run_clm.py` does with no flags (each one can be overridden).
+# What `python examples/run_clm.py` does with no flags (each one can be overridden).
 EMBEDDED_DEFAULTS = dict(
-    output_dir="outputs/run_clm",
+    output_dir="outputs/run_clm",  # with features on: outputs/run_clm-<features> (see default_output_dir)
     do_train=True,
     do_eval=True,
     max_steps=300,
@@ -78,393 +84,312 @@ EMBEDDED_DEFAULTS = dict(
     disable_tqdm=False,
     dataloader_pin_memory=torch.cuda.is_available(),
     seed=42,
+    auto_resume=True,
+    ddp_find_unused_parameters=False,  # every trainable weight takes part in each step (MoE experts are fused tensors)
 )
 
 
-@dataclass
-class ModelArguments:
-    """Which model to train.
+class Args(NamedTuple):
+    """Every parsed argument of one run, and the flags the user typed."""
 
-    Args:
-        model_name_or_path: Local folder of a pretrained causal LM (config.json + weights). Omit it to pre-train
-            the built-in tiny Llama from scratch.
-        tokenizer_name_or_path: Tokenizer folder, when it is not the model folder.
-        torch_dtype: dtype the weights are loaded in: auto, float32, bfloat16 or float16.
-        attn_implementation: Attention implementation passed to the model (sdpa, eager, ...).
-        vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
-            max_position_embeddings: sizes of the from-scratch Llama (ignored with `model_name_or_path`).
-        quantization: "dkm" trains with DKM / eDKM weight clustering (`hf_llmkit.DKMConfig`, quantization-aware);
-            the saved model holds packed n-bit indices + lookup tables. Use `--torch_dtype bfloat16` for eDKM's
-            unique-value table (32-bit weights fall back to naive DKM's memory).
-        dkm_bits, dkm_cluster_dim, dkm_granularity, dkm_group_size, dkm_embedding_bits, dkm_temperature, dkm_shard:
-            the matching `DKMConfig` fields (`dkm_embedding_bits` set: embeddings are clustered too).
-    """
-
-    model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Local folder of a pretrained causal LM; omit to pre-train a tiny Llama."}
-    )
-    tokenizer_name_or_path: str | None = field(
-        default=None, metadata={"help": "Tokenizer folder, when it is not the model folder."}
-    )
-    torch_dtype: str | None = field(
-        default=None,
-        metadata={"help": "dtype for the weights.", "choices": ["auto", "float32", "bfloat16", "float16"]},
-    )
-    attn_implementation: str | None = field(default=None, metadata={"help": "Attention implementation (sdpa, eager)."})
-    vocab_size: int = field(default=4096, metadata={"help": "From scratch: BPE vocabulary trained on the corpus."})
-    hidden_size: int = field(default=256, metadata={"help": "From scratch: hidden size."})
-    intermediate_size: int = field(default=688, metadata={"help": "From scratch: MLP size."})
-    num_hidden_layers: int = field(default=4, metadata={"help": "From scratch: decoder layers."})
-    num_attention_heads: int = field(default=4, metadata={"help": "From scratch: query heads."})
-    num_key_value_heads: int = field(default=2, metadata={"help": "From scratch: key/value heads (GQA)."})
-    max_position_embeddings: int = field(default=512, metadata={"help": "From scratch: context length."})
-    quantization: str | None = field(
-        default=None, metadata={"help": "'dkm': DKM/eDKM train-time weight clustering.", "choices": ["dkm"]}
-    )
-    dkm_bits: int = field(default=3, metadata={"help": "DKM: bits per index (1-8)."})
-    dkm_cluster_dim: int = field(default=1, metadata={"help": "DKM: weights per clustered vector."})
-    dkm_granularity: str = field(
-        default="per_tensor",
-        metadata={
-            "help": "DKM: one table per tensor or per group_size rows.",
-            "choices": ["per_tensor", "per_grouped_channel"],
-        },
-    )
-    dkm_group_size: int = field(default=32, metadata={"help": "DKM: output channels per table (per_grouped_channel)."})
-    dkm_embedding_bits: int | None = field(
-        default=None, metadata={"help": "DKM: also cluster embeddings, at these bits."}
-    )
-    dkm_temperature: float = field(default=0.02, metadata={"help": "DKM: soft-assignment temperature (x weight std)."})
-    dkm_shard: bool = field(default=False, metadata={"help": "eDKM: shard the unique table across the ranks."})
+    model: ModelArguments
+    data: DataArguments
+    peft: PeftArguments
+    dkm: DKMArguments
+    kbit: KbitArguments
+    moe: MoEArguments
+    run: RunArguments
+    training: LLMKitTrainingArguments
+    given: frozenset[str] = frozenset()
 
 
-@dataclass
-class DataArguments:
-    """What to train on.
-
-    Args:
-        dataset_dir: Folder of .txt / .json / .jsonl files (searched recursively); JSON rows need a `text` field.
-        train_file: A single .txt / .json / .jsonl file (instead of `dataset_dir`).
-        block_size: Tokens per training block; defaults to min(128, the model's context).
-        validation_split_percentage: Share of the blocks held out for evaluation.
-        data_cache_dir: Where tokenized, grouped datasets are cached (default: the hf_llmkit cache).
-        preprocessing_num_workers: Processes for tokenization.
-        max_train_samples / max_eval_samples: Truncate the splits (quick runs, tests).
-    """
-
-    dataset_dir: str | None = field(default=None, metadata={"help": "Folder of .txt/.json/.jsonl training files."})
-    train_file: str | None = field(default=None, metadata={"help": "One .txt/.json/.jsonl training file."})
-    block_size: int | None = field(default=None, metadata={"help": "Tokens per block (default min(128, context))."})
-    validation_split_percentage: float = field(default=5.0, metadata={"help": "Percent of blocks held out."})
-    data_cache_dir: str | None = field(default=None, metadata={"help": "Cache folder for processed datasets."})
-    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Tokenization processes."})
-    max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many train blocks."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Use at most this many eval blocks."})
-
-    def __post_init__(self):
-        if self.dataset_dir is not None and self.train_file is not None:
-            raise ValueError("pass either --dataset_dir or --train_file, not both")
-        if self.block_size is not None and self.block_size < 2:
-            raise ValueError(f"--block_size {self.block_size} is too small; use at least 2 tokens")
+HELP = HelpLayout(
+    order=("model", "quantization", "DKM quantization", "data", "PEFT", "mixture of experts", "sequence parallel",
+           "fault tolerance", "training"),
+    training_title="training",
+    training_flags=("output_dir", "max_steps", "num_train_epochs", "per_device_train_batch_size",
+                    "per_device_eval_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type",
+                    "warmup_steps", "warmup_ratio", "weight_decay", "logging_steps", "save_steps", "save_total_limit",
+                    "eval_strategy", "eval_steps", "seed", "fp16", "bf16", "activation_checkpointing", "deepspeed",
+                    "ddp_find_unused_parameters", "resume_from_checkpoint", "report_to", "do_train", "do_eval"),
+)  # fmt: skip
+# The seed recipe's spellings that transformers 5 deprecated: same meaning, no deprecation warning.
+SEED_SPELLINGS = {"--gradient_checkpointing": "--activation_checkpointing"}
+CROSS_FLAGS = (FlagGroup("--upcycle_moe true", ("moe_aux_loss_coef", "moe_z_loss_coef"), lambda v: v["upcycle_moe"]),)
 
 
-@dataclass
-class RunArguments:
-    """How this script treats an existing output folder.
-
-    Args:
-        overwrite_output_dir: Start from scratch even if `output_dir` holds checkpoints (default: resume).
-        fault_tolerance: `FaultToleranceCallback`: manifest-checked checkpoints, save-and-exit on SIGTERM/SIGUSR1,
-            rollback on NaN loss (`--no_fault_tolerance` turns it off).
-        save_peft_adapter: `SavePeftModelCallback`: the PEFT adapter + tokenizer in every checkpoint and in
-            output_dir/adapter (a no-op for full fine-tuning; `--no_save_peft_adapter` turns it off).
-        log_loss_scale: `LossScaleCallback`: the live fp16 loss scale and overflows in the logs (nothing under
-            bf16/fp32; `--no_log_loss_scale` turns it off).
-    """
-
-    overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Ignore checkpoints in output_dir and train from scratch."}
-    )
-    fault_tolerance: bool = field(
-        default=True, metadata={"help": "Manifest-checked checkpoints, save-and-exit on SIGTERM, NaN rollback."}
-    )
-    save_peft_adapter: bool = field(
-        default=True, metadata={"help": "Save the PEFT adapter + tokenizer into every checkpoint and output_dir."}
-    )
-    log_loss_scale: bool = field(default=True, metadata={"help": "Log the live fp16 loss scale and overflows."})
+def default_output_dir(values: dict[str, Any]) -> str:
+    """outputs/run_clm, plus one suffix per switched-on feature, so different runs never share a folder."""
+    parts = []
+    if values["model_name_or_path"]:
+        parts.append(Path(values["model_name_or_path"]).name)
+    if values["peft_method"] != "none":
+        parts.append(values["peft_method"])
+    if values["quantization"]:
+        parts.append(values["quantization"])
+    if values["load_in_kbits"] != 16:
+        parts.append(f"{values['load_in_kbits']}bit")
+    if values["upcycle_moe"]:
+        parts.append("moe")
+    if values["sequence_parallel_size"] > 1:
+        parts.append(f"sp{values['sequence_parallel_size']}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        parts.append(f"{world}ranks")
+    return "-".join(["outputs/run_clm", *parts])
 
 
-def build_callbacks(run_args: RunArguments) -> list:
-    """The hf_llmkit callbacks this run enables (all three by default)."""
-    callbacks = []
-    if run_args.fault_tolerance:
-        callbacks.append(FaultToleranceCallback())
-    if run_args.save_peft_adapter:
-        callbacks.append(SavePeftModelCallback())
-    if run_args.log_loss_scale:
-        callbacks.append(LossScaleCallback())
-    return callbacks
+def _derived_defaults(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
+    """Defaults that follow from what was typed (a typed flag always wins)."""
+    if "warmup_ratio" in given and "warmup_steps" in given:
+        raise UsageError("pass --warmup_ratio or --warmup_steps, not both (a --warmup_steps below 1 is a ratio)")
+    derived = {"output_dir": default_output_dir(values), "auto_resume": not values["overwrite_output_dir"]}
+    if "num_train_epochs" in given:
+        derived["max_steps"] = -1  # the epochs decide the length, not the embedded default of 300 steps
+    if values["warmup_ratio"] is not None:
+        derived["warmup_steps"] = values["warmup_ratio"]
+    return derived
 
 
-def parse_args(argv: list[str] | None = None):
-    parser = HfArgumentParser(
-        (ModelArguments, DataArguments, RunArguments, MoEArguments, PeftArguments, LLMKitTrainingArguments)
-    )
+def _check_deepspeed_file(values: dict[str, Any]) -> None:
+    if isinstance(values["deepspeed"], str) and not values["deepspeed"].lstrip().startswith("{"):
+        check_json_file(values["deepspeed"], flag="--deepspeed")
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    """The run's arguments; bad flags and flags of a feature that is off raise `UsageError`."""
+    types = [ModelArguments, DataArguments, PeftArguments, DKMArguments, KbitArguments, MoEArguments, RunArguments]
+    parser = CommandLineParser(
+        [*types, LLMKitTrainingArguments], layout=HELP, flag_groups=CROSS_FLAGS, prog="run_clm.py",
+        description=__doc__.split("\n\n")[0], renamed_flags=SEED_SPELLINGS,
+    )  # fmt: skip
     parser.set_defaults(**EMBEDDED_DEFAULTS)
-    return parser.parse_args_into_dataclasses(args=argv)
+    parsed, given = parser.parse(argv, derived_defaults=_derived_defaults, prechecks=[_check_deepspeed_file])
+    args = Args(*parsed, given=frozenset(given))
+    with usage_errors():
+        check_combinations(args)
+    return args
 
 
-def check_model_folders(model_args: ModelArguments) -> None:
-    """Models and tokenizers are never downloaded: the folders given must exist locally."""
-    if model_args.model_name_or_path is not None:
-        path = Path(model_args.model_name_or_path)
-        if not (path / "config.json").is_file():
-            what = "does not exist" if not path.exists() else "has no config.json"
+def check_combinations(args: Args) -> None:
+    """Features that cannot work together stop here, before any work."""
+    if args.kbit.load_in_kbits != 16:
+        if args.peft.peft_method == "none":
             raise ValueError(
-                f"--model_name_or_path {path} {what}; pass a local model folder (models are not downloaded), "
-                "or omit it to pre-train the built-in tiny Llama"
+                f"--load_in_kbits {args.kbit.load_in_kbits} freezes the quantized base: train an adapter on it "
+                "with --peft_method (e.g. lora), or drop --load_in_kbits"
             )
-    tokenizer = model_args.tokenizer_name_or_path
-    if tokenizer is not None and not Path(tokenizer).is_dir():
-        raise ValueError(f"--tokenizer_name_or_path {tokenizer} does not exist; pass a local tokenizer folder")
+        if args.dkm.quantization is not None:
+            raise ValueError("--load_in_kbits 4/8 and --quantization dkm both quantize the weights; choose one")
+        if args.model.model_name_or_path is None:
+            raise ValueError("--load_in_kbits 4/8 quantizes a pretrained model: add --model_name_or_path")
 
 
-def load_tokenizer(model_args: ModelArguments):
-    source = model_args.tokenizer_name_or_path or model_args.model_name_or_path
-    if source is None:
-        return corpus_tokenizer(vocab_size=model_args.vocab_size)
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.sep_token
-    if tokenizer.eos_token is None and tokenizer.sep_token is not None:
-        tokenizer.eos_token = tokenizer.sep_token  # encoder tokenizers (BERT) end documents with [SEP]
-    return tokenizer
+def check_inputs(args: Args) -> tuple[list[str], list[str] | None]:
+    """Check every folder and file the run reads or writes; return the training and validation texts."""
+    model, data, training = args.model, args.data, args.training
+    if model.model_name_or_path is not None:
+        check_model_folder(model.model_name_or_path)
+    if model.tokenizer_name_or_path is not None:
+        check_tokenizer_folder(model.tokenizer_name_or_path)
+    if training.resume_from_checkpoint is not None:
+        check_checkpoint_folder(training.resume_from_checkpoint)
+    files = find_data_files(dataset_dir=data.dataset_dir, train_file=data.train_file)
+    texts = read_text_rows(files) if files else corpus_texts()
+    held_out = None
+    if data.validation_file is not None:
+        held_out = read_file_rows(find_data_files(train_file=data.validation_file, flag="--validation_file")[0])
+    cache_flag = "--data_cache_dir" if data.data_cache_dir else "the hf_llmkit cache ($HF_LLMKIT_CACHE)"
+    check_writable_folder(data.data_cache_dir or default_cache_dir(), flag=cache_flag)
+    check_writable_folder(training.output_dir, flag="--output_dir")
+    return texts, held_out
 
 
-def dkm_config(model_args: ModelArguments):
-    """The `DKMConfig` of `--quantization dkm` (None without it); bad values raise ValueError naming the fix."""
-    if model_args.quantization != "dkm":
+class Model(NamedTuple):
+    """The model to train and what the run needs to know about how it was built."""
+
+    model: Any
+    tokenizer: Any
+    template: Any = None  # P-tuning v1: places each block in the template
+    base: Any = None  # from-scratch PEFT runs: (base model, tokenizer) the adapter trains on (write_adapter_base)
+
+
+def adapter_base_dir(args: Args) -> Path | None:
+    """output_dir/base for a PEFT run on a model built from scratch (the base exists nowhere else), else None."""
+    if args.peft.peft_method == "none" or args.model.model_name_or_path is not None:
         return None
-    from hf_llmkit import DKMConfig
-
-    return DKMConfig(
-        bits=model_args.dkm_bits,
-        cluster_dim=model_args.dkm_cluster_dim,
-        granularity=model_args.dkm_granularity,
-        group_size=model_args.dkm_group_size,
-        quantize_embeddings=model_args.dkm_embedding_bits is not None,
-        embedding_bits=model_args.dkm_embedding_bits or 8,
-        temperature=model_args.dkm_temperature,
-        shard=model_args.dkm_shard,
-    )
+    return Path(args.training.output_dir) / "base"
 
 
-def load_model(model_args: ModelArguments, tokenizer):
-    quantization = dkm_config(model_args)
-    dtype = model_args.torch_dtype
-    dtype = dtype if dtype in (None, "auto") else getattr(torch, dtype)
-    if model_args.model_name_or_path is None:
-        config = LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=model_args.hidden_size,
-            intermediate_size=model_args.intermediate_size,
-            num_hidden_layers=model_args.num_hidden_layers,
-            num_attention_heads=model_args.num_attention_heads,
-            num_key_value_heads=model_args.num_key_value_heads,
-            max_position_embeddings=model_args.max_position_embeddings,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            tie_word_embeddings=False,
+def build_model(args: Args, tokenizer) -> Model:
+    """Load or build the model, then quantize, upcycle and wrap it in the PEFT adapter, as the flags say."""
+    model_args = args.model
+    quantization = args.dkm.build_config()
+    if quantization is None and args.kbit.load_in_kbits != 16:
+        compute = getattr(torch, model_args.torch_dtype) if model_args.torch_dtype not in (None, "auto") else None
+        quantization = args.kbit.build_config(
+            compute_dtype=compute or torch.float32, skip_modules=args.peft.modules_to_save
         )
-        if model_args.attn_implementation:
-            config._attn_implementation = model_args.attn_implementation
-        model = LlamaForCausalLM(config)
-        model = model.to(dtype) if isinstance(dtype, torch.dtype) else model
-        if quantization is not None:
-            from hf_llmkit.quantization import quantize_model
+    required = [name for name in SCRATCH_SIZES if name in args.given]
+    model = load_model(model_args, tokenizer, quantization_config=quantization, required=required)
+    model = args.moe.apply(model)  # --upcycle_moe: dense -> Mixtral / Qwen2-MoE experts
+    if args.training.sequence_parallel_size > 1:
+        from hf_llmkit.parallel.sequence.ulysses import kv_replication
 
-            model = quantize_model(model, quantization)
-        return model
-    path = Path(model_args.model_name_or_path)
-    config = AutoConfig.from_pretrained(path)
-    if getattr(config, "is_decoder", True) is False:
-        config.is_decoder = True  # encoder checkpoints (BERT family) train causally as decoders
-    kwargs = {"dtype": dtype} if dtype is not None else {}
-    if quantization is not None:
-        kwargs["quantization_config"] = quantization
-    if model_args.attn_implementation:
-        kwargs["attn_implementation"] = model_args.attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))
-    return model
+        heads = model.config.num_attention_heads  # the heads must split over the ranks of a sequence
+        kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
+        kv_replication(heads, kv_heads, args.training.sequence_parallel_size)
+    peft_config = args.peft.build_config(tied_embeddings=ties_embeddings(model))
+    if peft_config is None:
+        return Model(model, tokenizer)
+    base_dir = adapter_base_dir(args)
+    base = None
+    if base_dir is not None:  # the adapter's config points at the base saved next to it
+        model.name_or_path = str(base_dir.resolve())
+        base = (copy.deepcopy(model), copy.deepcopy(tokenizer))
+    # P-tuning v1: the virtual tokens [P0].. join the tokenizer (saved with the adapter) before injection
+    template = PTuningTemplate(tokenizer, peft_config) if args.peft.peft_method == "ptuning" else None
+    if args.kbit.load_in_kbits != 16:
+        from peft import prepare_model_for_kbit_training
 
-
-def context_length(config) -> int | None:
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def resolve_block_size(data_args: DataArguments, config) -> int:
-    context = context_length(config)
-    if data_args.block_size is None:
-        return min(128, context or 128)
-    if context is not None and data_args.block_size > context:
-        raise ValueError(
-            f"--block_size {data_args.block_size} is larger than the model's context ({context} positions); "
-            f"pass --block_size {context} or less"
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=args.training.activation_checkpointing
         )
-    return data_args.block_size
+    model = get_peft_model(model, peft_config)
+    return Model(model, tokenizer, template, base)
 
 
-def resume_checkpoint(run_args: RunArguments, training_args) -> str | None:
-    """The checkpoint to resume from: an explicit `--resume_from_checkpoint`, else the newest *complete* one in
-    output_dir (manifest-verified: half-written checkpoints of a killed run are skipped)."""
-    if training_args.resume_from_checkpoint is not None:
-        if not Path(training_args.resume_from_checkpoint).is_dir():
-            raise ValueError(
-                f"--resume_from_checkpoint {training_args.resume_from_checkpoint} is not a folder; "
-                "pass a checkpoint-N folder, or omit it to resume from the newest checkpoint in --output_dir"
-            )
-        return training_args.resume_from_checkpoint
-    if run_args.overwrite_output_dir or not os.path.isdir(training_args.output_dir):
-        return None
-    return latest_complete_checkpoint(training_args.output_dir)
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(loss) if loss < 50 else float("inf")
-
-
-def results_table(rows: list[tuple[str, str]]) -> str:
-    rows = [("result", "value"), *rows]
-    left, right = (max(len(row[i]) for row in rows) for i in (0, 1))
-    lines = [f"| {k.ljust(left)} | {v.ljust(right)} |" for k, v in rows]
-    lines.insert(1, f"|{'-' * (left + 2)}|{'-' * (right + 2)}|")
-    return "\n".join(lines)
-
-
-class UsageError(Exception):
-    """Bad command-line input; `main` prints it as one line and exits with status 2."""
-
-
-def run(argv: list[str] | None = None) -> dict:
-    start = time.perf_counter()
-    try:
-        model_args, data_args, run_args, moe_args, peft_args, training_args = parse_args(argv)
-    except ValueError as err:  # raised by the argument dataclasses' __post_init__
-        raise UsageError(err) from err
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    if not training_args.should_log:
-        logger.setLevel(logging.WARNING)
-    transformers.utils.logging.set_verbosity_warning()
-    set_seed(training_args.seed)
-
-    try:  # everything the user's input decides is checked before any work starts
-        files = find_data_files(dataset_dir=data_args.dataset_dir, train_file=data_args.train_file)
-        check_model_folders(model_args)
-        tokenizer = load_tokenizer(model_args)
-        model = load_model(model_args, tokenizer)
-        model = moe_args.apply(model)  # --upcycle_moe: dense -> Mixtral / Qwen2-MoE experts
-        peft_config = peft_args.build_config()  # None: --peft_method none trains every weight
-        # P-tuning v1: add the virtual tokens [P0].. to the tokenizer (saved with the adapter) before injection
-        template = PTuningTemplate(tokenizer, peft_config) if peft_args.peft_method == "ptuning" else None
-        if peft_config is not None:
-            model = get_peft_model(model, peft_config)
-            model.print_trainable_parameters()
-        block_size = resolve_block_size(data_args, model.config)
-        checkpoint = resume_checkpoint(run_args, training_args)
-    except ValueError as err:
-        raise UsageError(err) from err
-
-    with training_args.main_process_first(desc="tokenize and group"):
+def prepare_datasets(args: Args, built: Model, texts: list[str], held_out: list[str] | None) -> tuple[Any, Any]:
+    """Tokenized blocks for training and evaluation (cached; the first process builds them, the others load)."""
+    data, training = args.data, args.training
+    block_size = resolve_block_size(data, built.model.config)
+    with training.main_process_first(desc="tokenize and group"):
         datasets = build_lm_datasets(
-            tokenizer=tokenizer,
+            tokenizer=built.tokenizer,
             block_size=block_size,
-            files=files,
-            texts=None if files else corpus_texts(),
-            validation_split_percentage=data_args.validation_split_percentage,
-            cache_dir=data_args.data_cache_dir or default_cache_dir() / "datasets",
-            num_proc=data_args.preprocessing_num_workers,
-            seed=training_args.seed,
+            texts=texts,
+            validation_texts=held_out,
+            validation_split_percentage=data.validation_split_percentage,
+            cache_dir=data.data_cache_dir or default_cache_dir() / "datasets",
+            num_proc=data.preprocessing_num_workers,
+            seed=training.seed,
         )
-    train_dataset, eval_dataset = datasets["train"], datasets["validation"]
-    if data_args.max_train_samples is not None:
-        train_dataset = train_dataset.select(range(min(data_args.max_train_samples, len(train_dataset))))
-    if data_args.max_eval_samples is not None:
-        eval_dataset = eval_dataset.select(range(min(data_args.max_eval_samples, len(eval_dataset))))
-    if template is not None:  # P-tuning v1: every block is placed in the template (same length, [Pk] not predicted)
-        train_dataset, eval_dataset = template.wrap_blocks(train_dataset), template.wrap_blocks(eval_dataset)
-    logger.info("blocks of %d tokens: %d train, %d validation", block_size, len(train_dataset), len(eval_dataset))
+    train, evaluation = datasets["train"], datasets["validation"]
+    if data.max_train_samples is not None:
+        train = train.select(range(min(data.max_train_samples, len(train))))
+    if data.max_eval_samples is not None:
+        evaluation = evaluation.select(range(min(data.max_eval_samples, len(evaluation))))
+    if built.template is not None:  # P-tuning v1: each block is placed in the template ([Pk] not predicted)
+        train, evaluation = built.template.wrap_blocks(train), built.template.wrap_blocks(evaluation)
+    logger.info("blocks of %d tokens: %d train, %d validation", block_size, len(train), len(evaluation))
+    return train, evaluation
 
+
+class ResumePoint(TrainerCallback):
+    """Remembers the step `train()` started from (0 for a new run; the checkpoint's step after a resume)."""
+
+    step: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step
+
+
+def build_trainer(args: Args, built: Model, train, evaluation) -> LLMKitTrainer:
+    run, training = args.run, args.training
+    callbacks: list[TrainerCallback] = [ResumePoint()]
+    if run.fault_tolerance:
+        callbacks.append(FaultToleranceCallback())
+    if run.save_peft_adapter and args.peft.peft_method != "none":
+        callbacks.append(SavePeftModelCallback())
+    if run.log_loss_scale and training.fp16:  # the loss scale exists only in fp16
+        callbacks.append(LossScaleCallback())
     trainer = LLMKitTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=train_dataset if training_args.do_train else None,
-        eval_dataset=eval_dataset if training_args.do_eval else None,
-        processing_class=tokenizer,
-        data_collator=default_data_collator,
-        callbacks=build_callbacks(run_args),
+        model=built.model,
+        args=training,
+        train_dataset=train if training.do_train else None,
+        eval_dataset=evaluation if training.do_eval else None,
+        processing_class=built.tokenizer,
+        data_collator=collate,
+        callbacks=callbacks,
     )
-    results: dict = {
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "block_size": block_size,
-        "output_dir": training_args.output_dir,
-    }
-    if training_args.do_eval and checkpoint is None:
+    for callback in trainer.callback_handler.callbacks:
+        # transformers 5.23's TensorBoardCallback picks its folder in on_train_begin; a log before it (our evaluation
+        # before training) would open a writer in ./runs of the current folder and keep it for the whole run
+        if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
+            callback.logging_dir = os.path.join(training.output_dir, default_logdir())
+    return trainer
+
+
+def _resuming(training: LLMKitTrainingArguments) -> bool:
+    """Whether `train()` will resume: an explicit checkpoint, or auto-resume with a checkpoint in output_dir."""
+    if training.resume_from_checkpoint is not None:
+        return True
+    return training.auto_resume and any(path.is_dir() for path in Path(training.output_dir).glob("checkpoint-*"))
+
+
+def train_and_evaluate(args: Args, trainer: LLMKitTrainer) -> dict[str, Any]:
+    """Evaluate before (new runs), train (resuming when output_dir holds this run's checkpoint), evaluate after;
+    writes train_results.json, eval_results.json and all_results.json as transformers' run_clm does."""
+    training, results = args.training, {}
+    # DeepSpeed builds its engine in train(): ZeRO-1/2 cannot evaluate before it (transformers refuses)
+    if training.do_eval and not _resuming(training) and not training.deepspeed:
         results["eval_perplexity_before"] = perplexity(trainer.evaluate()["eval_loss"])
-    if training_args.do_train:
-        if checkpoint is not None:
-            logger.info("resuming from %s", checkpoint)
-        train_result = trainer.train(resume_from_checkpoint=checkpoint)
+    if training.do_train:
+        outcome = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
         trainer.save_model()
+        metrics = save_results(trainer, "train", {**outcome.metrics, "train_samples": len(trainer.train_dataset)})
         trainer.save_state()
-        results["train_loss"] = train_result.training_loss
-        results["global_step"] = trainer.state.global_step
-        results["resumed_from"] = checkpoint
-    if training_args.do_eval:
+        start = next(cb.step for cb in trainer.callback_handler.callbacks if isinstance(cb, ResumePoint))
+        results.update(train_loss=metrics["train_loss"], global_step=trainer.state.global_step, resumed_at=start)
+    if training.do_eval:
         metrics = trainer.evaluate()
-        results["eval_loss"] = metrics["eval_loss"]
-        results["eval_perplexity"] = perplexity(metrics["eval_loss"])
-        trainer.save_metrics("eval", metrics)
-    results["wall_time_s"] = time.perf_counter() - start
-    if trainer.is_world_process_zero():
-        print_results(results, training_args.world_size)
+        metrics = save_results(trainer, "eval", {**metrics, "eval_samples": len(trainer.eval_dataset)})
+        results.update(eval_loss=metrics["eval_loss"], eval_perplexity=metrics["perplexity"])
     return results
 
 
-def print_results(results: dict, world_size: int) -> None:
-    def fmt(key: str, spec: str = ".3f") -> str:
-        value = results.get(key)
-        return "-" if value is None else format(value, spec)
+def write_adapter_base(args: Args, built: Model) -> Path | None:
+    """Save the base model + tokenizer the adapter trains on to output_dir/base (a new run; a resumed one has it),
+    so `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"), out / "adapter")` reproduces
+    the evaluated model. Written before training: peft's adapter saves read the base's config."""
+    base_dir = adapter_base_dir(args)
+    if base_dir is None:
+        return None
+    with args.training.main_process_first(desc="adapter base"):
+        if args.training.should_save and not (_resuming(args.training) and (base_dir / "config.json").is_file()):
+            base_model, base_tokenizer = built.base
+            base_model.save_pretrained(base_dir)
+            base_tokenizer.save_pretrained(base_dir)
+    return base_dir
 
-    rows = [
-        ("parameters (trainable)", f"{results['parameters']:,} ({results['trainable_parameters']:,})"),
-        ("ranks", str(world_size)),
-        ("steps", str(results.get("global_step", "-"))),
-        ("train loss", fmt("train_loss")),
-        ("eval perplexity before", fmt("eval_perplexity_before", ".2f")),
-        ("eval perplexity after", fmt("eval_perplexity", ".2f")),
-        ("wall time", f"{results['wall_time_s']:.1f} s"),
-        ("outputs", results["output_dir"]),
-    ]
-    if results.get("resumed_from"):
-        rows.insert(3, ("resumed from", results["resumed_from"]))
-    print("\n" + results_table(rows), flush=True)
+
+def run(argv: list[str] | None = None) -> dict[str, Any]:
+    """The main job; returns its results (also written to output_dir as *_results.json)."""
+    start = time.perf_counter()
+    args = parse_args(argv)
+    configure_console(main_process=args.training.should_log)
+    set_seed(args.training.seed)
+    with usage_errors(OSError):  # everything the input decides is checked before training starts
+        texts, held_out = check_inputs(args)
+        built = build_model(args, load_tokenizer(args.model))
+        train, evaluation = prepare_datasets(args, built, texts, held_out)
+    base_dir = write_adapter_base(args, built)
+    built = built._replace(base=None)  # the snapshot is on disk now
+    trainer = build_trainer(args, built, train, evaluation)
+    total, trainable = count_parameters(built.model)
+    results: dict[str, Any] = {"parameters": total, "trainable_parameters": trainable}
+    results.update(train_and_evaluate(args, trainer))
+    results.update(output_dir=args.training.output_dir, wall_time_s=time.perf_counter() - start)
+    results["adapter_base"] = str(base_dir) if base_dir is not None else None
+    if trainer.is_world_process_zero():
+        setup = describe_setup(peft=args.peft, dkm=args.dkm, kbit=args.kbit, moe=args.moe, training=args.training)
+        print("\n" + results_table(setup, results), flush=True)
+    return results
 
 
 def main() -> None:
     try:
-        run()
-    except UsageError as err:
-        # Bad input: one line that says what to change, no traceback.
-        print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        exit_on_error(run, prog="run_clm.py", exit_codes={TrainingDivergedError: DIVERGED_EXIT_CODE})
     finally:
         # Tear the process groups down before interpreter exit: gloo groups (the sequence-parallel ones too)
         # destroyed during finalisation can abort the process ("terminate called without an active exception").

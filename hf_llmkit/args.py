@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from transformers import TrainingArguments
@@ -84,6 +85,14 @@ class LLMKitTrainingArguments(TrainingArguments):
             (each layer's input) in pinned host memory instead of accelerator memory; needs
             `activation_checkpointing` (`gradient_checkpointing`). A no-op on CPU-only machines.
     """
+
+    # `--help` of a command built on `hf_llmkit.cli.CommandLineParser` lists these fields under these titles; a field
+    # added here and not listed appears under "more options".
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "fault tolerance": ("auto_resume", "resume_verify_checksums", "save_retries", "save_retry_delay"),
+        "mixture of experts": ("moe_aux_loss_coef", "moe_z_loss_coef"),
+        "sequence parallel": ("sequence_parallel_size",),
+    }
 
     auto_resume: bool = field(
         default=False,

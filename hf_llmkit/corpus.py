@@ -3,7 +3,8 @@
 Every CPython ships `pydoc_data.topics.topics`: about 465K characters of English prose and Python code
 (the text behind `help()`). `corpus_texts()` splits it into paragraphs; `corpus_tokenizer()` trains a
 byte-level BPE tokenizer on it once with the `tokenizers` library and caches it as a regular
-`PreTrainedTokenizerFast` folder, which `AutoTokenizer.from_pretrained` reloads.
+`PreTrainedTokenizerFast` folder, which `AutoTokenizer.from_pretrained` reloads. `write_corpus_files(dir)` (or
+`python -m hf_llmkit.corpus DIR`) writes it as a folder of .txt files, a `--dataset_dir` like the seed recipe's.
 """
 
 from __future__ import annotations
@@ -80,3 +81,27 @@ def _train_bpe(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK, model_max_length=2048
     )
+
+
+def write_corpus_files(folder: str | os.PathLike, *, files: int = 8) -> list[Path]:
+    """The embedded corpus as `files` UTF-8 .txt files of whole paragraphs (a `--dataset_dir` for examples)."""
+    if files < 1:
+        raise ValueError(f"files={files} must be at least 1")
+    texts = corpus_texts()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for index in range(files):
+        path = folder / f"corpus-{index:03d}.txt"
+        path.write_text("\n".join(texts[index::files]) + "\n", encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+if __name__ == "__main__":  # python -m hf_llmkit.corpus DIR [FILES]: write the corpus as a folder of .txt files
+    import sys
+
+    if len(sys.argv) not in (2, 3):
+        sys.exit("usage: python -m hf_llmkit.corpus DIR [FILES]   (writes the embedded corpus as FILES .txt files)")
+    written = write_corpus_files(sys.argv[1], files=int(sys.argv[2]) if len(sys.argv) == 3 else 8)
+    print(f"wrote {len(written)} files to {sys.argv[1]}")

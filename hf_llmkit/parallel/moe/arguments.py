@@ -9,8 +9,11 @@ A training script needs three lines:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from torch import nn
+
+from hf_llmkit.cli.feature_flags import FlagGroup
 
 
 @dataclass
@@ -25,6 +28,15 @@ class MoEArguments:
         moe_top_k: experts each token is routed to.
         moe_capacity_factor: per-expert capacity factor in training (default: dropless routing).
     """
+
+    help_group: ClassVar[str] = "mixture of experts"
+    flag_groups: ClassVar[tuple[FlagGroup, ...]] = (
+        FlagGroup(
+            "--upcycle_moe true",
+            ("moe_num_experts", "moe_top_k", "moe_capacity_factor"),
+            lambda values: values["upcycle_moe"],
+        ),
+    )
 
     upcycle_moe: bool = field(
         default=False, metadata={"help": "Upcycle the dense model into a mixture of experts (Mixtral / Qwen2-MoE)."}

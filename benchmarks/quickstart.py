@@ -1,0 +1,123 @@
+"""How long `make quickstart` trains, next to the same training with the plain transformers Trainer.
+
+`make quickstart` runs `python examples/run_clm.py`: a 5M-parameter Llama trained from scratch for 300 steps
+(batch 8 x 128 tokens) on the embedded corpus, with evaluation before and after, checkpoints every 100 steps and
+hf_llmkit's callbacks. The peer is a script with the same model, data, hyperparameters, evaluations and
+checkpoints on `transformers.Trainer` alone. Each variant runs as a fresh process (as a user starts it), in
+interleaved rounds with the order rotated; after one untimed run that builds the tokenizer and data caches.
+Reported: the process wall time and the Trainer's `train_runtime`, min / median, and the per-round ratio to the
+peer; torch threads and the load before and after.
+
+    python benchmarks/quickstart.py              # 2 rounds (about 10 minutes on 2 cores)
+    python benchmarks/quickstart.py --rounds 3 --steps 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import load_note, machine_state, markdown_table, write_results
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def peer(output_dir: str, steps: int) -> None:
+    """The quickstart on the plain transformers Trainer (same model, data, schedule, evaluations, checkpoints)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, default_data_collator, set_seed
+
+    from hf_llmkit.corpus import corpus_texts, corpus_tokenizer, default_cache_dir
+    from hf_llmkit.lm_data import build_lm_datasets
+
+    set_seed(42)
+    tokenizer = corpus_tokenizer(vocab_size=4096)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    data = build_lm_datasets(
+        tokenizer=tokenizer, block_size=128, texts=corpus_texts(), cache_dir=default_cache_dir() / "datasets", seed=42
+    )
+    args = TrainingArguments(
+        output_dir, max_steps=steps, per_device_train_batch_size=8, per_device_eval_batch_size=16, learning_rate=1e-3,
+        lr_scheduler_type="cosine", warmup_steps=20, weight_decay=0.01, logging_steps=20, save_steps=100,
+        save_total_limit=2, report_to="none", disable_tqdm=True, seed=42, dataloader_pin_memory=False,
+    )  # fmt: skip
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data["train"], eval_dataset=data["validation"],
+        processing_class=tokenizer, data_collator=default_data_collator,
+    )  # fmt: skip
+    trainer.evaluate()
+    outcome = trainer.train()
+    trainer.save_model()
+    trainer.save_metrics("train", outcome.metrics)
+    trainer.evaluate()
+
+
+def run_variant(name: str, steps: int) -> dict[str, float]:
+    """One fresh process of `name`; its wall time and the Trainer's train_runtime."""
+    with tempfile.TemporaryDirectory(prefix="quickstart_") as out:
+        if name == "run_clm (make quickstart)":
+            cmd = [
+                sys.executable,
+                str(REPO / "examples" / "run_clm.py"),
+                "--output_dir",
+                out,
+                "--disable_tqdm",
+                "true",
+            ]
+            cmd += ["--max_steps", str(steps)]
+        else:
+            cmd = [sys.executable, __file__, "--peer-run", out, "--steps", str(steps)]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name} failed:\n{proc.stderr[-4000:]}")
+        train = json.loads((Path(out) / "train_results.json").read_text())
+    return {"wall_s": wall, "train_s": train["train_runtime"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--peer-run", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.peer_run:
+        return peer(options.peer_run, options.steps)
+    names = ["run_clm (make quickstart)", "plain Trainer (peer)"]
+    run_variant(names[0], 1)  # untimed: builds the tokenizer and the data cache, as the first quickstart does
+    before = machine_state()
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for index in range(options.rounds):
+        order = names[index % 2 :] + names[: index % 2]
+        for name in order:
+            samples[name].append(run_variant(name, options.steps))
+    after = machine_state()
+    rows = [["variant", "wall s (min / median)", "train s (min / median)", "train x peer (min / median)"]]
+    summary = {}
+    for name in names:
+        wall = [s["wall_s"] for s in samples[name]]
+        train = [s["train_s"] for s in samples[name]]
+        ratios = [a["train_s"] / b["train_s"] for a, b in zip(samples[name], samples[names[1]])]
+        summary[name] = {"wall_s": wall, "train_s": train, "train_ratio_to_peer": ratios}
+        rows.append([name, f"{min(wall):.1f} / {statistics.median(wall):.1f}",
+                     f"{min(train):.1f} / {statistics.median(train):.1f}",
+                     f"{min(ratios):.3f} / {statistics.median(ratios):.3f}"])  # fmt: skip
+    print(f"## quickstart: {options.steps} steps, {options.rounds} rounds\n")
+    print(markdown_table(rows) + "\n\n" + load_note(before, after))
+    path = write_results("quickstart", {"steps": options.steps, "summary": summary, "before": before, "after": after})
+    print(f"\nresults: {path}")
+
+
+if __name__ == "__main__":
+    main()

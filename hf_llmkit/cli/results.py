@@ -1,0 +1,118 @@
+"""What a training command reports: perplexity, results files as HF's `run_clm` writes them, a results table.
+
+`save_results(trainer, "train", metrics)` writes `train_results.json` and merges it into `all_results.json`
+(`Trainer.save_metrics`); for "eval" it adds `perplexity` first, as transformers' own `run_clm.py` does.
+`results_table(describe_setup(...), results)` is the table a run ends with: what was trained (method,
+quantization, experts, sequence parallelism, ranks), parameters counted once per storage, steps, losses, time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["count_parameters", "describe_setup", "markdown_table", "perplexity", "results_table", "save_results"]
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), or inf where that overflows."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return float("inf")
+
+
+def save_results(trainer: Any, split: str, metrics: dict[str, Any]) -> dict[str, Any]:
+    """Write `{split}_results.json` and update `all_results.json` (main process); eval metrics gain `perplexity`."""
+    metrics = dict(metrics)
+    if split == "eval" and "eval_loss" in metrics:
+        metrics["perplexity"] = perplexity(metrics["eval_loss"])
+    trainer.save_metrics(split, metrics)
+    return metrics
+
+
+def markdown_table(rows: Sequence[tuple[str, str]], *, header: tuple[str, str] = ("result", "value")) -> str:
+    """A two-column markdown table, padded to line up in a terminal."""
+    rows = [header, *rows]
+    left, right = (max(len(row[i]) for row in rows) for i in (0, 1))
+    lines = [f"| {k.ljust(left)} | {v.ljust(right)} |" for k, v in rows]
+    lines.insert(1, f"|{'-' * (left + 2)}|{'-' * (right + 2)}|")
+    return "\n".join(lines)
+
+
+def count_parameters(model: Any) -> tuple[int, int]:
+    """(all, trainable) parameter counts, each storage counted once: weights tied to another parameter (the output
+    layer to the embedding, even as separate `Parameter` objects) are one parameter."""
+    unique: dict[tuple[Any, ...], Any] = {}
+    for param in model.parameters():
+        if param.device.type == "meta":
+            key: tuple[Any, ...] = (id(param),)
+        else:
+            key = (param.device, param.untyped_storage().data_ptr(), param.storage_offset(), tuple(param.shape))
+        unique.setdefault(key, param)
+    params = unique.values()
+    return sum(map(_logical_numel, params)), sum(_logical_numel(p) for p in params if p.requires_grad)
+
+
+def _logical_numel(param: Any) -> int:
+    """Weights, not storage elements: a bitsandbytes 4-bit parameter packs several weights per element."""
+    try:
+        from bitsandbytes.nn import Params4bit
+    except ImportError:
+        return param.numel()
+    return param.numel() * 2 * param.element_size() if isinstance(param, Params4bit) else param.numel()
+
+
+def describe_setup(*, peft: Any, dkm: Any, kbit: Any, moe: Any, training: Any) -> list[tuple[str, str]]:
+    """The table rows that say what was trained, from `PeftArguments`, `DKMArguments`, `KbitArguments`,
+    `MoEArguments` and `LLMKitTrainingArguments`."""
+    method = {
+        "none": "full fine-tuning",
+        "lora": f"LoRA (rank {peft.lora_rank}, alpha {peft.lora_alpha:g})",
+        "bottleneck": f"bottleneck adapters ({peft.bottleneck_placement})",
+        "bitfit": "BitFit",
+        "ptuning": f"P-tuning v1 ({peft.num_virtual_tokens} virtual tokens)",
+        "ptuning_v2": f"P-tuning v2 ({peft.num_virtual_tokens} prefix tokens per layer)",
+    }[peft.peft_method]
+    quantization = "none"
+    if dkm.quantization == "dkm":
+        quantization = f"DKM {dkm.dkm_bits}-bit ({dkm.dkm_granularity})"
+    elif kbit.load_in_kbits != 16:
+        quantization = f"bitsandbytes {kbit.load_in_kbits}-bit base"
+    experts = f"{moe.moe_num_experts} experts, top-{moe.moe_top_k} (upcycled)" if moe.upcycle_moe else "none"
+    sp = training.sequence_parallel_size
+    return [
+        ("method", method),
+        ("quantization", quantization),
+        ("mixture of experts", experts),
+        ("sequence parallel", f"{sp} ranks per sequence" if sp > 1 else "off"),
+        ("ranks", str(training.world_size)),
+    ]
+
+
+def results_table(setup: list[tuple[str, str]], results: dict[str, Any]) -> str:
+    """The markdown table a run ends with: `setup` rows, then the results of `train_and_evaluate`."""
+
+    def fmt(key: str, spec: str = ".3f") -> str:
+        value = results.get(key)
+        return "-" if value is None else format(value, spec)
+
+    steps = str(results.get("global_step", "-"))
+    if results.get("resumed_at") and results["resumed_at"] == results.get("global_step"):
+        steps += " (this run had finished: nothing left to train; --overwrite_output_dir true starts over)"
+    elif results.get("resumed_at"):
+        steps += f" (resumed at step {results['resumed_at']})"
+    rows = [
+        *setup,
+        ("parameters (trainable)", f"{results['parameters']:,} ({results['trainable_parameters']:,})"),
+        ("steps", steps),
+        ("train loss", fmt("train_loss")),
+        ("eval perplexity before", fmt("eval_perplexity_before", ".2f")),
+        ("eval perplexity after", fmt("eval_perplexity", ".2f")),
+        ("wall time", f"{results['wall_time_s']:.1f} s"),
+        ("outputs", results["output_dir"]),
+    ]
+    if results.get("adapter_base"):
+        rows.append(("adapter base", f"{results['adapter_base']} (the model the adapter was trained on)"))
+    return markdown_table(rows)

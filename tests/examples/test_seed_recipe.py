@@ -1,0 +1,113 @@
+"""The seed recipe's flags with the seed's meaning (Chinese-LLaMA-Alpaca-2 `run_pt.sh`), and run_pt.sh itself.
+
+`examples/run_pt.sh` runs on 2 CPU ranks (torchrun, DeepSpeed ZeRO-2, LoRA on every projection with
+embed_tokens and lm_head trained in full, gradient checkpointing) and prints nothing a user cannot act on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from hf_llmkit.testing import corpus_tokenizer, free_port, tiny_llama
+from tests.conftest import EXAMPLES
+from tests.examples.test_run_clm_peft import TINY
+
+RUN = TINY[10:]  # block size, batch sizes, samples, logging, 2 steps: no model sizes (the model is a folder)
+
+
+@pytest.fixture(scope="module")
+def tied_model(tmp_path_factory) -> Path:
+    """A pretrained-model folder whose lm_head is tied to embed_tokens (as in many small LMs)."""
+    folder = tmp_path_factory.mktemp("tied_llama")
+    tiny_llama(tie_word_embeddings=True).save_pretrained(folder)
+    corpus_tokenizer(vocab_size=512).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kbits", [4, pytest.param(8, marks=pytest.mark.slow)])
+def test_kbit_base_with_seed_lora_flags_keeps_tied_embeddings_tied(run_clm, tied_model, tmp_path, kbits):
+    """--load_in_kbits 4: a bitsandbytes NF4 base (on CPU too) under LoRA with the seed's comma-separated flags."""
+    out = tmp_path / "out"
+    flags = ["--model_name_or_path", str(tied_model), "--peft_method", "lora", "--load_in_kbits", str(kbits),
+             "--trainable", "q_proj,v_proj,k_proj,o_proj,gate_proj,down_proj,up_proj", "--lora_rank", "4",
+             "--lora_alpha", "8", "--lora_dropout", "0.05", "--modules_to_save", "embed_tokens,lm_head"]  # fmt: skip
+    results = run_clm.run([*RUN, *flags, "--output_dir", str(out)])
+    assert results["global_step"] == 2
+    saved = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert sum("lora_A" in k for k in saved) == 2 * 7  # 7 projections x 2 layers
+    assert any("embed_tokens" in k for k in saved)
+    base = AutoModelForCausalLM.from_pretrained(tied_model)
+    model = PeftModel.from_pretrained(base, out / "adapter")
+    # one trained embedding matrix serves input and output: the tie survives training and reloading
+    assert torch.equal(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    assert not torch.equal(model.get_input_embeddings().weight, tiny_llama(tie_word_embeddings=True).lm_head.weight)
+
+
+def test_tied_parameters_are_counted_once(run_clm, tied_model, tmp_path):
+    results = run_clm.run([*RUN, "--model_name_or_path", str(tied_model), "--output_dir", str(tmp_path)])
+    model = tiny_llama(tie_word_embeddings=True)
+    unique = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert results["parameters"] == unique == results["trainable_parameters"]
+    assert unique < sum(p.numel() for p in model.state_dict().values())  # lm_head.weight is not a second matrix
+
+
+def test_dataset_dir_of_many_files_with_seed_data_flags(run_clm, tmp_path):
+    from hf_llmkit.corpus import write_corpus_files
+
+    files = write_corpus_files(tmp_path / "dataset", files=6)
+    flags = ["--dataset_dir", str(tmp_path / "dataset"), "--data_cache_dir", str(tmp_path / "cache"),
+             "--validation_split_percentage", "0.001", "--preprocessing_num_workers", "2", "--torch_dtype", "float16",
+             "--peft_method", "lora", "--trainable", "q_proj,v_proj", "--num_train_epochs", "1",
+             "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    results = run_clm.run([*TINY, *flags])  # TINY's --max_steps 2 is typed: it wins over the epoch
+    assert len(files) == 6 and results["global_step"] == 2
+    assert any((tmp_path / "cache").glob("lm-blocks-*/dataset_dict.json"))  # processed once, cached there
+    evaluated = (tmp_path / "out" / "eval_results.json").read_text()
+    assert '"eval_samples": 1' in evaluated  # 0.001 percent of the blocks: at least one block
+
+
+def test_num_train_epochs_replaces_the_embedded_step_count(run_clm):
+    args = run_clm.parse_args(["--num_train_epochs", "1", "--warmup_ratio", "0.05", "--gradient_checkpointing"])
+    assert args.training.max_steps == -1 and args.training.num_train_epochs == 1
+    assert args.training.warmup_steps == 0.05 and args.training.activation_checkpointing
+    with pytest.raises(run_clm.UsageError, match="--warmup_ratio or --warmup_steps, not both"):
+        run_clm.parse_args(["--warmup_ratio", "0.05", "--warmup_steps", "3"])
+
+
+UNACTIONABLE = re.compile(
+    r"Warning|WARNING|Setting accelerator to CPU|gemm_4bit_forward|find_unused_parameters|is deprecated"
+)
+
+
+def test_run_pt_sh_runs_the_seed_recipe_on_two_ranks_quietly(tmp_path):
+    """The seed's script as shipped (extra flags only cap the steps): trains LoRA under ZeRO-2 on 2 ranks."""
+    model = tmp_path / "pretrained"
+    tiny_llama().save_pretrained(model)
+    corpus_tokenizer(vocab_size=512).save_pretrained(model)
+    env = {**os.environ, "PYTHON": sys.executable, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+           "PRETRAINED_MODEL": str(model), "DATASET_DIR": str(tmp_path / "dataset"),
+           "DATA_CACHE": str(tmp_path / "cache"), "OUTPUT_DIR": str(tmp_path / "out"), "BLOCK_SIZE": "32",
+           "GRAD_ACC": "2"}  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(EXAMPLES / "run_pt.sh"), "--max_steps", "2", "--disable_tqdm", "true"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| ranks                  | 2 " in proc.stdout and re.search(r"\| steps +\| 2 ", proc.stdout)
+    assert "LoRA (rank 8, alpha 16)" in proc.stdout
+    assert len(list((tmp_path / "dataset").glob("*.txt"))) == 8  # the corpus as a folder of .txt files
+    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+    noise = [line for line in proc.stderr.splitlines() if UNACTIONABLE.search(line)]
+    assert noise == [], noise
+    info = [line for line in proc.stderr.splitlines() if " INFO run_clm: blocks of" in line]
+    assert len(info) == 1  # per-rank information once, from rank 0
