@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.nn import functional as dist_nn
 
-from hf_llmkit.quantization.dkm import DIST_EPS
+from hf_llmkit.quantization._dkm import DIST_EPS
 
 _INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
