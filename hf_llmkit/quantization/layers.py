@@ -74,7 +74,7 @@ def shard_group():
     return _SHARD_GROUP["group"]
 
 
-def _check_table(name: str, table: torch.Tensor, shape: tuple[int, ...]) -> None:
+def check_table(name: str, table: torch.Tensor, shape: tuple[int, ...]) -> None:
     """A lookup table / centroid table must have the layer's shape and only finite values."""
     if tuple(table.shape) != shape:
         raise ValueError(f"{name!r} has shape {tuple(table.shape)}, expected {shape}; the checkpoint does not match.")
@@ -203,7 +203,7 @@ def _accept_checkpoint_tensors(module, state_dict, prefix, *_args) -> None:
     lut = state_dict.pop(prefix + "weight_lut", None)
     shape = module.table_shape
     if prefix + "centroids" in state_dict:
-        _check_table(prefix + "centroids", state_dict[prefix + "centroids"], shape)
+        check_table(prefix + "centroids", state_dict[prefix + "centroids"], shape)
         module.dkm_initialised = True
         return
     if packed is None and lut is None:
@@ -211,7 +211,7 @@ def _accept_checkpoint_tensors(module, state_dict, prefix, *_args) -> None:
     if packed is None or lut is None:
         missing = prefix + ("weight_lut" if lut is None else "weight_packed")
         raise ValueError(f"The DKM checkpoint has no {missing!r} for {prefix.rstrip('.')!r}: it is incomplete.")
-    _check_table(prefix + "weight_lut", lut, shape)
+    check_table(prefix + "weight_lut", lut, shape)
     s = module.settings
     idx = unpack_indices(packed, s.bits, module.weight.numel() // s.cluster_dim).reshape(s.groups, -1)
     state_dict[prefix + "weight"] = dkm.lookup(lut.float(), idx).reshape(module.weight.shape).to(module.weight.dtype)
@@ -292,7 +292,7 @@ class _Packed(nn.Module):
                 f"{s.groups} table(s)), found {self.weight_packed.dtype} {got_packed} and {got_lut}. Re-export the "
                 "checkpoint, or fix 'bits'/'cluster_dim'/'granularity'/'group_size' in its config.json."
             )
-        _check_table(f"{name}.weight_lut", self.weight_lut, want_lut)
+        check_table(f"{name}.weight_lut", self.weight_lut, want_lut)
         pad = (-self.count * s.bits) % 8
         if pad and int(self.weight_packed[-1]) >> (8 - pad):
             raise ValueError(f"{name + '.weight_packed'!r} has non-zero padding bits: the checkpoint is corrupt.")
@@ -309,7 +309,7 @@ def _check_packed_tensors(module, state_dict, prefix, *_args) -> None:
         state_dict.pop(prefix + extra, None)
     lut = state_dict.get(prefix + "weight_lut")
     if lut is not None:
-        _check_table(prefix + "weight_lut", lut, tuple(module.weight_lut.shape))
+        check_table(prefix + "weight_lut", lut, tuple(module.weight_lut.shape))
 
 
 class PalettizedLinear(_Packed):
