@@ -108,32 +108,39 @@ def checkpoint_layout(keys: set[str], targets: list[str], prefix: str = "") -> t
     """
     strip = f"{prefix}." if prefix else None
 
-    def norm(key: str) -> str:
+    def norm(key: str) -> str:  # checkpoints may carry the base model's prefix or not
         return key[len(strip) :] if strip and key.startswith(strip) else key
 
     names = {norm(k) for k in keys}
-    target_set = {norm(t) for t in targets}
-    layout = {}
+    layout, patterns = {}, []
     for target in targets:
         t = norm(target)
-        if all(f"{t}.{n}" in names for n in TRAINING_NAMES):
-            layout[target] = "train"
-        elif all(f"{t}.{n}" in names for n in PACKED_NAMES):
-            layout[target] = "packed"
-        elif any(f"{t}.{n}" in names for n in PACKED_NAMES):
-            missing = next(f"{t}.{n}" for n in PACKED_NAMES if f"{t}.{n}" not in names)
-            raise ValueError(f"The DKM checkpoint has no {missing!r} (needed for {t!r}): it is incomplete.")
-        elif f"{t}.weight" in names:
+
+        def has(*suffixes: str, t=t) -> bool:
+            return all(f"{t}.{s}" in names for s in suffixes)
+
+        if has(*TRAINING_NAMES):
+            layout[target], unused = "train", PACKED_NAMES
+        elif has(*PACKED_NAMES):
+            layout[target], unused = "packed", TRAINING_NAMES
+        elif has("weight_packed") or has("weight_lut"):
+            missing = "weight_lut" if has("weight_packed") else "weight_packed"
             raise ValueError(
-                f"The checkpoint stores {t!r} in full precision ({t + '.weight'!r}) but its quantization_config "
-                f"clusters it: config.json's modules_to_not_convert no longer matches the weights. Add {t!r} to "
+                f"The DKM checkpoint has no '{target}.{missing}' (needed for {target!r}): it is incomplete."
+            )
+        elif has("weight"):
+            raise ValueError(
+                f"The checkpoint stores {target!r} in full precision ('{target}.weight') but its quantization_config "
+                f"clusters it: config.json's modules_to_not_convert no longer matches the weights. Add {target!r} to "
                 "quantization_config.modules_to_not_convert."
             )
         else:
-            raise ValueError(f"The DKM checkpoint has no tensors for {t!r} (expected {t + '.weight_packed'!r}).")
-    stray = sorted(
-        {k.rpartition(".")[0] for k in names if k.rpartition(".")[2] in PACKED_NAMES + ("centroids",)} - target_set
-    )
+            raise ValueError(f"The DKM checkpoint has no tensors for {target!r} (expected '{target}.weight_packed').")
+        # The representation a layer does not load from is part of the checkpoint, not an unexpected key.
+        patterns.append(rf"(^|\.){re.escape(t)}\.({'|'.join(unused)})$")
+    target_set = {norm(t) for t in targets}
+    stray = sorted({k.rpartition(".")[0] for k in keys if k.rpartition(".")[2] in PACKED_NAMES + ("centroids",)})
+    stray = [k for k in stray if norm(k) not in target_set]
     if stray:
         more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
         raise ValueError(
@@ -141,11 +148,6 @@ def checkpoint_layout(keys: set[str], targets: list[str], prefix: str = "") -> t
             f"keeps it in full precision, so it would load with freshly initialised weights. Remove {stray[0]!r} from "
             "modules_to_not_convert in config.json."
         )
-    # The representation a layer does not load from is part of the checkpoint, not an unexpected key.
-    patterns = []
-    for target, kind in layout.items():
-        unused = TRAINING_NAMES if kind == "packed" else PACKED_NAMES
-        patterns.append(rf"(^|\.){re.escape(norm(target))}\.({'|'.join(unused)})$")
     return layout, patterns
 
 
