@@ -45,8 +45,8 @@ def attention_jets(u: torch.Tensor, cents: torch.Tensor, tau: torch.Tensor, orde
     d2 = x.square() + DIST_EPS
     d = d2.sqrt()
     inv_tau = 1.0 / tau
-    a = torch.exp((d.amin(0, keepdim=True) - d) * inv_tau)  # softmax of -d / tau over K (dim 0)
-    a /= a.sum(0, keepdim=True)
+    e = torch.exp((d.amin(0, keepdim=True) - d) * inv_tau)  # softmax of -d / tau over K (dim 0)
+    a = e / e.sum(0, keepdim=True)
     jets = Jets([a], [d])
     if order == 0:
         return jets
