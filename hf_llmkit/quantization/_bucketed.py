@@ -29,7 +29,7 @@ from hf_llmkit.quantization._grid import Grid, Located, build_grid, chunks, eval
 from hf_llmkit.quantization._jets import attention_jets, combine
 
 SAFE_GAP = 20.0  # a centroid whose neighbours are this many tau away has a flat attention (to e^-20) around it
-ROW_CHUNK = 4096  # rows per chunk of the table math
+ROW_CHUNK = 1 << 15  # elements (rows x centroids) per chunk of the table math: [K, rows] temporaries stay in cache
 
 
 @dataclass
@@ -40,9 +40,10 @@ class Rows:
     gid: torch.Tensor  # [R] int64
     moments: torch.Tensor  # [3, R]: count, sum r, sum r^2
 
-    def split(self) -> Iterator[tuple[slice, Rows]]:
-        for start in range(0, self.u.shape[0], ROW_CHUNK):
-            sl = slice(start, start + ROW_CHUNK)
+    def split(self, centroids: int) -> Iterator[tuple[slice, Rows]]:
+        step = max(64, ROW_CHUNK // centroids)
+        for start in range(0, self.u.shape[0], step):
+            sl = slice(start, start + step)
             yield sl, Rows(self.u[sl], self.gid[sl], self.moments[:, sl])
 
 
@@ -113,7 +114,7 @@ def stage_sums(rows: Rows, cents: torch.Tensor, tau: torch.Tensor) -> torch.Tens
     """k-means sums `[G, 2, K]` (sum a, sum a w) of the rows at centroids `[G, K]`."""
     groups = cents.shape[0]
     sums = cents.new_zeros(groups, 2, cents.shape[1])
-    for _, part in rows.split():
+    for _, part in rows.split(cents.shape[1]):
         u, (n, s1, s2) = part.u, part.moments
         a = attention_jets(u, per_row(cents, part.gid), per_row_tau(tau, part.gid), 2).a  # 3 x [K, R]
         half = 0.5 * s2
@@ -132,7 +133,7 @@ def centroid_update(sums: torch.Tensor, cents: torch.Tensor) -> torch.Tensor:
 def output_coefficients(rows: Rows, cents: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     """`[3, R]` coefficients of DKM's output `o + o' r + o'' r^2 / 2` around each row."""
     out = rows.u.new_empty(3, rows.u.shape[0])
-    for sl, part in rows.split():
+    for sl, part in rows.split(cents.shape[1]):
         c = per_row(cents, part.gid)
         o = combine(attention_jets(part.u, c, per_row_tau(tau, part.gid), 2), c)
         out[:, sl] = torch.stack([o[0], o[1], 0.5 * o[2]])

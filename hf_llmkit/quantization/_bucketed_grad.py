@@ -40,7 +40,7 @@ def _output_backward(rows: Rows, cents, tau, need_cents: bool):
     groups = cents.shape[0]
     coef = rows.u.new_empty(3, rows.u.shape[0])
     grad_c = cents.new_zeros(cents.shape) if need_cents else None
-    for sl, part in rows.split():
+    for sl, part in rows.split(cents.shape[1]):
         c = per_row(cents, part.gid)
         jets = attention_jets(part.u, c, per_row_tau(tau, part.gid), 3)
         o = combine(jets, c)
@@ -58,7 +58,7 @@ def _step_backward(rows: Rows, cents, tau, lam, need_cents: bool):
     groups = cents.shape[0]
     coef = rows.u.new_empty(3, rows.u.shape[0])
     grad_c = cents.new_zeros(cents.shape) if need_cents else None
-    for sl, part in rows.split():
+    for sl, part in rows.split(cents.shape[1]):
         u = part.u
         lam_den, lam_num = per_row(lam[:, 0], part.gid), per_row(lam[:, 1], part.gid)
         jets = attention_jets(u, per_row(cents, part.gid), per_row_tau(tau, part.gid), 3)

@@ -76,7 +76,7 @@ def _rel(a, b) -> float:
         (4, 1, False, 3, True),  # 4 bits: the central centroids are crowded (gaps ~8 tau)
         (3, 4, False, 3, True),  # a table per group of rows
         (3, 1, True, 3, True),  # weights on their centroids, two centroids within one tau
-        (8, 1, False, 3, True),  # 256 centroids: crowded everywhere
+        (6, 1, False, 3, True),  # 64 centroids: crowded everywhere
         (3, 2, True, 0, False),  # no iterations; the weight itself as output (embeddings)
     ],
 )
