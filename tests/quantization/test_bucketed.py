@@ -27,6 +27,7 @@ def test_attention_jets_are_the_derivatives():
     for i in range(points.numel()):
         w = points[i : i + 1]
         d1 = jacobian(a, w, create_graph=True)[:, 0]
+
         def da(v):
             return jacobian(a, v, create_graph=True)[:, 0]
 
