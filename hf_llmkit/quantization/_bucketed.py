@@ -1,7 +1,7 @@
 """DKM for 32-bit scalar weights in O(|W|) work per step: a fine grid of buckets, each expanded to second order.
 
 32-bit weights are almost all distinct, so eDKM's unique-value table would be as large as the weight. Instead each
-weight is written exactly as `u + r` on a grid of step `h <= tau / 64` (`_grid.py`). Everything DKM computes per
+weight is written exactly as `u + r` on a grid of step `h <= tau / 32` (`_grid.py`). Everything DKM computes per
 weight is a smooth function of `w` away from the centroids, so:
 
 - the k-means sums `sum_i a(w_i)` and `sum_i a(w_i) w_i` are, per bucket, `n f(u) + S1 f'(u) + S2 f''(u) / 2` with the

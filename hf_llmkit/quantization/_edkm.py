@@ -166,10 +166,14 @@ class PaletteApply(torch.autograd.Function):
     def forward(ctx, x, out_values, jacobian, weight, inverse, mode, groups, cluster_dim):
         n_vec = weight.numel() // cluster_dim
         idx = row_index(weight, inverse, mode, groups, n_vec)
-        w_c = gather_rows(out_values.to(x.dtype if x is not None else weight.dtype), idx).reshape(weight.shape)
         ctx.meta = (mode, groups, cluster_dim, n_vec)
         ctx.save_for_backward(x, out_values, jacobian, weight, inverse)
-        return x @ w_c.t() if x is not None else w_c
+        if x is None:
+            return gather_rows(out_values.to(weight.dtype), idx).reshape(weight.shape)
+        if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):  # see _matmul_16bit_safe
+            w_c = gather_rows(out_values.to(x.dtype).float(), idx).reshape(weight.shape)
+            return (x.float() @ w_c.t()).to(x.dtype)
+        return x @ gather_rows(out_values.to(x.dtype), idx).reshape(weight.shape).t()
 
     @staticmethod
     def backward(ctx, grad):

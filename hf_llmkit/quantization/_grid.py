@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-GRID_PER_TAU = 64  # grid step h: the largest power of two <= tau / 64
+GRID_PER_TAU = 32  # grid step h: the largest power of two <= tau / 32
 CHUNK = 1 << 18  # weights per chunk of a per-weight pass
 MAX_DENSE_KEYS = 1 << 22  # a dense key -> bucket map up to this size (or 4 keys per weight); else a sorted unique
 

@@ -1,5 +1,5 @@
 """The bucketed engine of 32-bit weights: DKM's outputs, weight gradients and centroids equal DKM computed in float64
-(to 2e-6 of the largest value: the float32 result's own rounding), with nothing weight-sized saved for backward."""
+(outputs to 2e-6 and gradients to 5e-6 of the largest value), with nothing weight-sized saved for backward."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_bucketed_equals_float64_dkm(bits, groups, clump, iters, linear):
     y, c = BucketedDKM.apply(x, weight, cents.double(), tau.double(), eps.double(), iters, groups)
     (y * grad_y).sum().backward()
     assert _rel(y, y_ref) < 2e-6
-    assert _rel(weight.grad, g_ref) < 2e-6
+    assert _rel(weight.grad, g_ref) < 5e-6
     assert _rel(c, c_ref) < 1e-7
     assert weight.grad.abs().sum() > 0
 
@@ -106,7 +106,7 @@ def test_grid_writes_each_weight_exactly_and_finely():
     u = grid.centers[loc.row.long()].float()
     assert torch.equal(u + loc.r, w)  # w = u + r exactly
     assert bool((loc.r.abs() <= grid.h.unsqueeze(1) / 2).all())
-    assert bool((grid.h <= tau.float() / 64).all()) and bool((grid.h > tau.float() / 128).all())
+    assert bool((grid.h <= tau.float() / 32).all()) and bool((grid.h > tau.float() / 64).all())
     assert torch.equal(torch.log2(grid.h), torch.log2(grid.h).round())  # powers of two
     assert grid.moments[0].sum() == w.numel()
 
@@ -125,7 +125,7 @@ def test_outliers_use_a_sorted_table_and_stay_exact(monkeypatch):
     weight = w.clone().requires_grad_()
     y, _ = BucketedDKM.apply(x, weight, cents.double(), (0.02 * std).double(), (1e-12 * std).double(), 3, 1)
     (y * grad_y).sum().backward()
-    assert _rel(y, y_ref) < 2e-6 and _rel(weight.grad, g_ref) < 2e-6
+    assert _rel(y, y_ref) < 2e-6 and _rel(weight.grad, g_ref) < 5e-6
 
 
 def _layer(dtype, uniquify=True, rows=1024, cols=1024):
