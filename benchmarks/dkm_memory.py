@@ -1,13 +1,21 @@
-"""Measure one DKM forward/backward: bytes saved for backward, peak resident memory, time.
+"""Section (c) of benchmarks/dkm.py: memory of naive DKM vs each eDKM technique on LLaMA-7B-shaped layers.
 
-Used by `benchmarks/dkm.py` (also on `hf_llmkit.testing.launch` ranks, for the sharded cases) and handy to size a
-layer before training: `measure_layer(4096, 11008, uniquify=True)`.
+`measure_layer` runs one DKM forward/backward and reports bytes saved for backward, peak resident memory and time
+(also on `hf_llmkit.testing.launch` ranks, for the sharded cases); handy to size a layer before training:
+`measure_layer(4096, 11008, uniquify=True)`. `memory_cases` runs every case of the section in fresh interpreters.
+
+Cases whose memory is O(|W||C|) (naive, marshal only, shard only) run on a slice of rows and are scaled to the full
+layer: every tensor they save is [n, K]- or [n]-shaped, so saved bytes are exactly linear in rows (checked by
+measuring two slice sizes; peaks are scaled the same way, approximately). Sharded cases run on 2 gloo ranks (rank 0
+reported). MALLOC_MMAP_THRESHOLD_ is set so freed memory is returned and peaks are comparable.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import torch
@@ -94,3 +102,90 @@ def measure_layer(
 def measure_cases(cases: list[dict]) -> list[dict[str, float]]:
     """`measure_layer(**case)` for each case, in order (a `launch`-able entry point for benchmarks)."""
     return [measure_layer(**case) for case in cases]
+
+
+SHAPES = [(4096, 4096), (4096, 11008)]
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": "65536",
+    "OMP_NUM_THREADS": "1",
+    # the measuring ranks import this module from the benchmarks folder
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")])),
+}
+
+
+def _case_list(naive_rows: int) -> tuple[list, list]:
+    single, sharded = [], []
+    for rows, cols in SHAPES:
+        base = {"rows": rows, "cols": cols, "dtype": "bfloat16"}
+        single += [
+            ((rows, cols), "naive", dict(base, uniquify=False, marshal=False, rows_used=naive_rows)),
+            (
+                (rows, cols),
+                "naive, 2x slice (linearity check)",
+                dict(base, uniquify=False, marshal=False, rows_used=2 * naive_rows),
+            ),
+            ((rows, cols), "marshal only", dict(base, uniquify=False, marshal=True, rows_used=naive_rows)),
+            ((rows, cols), "uniquify only", dict(base, uniquify=True, marshal=False)),
+            ((rows, cols), "uniquify + marshal", dict(base, uniquify=True, marshal=True)),
+        ]
+        sharded += [
+            (
+                (rows, cols),
+                "shard only (2 ranks)",
+                dict(base, uniquify=False, shard=True, marshal=False, rows_used=naive_rows),
+            ),
+            (
+                (rows, cols),
+                "all: uniquify + shard + marshal (2 ranks)",
+                dict(base, uniquify=True, shard=True, marshal=True),
+            ),
+        ]
+    return single, sharded
+
+
+def memory_cases(naive_rows: int) -> list[dict]:
+    """Every case of section (c): two fresh interpreters (single-rank cases) plus a pair of gloo ranks."""
+    from hf_llmkit.testing import launch
+
+    single, sharded = _case_list(naive_rows)
+    got = launch(
+        measure_cases, [c for *_, c in single], nprocs=1, init_process_group=False, env=MALLOC_ENV, timeout=1200
+    )[0]
+    got += launch(measure_cases, [c for *_, c in sharded], nprocs=2, env=MALLOC_ENV, timeout=1200)[0]
+    out, naive = [], {}
+    cases = sorted(zip(single + sharded, got), key=lambda item: SHAPES.index(item[0][0]))
+    for ((rows, cols), name, _case), res in cases:
+        scale = rows / res["rows_used"]
+        saved, peak = res["saved_bytes"] * scale, res["peak_bytes"] * scale
+        ref = naive.setdefault((rows, cols), (saved, peak))
+        out.append(
+            {
+                "layer": f"{rows}x{cols}",
+                "case": name,
+                "saved": saved,
+                "peak": peak,
+                "saved_ratio": ref[0] / max(saved, 1.0),
+                "peak_ratio": ref[1] / max(peak, 1.0),
+                "measured": f"{int(res['rows_used'])} rows, x{scale:g}" if scale != 1 else "full layer",
+                "seconds": res["seconds"],
+                "raw": res,
+            }
+        )
+    return out
+
+
+def print_memory(rows: list[dict]) -> None:
+    def ratio(x: float) -> str:
+        return f"{x:,.0f}x" if x >= 10 else f"{x:.2f}x"
+
+    def mb(x: float) -> str:
+        return f"{x / 2**20:,.1f}"
+
+    print("\n### (c) eDKM techniques: memory of one fwd+bwd, bf16 weights, 3 bits (saved = bytes held for backward)\n")
+    print("| layer | case | saved MB | naive/case | peak MB | naive/case | measured on | sec |")
+    print("|---|---|---:|---:|---:|---:|---|---:|")
+    for r in rows:
+        print(
+            f"| {r['layer']} | {r['case']} | {mb(r['saved'])} | {ratio(r['saved_ratio'])} | {mb(r['peak'])} | "
+            f"{ratio(r['peak_ratio'])} | {r['measured']} | {r['seconds']:.2f} |"
+        )

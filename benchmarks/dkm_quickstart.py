@@ -1,4 +1,4 @@
-"""Section (d) of benchmarks/dkm.py: DKM on the quickstart's trained causal LM, measured by perplexity.
+"""Section (e) of benchmarks/dkm.py: DKM on the quickstart's trained causal LM, measured by perplexity.
 
 The model is the one `python examples/run_clm.py` trains (tiny Llama on the embedded corpus). Pass its folder
 with `--quickstart-model DIR`; otherwise a short run of the example's `run()` trains one into
@@ -92,8 +92,9 @@ def _finetune(model, train: torch.Tensor, steps: int) -> None:
         opt.step()
 
 
-def perplexity_table(tmp: Path, model_dir: Path, steps: int, n_eval: int, helpers) -> list[dict]:
-    """Rows of the quickstart table; `helpers` is benchmarks/dkm.py (its RTN, size and bits/weight functions)."""
+def perplexity_table(tmp: Path, model_dir: Path, steps: int, n_eval: int) -> list[dict]:
+    """Rows of the quickstart table."""
+    from dkm_quality import bf16_latent, dkm_bits_per_weight, round_to_nearest, size_mb
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from hf_llmkit import DKMConfig
@@ -104,7 +105,7 @@ def perplexity_table(tmp: Path, model_dir: Path, steps: int, n_eval: int, helper
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     linears = {n: m for n, m in base.named_modules() if type(m) is torch.nn.Linear and n != "lm_head"}
     numel = sum(m.weight.numel() for m in linears.values())
-    fp32_mb = helpers._size_mb(model_dir)
+    fp32_mb = size_mb(model_dir)
     rows = [{"method": "fp32 (reference)", "bpw": 32.0, "ppl": _perplexity(base, val), "ckpt_mb": fp32_mb}]
     rows[0]["eval_blocks"] = len(val)
 
@@ -127,13 +128,10 @@ def perplexity_table(tmp: Path, model_dir: Path, steps: int, n_eval: int, helper
     del control
     for bits in (3, 4):
         model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=DKMConfig(bits=bits))
-        layers = [m for m in model.modules() if isinstance(m, DKMLinear)]
-        for m in layers:  # bf16 latent weights, as in eDKM (and the MiniLM section)
-            m.weight.data = m.weight.data.to(torch.bfloat16)
-            m.init_centroids()
-        bpw = helpers._dkm_bpw(layers)
+        layers = bf16_latent(model, DKMLinear)  # bf16 latent weights, as in eDKM (and the MiniLM section)
+        bpw = dkm_bits_per_weight(layers)
         model.save_pretrained(tmp / f"lm_kmeans{bits}")
-        ckpt = helpers._size_mb(tmp / f"lm_kmeans{bits}")
+        ckpt = size_mb(tmp / f"lm_kmeans{bits}")
         add(
             {"method": f"k-means only ({bits}-bit, ours)", "bpw": bpw, "ppl": _perplexity(model, val), "ckpt_mb": ckpt}
         )
@@ -142,9 +140,9 @@ def perplexity_table(tmp: Path, model_dir: Path, steps: int, n_eval: int, helper
         ppl = _perplexity(model, val)
         model.save_pretrained(tmp / f"lm_dkm{bits}")
         name = f"DKM {bits}-bit after {steps}-step fine-tune ({time.perf_counter() - start:.0f}s)"
-        add({"method": name, "bpw": bpw, "ppl": ppl, "ckpt_mb": helpers._size_mb(tmp / f"lm_dkm{bits}")})
+        add({"method": name, "bpw": bpw, "ppl": ppl, "ckpt_mb": size_mb(tmp / f"lm_dkm{bits}")})
         rtn = copy.deepcopy(base)
-        bpw_rtn, packed = helpers._rtn(rtn, bits, skip=("lm_head",))
+        bpw_rtn, packed = round_to_nearest(rtn, bits, skip=("lm_head",))
         saved = (numel * 4 - packed) / 2**20
         add(
             {
@@ -174,7 +172,7 @@ def perplexity_table(tmp: Path, model_dir: Path, steps: int, n_eval: int, helper
                     "method": name,
                     "bpw": bpw,
                     "ppl": ppl,
-                    "ckpt_mb": helpers._size_mb(tmp / f"lm_{name.replace(' ', '_')}"),
+                    "ckpt_mb": size_mb(tmp / f"lm_{name.replace(' ', '_')}"),
                 }
             )
         except Exception as exc:  # noqa: BLE001 - report the peer as unavailable with the reason
@@ -183,7 +181,7 @@ def perplexity_table(tmp: Path, model_dir: Path, steps: int, n_eval: int, helper
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n### (d) Quickstart causal LM: perplexity on {rows[0]['eval_blocks']} held-out validation blocks\n")
+    print(f"\n### (e) Quickstart causal LM: perplexity on {rows[0]['eval_blocks']} held-out validation blocks\n")
     print("| method | bits/weight (quantized matrices) | perplexity | vs fp32 | checkpoint MB |")
     print("|---|---:|---:|---:|---:|")
     ref = rows[0]["ppl"]

@@ -2,13 +2,20 @@
 
 `import hf_llmkit` registers `DKMConfig` and `DKMHfQuantizer` with transformers (once per process), so
 `from_pretrained(..., quantization_config=DKMConfig(bits=3))` and reloading a saved DKM checkpoint just work.
+
+Public modules: `config` (DKMConfig), `quantizer` (the HfQuantizer), `integration` (module replacement, the load
+op, checkpoint checks), `layers` (the DKM and packed layers), `training_state` (bitwise-resumable Trainer
+checkpoints), `marshal` (eDKM's saved-tensor marshaling), `optimum` (post-training k-means). Modules with a leading
+underscore are the engines behind the layers and may change without notice.
 """
 
 from hf_llmkit.quantization.config import DKMConfig
-from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear, PalettizedEmbedding, PalettizedLinear
+from hf_llmkit.quantization.integration import replace_with_dkm_layers
+from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear, DKMSettings, PalettizedEmbedding, PalettizedLinear
 from hf_llmkit.quantization.marshal import MarshalHooks
 from hf_llmkit.quantization.optimum import DKMOptimumQuantizer
 from hf_llmkit.quantization.quantizer import DKMHfQuantizer, quantize_model
+from hf_llmkit.quantization.training_state import DKMTrainingStateCallback, keep_training_state
 
 
 def register_dkm() -> None:
@@ -29,9 +36,13 @@ __all__ = [
     "DKMHfQuantizer",
     "DKMLinear",
     "DKMOptimumQuantizer",
+    "DKMSettings",
+    "DKMTrainingStateCallback",
     "MarshalHooks",
     "PalettizedEmbedding",
     "PalettizedLinear",
+    "keep_training_state",
     "quantize_model",
     "register_dkm",
+    "replace_with_dkm_layers",
 ]

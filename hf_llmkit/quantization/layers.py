@@ -1,15 +1,20 @@
 """Modules that replace `nn.Linear` / `nn.Embedding`: trainable DKM layers and packed inference layers.
 
 `DKMLinear` / `DKMEmbedding` keep the latent weight (trainable) and a centroid table (`centroids`, `[G, K, d]`).
-In training mode (with a weight that requires grad) the forward uses DKM's soft assignment, through eDKM's unique
-table when `uniquify`/`shard` are set and inside `MarshalHooks` when `offload` is set; otherwise it uses the hard
-assignment. `PalettizedLinear` / `PalettizedEmbedding` are what a saved checkpoint reloads into: packed n-bit
-indices (`weight_packed`, uint8) and the lookup table (`weight_lut`, float32).
+In training mode (with a weight that requires grad) the forward uses DKM's soft assignment, computed by one of
+three engines (see `_soft`); otherwise it uses the hard assignment. `PalettizedLinear` / `PalettizedEmbedding` are
+what a compact checkpoint reloads into: packed n-bit indices (`weight_packed`, uint8) and the lookup table
+(`weight_lut`, float32).
+
+State dicts: a DKM layer's own is `weight`, `centroids` (+ `bias`). A checkpoint written by `save_pretrained` holds
+`weight_packed` + `weight_lut` instead (compact), plus `weight` + `centroids` while `keep_training_state` is set (so
+a Trainer checkpoint resumes bitwise, see `DKMTrainingStateCallback`). Load-state-dict pre-hooks accept all of these.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -17,10 +22,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hf_llmkit.quantization import dkm, edkm
+from hf_llmkit.quantization import _dkm as dkm
+from hf_llmkit.quantization import _edkm as edkm
+from hf_llmkit.quantization._bucketed_grad import BucketedDKM
+from hf_llmkit.quantization._packing import pack_indices, packed_numel, unpack_indices
 from hf_llmkit.quantization.marshal import MarshalHooks
-from hf_llmkit.quantization.packing import pack_indices, packed_numel, unpack_indices
 
+logger = logging.getLogger(__name__)
 _SHARD_GROUP: dict[str, object] = {}
 
 
@@ -66,12 +74,21 @@ def shard_group():
     return _SHARD_GROUP["group"]
 
 
+def check_table(name: str, table: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """A lookup table / centroid table must have the layer's shape and only finite values."""
+    if tuple(table.shape) != shape:
+        raise ValueError(f"{name!r} has shape {tuple(table.shape)}, expected {shape}; the checkpoint does not match.")
+    if not bool(torch.isfinite(table).all()):
+        raise ValueError(f"{name!r} holds NaN/Inf values: the checkpoint is corrupt; restore it from a good copy.")
+
+
 class _Clustered:
-    """Shared by the two DKM layers: the table, k-means init, soft and hard clustered weights, export."""
+    """Shared by the two DKM layers: the table, k-means init, soft and hard clustered weights, export, loading."""
 
     weight: nn.Parameter
     centroids: torch.Tensor
     settings: DKMSettings
+    keep_training_state: bool = False  # checkpoints also hold `weight` + `centroids` (set during Trainer runs)
 
     def _init_table(self, settings: DKMSettings, device) -> None:
         self.settings = settings
@@ -79,9 +96,14 @@ class _Clustered:
         self.register_buffer("centroids", torch.zeros(settings.groups, k, settings.cluster_dim, device=device))
         self._hard_cache: tuple | None = None
         self.dkm_initialised = False
+        self.register_load_state_dict_pre_hook(_accept_checkpoint_tensors)
 
     def _vectors(self, weight: torch.Tensor) -> torch.Tensor:
         return dkm.to_vectors(weight, self.settings.groups, self.settings.cluster_dim)
+
+    @property
+    def table_shape(self) -> tuple[int, int, int]:
+        return (self.settings.groups, 1 << self.settings.bits, self.settings.cluster_dim)
 
     @torch.no_grad()
     def init_centroids(self, weight: torch.Tensor | None = None) -> None:
@@ -106,24 +128,25 @@ class _Clustered:
         return self._hard_cache[1]
 
     def export(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(`weight_packed`, `weight_lut`) of the hard assignment, as a checkpoint stores them."""
+        """(`weight_packed`, `weight_lut`) of the hard assignment, as a compact checkpoint stores them."""
         return pack_indices(self.hard_indices(), self.settings.bits), self.centroids.detach().float().clone()
-
-    def _accept_packed(self, state_dict: dict, prefix: str) -> None:
-        """Let a packed checkpoint (e.g. a Trainer checkpoint being resumed) load into this trainable layer: the
-        latent weight restarts from the hard-assigned weight and the table from the lookup table."""
-        packed = state_dict.pop(prefix + "weight_packed", None)
-        lut = state_dict.pop(prefix + "weight_lut", None)
-        if packed is None or lut is None:
-            return
-        s = self.settings
-        idx = unpack_indices(packed, s.bits, self.weight.numel() // s.cluster_dim).reshape(s.groups, -1)
-        state_dict[prefix + "weight"] = dkm.lookup(lut.float(), idx).reshape(self.weight.shape).to(self.weight.dtype)
-        state_dict[prefix + "centroids"] = lut.float()
-        self.dkm_initialised = True
 
     def _use_soft(self) -> bool:
         return self.training and torch.is_grad_enabled() and self.weight.requires_grad
+
+    def _engine(self, group) -> str:
+        """Which computation of DKM's soft assignment this layer uses (all compute the same function):
+
+        - "naive" (`uniquify=False`): autograd through `[n, K]` attention maps, the reference;
+        - "bucketed" (32-bit scalar weights): `_bucketed.py`, O(|W|) work, float64 tables, nothing weight-sized saved;
+        - "table" (16-bit weights, vectors, sharding): eDKM's unique-value table (`_edkm.py`).
+        """
+        s, w = self.settings, self.weight
+        if not s.uniquify and group is None:
+            return "naive"
+        if w.dtype == torch.float32 and s.cluster_dim == 1 and group is None:
+            return "bucketed"
+        return "table"
 
     def _soft(self, x: torch.Tensor | None) -> torch.Tensor:
         """Soft-clustered `x @ W_c^T` (Linear) or `W_c` (x is None), updating the centroids (DKM keeps them)."""
@@ -131,13 +154,25 @@ class _Clustered:
         group = shard_group() if s.shard else None
         marshal = MarshalHooks(offload=True, exclude=() if x is None else (x,)) if s.offload else None
         with marshal if marshal is not None else contextlib.nullcontext():
-            if not s.uniquify and group is None:
-                vec = self._vectors(self.weight)
-                std = dkm.group_std(vec)
+            vec = self._vectors(self.weight)
+            std = dkm.group_std(vec)
+            engine = self._engine(group)
+            if engine == "bucketed" and bool(torch.isfinite(std).all()):
+                result, cents = BucketedDKM.apply(
+                    x,
+                    self.weight,
+                    self.centroids[..., 0].double(),
+                    (s.temperature * std).double(),
+                    (s.epsilon * std).double(),
+                    s.dkm_iters,
+                    s.groups,
+                )
+                cents = cents.unsqueeze(-1)
+            elif engine == "naive":
                 out, cents = dkm.soft_dkm(vec, self.centroids, s.temperature * std, s.dkm_iters, s.epsilon * std)
                 w_c = out.reshape(self.weight.shape).to(x.dtype if x is not None else self.weight.dtype)
                 result = w_c if x is None else x @ w_c.t()
-            else:
+            else:  # the unique-value table (also for non-finite weights: NaN propagates like in naive DKM)
                 table = edkm.build_table(self.weight, s.groups, s.cluster_dim, s.uniquify)
                 std = edkm.table_std(table)
                 values = edkm.TableValues.apply(
@@ -155,6 +190,41 @@ class _Clustered:
         return result
 
 
+def _accept_checkpoint_tensors(module, state_dict, prefix, *_args) -> None:
+    """Load-state-dict pre-hook of the DKM layers: take a checkpoint's training state, or rebuild from a compact one.
+
+    - `weight` + `centroids` present (a Trainer checkpoint written with `keep_training_state`): they load as they
+      are, bit for bit; the packed copy next to them is dropped.
+    - only `weight_packed` + `weight_lut` (a compact checkpoint): the latent weight restarts from the hard-assigned
+      weight and the table from the lookup table (a warning says a resumed run will not match bit for bit).
+    Tables must be complete and finite; anything else is a ValueError naming the tensor.
+    """
+    packed = state_dict.pop(prefix + "weight_packed", None)
+    lut = state_dict.pop(prefix + "weight_lut", None)
+    shape = module.table_shape
+    if prefix + "centroids" in state_dict:
+        check_table(prefix + "centroids", state_dict[prefix + "centroids"], shape)
+        module.dkm_initialised = True
+        return
+    if packed is None and lut is None:
+        return
+    if packed is None or lut is None:
+        missing = prefix + ("weight_lut" if lut is None else "weight_packed")
+        raise ValueError(f"The DKM checkpoint has no {missing!r} for {prefix.rstrip('.')!r}: it is incomplete.")
+    check_table(prefix + "weight_lut", lut, shape)
+    s = module.settings
+    idx = unpack_indices(packed, s.bits, module.weight.numel() // s.cluster_dim).reshape(s.groups, -1)
+    state_dict[prefix + "weight"] = dkm.lookup(lut.float(), idx).reshape(module.weight.shape).to(module.weight.dtype)
+    state_dict[prefix + "centroids"] = lut.float()
+    module.dkm_initialised = True
+    logger.warning(
+        "%s: loaded from packed indices + lookup table; the latent weights restart from the hard assignment, so a "
+        "resumed DKM run will not match an uninterrupted one bit for bit. Train with "
+        "hf_llmkit.quantization.DKMTrainingStateCallback to keep the training state in checkpoints.",
+        prefix.rstrip(".") or type(module).__name__,
+    )
+
+
 class DKMLinear(nn.Linear, _Clustered):
     """`nn.Linear` whose weight is clustered by DKM during training (soft) and hard-assigned otherwise."""
 
@@ -163,10 +233,6 @@ class DKMLinear(nn.Linear, _Clustered):
     ):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_table(settings, device)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        self._accept_packed(state_dict, prefix)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._use_soft():
@@ -187,10 +253,6 @@ class DKMEmbedding(nn.Embedding, _Clustered):
         super().__init__(num_embeddings, embedding_dim, padding_idx=padding_idx, device=device, dtype=dtype)
         self._init_table(settings, device)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        self._accept_packed(state_dict, prefix)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         weight = self._soft(None) if self._use_soft() else self.hard_weight(self.weight.dtype)
         return F.embedding(ids, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq)
@@ -201,18 +263,26 @@ class _Packed(nn.Module):
 
     def _init_packed(self, shape: tuple[int, int], settings: DKMSettings, device) -> None:
         self.settings, self.weight_shape = settings, shape
-        count = shape[0] * shape[1] // settings.cluster_dim
         k = 1 << settings.bits
         self.register_buffer(
-            "weight_packed", torch.zeros(packed_numel(count, settings.bits), dtype=torch.uint8, device=device)
+            "weight_packed", torch.zeros(packed_numel(self.count, settings.bits), dtype=torch.uint8, device=device)
         )
         self.register_buffer("weight_lut", torch.zeros(settings.groups, k, settings.cluster_dim, device=device))
+        self.register_load_state_dict_pre_hook(_check_packed_tensors)
+
+    @property
+    def count(self) -> int:
+        """Indices stored: one per weight vector."""
+        return self.weight_shape[0] * self.weight_shape[1] // self.settings.cluster_dim
 
     def check_packed(self, name: str) -> None:
-        """Raise a ValueError when the loaded tensors do not match the config this layer was built from."""
+        """Raise a ValueError naming the tensor when the loaded tensors do not match the config or are corrupt.
+
+        Indices are in range by construction once the shapes match: a `bits`-bit field addresses exactly the
+        `2**bits` rows of the table. The padding bits after the last index must be zero, as `pack_indices` writes them.
+        """
         s = self.settings
-        count = self.weight_shape[0] * self.weight_shape[1] // s.cluster_dim
-        want_packed = (packed_numel(count, s.bits),)
+        want_packed = (packed_numel(self.count, s.bits),)
         want_lut = (s.groups, 1 << s.bits, s.cluster_dim)
         got_packed, got_lut = tuple(self.weight_packed.shape), tuple(self.weight_lut.shape)
         if self.weight_packed.dtype != torch.uint8 or got_packed != want_packed or got_lut != want_lut:
@@ -222,16 +292,28 @@ class _Packed(nn.Module):
                 f"{s.groups} table(s)), found {self.weight_packed.dtype} {got_packed} and {got_lut}. Re-export the "
                 "checkpoint, or fix 'bits'/'cluster_dim'/'granularity'/'group_size' in its config.json."
             )
+        check_table(f"{name}.weight_lut", self.weight_lut, want_lut)
+        pad = (-self.count * s.bits) % 8
+        if pad and int(self.weight_packed[-1]) >> (8 - pad):
+            raise ValueError(f"{name + '.weight_packed'!r} has non-zero padding bits: the checkpoint is corrupt.")
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         s = self.settings
-        count = self.weight_shape[0] * self.weight_shape[1] // s.cluster_dim
-        idx = unpack_indices(self.weight_packed, s.bits, count).reshape(s.groups, -1)
+        idx = unpack_indices(self.weight_packed, s.bits, self.count).reshape(s.groups, -1)
         return dkm.lookup(self.weight_lut, idx).reshape(self.weight_shape).to(dtype)
 
 
+def _check_packed_tensors(module, state_dict, prefix, *_args) -> None:
+    """Load-state-dict pre-hook of the packed layers: drop a training checkpoint's extra tensors, check the table."""
+    for extra in ("weight", "centroids"):
+        state_dict.pop(prefix + extra, None)
+    lut = state_dict.get(prefix + "weight_lut")
+    if lut is not None:
+        check_table(prefix + "weight_lut", lut, tuple(module.weight_lut.shape))
+
+
 class PalettizedLinear(_Packed):
-    """Inference `Linear` of a saved DKM checkpoint."""
+    """Inference `Linear` of a compact DKM checkpoint."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, settings: DKMSettings, device=None, dtype=None
@@ -246,7 +328,7 @@ class PalettizedLinear(_Packed):
 
 
 class PalettizedEmbedding(_Packed):
-    """Inference `Embedding` of a saved DKM checkpoint."""
+    """Inference `Embedding` of a compact DKM checkpoint."""
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int, padding_idx, settings: DKMSettings, device=None, dtype=None

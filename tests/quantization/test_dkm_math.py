@@ -7,9 +7,10 @@ import time
 import pytest
 import torch
 
-from hf_llmkit.quantization import dkm, edkm
+from hf_llmkit.quantization import _dkm as dkm
+from hf_llmkit.quantization import _edkm as edkm
+from hf_llmkit.quantization._packing import pack_indices, packed_numel, unpack_indices
 from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear, DKMSettings
-from hf_llmkit.quantization.packing import pack_indices, packed_numel, unpack_indices
 
 
 @pytest.mark.parametrize("bits", range(1, 9))

@@ -40,10 +40,12 @@ def soft_dkm(
     """Naive DKM: returns (`A @ C` `[G, n, d]`, refined centroids `[G, K, d]`), differentiable in `vectors`.
 
     `tau` and `eps` are per group (`[G]`). The centroid iterations stop early when no centroid moves more than
-    `eps`; every tensor here is `[G, n, K]`-sized, which is what eDKM avoids.
+    `eps`; every tensor here is `[G, n, K]`-sized, which is what eDKM avoids. Computes in float32 (float64 for
+    float64 input: the reference the faster paths are tested against).
     """
-    w = vectors.float()
-    c = centroids.float()
+    dtype = torch.promote_types(vectors.dtype, torch.float32)
+    w = vectors.to(dtype)
+    c = centroids.to(dtype)
     scale = tau.view(-1, 1, 1)
     for _ in range(iters):
         attn = torch.softmax(-distance(w, c) / scale, dim=-1)  # [G, n, K]

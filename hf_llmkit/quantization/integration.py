@@ -1,0 +1,208 @@
+"""How DKM plugs into transformers' loading and saving (what `DKMHfQuantizer` delegates to).
+
+- `replace_with_dkm_layers`: swap target `nn.Linear` / `nn.Embedding` modules for DKM layers (trainable, or packed
+  inference layers for a compact checkpoint).
+- `checkpoint_layout`: before any weight is read, check a DKM checkpoint's tensor names against the config: every
+  clustered layer has its complete representation, and no DKM tensor belongs to a module the config keeps in full
+  precision (an edited `modules_to_not_convert` would otherwise load a freshly initialised layer).
+- `DKMInitTables`: the load op that runs the k-means of each trainable layer as its weight arrives.
+- `verify_loaded`: after loading, tables are finite and packed tensors have the config's shapes.
+- `dkm_state_dict`: what `save_pretrained` writes: packed indices + lookup tables (compact), plus the latent weights
+  and centroids of layers whose `keep_training_state` is set (Trainer checkpoints, see `training_state.py`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers.core_model_loading import ConversionOps
+from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
+
+from hf_llmkit.compat.transformers_quantizers import ignore_unexpected_keys
+from hf_llmkit.quantization.config import DKMConfig
+from hf_llmkit.quantization.layers import (
+    DKMEmbedding,
+    DKMLinear,
+    DKMSettings,
+    PalettizedEmbedding,
+    PalettizedLinear,
+    check_table,
+)
+
+TRAINABLE = (DKMLinear, DKMEmbedding)
+PACKED = (PalettizedLinear, PalettizedEmbedding)
+PACKED_NAMES = ("weight_packed", "weight_lut")
+TRAINING_NAMES = ("weight", "centroids")
+
+
+def tied_modules(model: nn.Module) -> list[str]:
+    """Modules whose weight is tied to another's (never clustered: the tie would break)."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    return sorted({k.removesuffix(".weight") for k in set(tied) | set(tied.values())})
+
+
+def dkm_targets(model: nn.Module, config: DKMConfig, skip: list[str]) -> dict[str, tuple[str, int, int]]:
+    """`{module name: (kind, rows, cols)}` of the modules `config` clusters (a shape error names the fix)."""
+    targets = {}
+    for name, module in model.named_modules():
+        if not name or not should_convert_module(name, skip):
+            continue
+        if type(module) is nn.Linear:
+            kind, rows, cols = "linear", module.out_features, module.in_features
+        elif type(module) is nn.Embedding and config.quantize_embeddings:
+            kind, rows, cols = "embedding", module.num_embeddings, module.embedding_dim
+        else:
+            continue
+        config.check_shape(name, rows, cols)
+        targets[name] = (kind, rows, cols)
+    return targets
+
+
+def replace_with_dkm_layers(
+    model: nn.Module, config: DKMConfig, skip: list[str], packed: bool | dict[str, str] = False
+) -> list[str]:
+    """Swap every target Linear/Embedding of `model` (on any device) for a DKM layer; returns their names.
+
+    `packed`: True builds packed inference layers, False trainable ones, or a `checkpoint_layout` (per module).
+    A live model's weights are kept (a trainable layer then needs `init_centroids`).
+    """
+    targets = dkm_targets(model, config, skip)
+    for name, (kind, rows, cols) in targets.items():
+        module = model.get_submodule(name)
+        settings = DKMSettings.from_config(config, kind, rows)
+        device, dtype = module.weight.device, module.weight.dtype
+        as_packed = packed.get(name) == "packed" if isinstance(packed, dict) else packed
+        if kind == "linear":
+            cls = PalettizedLinear if as_packed else DKMLinear
+            new = cls(cols, rows, module.bias is not None, settings, device=device, dtype=dtype)
+        else:
+            cls = PalettizedEmbedding if as_packed else DKMEmbedding
+            new = cls(rows, cols, module.padding_idx, settings, device=device, dtype=dtype)
+        if not as_packed and device.type != "meta":  # a live model: keep its weights
+            new.load_state_dict(module.state_dict(), strict=False)
+        model.set_submodule(name, new)
+    return list(targets)
+
+
+def checkpoint_keys(checkpoint_files: list[str] | None) -> set[str] | None:
+    """Tensor names of safetensors checkpoint files (headers only), or None when they cannot be read that way."""
+    if not checkpoint_files or not all(str(f).endswith(".safetensors") for f in checkpoint_files):
+        return None
+    keys: set[str] = set()
+    for file in checkpoint_files:
+        with safe_open(str(file), framework="pt") as f:
+            keys.update(f.keys())
+    return keys
+
+
+def checkpoint_layout(keys: set[str], targets: list[str], prefix: str = "") -> tuple[dict[str, str], list[str]]:
+    """(`{module: "train" | "packed"}`, key patterns to ignore) from a DKM checkpoint's tensor names.
+
+    A module loads its training state when the checkpoint has it, else its packed export; the other representation
+    is expected in the file (the patterns). Any inconsistency is a ValueError naming the tensor or module.
+    """
+    strip = f"{prefix}." if prefix else None
+
+    def norm(key: str) -> str:  # checkpoints may carry the base model's prefix or not
+        return key[len(strip) :] if strip and key.startswith(strip) else key
+
+    names = {norm(k) for k in keys}
+    layout, patterns = {}, []
+    for target in targets:
+        t = norm(target)
+
+        def has(*suffixes: str, t=t) -> bool:
+            return all(f"{t}.{s}" in names for s in suffixes)
+
+        if has(*TRAINING_NAMES):
+            layout[target], unused = "train", PACKED_NAMES
+        elif has(*PACKED_NAMES):
+            layout[target], unused = "packed", TRAINING_NAMES
+        elif has("weight_packed") or has("weight_lut"):
+            missing = "weight_lut" if has("weight_packed") else "weight_packed"
+            raise ValueError(
+                f"The DKM checkpoint has no '{target}.{missing}' (needed for {target!r}): it is incomplete."
+            )
+        elif has("weight"):
+            raise ValueError(
+                f"The checkpoint stores {target!r} in full precision ('{target}.weight') but its quantization_config "
+                f"clusters it: config.json's modules_to_not_convert no longer matches the weights. Add {target!r} to "
+                "quantization_config.modules_to_not_convert."
+            )
+        else:
+            raise ValueError(f"The DKM checkpoint has no tensors for {target!r} (expected '{target}.weight_packed').")
+        # The representation a layer does not load from is part of the checkpoint, not an unexpected key.
+        patterns.append(rf"(^|\.){re.escape(t)}\.({'|'.join(unused)})$")
+    target_set = {norm(t) for t in targets}
+    stray = sorted({k.rpartition(".")[0] for k in keys if k.rpartition(".")[2] in PACKED_NAMES + ("centroids",)})
+    stray = [k for k in stray if norm(k) not in target_set]
+    if stray:
+        more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
+        raise ValueError(
+            f"The checkpoint holds DKM tensors for {stray[0]!r}{more}, but quantization_config.modules_to_not_convert "
+            f"keeps it in full precision, so it would load with freshly initialised weights. Remove {stray[0]!r} from "
+            "modules_to_not_convert in config.json."
+        )
+    return layout, patterns
+
+
+class DKMInitTables(ConversionOps):
+    """Loading op of a DKM layer's weight: passes the weight through and adds its k-means table."""
+
+    def __init__(self, hf_quantizer):
+        self.hf_quantizer = hf_quantizer
+
+    @torch.no_grad()
+    def convert(self, input_dict: dict[str, Any], model: nn.Module | None = None, **kwargs) -> dict[str, Any]:
+        out = {}
+        for key, value in input_dict.items():
+            weight = value[0] if isinstance(value, list) else value
+            module, _ = get_module_from_name(model, key)
+            out[key] = weight
+            if isinstance(module, TRAINABLE):
+                module.init_centroids(weight)
+                out[f"{key.rpartition('.')[0]}.centroids"] = module.centroids
+        return out
+
+
+def verify_loaded(model: nn.Module, pre_quantized: bool) -> None:
+    """After loading: packed layers match their config and hold finite tables; trainable layers have tables."""
+    for name, module in model.named_modules():
+        if isinstance(module, PACKED):
+            module.check_packed(name)
+        elif isinstance(module, TRAINABLE):
+            if pre_quantized:  # loaded from a Trainer checkpoint's training state
+                check_table(f"{name}.centroids", module.centroids, module.table_shape)
+                module.dkm_initialised = True
+            elif not module.dkm_initialised:
+                module.init_centroids()  # a weight that was not in the checkpoint (freshly initialised)
+
+
+def dkm_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict `save_pretrained` writes: packed indices + lookup tables for every DKM layer, plus the latent
+    weight and centroids of the layers that keep their training state."""
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        if isinstance(module, TRAINABLE):
+            prefix = f"{name}." if name else ""
+            if not module.keep_training_state:
+                del state[prefix + "weight"], state[prefix + "centroids"]
+            state[prefix + "weight_packed"], state[prefix + "weight_lut"] = module.export()
+    return state
+
+
+def read_layout(model: nn.Module, checkpoint_files, targets: list[str]) -> dict[str, str] | None:
+    """Per-module layout of the checkpoint files being loaded into `model` (None when their tensor names cannot be
+    read up front, e.g. .bin files); the unused representation is registered as expected."""
+    keys = checkpoint_keys([str(Path(f)) for f in checkpoint_files] if checkpoint_files else None)
+    if keys is None:
+        return None
+    layout, patterns = checkpoint_layout(keys, targets, getattr(model, "base_model_prefix", ""))
+    if patterns:
+        ignore_unexpected_keys(model, patterns)
+    return layout

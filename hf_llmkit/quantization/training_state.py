@@ -1,0 +1,46 @@
+"""Trainer checkpoints of a DKM model that resume bit for bit, and a compact model at the end.
+
+A compact DKM checkpoint (packed indices + lookup tables) is all inference needs, but not all training needs: the
+latent weights hold more than their hard assignment. While `keep_training_state` is on, `save_pretrained` also
+writes each DKM layer's latent `weight` and `centroids`, and loading such a checkpoint (the Trainer's resume, or
+`from_pretrained`) restores them exactly. `DKMTrainingStateCallback` turns it on for the length of `Trainer.train()`,
+so every `checkpoint-N` is resumable bit for bit and `trainer.save_model()` afterwards is compact again:
+
+    from hf_llmkit.quantization import DKMTrainingStateCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[DKMTrainingStateCallback()])
+    trainer.train()                      # checkpoints: training state + packed export
+    trainer.save_model("out")            # packed indices + lookup tables only
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers import TrainerCallback
+
+from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear
+
+
+def keep_training_state(model: nn.Module, enabled: bool = True) -> int:
+    """Make `save_pretrained` of `model` also write its DKM layers' training state; returns the number of layers."""
+    layers = [m for m in model.modules() if isinstance(m, (DKMLinear, DKMEmbedding))]
+    for layer in layers:
+        layer.keep_training_state = enabled
+    return len(layers)
+
+
+class DKMTrainingStateCallback(TrainerCallback):
+    """Keeps DKM's training state in the Trainer's checkpoints from `on_train_begin` to `on_train_end`.
+
+    A run resumed from one of those checkpoints ends bitwise equal to an uninterrupted run; without this callback
+    the checkpoints are compact and a resume restarts the latent weights from their hard assignment (a warning says
+    so). A model without DKM layers is left alone.
+    """
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            keep_training_state(model, True)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            keep_training_state(model, False)

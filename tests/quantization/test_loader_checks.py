@@ -1,0 +1,128 @@
+"""Loading a DKM checkpoint never silently yields a different model: an edited or damaged checkpoint is a ValueError
+naming the tensor or module, raised before any weight is used."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from hf_llmkit import DKMConfig
+from hf_llmkit.quantization import DKMLinear, PalettizedEmbedding, keep_training_state, quantize_model
+from hf_llmkit.testing import tiny_llama
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, Path]:
+    """Compact checkpoints (lm_head kept dense / lm_head clustered) and a training-state one."""
+    root = tmp_path_factory.mktemp("dkm_checkpoints")
+    out = {}
+    for name, config in (("compact", DKMConfig(bits=3)), ("lm_head", DKMConfig(bits=3, modules_to_not_convert=[]))):
+        quantize_model(tiny_llama(), config).save_pretrained(root / name)
+        out[name] = root / name
+    model = quantize_model(tiny_llama(), DKMConfig(bits=3))
+    keep_training_state(model)
+    model.save_pretrained(root / "training")
+    out["training"] = root / "training"
+    return out
+
+
+def _edit(src: Path, dst: Path, tensors=None, config=None) -> Path:
+    """Copy a checkpoint folder, changing its tensors (`tensors(dict)`) and/or its quantization_config."""
+    shutil.copytree(src, dst)
+    if tensors is not None:
+        state = load_file(dst / "model.safetensors")
+        tensors(state)
+        save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
+    if config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        config(cfg["quantization_config"])
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_deleted_lookup_table(saved, tmp_path):
+    bad = _edit(saved["compact"], tmp_path / "bad", tensors=lambda s: s.pop(f"{Q}.weight_lut"))
+    with pytest.raises(ValueError, match=rf"no '{Q}\.weight_lut'.*incomplete"):
+        AutoModelForCausalLM.from_pretrained(bad)
+
+
+def test_deleted_packed_indices_of_a_whole_layer(saved, tmp_path):
+    def drop(state):
+        del state[f"{Q}.weight_lut"], state[f"{Q}.weight_packed"]
+
+    with pytest.raises(ValueError, match=rf"no tensors for '{Q}'"):
+        AutoModelForCausalLM.from_pretrained(_edit(saved["compact"], tmp_path / "bad", tensors=drop))
+
+
+def test_nan_lookup_table(saved, tmp_path):
+    def poison(state):
+        state[f"{Q}.weight_lut"][0, 3, 0] = float("nan")
+
+    bad = _edit(saved["compact"], tmp_path / "bad", tensors=poison)
+    with pytest.raises(ValueError, match=rf"'{Q}\.weight_lut' holds NaN/Inf"):
+        AutoModelForCausalLM.from_pretrained(bad)
+
+
+def test_nan_centroids_of_a_training_checkpoint(saved, tmp_path):
+    def poison(state):
+        state[f"{Q}.centroids"][0, 0, 0] = float("inf")
+
+    bad = _edit(saved["training"], tmp_path / "bad", tensors=poison)
+    with pytest.raises(ValueError, match=rf"'{Q}\.centroids' holds NaN/Inf"):
+        AutoModelForCausalLM.from_pretrained(bad)
+
+
+def test_non_zero_padding_bits(tmp_path):
+    """511 embedding vectors of 64 values at 3 bits: 1,533 index bits in 192 bytes, 3 padding bits."""
+    config = DKMConfig(bits=3, cluster_dim=64, quantize_embeddings=True, embedding_bits=3)
+    good = tmp_path / "good"
+    quantize_model(tiny_llama(vocab_size=511), config).save_pretrained(good)
+    assert isinstance(AutoModelForCausalLM.from_pretrained(good).model.embed_tokens, PalettizedEmbedding)
+
+    def flip(state):
+        state["model.embed_tokens.weight_packed"][-1] |= 0x80
+
+    bad = _edit(good, tmp_path / "bad", tensors=flip)
+    with pytest.raises(ValueError, match=r"'model.embed_tokens.weight_packed' has non-zero padding bits"):
+        AutoModelForCausalLM.from_pretrained(bad)
+
+
+def test_modules_to_not_convert_edited_to_keep_a_clustered_lm_head(saved, tmp_path):
+    bad = _edit(saved["lm_head"], tmp_path / "bad", config=lambda q: q.update(modules_to_not_convert=["lm_head"]))
+    with pytest.raises(ValueError, match=r"DKM tensors for 'lm_head'.*freshly initialised.*modules_to_not_convert"):
+        AutoModelForCausalLM.from_pretrained(bad)
+
+
+def test_modules_to_not_convert_edited_to_cluster_a_dense_lm_head(saved, tmp_path):
+    bad = _edit(saved["compact"], tmp_path / "bad", config=lambda q: q.update(modules_to_not_convert=[]))
+    with pytest.raises(ValueError, match=r"stores 'lm_head' in full precision.*modules_to_not_convert"):
+        AutoModelForCausalLM.from_pretrained(bad)
+
+
+def test_untouched_checkpoints_load(saved):
+    for name in ("compact", "lm_head"):
+        model = AutoModelForCausalLM.from_pretrained(saved[name])
+        assert type(model.get_submodule(Q)).__name__ == "PalettizedLinear"
+    assert isinstance(AutoModelForCausalLM.from_pretrained(saved["training"]).get_submodule(Q), DKMLinear)
+
+
+def test_load_state_dict_into_a_trainable_layer_checks_the_table(saved):
+    state = load_file(saved["compact"] / "model.safetensors")
+    model = quantize_model(tiny_llama(), DKMConfig(bits=3))
+    missing_lut = {k: v for k, v in state.items() if k != f"{Q}.weight_lut"}
+    with pytest.raises(ValueError, match=rf"no '{Q}\.weight_lut'"):
+        model.load_state_dict(missing_lut, strict=False)
+    state[f"{Q}.weight_lut"] = state[f"{Q}.weight_lut"] * float("nan")
+    with pytest.raises(ValueError, match=rf"'{Q}\.weight_lut' holds NaN/Inf"):
+        model.load_state_dict(state, strict=False)
+    wrong = dict(state, **{f"{Q}.weight_lut": torch.zeros(1, 4, 1)})
+    with pytest.raises(ValueError, match=r"has shape \(1, 4, 1\), expected \(1, 8, 1\)"):
+        model.load_state_dict(wrong, strict=False)

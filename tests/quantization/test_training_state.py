@@ -1,0 +1,158 @@
+"""DKM Trainer checkpoints resume bit for bit: a run stopped after a checkpoint and resumed in a fresh process ends
+with the same latent weights, tables and saved model as an uninterrupted run; the final model stays compact."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from hf_llmkit import DKMConfig
+from hf_llmkit.quantization import DKMLinear, DKMTrainingStateCallback, PalettizedLinear, keep_training_state
+from hf_llmkit.testing import tiny_llama
+
+STEPS, SAVE_EVERY = 6, 3
+Q_PROJ = "model.layers.0.self_attn.q_proj"
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+
+    def __len__(self):
+        return self.rows.shape[0]
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def train(base: str, out: str, mode: str, ids: str) -> None:
+    """One Trainer run of a DKM model: "full" (all steps), "stop" (SIGKILLed right after checkpoint-3, the
+    checkpoint complete), or "resume" (from checkpoint-3 of `out`). Runs in this process or a fresh one."""
+    import signal
+
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    class KillAfterCheckpoint(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=DKMConfig(bits=3))
+    args = TrainingArguments(
+        output_dir=out,
+        max_steps=STEPS,
+        save_steps=SAVE_EVERY,
+        per_device_train_batch_size=2,
+        learning_rate=5e-3,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+    )
+    callbacks = [DKMTrainingStateCallback()] + ([KillAfterCheckpoint()] if mode == "stop" else [])
+    trainer = Trainer(model=model, args=args, train_dataset=_Rows(torch.load(ids)), callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=f"{out}/checkpoint-{SAVE_EVERY}" if mode == "resume" else None)
+    trainer.save_model(f"{out}/final")
+    torch.save({k: v for k, v in model.state_dict().items() if k.endswith(("weight", "centroids"))}, f"{out}/state.pt")
+
+
+def _fresh_process(base: Path, out: Path, mode: str, ids: Path) -> int:
+    call = f"train({str(base)!r}, {str(out)!r}, {mode!r}, {str(ids)!r})"
+    code = f"from tests.quantization.test_training_state import train; {call}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-c", code], timeout=300, env=env, cwd=REPO).returncode
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """An uninterrupted run (here), and one SIGKILLed right after checkpoint-3, then resumed in a fresh process."""
+    tmp = tmp_path_factory.mktemp("dkm_resume")
+    base, ids = tmp / "base", tmp / "ids.pt"
+    tiny_llama().save_pretrained(base)
+    torch.save(torch.randint(0, 256, (8, 24), generator=torch.Generator().manual_seed(1)), ids)
+    train(str(base), str(tmp / "full"), "full", str(ids))
+    assert _fresh_process(base, tmp / "split", "stop", ids) == -9
+    assert not (tmp / "split" / "final").exists()
+    assert _fresh_process(base, tmp / "split", "resume", ids) == 0
+    return tmp
+
+
+def test_resumed_run_ends_bitwise_equal(runs):
+    full, resumed = torch.load(runs / "full" / "state.pt"), torch.load(runs / "split" / "state.pt")
+    assert full.keys() == resumed.keys() and f"{Q_PROJ}.centroids" in full
+    for key in full:
+        assert torch.equal(full[key], resumed[key]), key
+    final_full = load_file(runs / "full" / "final" / "model.safetensors")
+    final_resumed = load_file(runs / "split" / "final" / "model.safetensors")
+    assert final_full.keys() == final_resumed.keys()
+    assert all(torch.equal(final_full[k], final_resumed[k]) for k in final_full)
+    base = load_file(runs / "base" / "model.safetensors")
+    assert not torch.equal(full[f"{Q_PROJ}.weight"], base[f"{Q_PROJ}.weight"])  # it trained
+
+
+def test_checkpoints_hold_training_state_final_model_is_compact(runs):
+    with safe_open(runs / "full" / f"checkpoint-{SAVE_EVERY}" / "model.safetensors", framework="pt") as f:
+        ckpt = set(f.keys())
+    assert {f"{Q_PROJ}.{n}" for n in ("weight", "centroids", "weight_packed", "weight_lut")} <= ckpt
+    with safe_open(runs / "full" / "final" / "model.safetensors", framework="pt") as f:
+        final = set(f.keys())
+    assert {f"{Q_PROJ}.weight_packed", f"{Q_PROJ}.weight_lut"} <= final
+    assert not any(k.endswith(".centroids") for k in final) and f"{Q_PROJ}.weight" not in final
+
+
+def test_from_pretrained_of_a_checkpoint_restores_the_training_state(runs, caplog):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = runs / "full" / f"checkpoint-{SAVE_EVERY}"
+    with caplog.at_level(logging.WARNING):
+        model = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert "unexpected" not in caplog.text.lower() and "newly initialized" not in caplog.text.lower()
+    q = model.get_submodule(Q_PROJ)
+    assert isinstance(q, DKMLinear)
+    saved = load_file(ckpt / "model.safetensors")
+    assert torch.equal(q.weight.detach(), saved[f"{Q_PROJ}.weight"])
+    assert torch.equal(q.centroids, saved[f"{Q_PROJ}.centroids"])
+    final = AutoModelForCausalLM.from_pretrained(runs / "full" / "final")
+    assert isinstance(final.get_submodule(Q_PROJ), PalettizedLinear)
+
+
+def test_compact_checkpoint_resume_warns_that_it_is_not_bitwise(tmp_path, caplog):
+    from hf_llmkit.quantization import quantize_model
+
+    model = quantize_model(tiny_llama(), DKMConfig(bits=3))
+    model.save_pretrained(tmp_path)  # compact
+    fresh = quantize_model(tiny_llama(), DKMConfig(bits=3))
+    with caplog.at_level(logging.WARNING):
+        fresh.load_state_dict(load_file(tmp_path / "model.safetensors"), strict=False)
+    assert "will not match an uninterrupted one bit for bit" in caplog.text
+    q = fresh.get_submodule(Q_PROJ)
+    model.eval()
+    assert torch.equal(q.weight.detach(), model.get_submodule(Q_PROJ).hard_weight(torch.float32))
+
+
+def test_keep_training_state_switch(tmp_path):
+    from hf_llmkit.quantization import quantize_model
+
+    model = quantize_model(tiny_llama(), DKMConfig(bits=2))
+    assert keep_training_state(model) == 14  # 7 projections x 2 layers
+    model.save_pretrained(tmp_path / "on")
+    keep_training_state(model, False)
+    model.save_pretrained(tmp_path / "off")
+    on, off = (set(load_file(tmp_path / d / "model.safetensors")) for d in ("on", "off"))
+    assert f"{Q_PROJ}.weight" in on and f"{Q_PROJ}.weight" not in off and f"{Q_PROJ}.weight_packed" in off
+    assert keep_training_state(tiny_llama()) == 0
+    callback = DKMTrainingStateCallback()
+    callback.on_train_begin(None, None, None, model=model)
+    assert model.get_submodule(Q_PROJ).keep_training_state
+    callback.on_train_end(None, None, None, model=model)
+    assert not model.get_submodule(Q_PROJ).keep_training_state
