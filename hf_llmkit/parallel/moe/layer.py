@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers.activations import ACT2FN
 
-from hf_llmkit.parallel.moe.dispatch import combine, dispatch, gather_rows, scatter_rows
+from hf_llmkit.parallel.moe.dispatch import combine, dispatch, rows_to_tokens, slot_positions, tokens_to_rows
 from hf_llmkit.parallel.moe.experts import FusedExperts
 from hf_llmkit.parallel.moe.router import TopKRouter, load_balancing_loss, router_z_loss
 
@@ -156,16 +156,16 @@ class MoELayer(nn.Module):
                 rank_in_expert = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
                 order = order[rank_in_expert < capacity]
                 counts = load.clamp(max=capacity)
+            pos = slot_positions(order, flat.numel())  # [T*K] row of each (token, slot)
         dropped = 1.0 - order.numel() / max(flat.numel(), 1)
 
-        rows = gather_rows(x, order, k)  # [N, H] sorted by expert
+        rows = tokens_to_rows(x, order, pos, k)  # [N, H] sorted by expert
         if self.ep_group is None:
             out_rows = self.experts(rows, counts.tolist())
         else:
             local_rows, local_counts, plan = dispatch(rows, counts, group=self.ep_group)
             out_rows = combine(self.experts(local_rows, local_counts), plan, group=self.ep_group)
-        slot_out = scatter_rows(out_rows, order, num_tokens * k).view(num_tokens, k, -1)  # [T, K, H]
-        out = (slot_out * weights.unsqueeze(-1)).sum(1)  # [T, H] weighted sum over the K slots
+        out = rows_to_tokens(out_rows, weights, order, pos)  # [T, H] weighted sum over each token's K slots
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
