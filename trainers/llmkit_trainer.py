@@ -11,6 +11,7 @@ from transformers import Trainer, TrainingArguments
 from hf_llmkit.callbacks.log_bridge import add_callback_logs
 from hf_llmkit.callbacks.recovery import save_with_retries, train_with_recovery
 from hf_llmkit.trainers.eval_preparation import forget_evaluation_preparation
+from hf_llmkit.trainers.expert_parallel import TrainerExpertParallel
 from hf_llmkit.trainers.moe_loss import (
     MoELossTracker,
     aux_loss_scale,
@@ -47,6 +48,8 @@ class LLMKitTrainer(Trainer):
             register_zero3_leaf_modules(self.model)
         # Sequence parallelism (hf_llmkit.trainers.sequence_parallel): groups, attention wrapper, batch sharding, loss.
         self._sequence_parallel = TrainerSequenceParallel.for_trainer(self)
+        # Expert parallelism (hf_llmkit.trainers.expert_parallel): sharded experts, DDP reduction, clipping, saving.
+        self._expert_parallel = TrainerExpertParallel.for_trainer(self)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """`Trainer.compute_loss`, plus the MoE auxiliary losses of the forward it ran (training only)."""
@@ -68,6 +71,23 @@ class LLMKitTrainer(Trainer):
     def get_eval_dataloader(self, eval_dataset=None):
         loader = super().get_eval_dataloader(eval_dataset)
         return self._sequence_parallel.shard_loader(loader) if self._sequence_parallel is not None else loader
+
+    # Expert parallelism (hf_llmkit.trainers.expert_parallel): only the DDP case needs these; each is a no-op otherwise.
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if self._expert_parallel is not None:
+            self._expert_parallel.attach_optimizer(optimizer)  # checkpoints hold full expert states
+        return optimizer
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self._expert_parallel is not None and not self.is_deepspeed_enabled:
+            return self._expert_parallel.save_model(self, output_dir, _internal_call)  # gathers the experts
+        return super().save_model(output_dir, _internal_call)
+
+    def _clip_grad_norm(self, model):
+        if self._expert_parallel is not None and not self.is_deepspeed_enabled:
+            return self._expert_parallel.clip_grad_norm(self, model)  # the norm over all experts
+        return super()._clip_grad_norm(model)
 
     # Fault tolerance (hf_llmkit.callbacks.recovery): a callback cannot restart the loop or re-run a save.
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):

@@ -2,8 +2,10 @@
 sequence parallelism (`apply_sequence_parallel`, `shard_sequence_batch`, `sequence_parallel_loss`)."""
 
 from hf_llmkit.parallel.groups import (
+    ExpertParallelGroups,
     SequenceParallelGroups,
     new_expert_parallel_group,
+    new_expert_parallel_groups,
     new_sequence_parallel_groups,
 )
 from hf_llmkit.parallel.moe import (
@@ -29,6 +31,7 @@ from hf_llmkit.parallel.sequence import (
 )
 
 __all__ = [
+    "ExpertParallelGroups",
     "MoEArguments",
     "MoEAux",
     "MoELayer",
@@ -40,6 +43,7 @@ __all__ = [
     "load_balancing_loss",
     "moe_layers",
     "new_expert_parallel_group",
+    "new_expert_parallel_groups",
     "new_sequence_parallel_groups",
     "remove_sequence_parallel",
     "router_z_loss",

@@ -153,12 +153,24 @@ class FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(self.down_proj[start : start + count].clone())
         self.num_experts = count
 
-    def forward(self, sorted_tokens: torch.Tensor, counts: list[int] | tuple[int, ...]) -> torch.Tensor:
-        """Apply expert e to the e-th segment of `sorted_tokens [N, H]` (`counts[e]` rows); returns `[N, H]`."""
-        if sum(counts) != sorted_tokens.shape[0] or len(counts) != self.num_experts:
-            rows = sorted_tokens.shape[0]
-            raise ValueError(f"counts {list(counts)} do not split {rows} rows over {self.num_experts} experts")
-        return GroupedSwiGLU.apply(sorted_tokens, self.gate_up_proj, self.down_proj, tuple(counts), self.hidden_act)
+    def forward(
+        self, sorted_tokens: torch.Tensor, counts: list[int] | tuple[int, ...], *, first_expert: int = 0
+    ) -> torch.Tensor:
+        """Apply expert `first_expert + e` to the e-th segment of `sorted_tokens [N, H]` (`counts[e]` rows).
+
+        `counts` covers every expert held here, or with `first_expert` a consecutive subset of them (the ones
+        this rank computes when the weights are replicated over an expert-parallel group). Returns `[N, H]`.
+        """
+        rows, used = sorted_tokens.shape[0], len(counts)
+        if sum(counts) != rows or first_expert < 0 or first_expert + used > self.num_experts:
+            raise ValueError(
+                f"counts {list(counts)} from expert {first_expert} do not split {rows} rows over "
+                f"{self.num_experts} experts"
+            )
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if used != self.num_experts:
+            gate_up, down = gate_up.narrow(0, first_expert, used), down.narrow(0, first_expert, used)
+        return GroupedSwiGLU.apply(sorted_tokens, gate_up, down, tuple(counts), self.hidden_act)
 
     def extra_repr(self) -> str:
         return (
