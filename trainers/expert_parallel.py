@@ -73,7 +73,7 @@ class TrainerExpertParallel:
                 f"launch with torchrun / accelerate launch --num_processes {size}"
             )
         if getattr(args, "sequence_parallel_size", 1) > 1:
-            raise ValueError("expert_parallel_size > 1 cannot be combined with sequence_parallel_size > 1 yet; pick one")
+            raise ValueError("expert_parallel_size > 1 cannot be combined with sequence_parallel_size > 1; pick one")
         if trainer.is_fsdp_enabled:
             raise ValueError("expert_parallel_size > 1 is not supported with FSDP; use DDP or DeepSpeed ZeRO-1/2")
         if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
@@ -157,7 +157,9 @@ class ExpertParallelDDPKwargs:
     asks for `to_kwargs()` and `register_comm_hook(model)` when it wraps the model in DDP): the same DDP arguments
     without the start-up broadcast, and the expert-aware gradient reduction."""
 
-    def __init__(self, base: DistributedDataParallelKwargs | None, *, expert_ids: set[int], groups: ExpertParallelGroups):
+    def __init__(
+        self, base: DistributedDataParallelKwargs | None, *, expert_ids: set[int], groups: ExpertParallelGroups
+    ):
         if base is not None and base.comm_hook != DDPCommunicationHookType.NO:
             raise ValueError(f"expert_parallel_size > 1 brings its own DDP communication hook; drop {base.comm_hook}")
         self.base, self.expert_ids, self.groups = base, expert_ids, groups

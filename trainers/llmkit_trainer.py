@@ -72,7 +72,7 @@ class LLMKitTrainer(Trainer):
         loader = super().get_eval_dataloader(eval_dataset)
         return self._sequence_parallel.shard_loader(loader) if self._sequence_parallel is not None else loader
 
-    # Expert parallelism (hf_llmkit.trainers.expert_parallel): only the DDP case needs these; each is a no-op otherwise.
+    # Expert parallelism (hf_llmkit.trainers.expert_parallel): only its DDP case needs these three hooks.
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
         if self._expert_parallel is not None:

@@ -143,7 +143,8 @@ def main() -> None:
     checkpoint = os.path.join(root, "ep", "checkpoint-2")
     resumed = train(args, args.ep, os.path.join(root, "ep_resumed"), resume=checkpoint)
     cross = train(args, 1, os.path.join(root, "ep1_from_ep"), resume=checkpoint)
-    states = {name: full_state(t) for name, t in (("dense", dense), ("ep", ep), ("resumed", resumed), ("cross", cross))}
+    runs = {"dense": dense, "ep": ep, "resumed": resumed, "cross": cross}
+    states = {name: full_state(trainer) for name, trainer in runs.items()}
     errors = bad_setups(args)
     if int(os.environ["RANK"]) == 0:
         model = dense.accelerator.unwrap_model(dense.model).eval()

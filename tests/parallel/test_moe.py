@@ -12,9 +12,9 @@ from transformers.activations import ACT2FN
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
+import hf_llmkit.parallel.moe.experts as experts_module
 from hf_llmkit.parallel import MoELayer
 from hf_llmkit.parallel.moe.dispatch import rows_to_tokens, slot_positions, tokens_to_rows
-import hf_llmkit.parallel.moe.experts as experts_module
 from hf_llmkit.parallel.moe.experts import GroupedSwiGLU
 
 H, INTER, E = 16, 24, 4
