@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from torch import nn
 
 from hf_llmkit.parallel import MoELayer, new_expert_parallel_group, new_expert_parallel_groups
@@ -87,7 +86,8 @@ def ddp_replicas_match_plain_ddp() -> dict:
     broadcast_parameters_(ours, groups=groups)
     shards = expert_shards(ours)
     plain_ddp = nn.parallel.DistributedDataParallel(plain)
-    ours_ddp = nn.parallel.DistributedDataParallel(ours, init_sync=False, bucket_cap_mb=0.001)  # one bucket per tensor (the Trainer test has mixed ones)
+    # One bucket per tensor: all-dense and all-expert buckets (the Trainer test has mixed ones).
+    ours_ddp = nn.parallel.DistributedDataParallel(ours, init_sync=False, bucket_cap_mb=0.001)
     ExpertParallelDDPKwargs(None, expert_ids={id(s.param) for s in shards.values()}, groups=groups).register_comm_hook(
         ours_ddp
     )
