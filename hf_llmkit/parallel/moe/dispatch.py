@@ -69,14 +69,15 @@ class TokensToRows(torch.autograd.Function):
         if ctx.dropped:
             d_rows = torch.cat([d_rows, d_rows.new_zeros(1, d_rows.shape[1])])
         per_slot = d_rows.index_select(0, pos).view(ctx.num_tokens, ctx.k, -1)  # [T, K, H]
-        return per_slot.sum(1), None, None, None
+        d_x = per_slot[:, 0] + per_slot[:, 1] if ctx.k == 2 else per_slot.sum(1)  # top-2: one pass, not a reduction
+        return d_x, None, None, None
 
 
 class RowsToTokens(torch.autograd.Function):
     """Weighted sum of each token's expert outputs: `out[t] = sum_k weights[t, k] * rows[pos[t * k + j]]`.
 
     `pos [T*K]` maps each (token, slot) to its row of `rows [N, H]` (N = T*K dropless; a dropped slot points at
-    row N, read as zero). Forward and backward are row gathers (`index_select`) plus one batched matmul each.
+    row N, read as zero). Forward and backward are row gathers (`index_select`) plus one product each.
     """
 
     @staticmethod
@@ -95,8 +96,8 @@ class RowsToTokens(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             d_slots = weights.unsqueeze(-1) * d_out.unsqueeze(1)  # [T, K, H]
             d_rows = d_slots.view(-1, d_slots.shape[-1]).index_select(0, order)  # [N, H]
-        if ctx.needs_input_grad[1]:
-            d_weights = torch.bmm(per_slot, d_out.unsqueeze(-1)).squeeze(-1)  # [T, K]
+        if ctx.needs_input_grad[1]:  # a row-wise dot product; bmm with [H, 1] blocks is ~5x slower on CPU
+            d_weights = torch.linalg.vecdot(per_slot, d_out.unsqueeze(1))  # [T, K]
         return d_rows, d_weights, None, None
 
 
