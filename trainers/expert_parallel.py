@@ -16,7 +16,7 @@ How gradients are reduced depends on the engine:
   (`clip_grad_norm_`), so every rank clips alike. Checkpoints hold the full model (`save_pretrained` writes a
   native Mixtral / Qwen2-MoE checkpoint) and full optimizer states; loading cuts each rank's shard back out, so a
   checkpoint resumes under any expert-parallel size.
-- DeepSpeed ZeRO-1/2: DeepSpeed reduces separately only the expert parameters of its own `deepspeed.moe` layers.
+- DeepSpeed ZeRO-2: DeepSpeed reduces separately only the expert parameters of its own `deepspeed.moe` layers.
   Here every rank keeps all expert weights (`shard_weights=False`) and computes only its own experts, so the
   gradients of the others are zero on it; DeepSpeed's usual average over the world is then the correct expert
   gradient, and ZeRO partitions the experts' gradients and optimizer states over all ranks. What is not sharded
@@ -75,7 +75,7 @@ class TrainerExpertParallel:
         if getattr(args, "sequence_parallel_size", 1) > 1:
             raise ValueError("expert_parallel_size > 1 cannot be combined with sequence_parallel_size > 1; pick one")
         if trainer.is_fsdp_enabled:
-            raise ValueError("expert_parallel_size > 1 is not supported with FSDP; use DDP or DeepSpeed ZeRO-1/2")
+            raise ValueError("expert_parallel_size > 1 is not supported with FSDP; use DDP or DeepSpeed ZeRO-2")
         if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
             raise ValueError(
                 "expert_parallel_size > 1 is not supported with DeepSpeed ZeRO-3 (it partitions the expert weights "

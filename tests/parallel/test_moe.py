@@ -56,16 +56,25 @@ def test_output_and_gradients_match_per_token_definition(top_k, normalize, act):
 
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 @pytest.mark.parametrize(
-    ("counts", "row_tile"),
-    [((2, 0, 4, 1), 512), ((2, 2, 1, 2), 512), ((5, 0, 3, 1), 2)],
-    ids=["empty-expert", "one-tile-each", "several-tiles-per-expert"],
+    ("counts", "row_tile", "group"),
+    [
+        ((2, 0, 4, 1), 512, False),
+        ((5, 0, 3, 1), 2, False),
+        ((2, 0, 3, 3, 2, 14), 12, True),
+    ],
+    ids=["one-tile-each", "several-tiles-per-expert", "grouped-small-experts"],
 )
-def test_grouped_experts_gradcheck(act, counts, row_tile, monkeypatch):
-    monkeypatch.setattr(experts_module, "ROW_TILE", row_tile)  # tiles that split an expert's rows accumulate
+def test_grouped_experts_gradcheck(act, counts, row_tile, group, monkeypatch):
+    # Small tiles split an expert's rows (its weight gradient accumulates); grouping pads runs of small experts
+    # into one bmm (here experts [2, 3, 4] share a tile padded to 3 rows each; expert 5 has two tiles).
+    monkeypatch.setattr(experts_module, "ROW_TILE", row_tile)
+    monkeypatch.setattr(experts_module, "GROUP_SMALL_EXPERTS", group)
+    tiles = experts_module._tiles(counts, torch.device("cpu"))
+    assert any(t.count > 1 for t in tiles) == group
     torch.manual_seed(0)
     x = torch.randn(sum(counts), 4, dtype=torch.double, requires_grad=True)
-    gate_up = torch.randn(4, 6, 4, dtype=torch.double, requires_grad=True)
-    down = torch.randn(4, 4, 3, dtype=torch.double, requires_grad=True)
+    gate_up = torch.randn(len(counts), 6, 4, dtype=torch.double, requires_grad=True)
+    down = torch.randn(len(counts), 4, 3, dtype=torch.double, requires_grad=True)
     fn = lambda a, b, c: GroupedSwiGLU.apply(a, b, c, counts, act)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x, gate_up, down))
     fn(x, gate_up, down).sum().backward()
