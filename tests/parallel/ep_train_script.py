@@ -112,10 +112,14 @@ def max_diff(a: dict, b: dict) -> float:
 def bad_setups(args) -> dict[str, str]:
     """The one-line errors of setups expert parallelism cannot serve (checked before any work)."""
     errors = {}
-    targs = LLMKitTrainingArguments(output_dir="unused", expert_parallel_size=args.ep, report_to="none")
-    for name, model in (
-        ("dense", tiny_llama(seed=0)),
-        ("indivisible", upcycle_to_moe(tiny_llama(seed=0), num_experts=args.ep + 1, top_k=1)),
+    plain = LLMKitTrainingArguments(output_dir="unused", expert_parallel_size=args.ep, report_to="none")
+    with_sp = LLMKitTrainingArguments(
+        output_dir="unused", expert_parallel_size=args.ep, sequence_parallel_size=2, report_to="none"
+    )
+    for name, model, targs in (
+        ("dense", tiny_llama(seed=0), plain),
+        ("indivisible", upcycle_to_moe(tiny_llama(seed=0), num_experts=args.ep + 1, top_k=1), plain),
+        ("with_sp", build_model(), with_sp),
     ):
         if args.zero:
             from accelerate.state import AcceleratorState

@@ -8,12 +8,14 @@ checkpoints hold the full native Mixtral, which plain transformers loads here wi
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, default_data_collator
 
+from hf_llmkit import LLMKitTrainingArguments
 from hf_llmkit.testing import launch_script
 from tests.parallel.ep_train_script import make_rows
 
@@ -38,6 +40,7 @@ def check(result: dict, *, engine: str, local_experts: int, tmp_path: Path) -> N
     assert result["cross_resume_diff"] < 1e-5, "EP=1 cannot resume an EP=2 checkpoint"
     assert "has no MoE layer" in result["errors"]["dense"] and "--upcycle_moe" in result["errors"]["dense"]
     assert "not divisible by the expert-parallel group size 2" in result["errors"]["indivisible"]
+    assert "cannot be combined with sequence_parallel_size" in result["errors"]["with_sp"]
     # A full native checkpoint: plain transformers' Mixtral, every expert, the EP=1 model's logits.
     model = AutoModelForCausalLM.from_pretrained(result["checkpoint"]).eval()
     block = model.model.layers[0].mlp
@@ -46,6 +49,12 @@ def check(result: dict, *, engine: str, local_experts: int, tmp_path: Path) -> N
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     torch.testing.assert_close(logits, torch.load(tmp_path / "ep1_logits.pt"), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("size", "message"), [(0, "must be >= 1"), (2, "divide the number of ranks (1)")])
+def test_expert_parallel_size_is_validated(size, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLMKitTrainingArguments(output_dir="unused", expert_parallel_size=size)
 
 
 def test_ddp_expert_parallel_equals_data_parallel_and_resumes(tmp_path):
