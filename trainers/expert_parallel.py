@@ -59,6 +59,8 @@ class TrainerExpertParallel:
             trainer.accelerator.ddp_handler = ExpertParallelDDPKwargs(
                 trainer.accelerator.ddp_handler, expert_ids=self.expert_ids, groups=groups
             )
+            if trainer.optimizer is not None:  # passed in by the user: `create_optimizer` will not run
+                self.attach_optimizer(trainer.optimizer)
 
     @classmethod
     def for_trainer(cls, trainer: Any) -> TrainerExpertParallel | None:
@@ -99,18 +101,20 @@ class TrainerExpertParallel:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         return {i: names[id(p)] for i, p in enumerate(params) if id(p) in names}
 
-    def gather_optimizer_state(self, optimizer) -> None:
-        """Collective over the first EP group: full expert states for the next `optimizer.state_dict()`."""
+    def gather_optimizer_state(self, optimizer, *, everywhere: bool = False) -> None:
+        """Collective over the first EP group (every EP group with `everywhere`): full expert states for the next
+        `optimizer.state_dict()`."""
         inner = getattr(optimizer, "optimizer", optimizer)
         gathered = {}
         for index, name in self._expert_indices(inner).items():
             param = self.shards[name].param
             state = inner.state.get(param, {})
             shaped = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == param.shape}
-            full = gather_expert_state(shaped, groups=self.groups, totals=dict.fromkeys(shaped, self.totals[name]))
+            totals = dict.fromkeys(shaped, self.totals[name])
+            full = gather_expert_state(shaped, groups=self.groups, totals=totals, first_replica_only=not everywhere)
             if full is not None:
                 gathered[index] = {**state, **full}
-        self._gathered_optimizer_state = gathered if self.groups.replica_rank == 0 else None
+        self._gathered_optimizer_state = gathered or None
 
     def _full_optimizer_state(self, optimizer, state_dict: dict) -> dict:
         gathered, self._gathered_optimizer_state = self._gathered_optimizer_state, None
@@ -144,7 +148,7 @@ class TrainerExpertParallel:
             trainer.model.state_dict(), groups=self.groups, totals=self.totals, first_replica_only=not everywhere
         )
         if internal_call and trainer.optimizer is not None and not trainer.args.save_only_model:
-            self.gather_optimizer_state(trainer.optimizer)  # the checkpoint's optimizer.pt is written next
+            self.gather_optimizer_state(trainer.optimizer, everywhere=everywhere)  # optimizer.pt is written next
         if trainer.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             trainer._save(output_dir, state_dict=full)
