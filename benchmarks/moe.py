@@ -1,39 +1,45 @@
 """Mixture of experts: hf_llmkit's `MoELayer` vs transformers' Mixtral sparse block vs DeepSpeed's `MoE`.
 
-Part 1, layer speed: forward + backward tokens/s at one shape (default 2,048 tokens, H=256, I=1,024, 8 experts,
-top-2) for `MoELayer` (dropless, and capacity factor 1.0), `MixtralSparseMoeBlock` with every experts
-implementation that runs on CPU (eager, grouped_mm; batched_mm with `--batched-mm`: it gathers an expert weight
-per token, ~13 GB at the default shape), and DeepSpeed's `MoE` without and with token dropping (capacity 1.0).
-All load the same weights. The floor is a dense SwiGLU MLP of the same width applied twice (top-2 work); rounds
-are interleaved across systems so machine noise hits all alike, and the median is reported.
+Part 1, layer speed. One forward + backward of each system at H 256, I 1,024, top-2, fp32, relative to the floor:
+a dense SwiGLU MLP of the same width applied twice (top-2 routing does two MLPs' work per token). Systems, all
+loaded with the same weights: `MoELayer` dropless (and with capacity factor 1.0, for reference); transformers'
+`MixtralSparseMoeBlock` with each experts implementation that runs on CPU (eager, grouped_mm, and batched_mm when
+its per-token weight copies fit in `--batched-mm-gib`); DeepSpeed's `MoE` dropless and with capacity factor 1.0.
+Each configuration runs at 1 and 2 torch threads over an expert sweep (8, 16, 64 experts at 2,048 tokens) and a
+token sweep (512, 2,048, 8,192 tokens at 8 experts), with `_common.Bench`: variants interleaved, order rotated each
+round, min and median of per-round ratios, load average before and after. Outputs and gradients of `MoELayer`
+and DeepSpeed are checked against Mixtral eager on the same input.
 
-Part 2, upcycling: a tiny Llama is upcycled (`upcycle_to_moe`, 8 experts, top-2) and trained with
-`LLMKitTrainer` on the embedded corpus with and without the load-balancing loss; reports the final loss and the
-max/min expert-load ratio of the last logging window.
+Part 2, upcycling: a tiny Llama is upcycled (`upcycle_to_moe`, 8 experts, top-2) and trained with `LLMKitTrainer`
+on the embedded corpus with and without the load-balancing loss; reports the final loss and the max/min expert
+load ratio of the last logging window.
 
-    python benchmarks/moe.py               # ~3 minutes on 2 idle CPU cores
-    python benchmarks/moe.py --rounds 9 --train-steps 60 --batched-mm --aux-coef 0.05
+    python benchmarks/moe.py --quick   # one configuration, 3 rounds, no training: ~30 s
+    python benchmarks/moe.py           # the full grid and the training part: ~6 minutes on 2 idle cores
 
-Writes benchmarks/results/moe.json.
+Writes benchmarks/results/moe.json and, per thread count, moe_experts_<n>thr.png and moe_tokens_<n>thr.png
+(time / floor against experts and against tokens).
+The Mixtral block's experts implementation is chosen with the public `experts_implementation` config argument.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
+from _common import Bench, markdown_table, plot_lines, write_results
 from torch import nn
 
 from hf_llmkit.parallel import MoELayer
 from hf_llmkit.testing import corpus_texts, corpus_tokenizer, free_port, tiny_llama_config
 
-HERE = Path(__file__).resolve().parent
+FLOOR, OURS = "dense MLP x2 (floor)", "hf_llmkit MoELayer dropless"
+EVEN = "E dense MLPs, even rows (no routing)"
 
 
 class SwiGLU(nn.Module):
@@ -49,21 +55,37 @@ class SwiGLU(nn.Module):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def mixtral_block(args, implementation: str, state: dict):
+class EvenExperts(nn.Module):
+    """Top-2 work at E experts without routing: each token twice, rows split evenly over E separate dense MLPs.
+
+    A second reference besides the floor: it pays what E experts cost whatever the router does (E weight sets
+    streamed through small matmuls, E weight gradients written), so `ours / this` is the routing overhead.
+    """
+
+    def __init__(self, hidden: int, inter: int, experts: int):
+        super().__init__()
+        self.experts = nn.ModuleList(SwiGLU(hidden, inter) for _ in range(experts))
+
+    def forward(self, x):
+        rows = torch.cat([x, x], dim=-2).reshape(-1, x.shape[-1])  # [2T, H]
+        outs = [expert(chunk) for expert, chunk in zip(self.experts, rows.chunk(len(self.experts)))]
+        return torch.cat(outs).view(*x.shape[:-2], 2, x.shape[-2], -1).sum(-3)
+
+
+def mixtral_block(shape: dict, implementation: str, state: dict) -> nn.Module:
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
     config = MixtralConfig(
-        hidden_size=args.hidden, intermediate_size=args.inter, num_local_experts=args.experts,
-        num_experts_per_tok=args.top_k, num_attention_heads=4, num_key_value_heads=4,
+        hidden_size=shape["hidden"], intermediate_size=shape["inter"], num_local_experts=shape["experts"],
+        num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=4, experts_implementation=implementation,
     )  # fmt: skip
-    config._experts_implementation = implementation
     block = MixtralSparseMoeBlock(config)
     block.load_state_dict(state)
     return block
 
 
-def deepspeed_moe(args, *, drop_tokens: bool, state: dict):
+def deepspeed_moe(shape: dict, *, drop_tokens: bool, state: dict) -> nn.Module:
     import torch.distributed as dist
     from deepspeed.moe.layer import MoE
 
@@ -71,12 +93,11 @@ def deepspeed_moe(args, *, drop_tokens: bool, state: dict):
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
+    hidden, inter = shape["hidden"], shape["inter"]
     layer = MoE(
-        args.hidden, SwiGLU(args.hidden, args.inter), num_experts=args.experts, k=args.top_k,
-        capacity_factor=1.0, eval_capacity_factor=1.0, drop_tokens=drop_tokens, use_rts=False,
-        top2_2nd_expert_sampling=False,
+        hidden, SwiGLU(hidden, inter), num_experts=shape["experts"], k=2, capacity_factor=1.0,
+        eval_capacity_factor=1.0, drop_tokens=drop_tokens, use_rts=False, top2_2nd_expert_sampling=False,
     )  # fmt: skip
-    inter = args.inter
     with torch.no_grad():
         layer.deepspeed_moe.gate.wg.weight.copy_(state["gate.weight"])
         for e, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
@@ -86,83 +107,152 @@ def deepspeed_moe(args, *, drop_tokens: bool, state: dict):
     return layer
 
 
-def build_systems(args) -> dict[str, nn.Module]:
+def batched_mm_gib(shape: dict) -> float:
+    """Mixtral batched_mm copies both expert matrices per routed token, kept for backward and again as gradients."""
+    per_row = 3 * shape["inter"] * shape["hidden"] * 4
+    return 2 * shape["tokens"] * 2 * per_row / 2**30
+
+
+def build_systems(shape: dict, *, batched_mm_budget: float, deepspeed: bool) -> dict[str, nn.Module]:
     torch.manual_seed(0)
-    ours = MoELayer(args.hidden, args.inter, num_experts=args.experts, top_k=args.top_k)
+    hidden, inter, experts = shape["hidden"], shape["inter"], shape["experts"]
+    ours = MoELayer(hidden, inter, num_experts=experts, top_k=2)
     state = ours.state_dict()
-    dense = SwiGLU(args.hidden, args.inter)
-    systems = {
-        "dense MLP x2 (floor)": dense,
-        "hf_llmkit MoELayer dropless": ours,
-        "hf_llmkit MoELayer capacity 1.0": MoELayer(
-            args.hidden, args.inter, num_experts=args.experts, top_k=args.top_k, capacity_factor=1.0
-        ),
-    }
-    systems["hf_llmkit MoELayer capacity 1.0"].load_state_dict(state)
-    if not args.batched_mm:  # it gathers gate_up and down weights per routed token, forward and backward
-        gib = 2 * args.tokens * args.top_k * 3 * args.inter * args.hidden * 4 / 2**30
-        print(f"Mixtral batched_mm skipped: ~{gib:.0f} GiB of per-token weight copies (pass --batched-mm to run it)")
-    for impl in ("eager", "grouped_mm") + (("batched_mm",) if args.batched_mm else ()):
-        systems[f"transformers Mixtral block {impl}"] = mixtral_block(args, impl, state)
-    try:
-        systems["DeepSpeed MoE dropless"] = deepspeed_moe(args, drop_tokens=False, state=state)
-        systems["DeepSpeed MoE dropping (capacity 1.0)"] = deepspeed_moe(args, drop_tokens=True, state=state)
-    except ImportError as err:
-        print(f"DeepSpeed not importable, skipped: {err}")
+    capacity = MoELayer(hidden, inter, num_experts=experts, top_k=2, capacity_factor=1.0)
+    capacity.load_state_dict(state)
+    systems = {FLOOR: SwiGLU(hidden, inter), EVEN: EvenExperts(hidden, inter, experts), OURS: ours}
+    systems["hf_llmkit MoELayer capacity 1.0"] = capacity
+    implementations = ["eager", "grouped_mm"] + (["batched_mm"] if batched_mm_gib(shape) <= batched_mm_budget else [])
+    for impl in implementations:
+        systems[f"Mixtral block {impl}"] = mixtral_block(shape, impl, state)
+    if deepspeed:
+        systems["DeepSpeed MoE dropless"] = deepspeed_moe(shape, drop_tokens=False, state=state)
+        systems["DeepSpeed MoE capacity 1.0"] = deepspeed_moe(shape, drop_tokens=True, state=state)
     return systems
 
 
-def step(name: str, module: nn.Module, x: torch.Tensor) -> float:
-    """One forward + backward; returns seconds."""
-    inp = x.detach().requires_grad_(True)
+def forward(name: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = module(x)
+    out = out[0] if isinstance(out, tuple) else out  # DeepSpeed: (out, l_aux, exp_counts)
+    if name == FLOOR:  # top-2 work is two dense MLP passes over the tokens
+        out = out + module(x)
+    return out
+
+
+def step(name: str, module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        inp = x.detach().requires_grad_(True)
+        forward(name, module, inp).square().mean().backward()
+        module.zero_grad(set_to_none=True)
+
+    return run
+
+
+def check_outputs(systems: dict[str, nn.Module], x: torch.Tensor) -> dict[str, dict[str, float]]:
+    """Largest difference of each MoE system's output and input gradient from Mixtral eager's."""
+    ref_name = "Mixtral block eager"
+    results = {}
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    outs = {}
+    for name in (ref_name, OURS, "DeepSpeed MoE dropless"):
+        if name in systems:
+            inp = x.detach().requires_grad_(True)
+            out = forward(name, systems[name], inp)
+            (out * grad_out).sum().backward()
+            outs[name] = (out.detach(), inp.grad)
+            systems[name].zero_grad(set_to_none=True)
+    for name, (out, grad) in outs.items():
+        if name != ref_name:
+            ref_out, ref_grad = outs[ref_name]
+            results[name] = {
+                "output": (out - ref_out).abs().max().item(),
+                "grad_input": (grad - ref_grad).abs().max().item(),
+            }
+    return results
+
+
+def ratio_stats(numerator: list[float], denominator: list[float]) -> dict[str, float]:
+    ratios = [a / b for a, b in zip(numerator, denominator)]
+    return {"min": min(ratios), "median": statistics.median(ratios)}
+
+
+def bench_config(shape: dict, threads: int, args) -> dict:
+    torch.set_num_threads(threads)
+    systems = build_systems(shape, batched_mm_budget=args.batched_mm_gib, deepspeed=not args.no_deepspeed)
+    x = torch.randn(1, shape["tokens"], shape["hidden"], generator=torch.Generator().manual_seed(1))
+    diffs = check_outputs(systems, x)
+    steps = {name: step(name, module, x) for name, module in systems.items()}
+    once = {name: _time_once(fn) for name, fn in steps.items()}  # also a warm-up
+    # A system far slower than the floor (Mixtral eager at 64 experts: ~25x) would take most of the run: one call
+    # is enough to rank it, and it is reported from that call.
+    slow = {n: t / once[FLOOR] for n, t in once.items() if t > args.slow_cutoff * once[FLOOR]}
+    timings = Bench(rounds=args.rounds, warmup=args.warmup).run(
+        {name: fn for name, fn in steps.items() if name not in slow}, baseline=FLOOR
+    )
+    secs = timings.seconds
+    vs_peers = {p: ratio_stats(secs[OURS], secs[p]) for p in secs if p.startswith(("Mixtral", "DeepSpeed"))}
+    label = f"{shape['experts']} experts, {shape['tokens']} tokens, {threads} thread{'s' * (threads > 1)}"
+    print(f"\n### {label}\n\n{timings.table(title='system (fwd+bwd)')}")
+    for name, ratio in slow.items():
+        print(f"{name}: {ratio:.1f}x the floor in one call (> --slow-cutoff {args.slow_cutoff}; not timed further)")
+    if batched_mm_gib(shape) > args.batched_mm_gib:
+        need, budget = batched_mm_gib(shape), args.batched_mm_gib
+        print(f"Mixtral batched_mm skipped: it needs ~{need:.0f} GiB (> --batched-mm-gib {budget})")
+    print("max |diff| vs Mixtral eager: " + ", ".join(f"{n}: {d}" for n, d in diffs.items()))
+    vs_even = ratio_stats(secs[OURS], secs[EVEN])
+    return {
+        **shape, "threads": threads, "timings": timings.to_json(), "ours_vs_peers": vs_peers, "ours_vs_even": vs_even,
+        "diffs": diffs, "slow_single_call_vs_floor": slow,
+    }  # fmt: skip
+
+
+def _time_once(fn: Callable[[], None]) -> float:
     start = time.perf_counter()
-    out = module(inp)
-    if isinstance(out, tuple):  # DeepSpeed: (out, l_aux, exp_counts)
-        out = out[0]
-    if name.startswith("dense"):  # the floor: top-2 work is two dense MLP passes over the tokens
-        out = out + module(inp)
-    out.float().square().mean().backward()
-    module.zero_grad(set_to_none=True)
+    fn()
     return time.perf_counter() - start
 
 
-def bench_layers(args) -> list[dict]:
-    systems = build_systems(args)
-    x = torch.randn(1, args.tokens, args.hidden, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        reference = systems["transformers Mixtral block eager"](x)
-        ours = systems["hf_llmkit MoELayer dropless"](x)
-    max_diff = (ours - reference).abs().max().item()
-    times: dict[str, list[float]] = {name: [] for name in systems}
-    for name, module in systems.items():  # warm-up
-        step(name, module, x)
-    for _ in range(args.rounds):
-        for name, module in systems.items():
-            times[name].append(step(name, module, x))
-    floor = statistics.median(times["dense MLP x2 (floor)"])
-    peers = [statistics.median(t) for n, t in times.items() if not n.startswith(("hf_llmkit", "dense"))]
-    best_peer = min(peers) if peers else float("nan")
-    # the fastest round is the least disturbed by other load on a shared machine: a second, steadier view
-    best_peer_min = min((min(t) for n, t in times.items() if not n.startswith(("hf_llmkit", "dense"))), default=1)
-    rows = []
-    for name, samples in times.items():
-        med = statistics.median(samples)
+def summary_table(results: list[dict]) -> str:
+    rows = [["experts", "tokens", "threads", "ours / floor", "ours / E even", "ours / best peer", "best peer", "load"]]
+    for r in results:
+        floor = r["timings"]["summary"][OURS]
+        best = min(r["ours_vs_peers"], key=lambda p: -r["ours_vs_peers"][p]["median"])  # the closest competitor
+        vs = r["ours_vs_peers"][best]
+        load = f"{r['timings']['machine_before']['load_1min']:.1f}->{r['timings']['machine_after']['load_1min']:.1f}"
+        even = r["ours_vs_even"]
         rows.append(
-            {
-                "system": name,
-                "median_s": med,
-                "tokens_per_s": args.tokens / med,
-                "vs_floor": med / floor,
-                "vs_best_peer": med / best_peer,
-                "min_s": min(samples),
-                "min_vs_best_peer_min": min(samples) / best_peer_min,
-            }
-        )
-    print(f"\nMoELayer vs Mixtral eager (same weights, dropless): max |diff| = {max_diff:.2e}")
-    return rows, max_diff
+            [str(r["experts"]), str(r["tokens"]), str(r["threads"]),
+             f"{floor['ratio_min']:.3f} / {floor['ratio_median']:.3f}", f"{even['min']:.3f} / {even['median']:.3f}",
+             f"{vs['min']:.3f} / {vs['median']:.3f}", best, load]
+        )  # fmt: skip
+    return markdown_table(rows)
 
 
-def train_upcycled(args, aux_coef: float) -> dict:
+def plot_sweep(results: list[dict], key: str, fixed: dict, threads: int) -> None:
+    """`results/moe_{key}_{threads}thr.png`: median time / floor of every system along one sweep."""
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    for r in results:
+        if r["threads"] != threads or any(r[k] != v for k, v in fixed.items()):
+            continue
+        ratios = {name: row["ratio_median"] for name, row in r["timings"]["summary"].items() if name != FLOOR}
+        ratios.update(r["slow_single_call_vs_floor"])
+        for name, ratio in ratios.items():
+            xs, ys = series.setdefault(name, ([], []))
+            xs.append(r[key])
+            ys.append(ratio)
+    if not any(len(xs) > 1 for xs, _ in series.values()):
+        return  # a single point is no curve
+    (what,) = fixed.values()
+    other = "tokens" if key == "experts" else "experts"
+    title = f"MoE fwd+bwd / two dense MLP passes ({other} = {what}, {threads} thread(s), median of rounds)"
+    path = plot_lines(
+        f"moe_{key}_{threads}thr", series, xlabel=key, ylabel="time / floor", title=title, logx=True, hline=1.0
+    )
+    if path:
+        print(f"plot: {path}")
+
+
+def train_upcycled(steps: int, aux_coef: float) -> dict:
     from transformers import LlamaForCausalLM, PrinterCallback
 
     from hf_llmkit import LLMKitTrainingArguments
@@ -177,8 +267,8 @@ def train_upcycled(args, aux_coef: float) -> dict:
     model = upcycle_to_moe(dense, num_experts=8, top_k=2)
     with tempfile.TemporaryDirectory() as out:
         targs = LLMKitTrainingArguments(
-            out, max_steps=args.train_steps, per_device_train_batch_size=8, learning_rate=3e-3, warmup_steps=2,
-            logging_steps=max(args.train_steps // 4, 1), report_to=[], save_strategy="no", disable_tqdm=True,
+            out, max_steps=steps, per_device_train_batch_size=8, learning_rate=3e-3, warmup_steps=2,
+            logging_steps=max(steps // 4, 1), report_to=[], save_strategy="no", disable_tqdm=True,
             use_cpu=True, seed=0, moe_aux_loss_coef=aux_coef, moe_z_loss_coef=0.001,
         )  # fmt: skip
         trainer = LLMKitTrainer(model=model, args=targs, train_dataset=data)
@@ -195,56 +285,55 @@ def train_upcycled(args, aux_coef: float) -> dict:
         "final_lm_loss": lm_loss,
         "load_max_min_ratio": last["moe_load_max_min_ratio"],
         "ratio_per_window": [e["moe_load_max_min_ratio"] for e in logs],
-        "balancing_loss": last["moe_aux_loss"],
         "train_seconds": seconds,
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--inter", type=int, default=1024)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--batched-mm", action="store_true", help="also time Mixtral batched_mm (~13 GB RAM)")
-    parser.add_argument("--train-steps", type=int, default=30)
-    parser.add_argument(
-        "--aux-coef", type=float, default=0.01, help="balancing-loss weight of the 'with' run (the Trainer default)"
-    )
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "moe.json")
+    parser.add_argument("--quick", action="store_true", help="8 experts, 2,048 tokens, 1 thread, 3 rounds")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--experts", default="8,16,64", help="expert sweep (at 2,048 tokens)")
+    parser.add_argument("--tokens", default="512,2048,8192", help="token sweep (at 8 experts)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--batched-mm-gib", type=float, default=4.0, help="memory allowed for Mixtral batched_mm")
+    parser.add_argument("--no-deepspeed", action="store_true")
+    parser.add_argument("--slow-cutoff", type=float, default=6.0, help="systems slower than this x floor: one call")
+    parser.add_argument("--train-steps", type=int, default=30, help="upcycling part (0 = skip)")
+    parser.add_argument("--aux-coef", type=float, default=0.01, help="balancing-loss weight of the 'with' run")
     args = parser.parse_args()
+    if args.quick:
+        args.threads, args.experts, args.tokens, args.rounds, args.train_steps = "1", "8", "2048", 3, 0
+    return args
 
-    rows, max_diff = bench_layers(args)
-    print(
-        f"\n### MoE layer forward+backward, {args.tokens} tokens, H={args.hidden}, I={args.inter}, "
-        f"{args.experts} experts, top-{args.top_k} (torch threads: {torch.get_num_threads()})\n"
-    )
-    print("| system | median step (ms) | tokens/s | vs 2x dense MLP | vs best peer | fastest step: vs best peer |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['system']} | {r['median_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | {r['vs_floor']:.2f} "
-            f"| {r['vs_best_peer']:.2f} | {r['min_vs_best_peer_min']:.2f} |"
-        )
 
-    training = [train_upcycled(args, 0.0), train_upcycled(args, args.aux_coef)]
-    print(f"\n### Upcycled tiny Llama (8 experts, top-2), {args.train_steps} LLMKitTrainer steps\n")
-    print("| moe_aux_loss_coef | final LM loss | max/min expert load (last window) | per window | seconds |")
-    print("|---:|---:|---:|---|---:|")
-    for t in training:
-        windows = ", ".join(f"{v:.2f}" for v in t["ratio_per_window"])
-        print(
-            f"| {t['moe_aux_loss_coef']} | {t['final_lm_loss']:.3f} | {t['load_max_min_ratio']:.2f} | {windows} "
-            f"| {t['train_seconds']:.0f} |"
-        )
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    payload = {"config": config, "layers": rows, "max_diff_vs_mixtral": max_diff, "upcycled_training": training}
-    args.out.write_text(json.dumps(payload, indent=2))
-    print(f"\nwrote {args.out}")
+def main() -> None:
+    args = parse_args()
+    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
+    configs = [(e, 2048) for e in ints(args.experts)] + [(8, t) for t in ints(args.tokens) if (8, t) != (8, 2048)]
+    results = []
+    for threads in ints(args.threads):
+        for experts, tokens in configs:
+            shape = {"hidden": 256, "inter": 1024, "experts": experts, "tokens": tokens}
+            results.append(bench_config(shape, threads, args))
+    print("\n### MoELayer dropless: ratios (min / median of per-round ratios)\n")
+    print(summary_table(results))
+    for threads in ints(args.threads):
+        plot_sweep(results, "experts", {"tokens": 2048}, threads)
+        plot_sweep(results, "tokens", {"experts": 8}, threads)
+    training = []
+    if args.train_steps:
+        training = [train_upcycled(args.train_steps, 0.0), train_upcycled(args.train_steps, args.aux_coef)]
+        print(f"\n### Upcycled tiny Llama (8 experts, top-2), {args.train_steps} LLMKitTrainer steps\n")
+        rows = [["moe_aux_loss_coef", "final LM loss", "max/min expert load (last window)", "per window", "seconds"]]
+        for t in training:
+            windows = ", ".join(f"{v:.2f}" for v in t["ratio_per_window"])
+            rows.append([str(t["moe_aux_loss_coef"]), f"{t['final_lm_loss']:.3f}", f"{t['load_max_min_ratio']:.2f}",
+                         windows, f"{t['train_seconds']:.0f}"])  # fmt: skip
+        print(markdown_table(rows))
+    path = write_results("moe", {"config": vars(args), "layers": results, "upcycled_training": training})
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,11 @@ class LLMKitTrainingArguments(TrainingArguments):
             `MoELayer`s) that `LLMKitTrainer` adds to the training loss; 0 turns it off. Only models with
             `MoELayer`s (e.g. from `upcycle_to_moe`) are affected.
         moe_z_loss_coef: Mixture of experts. Weight of the router z-loss (mean over `MoELayer`s); 0 turns it off.
+        expert_parallel_size: Mixture of experts. Ranks that split each MoE layer's experts (world = replicas x this);
+            `LLMKitTrainer` shards the experts of a Mixtral / Qwen2-MoE / upcycled model over each group of this many
+            consecutive ranks, moves tokens to their experts by all-to-all, reduces expert gradients only over the
+            ranks holding the same experts and saves full native checkpoints (`hf_llmkit.trainers.expert_parallel`).
+            1 = off.
         sequence_parallel_size: Sequence parallelism (Ulysses). Number of ranks that split each sample's sequence
             (world = data-parallel size x this); `LLMKitTrainer` shards batches along the sequence, wraps the model's
             attention with all-to-all head exchange and averages the loss over the group's tokens. 1 = off.
@@ -119,6 +124,13 @@ class LLMKitTrainingArguments(TrainingArguments):
     )
     moe_z_loss_coef: float = field(
         default=0.001, metadata={"help": "Weight of the MoE router z-loss added to the training loss (0 = off)."}
+    )
+    expert_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Ranks that split each MoE layer's experts (expert parallelism); must divide the number of ranks "
+            "and the experts per layer. 1 = off."
+        },
     )
     sequence_parallel_size: int = field(
         default=1,
@@ -174,6 +186,11 @@ class LLMKitTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"tiled_mlp_chunk_size must be >= 1 positions (or 0 for the hidden size), "
                 f"got {self.tiled_mlp_chunk_size}"
+            )
+        if self.expert_parallel_size < 1 or world % self.expert_parallel_size:
+            raise ValueError(
+                f"expert_parallel_size={self.expert_parallel_size} must be >= 1 and divide the number of ranks "
+                f"({world}); launch a multiple of it (e.g. --num_processes {max(self.expert_parallel_size, 1)})"
             )
         multi_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1
         if self.deepspeed and not _has_accelerator():

@@ -20,6 +20,7 @@ from hf_llmkit.callbacks.log_bridge import add_callback_logs
 from hf_llmkit.callbacks.run_end import RequestingControl
 from hf_llmkit.trainers.checkpoint_writes import save_checkpoint, save_final_model
 from hf_llmkit.trainers.eval_preparation import forget_evaluation_preparation
+from hf_llmkit.trainers.expert_parallel import TrainerExpertParallel
 from hf_llmkit.trainers.long_sequence import TrainerLongSequence
 from hf_llmkit.trainers.moe_loss import (
     MoELossTracker,
@@ -64,6 +65,8 @@ class LLMKitTrainer(Trainer):
         self._sequence_parallel = TrainerSequenceParallel.for_trainer(self)
         # Long sequences (hf_llmkit.trainers.long_sequence): tiled loss, tiled MLP, activation-checkpoint offload.
         self._long_sequence = TrainerLongSequence.for_trainer(self)
+        # Expert parallelism (hf_llmkit.trainers.expert_parallel): sharded experts, DDP reduction, clipping, saving.
+        self._expert_parallel = TrainerExpertParallel.for_trainer(self)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """`Trainer.compute_loss`, plus the MoE auxiliary losses of the forward it ran (training only)."""
@@ -90,6 +93,23 @@ class LLMKitTrainer(Trainer):
         loader = super().get_eval_dataloader(eval_dataset)
         return self._sequence_parallel.shard_loader(loader) if self._sequence_parallel is not None else loader
 
+    # Expert parallelism (hf_llmkit.trainers.expert_parallel): only its DDP case needs these hooks.
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if self._expert_parallel is not None:
+            self._expert_parallel.attach_optimizer(optimizer)  # checkpoints hold full expert states
+        return optimizer
+
+    def _clip_grad_norm(self, model):
+        if self._expert_parallel is not None and not self.is_deepspeed_enabled:
+            return self._expert_parallel.clip_grad_norm(self, model)  # the norm over all experts
+        return super()._clip_grad_norm(model)
+
+    def _write_model(self, output_dir: str | None, internal_call: bool) -> None:
+        if self._expert_parallel is not None and not self.is_deepspeed_enabled:
+            return self._expert_parallel.save_model(self, output_dir, internal_call)  # gathers the experts
+        return super().save_model(output_dir, _internal_call=internal_call)
+
     # Fault tolerance (hf_llmkit.trainers.recovery / checkpoint_writes / resume / run_identity).
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
         """`Trainer.train`; `auto_resume` / `resume_from_checkpoint=True` pick the latest complete checkpoint, a
@@ -110,9 +130,9 @@ class LLMKitTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """`Trainer.save_model`; a final save (not a checkpoint's) is marked while written and gets a manifest."""
         if _internal_call:
-            return super().save_model(output_dir, _internal_call=True)
+            return self._write_model(output_dir, True)
         target = output_dir if output_dir is not None else self.args.output_dir
-        save_final_model(self, lambda: super(LLMKitTrainer, self).save_model(output_dir), target)
+        save_final_model(self, lambda: self._write_model(output_dir, False), target)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Resuming loads an MoE model's hub-layout experts through `from_pretrained`'s conversion, and a PEFT

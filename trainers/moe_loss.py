@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hf_llmkit.parallel.moe.expert_parallel import expert_shards, shard_expert_state
 from hf_llmkit.parallel.moe.layer import MoELayer, moe_layers
 from hf_llmkit.parallel.moe.upcycle import NATIVE_MOE_BLOCKS
 
@@ -39,10 +40,12 @@ def load_moe_checkpoint(model: nn.Module, folder: str) -> None:
     `from_pretrained`'s conversion turns back into the fused tensors; `Trainer`'s plain `load_state_dict`
     would leave every expert and router at its initial value (native Mixtral models included). The folder is
     loaded as the model's native class, whose state dict has the same keys as the model with `MoELayer`s.
+    Under expert parallelism each rank keeps its own shard of the (full) saved experts.
     """
     dtype = next(model.parameters()).dtype
     native = type(model).from_pretrained(folder, config=model.config, dtype=dtype)
-    model.load_state_dict(native.state_dict())  # strict: a layout mismatch fails loudly
+    state = shard_expert_state(native.state_dict(), expert_shards(model))
+    model.load_state_dict(state)  # strict: a layout mismatch fails loudly
 
 
 def aux_loss_scale(trainer, num_items_in_batch) -> float:

@@ -4,8 +4,10 @@ long-sequence pieces (`TiledLoss`, `TiledMLP`, `offload_saved_activations`). Att
 `hf_llmkit.parallel.attention`."""
 
 from hf_llmkit.parallel.groups import (
+    ExpertParallelGroups,
     SequenceParallelGroups,
     new_expert_parallel_group,
+    new_expert_parallel_groups,
     new_sequence_parallel_groups,
 )
 from hf_llmkit.parallel.moe import (
@@ -13,6 +15,7 @@ from hf_llmkit.parallel.moe import (
     MoEAux,
     MoELayer,
     TopKRouter,
+    apply_expert_parallel,
     load_balancing_loss,
     moe_layers,
     router_z_loss,
@@ -35,6 +38,7 @@ from hf_llmkit.parallel.sequence import (
 )
 
 __all__ = [
+    "ExpertParallelGroups",
     "MoEArguments",
     "MoEAux",
     "MoELayer",
@@ -44,10 +48,12 @@ __all__ = [
     "TiledMLP",
     "TopKRouter",
     "UlyssesAttention",
+    "apply_expert_parallel",
     "apply_sequence_parallel",
     "load_balancing_loss",
     "moe_layers",
     "new_expert_parallel_group",
+    "new_expert_parallel_groups",
     "new_sequence_parallel_groups",
     "offload_saved_activations",
     "remove_sequence_parallel",

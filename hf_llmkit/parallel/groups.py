@@ -13,8 +13,7 @@ def new_expert_parallel_group(*, ep_size: int) -> dist.ProcessGroup:
     Collective: every rank of the default group must call it (each block's group is created on all ranks,
     as `torch.distributed.new_group` requires). With `ep_size == world_size` it is the whole world.
     """
-    if not dist.is_initialized():
-        raise ValueError("new_expert_parallel_group needs torch.distributed initialised (init_process_group first)")
+    _check_initialised("new_expert_parallel_group")
     world, rank = dist.get_world_size(), dist.get_rank()
     if ep_size < 1 or world % ep_size:
         raise ValueError(f"ep_size={ep_size} must be >= 1 and divide the world size {world}")
@@ -24,6 +23,57 @@ def new_expert_parallel_group(*, ep_size: int) -> dist.ProcessGroup:
         if start <= rank < start + ep_size:
             mine = group
     return mine
+
+
+@dataclass(frozen=True)
+class ExpertParallelGroups:
+    """This rank's place in a data-parallel x expert-parallel layout (world = replicas * ep_size).
+
+    Ranks `[k * ep_size, (k + 1) * ep_size)` form expert-parallel group `k`: together they hold every expert once
+    (rank `i` of the group holds shard `i`) and exchange tokens. Ranks with the same position in their EP group
+    hold the same expert shard: they form one expert data-parallel group (`replica_group`), over which that
+    shard's gradients are summed. Dense (non-expert) parameters are replicated over the whole world.
+    """
+
+    ep_group: dist.ProcessGroup
+    replica_group: dist.ProcessGroup
+    ep_rank: int
+    ep_size: int
+    replica_rank: int
+    num_replicas: int
+
+
+def new_expert_parallel_groups(*, ep_size: int) -> ExpertParallelGroups:
+    """Split the world into `world // ep_size` EP groups of consecutive ranks and the matching replica groups.
+
+    Collective: every rank of the default group must call it, in the same order as its other `new_group` calls.
+    """
+    _check_initialised("new_expert_parallel_groups")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if ep_size < 1 or world % ep_size:
+        raise ValueError(
+            f"expert_parallel_size={ep_size} must be >= 1 and divide the world size {world}; "
+            f"launch a multiple of {ep_size} ranks or pick a divisor of {world}"
+        )
+    ep_group = new_expert_parallel_group(ep_size=ep_size)
+    replica_group = None
+    for offset in range(ep_size):
+        group = dist.new_group(list(range(offset, world, ep_size)))
+        if rank % ep_size == offset:
+            replica_group = group
+    return ExpertParallelGroups(
+        ep_group=ep_group,
+        replica_group=replica_group,
+        ep_rank=rank % ep_size,
+        ep_size=ep_size,
+        replica_rank=rank // ep_size,
+        num_replicas=world // ep_size,
+    )
+
+
+def _check_initialised(what: str) -> None:
+    if not dist.is_initialized():
+        raise ValueError(f"{what} needs torch.distributed initialised (init_process_group first)")
 
 
 @dataclass(frozen=True)
@@ -47,8 +97,7 @@ def new_sequence_parallel_groups(*, sp_size: int) -> SequenceParallelGroups:
 
     Collective: every rank of the default group must call it, in the same order as its other `new_group` calls.
     """
-    if not dist.is_initialized():
-        raise ValueError("new_sequence_parallel_groups needs torch.distributed initialised (init_process_group first)")
+    _check_initialised("new_sequence_parallel_groups")
     world, rank = dist.get_world_size(), dist.get_rank()
     if sp_size < 1 or world % sp_size:
         raise ValueError(

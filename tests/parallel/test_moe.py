@@ -12,8 +12,10 @@ from transformers.activations import ACT2FN
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
+import hf_llmkit.parallel.moe.experts as experts_module
 from hf_llmkit.parallel import MoELayer
-from hf_llmkit.parallel.moe.experts import GroupedSwiGLU, _Layout
+from hf_llmkit.parallel.moe.dispatch import rows_to_tokens, slot_positions, tokens_to_rows
+from hf_llmkit.parallel.moe.experts import GroupedSwiGLU
 
 H, INTER, E = 16, 24, 4
 
@@ -54,21 +56,49 @@ def test_output_and_gradients_match_per_token_definition(top_k, normalize, act):
 
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 @pytest.mark.parametrize(
-    "counts", [(2, 0, 4, 1), (2, 2, 1, 2), (2, 2, 2, 2)], ids=["segments-empty-expert", "batched-padded", "batched"]
+    ("counts", "row_tile", "group"),
+    [
+        ((2, 0, 4, 1), 512, False),
+        ((5, 0, 3, 1), 2, False),
+        ((2, 0, 3, 3, 2, 14), 12, True),
+    ],
+    ids=["one-tile-each", "several-tiles-per-expert", "grouped-small-experts"],
 )
-def test_grouped_experts_gradcheck(act, counts):
+def test_grouped_experts_gradcheck(act, counts, row_tile, group, monkeypatch):
+    # Small tiles split an expert's rows (its weight gradient accumulates); grouping pads runs of small experts
+    # into one bmm (here experts [2, 3, 4] share a tile padded to 3 rows each; expert 5 has two tiles).
+    monkeypatch.setattr(experts_module, "ROW_TILE", row_tile)
+    monkeypatch.setattr(experts_module, "GROUP_SMALL_EXPERTS", group)
+    tiles = experts_module._tiles(counts, torch.device("cpu"))
+    assert any(t.count > 1 for t in tiles) == group
     torch.manual_seed(0)
-    layout = _Layout(counts, torch.device("cpu"))
-    assert layout.batched == (0 not in counts)  # both compute paths are covered
     x = torch.randn(sum(counts), 4, dtype=torch.double, requires_grad=True)
-    gate_up = torch.randn(4, 6, 4, dtype=torch.double, requires_grad=True)
-    down = torch.randn(4, 4, 3, dtype=torch.double, requires_grad=True)
+    gate_up = torch.randn(len(counts), 6, 4, dtype=torch.double, requires_grad=True)
+    down = torch.randn(len(counts), 4, 3, dtype=torch.double, requires_grad=True)
     fn = lambda a, b, c: GroupedSwiGLU.apply(a, b, c, counts, act)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x, gate_up, down))
     fn(x, gate_up, down).sum().backward()
     for e, n in enumerate(counts):
         if n == 0:
             assert gate_up.grad[e].abs().sum() == 0 and down.grad[e].abs().sum() == 0
+
+
+@pytest.mark.parametrize("kept", [None, [0, 3, 4, 6, 9]], ids=["dropless", "dropping"])
+def test_row_routing_gradcheck(kept):
+    """tokens -> expert-sorted rows -> weighted tokens, with and without dropped (token, slot) pairs."""
+    torch.manual_seed(0)
+    tokens, k = 5, 2
+    x = torch.randn(tokens, 3, dtype=torch.double, requires_grad=True)
+    weights = torch.rand(tokens, k, dtype=torch.double, requires_grad=True)
+    order = torch.randperm(tokens * k)
+    if kept is not None:
+        order = order[torch.tensor(kept)]
+    pos = slot_positions(order, tokens * k)
+    fn = lambda a, w: rows_to_tokens(tokens_to_rows(a, order, pos, k) * 2.0, w, order, pos)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, weights))
+    kept_slots = torch.zeros(tokens * k, dtype=torch.double).index_fill_(0, order, 1.0).view(tokens, k)
+    expected = 2.0 * (weights * kept_slots).sum(1, keepdim=True) * x  # every kept slot returns its own token
+    torch.testing.assert_close(fn(x, weights), expected)
 
 
 def test_capacity_factor_drops_overflow_in_token_order_and_reports_it():

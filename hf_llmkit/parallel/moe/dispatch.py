@@ -1,9 +1,9 @@
 """Row routing for `MoELayer`: local gather/scatter and the expert-parallel all-to-all dispatch and combine.
 
-Local routing: `gather_rows` copies each token once per chosen expert into expert-sorted order and
-`scatter_rows` puts expert outputs back into `[tokens * top_k]` slots. Their backwards are a scatter into
-slots plus a sum over the k slots of a token, and a gather, so no `index_add` (a serial scatter-add on
-CPU) runs in either direction.
+Local routing: `tokens_to_rows` copies each token once per chosen expert into expert-sorted order and
+`rows_to_tokens` gathers each token's expert outputs back and sums them weighted by the router. Both
+directions of both are row gathers (`index_select`) through `order` (row -> slot) and its inverse `pos`
+(slot -> row), so no `index_add` (a serial scatter-add on CPU) and no zero-filled scatter buffer is used.
 
 Expert parallelism:
 Each rank of an expert-parallel group holds `E / P` consecutive experts. A rank's routed rows, sorted by
@@ -50,47 +50,71 @@ class Permute(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None
 
 
-class GatherRows(torch.autograd.Function):
-    """`x[slots // k]`: the token behind each routed slot, for `x [T, H]` and `slots [N]` in `[0, T*k)`."""
+class TokensToRows(torch.autograd.Function):
+    """Copy each token once per routed slot, in expert-sorted order: `rows[i] = x[order[i] // k]`.
+
+    Backward sums each token's k row gradients through the inverse map `pos` (slot -> row; dropped slots
+    point past the last row and read zero), so no serial scatter-add (`index_add`) runs.
+    """
 
     @staticmethod
-    def forward(ctx, x, slots, k: int):
-        ctx.save_for_backward(slots)
-        ctx.num_tokens, ctx.k = x.shape[0], k
-        return x.index_select(0, slots // k)
+    def forward(ctx, x, order, pos, k: int):
+        ctx.save_for_backward(pos)
+        ctx.num_tokens, ctx.k, ctx.dropped = x.shape[0], k, order.numel() < pos.numel()
+        return x.index_select(0, order // k)  # [N, H]
 
     @staticmethod
-    def backward(ctx, grad):
-        (slots,) = ctx.saved_tensors
-        return scatter_rows(grad, slots, ctx.num_tokens * ctx.k).view(ctx.num_tokens, ctx.k, -1).sum(1), None, None
+    def backward(ctx, d_rows):
+        (pos,) = ctx.saved_tensors
+        if ctx.dropped:
+            d_rows = torch.cat([d_rows, d_rows.new_zeros(1, d_rows.shape[1])])
+        per_slot = d_rows.index_select(0, pos).view(ctx.num_tokens, ctx.k, -1)  # [T, K, H]
+        d_x = per_slot[:, 0] + per_slot[:, 1] if ctx.k == 2 else per_slot.sum(1)  # top-2: one pass, not a reduction
+        return d_x, None, None, None
 
 
-class ScatterRows(torch.autograd.Function):
-    """Rows of `x [N, H]` written to `slots [N]` of a `[num_slots, H]` tensor whose other rows are zero."""
+class RowsToTokens(torch.autograd.Function):
+    """Weighted sum of each token's expert outputs: `out[t] = sum_k weights[t, k] * rows[pos[t * k + j]]`.
+
+    `pos [T*K]` maps each (token, slot) to its row of `rows [N, H]` (N = T*K dropless; a dropped slot points at
+    row N, read as zero). Forward and backward are row gathers (`index_select`) plus one product each.
+    """
 
     @staticmethod
-    def forward(ctx, x, slots, num_slots: int):
-        ctx.save_for_backward(slots)
-        if slots.numel() == num_slots:  # a permutation: every row is written
-            out = x.new_empty(num_slots, *x.shape[1:])
-        else:
-            out = x.new_zeros(num_slots, *x.shape[1:])
-        return out.index_copy_(0, slots, x)
+    def forward(ctx, rows, weights, order, pos):
+        num_tokens, k = weights.shape
+        if order.numel() < pos.numel():
+            rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+        per_slot = rows.index_select(0, pos).view(num_tokens, k, -1)  # [T, K, H]
+        ctx.save_for_backward(per_slot, weights, order)
+        return torch.bmm(weights.unsqueeze(1), per_slot).squeeze(1)  # [T, H]
 
     @staticmethod
-    def backward(ctx, grad):
-        (slots,) = ctx.saved_tensors
-        return grad.index_select(0, slots), None, None
+    def backward(ctx, d_out):
+        per_slot, weights, order = ctx.saved_tensors
+        d_rows = d_weights = None
+        if ctx.needs_input_grad[0]:
+            d_slots = weights.unsqueeze(-1) * d_out.unsqueeze(1)  # [T, K, H]
+            d_rows = d_slots.view(-1, d_slots.shape[-1]).index_select(0, order)  # [N, H]
+        if ctx.needs_input_grad[1]:  # a row-wise dot product; bmm with [H, 1] blocks is ~5x slower on CPU
+            d_weights = torch.linalg.vecdot(per_slot, d_out.unsqueeze(1))  # [T, K]
+        return d_rows, d_weights, None, None
 
 
-def scatter_rows(x: torch.Tensor, slots: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """Differentiable `out = zeros(num_slots, H); out[slots] = x`."""
-    return ScatterRows.apply(x, slots, num_slots)
+def slot_positions(order: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """Inverse of `order` (row -> slot) as slot -> row `[num_slots]`; slots not in `order` map to `len(order)`."""
+    pos = torch.full((num_slots,), order.numel(), dtype=order.dtype, device=order.device)
+    return pos.index_copy_(0, order, torch.arange(order.numel(), dtype=order.dtype, device=order.device))
 
 
-def gather_rows(x: torch.Tensor, slots: torch.Tensor, k: int) -> torch.Tensor:
-    """Differentiable `x[slots // k]` whose backward sums each token's k slots without a scatter-add."""
-    return GatherRows.apply(x, slots, k)
+def tokens_to_rows(x: torch.Tensor, order: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
+    """Differentiable `x[order // k]`: `x [T, H]` -> expert-sorted rows `[N, H]`."""
+    return TokensToRows.apply(x, order, pos, k)
+
+
+def rows_to_tokens(rows: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Differentiable weighted combine of expert-sorted `rows [N, H]` into tokens `[T, H]` (`weights [T, K]`)."""
+    return RowsToTokens.apply(rows, weights, order, pos)
 
 
 @dataclass

@@ -1,93 +1,120 @@
 """Fused SwiGLU experts and their grouped forward/backward.
 
 The weights use transformers' fused MoE layout (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`), so a
-`FusedExperts` state dict is a Mixtral / Qwen2-MoE `experts` state dict. Tokens arrive sorted by expert.
-When the experts' row counts are close to each other (padding to the largest count adds at most
-`MAX_PADDING` of extra rows) the rows are laid out as `[E, C, H]` and every product is one `torch.bmm`;
-otherwise each expert's contiguous segment gets one `torch.mm` written into a preallocated buffer. Both
-avoid per-token work; the batched form runs one parallel region per product instead of one per expert,
-which on CPU (few cores, often shared) is up to twice as fast. The hand-written backward keeps only the
-input and the pre-activation and computes the activation's derivative once over all rows.
+`FusedExperts` state dict is a Mixtral / Qwen2-MoE `experts` state dict. Rows arrive sorted by expert
+(`counts[e]` consecutive rows for expert e).
+
+How the work is laid out (each choice measured on CPU with benchmarks/moe.py):
+- One `torch.mm` per expert on its own rows, written in place (`out=`): no padding to a common row count
+  (a padded `[E, C, H]` batch for `bmm` pays for the padding rows, ~10% at 8 experts and up to 2x at 64)
+  and no per-token weight copies.
+- Rows go through in tiles of at most `ROW_TILE`: a tile's gate/up product, activation, gating product and
+  down product run back to back, and so does its whole backward chain, so the `[rows, I]` intermediates are
+  still in cache when the next op reads them. Over all `2 * tokens` rows at once the elementwise ops ran
+  from memory and cost ~3x what they cost inside the dense MLP.
+- On several threads every matmul is a parallel region, and a region per expert and product costs more than
+  small experts' matmuls themselves (a busy second core stalls each one); there, runs of consecutive small
+  experts share one zero-padded tile and one `bmm` per product (`GROUP_SMALL_EXPERTS`, padding bounded by
+  `MAX_GROUP_PADDING`).
+- Forward keeps what a dense MLP's autograd keeps (input, the gate and up pre-activations, the activation
+  and the gated hidden), so backward recomputes nothing; a tile's weight gradients are written in place.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-MAX_PADDING = 0.25  # batched layout when E * max(count) <= (1 + MAX_PADDING) * rows
+ROW_TILE = 512  # rows per tile: [512, I] intermediates stay in cache; large enough for full-speed matmuls
+GROUP_SMALL_EXPERTS: bool | None = None  # batch small experts into one bmm per tile; None = when torch uses > 1 thread
+MAX_GROUP_PADDING = 0.25  # a group's padded rows may exceed its real rows by at most this fraction
 
 
-def _segments(counts: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """(expert, start, stop) for every non-empty segment."""
-    out, start = [], 0
-    for expert, n in enumerate(counts):
-        if n:
-            out.append((expert, start, start + n))
-        start += n
-    return out
+@dataclass(frozen=True)
+class _Tile:
+    """Rows `[lo, hi)` of experts `[first, first + count)`: one expert's rows (`count == 1`, possibly one of several
+    tiles of that expert), or a group of small experts padded to `capacity` rows each for one `bmm` per product."""
 
-
-def _padded_positions(counts: tuple[int, ...], capacity: int, device: torch.device) -> torch.Tensor:
-    """Row `i` of the expert-sorted rows goes to row `pos[i]` of the `[E * capacity]` padded layout."""
-    lens = torch.tensor(counts, device=device)
-    starts = lens.cumsum(0) - lens
-    expert = torch.repeat_interleave(torch.arange(len(counts), device=device), lens)
-    return torch.arange(int(lens.sum()), device=device) - starts[expert] + expert * capacity
-
-
-class _Layout:
-    """Expert-grouped rows: `[N, K]` segments (`mm` per expert) or a padded `[E, C, K]` batch (`bmm`)."""
-
-    def __init__(self, counts: tuple[int, ...], device: torch.device):
-        self.counts, self.segments = counts, _segments(counts)
-        rows, capacity = sum(counts), max(counts, default=0)
-        self.batched = rows > 0 and len(counts) * capacity <= (1 + MAX_PADDING) * rows
-        self.capacity = capacity
-        exact = self.batched and len(counts) * capacity == rows
-        self.pos = _padded_positions(counts, capacity, device) if self.batched and not exact else None
+    first: int
+    count: int
+    lo: int
+    hi: int
+    starts_expert: bool = True  # first tile of its expert (its weight gradient is written, not accumulated)
+    capacity: int = 0
+    pos: torch.Tensor | None = None  # group: row i of the tile goes to row pos[i] of the [count * capacity] layout
 
     def pack(self, rows: torch.Tensor) -> torch.Tensor:
-        """`[N, K]` sorted rows -> this layout (zero rows as padding)."""
-        if not self.batched:
-            return rows
+        """`[n, K]` rows of this tile -> `[n, K]` (single expert) or zero-padded `[count, capacity, K]` (group)."""
         if self.pos is None:
-            return rows.view(len(self.counts), self.capacity, -1)
-        out = rows.new_zeros(len(self.counts) * self.capacity, rows.shape[-1])
-        return out.index_copy_(0, self.pos, rows).view(len(self.counts), self.capacity, -1)
-
-    def unpack(self, grouped: torch.Tensor) -> torch.Tensor:
-        """This layout -> `[N, K]` sorted rows."""
-        if not self.batched:
-            return grouped
-        flat = grouped.reshape(-1, grouped.shape[-1])
-        return flat if self.pos is None else flat.index_select(0, self.pos)
+            return rows
+        out = rows.new_zeros(self.count * self.capacity, rows.shape[-1])
+        return out.index_copy_(0, self.pos, rows).view(self.count, self.capacity, -1)
 
     def matmul(self, a: torch.Tensor, w: torch.Tensor, *, transpose: bool) -> torch.Tensor:
-        """Per expert e: `a_e @ w_e.T` (transpose) or `a_e @ w_e`."""
-        w = w.transpose(1, 2) if transpose else w
-        if self.batched:
-            return torch.bmm(a, w)
-        out = a.new_empty(a.shape[0], w.shape[2])
-        for e, lo, hi in self.segments:
-            torch.mm(a[lo:hi], w[e], out=out[lo:hi])
-        return out
+        """`a @ w_e.T` (transpose) or `a @ w_e` with this tile's expert weights `w_e` (a slice of `w [E, ., .]`)."""
+        if self.pos is None:
+            return a @ (w[self.first].t() if transpose else w[self.first])
+        w = w[self.first : self.first + self.count]
+        return torch.bmm(a, w.transpose(1, 2) if transpose else w)
 
-    def weight_grad(self, d_out: torch.Tensor, inp: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """Per expert e: `d_out_e.T @ inp_e`, shaped like the weight `like [E, ., .]`."""
-        if self.batched:
-            return torch.bmm(d_out.transpose(1, 2), inp)
-        grad = torch.empty_like(like)
-        used = {e for e, _, _ in self.segments}
-        for e in range(like.shape[0]):
-            if e not in used:  # an expert without rows gets a zero gradient
-                grad[e].zero_()
-        for e, lo, hi in self.segments:
-            torch.mm(d_out[lo:hi].t(), inp[lo:hi], out=grad[e])
-        return grad
+    def matmul_into(self, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, transpose: bool) -> None:
+        """`matmul(a, w)` written to this tile's rows of `out [N, K]` (unpadded)."""
+        if self.pos is None:
+            torch.mm(a, w[self.first].t() if transpose else w[self.first], out=out[self.lo : self.hi])
+        else:
+            grouped = self.matmul(a, w, transpose=transpose)  # [count, capacity, K]
+            torch.index_select(grouped.view(-1, grouped.shape[-1]), 0, self.pos, out=out[self.lo : self.hi])
+
+    def weight_grad_into(self, grad: torch.Tensor, d_out: torch.Tensor, inp: torch.Tensor) -> None:
+        """This tile's share of `grad[e] = d_out_e.T @ inp_e` for its experts (accumulated after an expert's first)."""
+        if self.pos is not None:
+            torch.bmm(d_out.transpose(1, 2), inp, out=grad[self.first : self.first + self.count])
+        elif self.starts_expert:
+            torch.mm(d_out.t(), inp, out=grad[self.first])
+        else:
+            grad[self.first].addmm_(d_out.t(), inp)
+
+
+def _tiles(counts: tuple[int, ...], device: torch.device) -> list[_Tile]:
+    """Tiles covering every row. Experts with more than `ROW_TILE / 2` rows get their own tiles (one `mm` per product
+    each); with grouping on, runs of smaller consecutive experts share a padded tile (one `bmm` per product), which
+    on several threads saves a parallel region per expert and product."""
+    group_small = GROUP_SMALL_EXPERTS if GROUP_SMALL_EXPERTS is not None else torch.get_num_threads() > 1
+    tiles: list[_Tile] = []
+    group: list[tuple[int, int, int]] = []  # (expert, start, count) of the group being filled
+
+    def close_group() -> None:
+        if len(group) == 1:
+            e, lo, n = group[0]
+            tiles.append(_Tile(e, 1, lo, lo + n))
+        elif group:
+            capacity = max(n for _, _, n in group)
+            local = torch.cat([torch.arange(n) + i * capacity for i, (_, _, n) in enumerate(group)]).to(device)
+            lo = group[0][1]
+            tiles.append(_Tile(group[0][0], len(group), lo, lo + sum(n for *_, n in group), True, capacity, local))
+        group.clear()
+
+    start = 0
+    for expert, n in enumerate(counts):
+        small = group_small and 0 < n <= ROW_TILE // 2
+        if small and group:
+            rows = sum(c for *_, c in group) + n
+            padded = (len(group) + 1) * max(n, *(c for *_, c in group))
+            if padded > ROW_TILE or padded > (1 + MAX_GROUP_PADDING) * rows:
+                close_group()
+        if small:
+            group.append((expert, start, n))
+        else:
+            close_group()
+            for lo in range(start, start + n, ROW_TILE):
+                tiles.append(_Tile(expert, 1, lo, min(lo + ROW_TILE, start + n), lo == start))
+        start += n
+    close_group()
+    return tiles
 
 
 def _act_and_grad(gate: torch.Tensor, act_name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,46 +127,62 @@ def _act_and_grad(gate: torch.Tensor, act_name: str) -> tuple[torch.Tensor, torc
 
 
 class GroupedSwiGLU(torch.autograd.Function):
-    """`y = down_e(act(gate_e x) * up_e x)` for rows of `x` grouped by expert (`counts[e]` rows each)."""
+    """`y = down_e(act(gate_e x) * up_e x)` for rows of `x [N, H]` grouped by expert (`counts[e]` rows each)."""
 
     @staticmethod
     def forward(ctx, x, gate_up, down, counts: tuple[int, ...], act_name: str):
-        layout = _Layout(counts, x.device)
-        inter = down.shape[-1]
-        xg = layout.pack(x)  # [N, H] or [E, C, H]
-        h = layout.matmul(xg, gate_up, transpose=True)  # [..., 2I]
-        gate, up = h[..., :inter], h[..., inter:]
-        act = torch.nn.functional.silu(gate) if act_name == "silu" else ACT2FN[act_name](gate)
-        y = layout.matmul(act.mul_(up), down, transpose=True)  # [..., H]
-        ctx.save_for_backward(xg, gate_up, down, h)
-        ctx.layout, ctx.act_name = layout, act_name
-        return layout.unpack(y)
+        tiles, inter = _tiles(counts, x.device), down.shape[-1]
+        y = x.new_empty(x.shape)  # [N, H]
+        saved = []  # per tile: input rows, pre-activations [.., 2I], act(gate) [.., I], act(gate) * up [.., I]
+        for tile in tiles:
+            # Separate tensors per tile, not slices of [N, 2I] buffers: allocations above glibc's mmap
+            # threshold (32 MiB) are fresh pages every step, and faulting them in cost ~4% of the layer.
+            x_t = tile.pack(x[tile.lo : tile.hi])
+            h = tile.matmul(x_t, gate_up, transpose=True)  # [.., 2I]: gate | up
+            gate, up = h[..., :inter], h[..., inter:]
+            act = torch.nn.functional.silu(gate) if act_name == "silu" else ACT2FN[act_name](gate)
+            hidden = act * up
+            tile.matmul_into(hidden, down, y, transpose=True)  # [.., H]
+            saved += (x_t, h, act, hidden)
+        ctx.save_for_backward(gate_up, down, *saved)
+        ctx.tiles, ctx.act_name = tiles, act_name
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        xg, gate_up, down, h = ctx.saved_tensors
-        layout, inter = ctx.layout, down.shape[-1]
+        gate_up, down, *saved = ctx.saved_tensors
+        inter, tiles = down.shape[-1], ctx.tiles
         need_x, need_gu, need_down = ctx.needs_input_grad[:3]
-        dyg = layout.pack(dy.contiguous())
-        gate, up = h[..., :inter], h[..., inter:]
-        da = layout.matmul(dyg, down, transpose=False)  # [..., I]
-        dh = torch.empty_like(h)  # [..., 2I]: d gate | d up
-        if ctx.act_name == "silu":
-            act = torch.nn.functional.silu(gate)
-            torch.ops.aten.silu_backward.grad_input(da * up, gate, grad_input=dh[..., :inter])
-        else:
-            act, dact = _act_and_grad(gate, ctx.act_name)
-            torch.mul(da * up, dact, out=dh[..., :inter])
-        torch.mul(da, act, out=dh[..., inter:])
-        d_down = layout.weight_grad(dyg, act.mul_(up), down) if need_down else None  # act * up: expert hidden
-        d_gate_up = layout.weight_grad(dh, xg, gate_up) if need_gu else None
-        dx = None
-        if need_x:
-            dx = (
-                layout.unpack(layout.matmul(dh, gate_up, transpose=False))
-                if layout.segments
-                else xg.new_zeros(dy.shape)
-            )
+        dy = dy.contiguous()
+        dx = dy.new_empty(dy.shape) if need_x else None
+        d_gate_up = torch.empty_like(gate_up) if need_gu else None
+        d_down = torch.empty_like(down) if need_down else None
+        used = {e for t in tiles for e in range(t.first, t.first + t.count)}
+        for e in range(gate_up.shape[0]):
+            if e not in used:  # an expert without rows gets a zero gradient
+                for grad in (d_gate_up, d_down):
+                    if grad is not None:
+                        grad[e].zero_()
+        for i, tile in enumerate(tiles):
+            x_t, h, act, hidden = saved[4 * i : 4 * i + 4]
+            dy_t = tile.pack(dy[tile.lo : tile.hi])  # [.., H]
+            if need_down:
+                tile.weight_grad_into(d_down, dy_t, hidden)  # [H, I] per expert
+            if not (need_x or need_gu):
+                continue
+            gate, up = h[..., :inter], h[..., inter:]
+            da = tile.matmul(dy_t, down, transpose=False)  # [.., I]: d hidden
+            dh = torch.empty_like(h)  # [.., 2I]: d gate | d up
+            if ctx.act_name == "silu":
+                torch.ops.aten.silu_backward.grad_input(da * up, gate, grad_input=dh[..., :inter])
+            else:
+                _, deriv = _act_and_grad(gate, ctx.act_name)
+                torch.mul(da * up, deriv, out=dh[..., :inter])
+            torch.mul(da, act, out=dh[..., inter:])
+            if need_gu:
+                tile.weight_grad_into(d_gate_up, dh, x_t)  # [2I, H] per expert
+            if need_x:
+                tile.matmul_into(dh, gate_up, dx, transpose=False)
         return dx, d_gate_up, d_down, None, None
 
 
@@ -183,12 +226,24 @@ class FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(self.down_proj[start : start + count].clone())
         self.num_experts = count
 
-    def forward(self, sorted_tokens: torch.Tensor, counts: list[int] | tuple[int, ...]) -> torch.Tensor:
-        """Apply expert e to the e-th segment of `sorted_tokens [N, H]` (`counts[e]` rows); returns `[N, H]`."""
-        if sum(counts) != sorted_tokens.shape[0] or len(counts) != self.num_experts:
-            rows = sorted_tokens.shape[0]
-            raise ValueError(f"counts {list(counts)} do not split {rows} rows over {self.num_experts} experts")
-        return GroupedSwiGLU.apply(sorted_tokens, self.gate_up_proj, self.down_proj, tuple(counts), self.hidden_act)
+    def forward(
+        self, sorted_tokens: torch.Tensor, counts: list[int] | tuple[int, ...], *, first_expert: int = 0
+    ) -> torch.Tensor:
+        """Apply expert `first_expert + e` to the e-th segment of `sorted_tokens [N, H]` (`counts[e]` rows).
+
+        `counts` covers every expert held here, or with `first_expert` a consecutive subset of them (the ones
+        this rank computes when the weights are replicated over an expert-parallel group). Returns `[N, H]`.
+        """
+        rows, used = sorted_tokens.shape[0], len(counts)
+        if sum(counts) != rows or first_expert < 0 or first_expert + used > self.num_experts:
+            raise ValueError(
+                f"counts {list(counts)} from expert {first_expert} do not split {rows} rows over "
+                f"{self.num_experts} experts"
+            )
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if used != self.num_experts:
+            gate_up, down = gate_up.narrow(0, first_expert, used), down.narrow(0, first_expert, used)
+        return GroupedSwiGLU.apply(sorted_tokens, gate_up, down, tuple(counts), self.hidden_act)
 
     def extra_repr(self) -> str:
         return (

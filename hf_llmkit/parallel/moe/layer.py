@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers.activations import ACT2FN
 
-from hf_llmkit.parallel.moe.dispatch import combine, dispatch, gather_rows, scatter_rows
+from hf_llmkit.parallel.moe.dispatch import combine, dispatch, rows_to_tokens, slot_positions, tokens_to_rows
 from hf_llmkit.parallel.moe.experts import FusedExperts
 from hf_llmkit.parallel.moe.router import TopKRouter, load_balancing_loss, router_z_loss
 
@@ -96,8 +96,9 @@ class MoELayer(nn.Module):
             zero-width placeholder that adds exactly nothing, as upcycled Qwen2 models export).
         ep_group: process group experts are sharded over (None = all experts local). Every rank of the group
             must call forward together; each holds experts `[rank * E/P, (rank + 1) * E/P)`. A rank's expert
-            gradients already sum the tokens of the whole group: average them only over ranks holding the same
-            experts (e.g. keep them out of a world-wide DDP all-reduce).
+            gradients already sum the tokens of the whole group: to match data-parallel training without expert
+            parallelism, sum them over the ranks holding the same experts and divide by the world size (keep them
+            out of a world-wide DDP average; `LLMKitTrainer(expert_parallel_size=P)` does this).
     """
 
     def __init__(
@@ -117,27 +118,42 @@ class MoELayer(nn.Module):
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
-        _check_args(num_experts, top_k, capacity_factor, jitter_noise, ep_size)
+        _check_args(num_experts, top_k, capacity_factor, jitter_noise, 1)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
         self.capacity_factor = capacity_factor
-        self.ep_group, self.ep_size = ep_group, ep_size
-        self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
-        self.num_local_experts = num_experts // ep_size
+        self.ep_group, self.ep_size, self.ep_rank = None, 1, 0
+        self.num_local_experts, self.replicated_experts = num_experts, False
         factory = {"device": device, "dtype": dtype}
         self.gate = TopKRouter(
             hidden_size, num_experts, top_k, normalize_top_k=normalize_top_k, jitter_noise=jitter_noise, **factory
         )
         # All E experts are drawn, then this rank keeps its slice: with one seed, EP=P holds the EP=1 weights.
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, hidden_act, **factory)
-        if ep_size > 1:
-            self.experts.keep_experts_(self.ep_rank * self.num_local_experts, self.num_local_experts)
         self.shared_expert = self.shared_expert_gate = None
         if shared_expert_intermediate_size is not None:
             self.shared_expert = SharedExpert(hidden_size, shared_expert_intermediate_size, hidden_act, **factory)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, **factory)
         self.aux: MoEAux | None = None
+        if ep_group is not None:
+            self.enable_expert_parallel_(ep_group)
+
+    @torch.no_grad()
+    def enable_expert_parallel_(self, group: dist.ProcessGroup, *, shard_weights: bool = True) -> None:
+        """Split the experts over `group`: this rank computes experts `[rank * E/P, (rank + 1) * E/P)`.
+
+        With `shard_weights` (default) the other experts' weights are dropped here; otherwise every rank keeps
+        all of them (replicated, e.g. for DeepSpeed ZeRO, which partitions their optimizer state itself) and
+        only computes its own, so their gradients are zero on this rank.
+        """
+        if self.ep_group is not None:
+            raise ValueError("this MoELayer is already expert-parallel; build a fresh layer for another group")
+        ep_size = dist.get_world_size(group)
+        _check_args(self.num_experts, self.top_k, self.capacity_factor, self.gate.jitter_noise, ep_size)
+        self.ep_group, self.ep_size, self.ep_rank = group, ep_size, dist.get_rank(group)
+        self.num_local_experts, self.replicated_experts = self.num_experts // ep_size, not shard_weights
+        if shard_weights and ep_size > 1:
+            self.experts.keep_experts_(self.ep_rank * self.num_local_experts, self.num_local_experts)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -156,16 +172,17 @@ class MoELayer(nn.Module):
                 rank_in_expert = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
                 order = order[rank_in_expert < capacity]
                 counts = load.clamp(max=capacity)
+            pos = slot_positions(order, flat.numel())  # [T*K] row of each (token, slot)
         dropped = 1.0 - order.numel() / max(flat.numel(), 1)
 
-        rows = gather_rows(x, order, k)  # [N, H] sorted by expert
+        rows = tokens_to_rows(x, order, pos, k)  # [N, H] sorted by expert
         if self.ep_group is None:
             out_rows = self.experts(rows, counts.tolist())
         else:
             local_rows, local_counts, plan = dispatch(rows, counts, group=self.ep_group)
-            out_rows = combine(self.experts(local_rows, local_counts), plan, group=self.ep_group)
-        slot_out = scatter_rows(out_rows, order, num_tokens * k).view(num_tokens, k, -1)  # [T, K, H]
-        out = (slot_out * weights.unsqueeze(-1)).sum(1)  # [T, H] weighted sum over the K slots
+            first = self.ep_rank * self.num_local_experts if self.replicated_experts else 0
+            out_rows = combine(self.experts(local_rows, local_counts, first_expert=first), plan, group=self.ep_group)
+        out = rows_to_tokens(out_rows, weights, order, pos)  # [T, H] weighted sum over each token's K slots
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
@@ -180,7 +197,7 @@ class MoELayer(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, capacity_factor={self.capacity_factor}, "
-            f"ep_size={self.ep_size}"
+            f"ep_size={self.ep_size}" + (", replicated_experts=True" if self.replicated_experts else "")
         )
 
 
