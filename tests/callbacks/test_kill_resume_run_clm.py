@@ -47,7 +47,6 @@ SLOW = {
     "moe": {"flags": ["--upcycle_moe", "true", "--moe_num_experts", "4", "--moe_top_k", "2"]},
     "sequence_parallel_2_ranks": {"flags": ["--sequence_parallel_size", "2"], "ranks": 2},
 }
-DKM_XFAIL = pytest.mark.xfail(strict=True, reason="DKM latent weights: fixed on the dkm branch")
 
 
 def _harness(workdir: Path, cases: dict) -> dict:
@@ -86,8 +85,7 @@ def _check_same_final_artifacts(name: str, case: dict, result: dict, workdir: Pa
 
 @pytest.mark.parametrize(
     "name",
-    [*(n for n in QUICK if n != "full-sigterm")]
-    + [pytest.param(n, marks=[pytest.mark.slow, *([DKM_XFAIL] if n == "dkm" else [])]) for n in SLOW],
+    [*(n for n in QUICK if n != "full-sigterm")] + [pytest.param(n, marks=pytest.mark.slow) for n in SLOW],
 )
 def test_killed_run_resumes_to_the_same_final_artifacts(name, tmp_path_factory, request):
     if name in QUICK:
