@@ -2,13 +2,15 @@
 
 Each feature lives in its own module; this class only dispatches to them, so a run with default arguments trains
 like `transformers.Trainer`. Public hooks overridden: `train`, `training_step`, `compute_loss`, `save_model`,
-`get_train_dataloader`, `get_eval_dataloader`, `log`. Private hooks overridden (no public hook runs at these points;
-each is listed with its reason and checked against the installed transformers in `hf_llmkit.compat.transformers`):
+`get_train_dataloader`, `get_eval_dataloader`, `log`, `create_optimizer`. Private hooks overridden (no public hook
+runs at these points; each is listed with its reason and checked against the installed transformers in
+`hf_llmkit.compat.transformers`):
 
 - `_save_checkpoint`: write markers before the first byte, hold off the Trainer's pre-manifest rotation, retry
   transient I/O errors, one line on a full disk, the run record (hf_llmkit.trainers.checkpoint_writes);
 - `_load_from_checkpoint`: resume exactly the PEFT model's own adapters, and MoE hub-layout experts;
-- `_load_best_model`: verify the best checkpoint before loading it; MoE experts.
+- `_load_best_model`: verify the best checkpoint before loading it; MoE experts;
+- `_clip_grad_norm`: under expert parallelism (DDP) the norm must cover every rank's experts, not the local ones.
 """
 
 from __future__ import annotations

@@ -99,6 +99,9 @@ def _invocation(action: argparse.Action) -> str:
     return f"{name} {metavar} [...]" if action.nargs in ("+", "*") else f"{name} {metavar}"
 
 
+_GLUE = "\x00"  # a space the wrapper must not break at: "(default: X)" stays on one line
+
+
 def _long_choices(action: argparse.Action) -> bool:
     return bool(action.choices) and len(",".join(str(c) for c in action.choices)) > 60
 
@@ -125,14 +128,14 @@ def _help_text(action: argparse.Action) -> str:
         text += f" One of: {', '.join(str(c) for c in action.choices)}."
     default = _default_text(action.default)
     if default is not None and "default" not in text.lower() and action.nargs != 0:
-        text += f" (default: {default})"
+        text += f" (default:{_GLUE}{default})"
     return text
 
 
 def _format_action(action: argparse.Action, width: int, column: int = 34) -> list[str]:
     invocation = f"  {_invocation(action)}"
     text = _help_text(action)
-    wrapped = textwrap.wrap(text, width=max(width - column, 30)) or [""]
+    wrapped = [line.replace(_GLUE, " ") for line in textwrap.wrap(text, width=max(width - column, 30))] or [""]
     if len(invocation) + 2 > column:
         lines = [invocation]
         lines += [" " * column + line for line in wrapped]

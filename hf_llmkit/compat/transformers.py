@@ -9,6 +9,10 @@
 - `_load_from_checkpoint(resume_from_checkpoint, model=None)`: resume loads exactly the adapters a PEFT model has
   (the Trainer loads every adapter subfolder as one more adapter) and the hub-layout experts of MoE models.
 - `_load_best_model()`: the best checkpoint is verified before it is loaded, and MoE experts are converted.
+- `_clip_grad_norm(model)`: under expert parallelism (DDP) the clipping norm covers the experts of every rank.
+
+Expert parallelism also calls `Trainer._save(output_dir, state_dict)` to write the gathered full model the way a
+normal save would (safetensors, config, tokenizer, training arguments).
 
 It also relies on `_save_checkpoint` reading `args.save_total_limit` for its rotation (held off as above), and on
 `save_model(output_dir, _internal_call)`, whose private flag tells a checkpoint's model save from a final one.
@@ -26,11 +30,20 @@ TRAINER_PRIVATE_HOOKS: dict[str, tuple[str, ...]] = {
     "_save_checkpoint": ("model", "trial"),
     "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
     "_load_best_model": (),
+    "_clip_grad_norm": ("model",),
 }
+# Private Trainer methods hf_llmkit calls -> the parameters it passes.
+TRAINER_PRIVATE_CALLS: dict[str, tuple[str, ...]] = {"_save": ("output_dir", "state_dict")}
 # Public Trainer methods whose private parameters LLMKitTrainer reads.
 TRAINER_PRIVATE_PARAMETERS: dict[str, tuple[str, ...]] = {"save_model": ("output_dir", "_internal_call")}
 
-__all__ = ["CHECKED_AGAINST", "TRAINER_PRIVATE_HOOKS", "TRAINER_PRIVATE_PARAMETERS", "missing_trainer_internals"]
+__all__ = [
+    "CHECKED_AGAINST",
+    "TRAINER_PRIVATE_CALLS",
+    "TRAINER_PRIVATE_HOOKS",
+    "TRAINER_PRIVATE_PARAMETERS",
+    "missing_trainer_internals",
+]
 
 
 def missing_trainer_internals() -> list[str]:
@@ -38,7 +51,7 @@ def missing_trainer_internals() -> list[str]:
     from transformers import Trainer
 
     missing = []
-    for table in (TRAINER_PRIVATE_HOOKS, TRAINER_PRIVATE_PARAMETERS):
+    for table in (TRAINER_PRIVATE_HOOKS, TRAINER_PRIVATE_CALLS, TRAINER_PRIVATE_PARAMETERS):
         for name, expected in table.items():
             method = getattr(Trainer, name, None)
             if method is None:
