@@ -341,6 +341,7 @@ def train_and_evaluate(args: Args, trainer: LLMKitTrainer) -> dict[str, Any]:
         trainer.save_state()
         start = next(cb.step for cb in trainer.callback_handler.callbacks if isinstance(cb, ResumePoint))
         results.update(train_loss=metrics["train_loss"], global_step=trainer.state.global_step, resumed_at=start)
+        results["resumed_from"] = trainer.resumed_from
     if training.do_eval:
         metrics = trainer.evaluate()
         metrics = save_results(trainer, "eval", {**metrics, "eval_samples": len(trainer.eval_dataset)})

@@ -56,6 +56,7 @@ class LLMKitTrainer(Trainer):
         # Callbacks file stop requests (rollback, preemption, divergence) here; `train` acts on them.
         self.control = RequestingControl()
         self.run_identity: dict | None = None  # what this run is (hf_llmkit.trainers.run_identity), set by train()
+        self.resumed_from: str | None = None  # the checkpoint the last train() started from, set by train()
         # Mixture of experts (hf_llmkit.trainers.moe_loss): auxiliary losses + routing logs for MoELayer models.
         self._moe_loss = MoELossTracker(
             aux_loss_coef=getattr(self.args, "moe_aux_loss_coef", 0.0),

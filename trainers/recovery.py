@@ -150,6 +150,7 @@ def run_training(trainer, train: Callable[..., Any], resume_from_checkpoint=None
         prepare_output_dir(trainer, resume)
     except RunEndingError as err:
         raise logged(err, is_main_process=trainer.is_world_process_zero()) from err.__cause__
+    trainer.resumed_from = resume  # what this train() call started from (None: from scratch), for reports
     if resume is not None:
         restore_callback_state(trainer, resume)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -64,14 +65,21 @@ def _default(value: Any) -> Any:
     return enum_value if isinstance(enum_value, str) else str(value)
 
 
-def _parameters(model) -> dict:
-    """Parameter count and a digest of every parameter / buffer name and shape (any structural change shows here)."""
+def _parameters(model, full_rows: dict[str, int]) -> dict:
+    """Parameter count and a digest of every parameter / buffer name and shape (any structural change shows here).
+
+    `full_rows` names the expert-parallel shards ({name: experts in the whole model}): they count as full tensors,
+    so a run resumes under any expert-parallel size."""
     digest, count = hashlib.sha256(), 0
-    named = [*model.named_parameters(), *model.named_buffers()]
+    params = dict(model.named_parameters())
+    named = [*params.items(), *model.named_buffers()]
     for name, tensor in sorted(named, key=lambda item: item[0]):
-        digest.update(f"{name}:{tuple(getattr(tensor, 'ds_shape', tensor.shape))};".encode())
-    for param in model.parameters():
-        count += getattr(param, "ds_numel", param.numel())
+        shape = tuple(getattr(tensor, "ds_shape", tensor.shape))
+        if name in full_rows:
+            shape = (full_rows[name], *shape[1:])
+        digest.update(f"{name}:{shape};".encode())
+        if name in params:
+            count += math.prod(shape) if name in full_rows else getattr(tensor, "ds_numel", tensor.numel())
     return {"count": count, "layout": digest.hexdigest()[:16]}
 
 
@@ -124,7 +132,7 @@ def run_identity(trainer) -> dict:
             "quantization": quantization,
             "sequence_parallel_size": getattr(trainer.args, "sequence_parallel_size", 1),
             "data": _data_identity(trainer.train_dataset),
-            "parameters": _parameters(model),
+            "parameters": _parameters(model, getattr(getattr(trainer, "_expert_parallel", None), "totals", {})),
         }
     )
 

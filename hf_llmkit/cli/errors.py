@@ -57,7 +57,7 @@ def exit_on_error(
 ) -> None:
     """Call `run()`; a `UsageError`, an error listed in `exit_codes`, or an error whose class sets an integer
     `exit_code` attribute (a library error meant for the person running the command) ends the process with that
-    status and one line on stderr.
+    status and one line on stderr (none more when the error says it was `logged` already).
 
     Every rank of a multi-rank launch stops with the same status; only rank 0 prints the line (the others wait a
     moment first, so that a launcher stopping the group on the first failed rank does not cut rank 0 short).
@@ -70,7 +70,9 @@ def exit_on_error(
         code = next((code for kind, code in codes.items() if isinstance(err, kind)), getattr(err, "exit_code", None))
         if not isinstance(code, int):
             raise
-        if _is_first_rank():
+        if getattr(err, "logged", False):
+            pass  # a run-ending error logged its one line already (hf_llmkit.callbacks.run_end)
+        elif _is_first_rank():
             print(f"{prog}: error: {one_line(err)}", file=sys.stderr, flush=True)
         else:  # the other ranks read the same input: let rank 0 print before a launcher stops the group
             time.sleep(_OTHER_RANKS_EXIT_DELAY_S)

@@ -107,6 +107,7 @@ def results_table(setup: list[tuple[str, str]], results: dict[str, Any]) -> str:
         *setup,
         ("parameters (trainable)", f"{results['parameters']:,} ({results['trainable_parameters']:,})"),
         ("steps", steps),
+        *([("resumed from", str(results["resumed_from"]))] if results.get("resumed_from") else []),
         ("train loss", fmt("train_loss")),
         ("eval perplexity before", fmt("eval_perplexity_before", ".2f")),
         ("eval perplexity after", fmt("eval_perplexity", ".2f")),

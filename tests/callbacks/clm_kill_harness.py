@@ -128,9 +128,10 @@ def _first_complete_checkpoint(output_dir: Path, run: Run, timeout: float) -> st
 
 
 def artifacts(output_dir: Path) -> dict[str, Path]:
-    """Final model / adapter / tokenizer files: the top of output_dir and its `adapter/` (and `merged/`)."""
+    """Final model / adapter / tokenizer files: the top of output_dir, its `adapter/`, the adapter's saved `base/`
+    (and `merged/`)."""
     found = {}
-    for folder in (output_dir, output_dir / "adapter", output_dir / "merged"):
+    for folder in (output_dir, output_dir / "adapter", output_dir / "base", output_dir / "merged"):
         if folder.is_dir():
             for path in sorted(folder.iterdir()):
                 if path.is_file() and path.name not in RUN_RECORDS and not path.name.startswith("."):
@@ -138,12 +139,17 @@ def artifacts(output_dir: Path) -> dict[str, Path]:
     return found
 
 
+def _own_paths_hidden(path: Path, output_dir: Path) -> bytes:
+    return path.read_bytes().replace(str(output_dir).encode(), b"<output_dir>")
+
+
 def compare(reference: Path, resumed: Path) -> dict:
     ref, res = artifacts(reference), artifacts(resumed)
     report: dict = {"files": sorted(ref), "missing": sorted(set(ref) - set(res)), "extra": sorted(set(res) - set(ref))}
     differing = {}
     for name in sorted(set(ref) & set(res)):
-        if ref[name].read_bytes() == res[name].read_bytes():
+        # An adapter config names its base model by path: the run's own `output_dir/base`, the only expected change.
+        if _own_paths_hidden(ref[name], reference) == _own_paths_hidden(res[name], resumed):
             continue
         detail = "bytes differ"
         if name.endswith(".safetensors"):
