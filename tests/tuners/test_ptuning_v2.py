@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from hf_llmkit import PTuningV2Config
-from hf_llmkit.compat.transformers_attention import configured_attention
+from hf_llmkit.compat.transformers import configured_attention
 from hf_llmkit.testing import tiny_llama, tiny_model
 from hf_llmkit.tuners.ptuning_v2 import PlainPrefix, ProjectedPrefix
 from tests.tuners.support import examples, fresh_logits, quantized_tiny_llama, snapshot, trainer
