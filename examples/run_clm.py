@@ -32,11 +32,11 @@ from typing import Any, NamedTuple
 
 import torch
 from peft import get_peft_model
-from transformers import TrainerCallback, set_seed
 from transformers import default_data_collator as collate
+from transformers import set_seed
 
 from hf_llmkit import LLMKitTrainingArguments
-from hf_llmkit.callbacks import FaultToleranceCallback, LossScaleCallback, SavePeftModelCallback, TrainingDivergedError
+from hf_llmkit.callbacks import TrainingDivergedError
 from hf_llmkit.cli import FlagGroup, UsageError, exit_on_error, usage_errors  # noqa: F401 (callers catch run_clm.UsageError)
 from hf_llmkit.cli.arguments import SCRATCH_SIZES, DataArguments, ModelArguments, RunArguments, resolve_block_size
 from hf_llmkit.cli.folders import (
@@ -292,13 +292,7 @@ def prepare_datasets(args: Args, built: Model, texts: list[str], held_out: list[
 
 def build_trainer(args: Args, built: Model, train, evaluation) -> LLMKitTrainer:
     run, training = args.run, args.training
-    callbacks: list[TrainerCallback] = [ResumePoint()]
-    if run.fault_tolerance:
-        callbacks.append(FaultToleranceCallback())
-    if run.save_peft_adapter and args.peft.peft_method != "none":
-        callbacks.append(SavePeftModelCallback())
-    if run.log_loss_scale and training.fp16:  # the loss scale exists only in fp16
-        callbacks.append(LossScaleCallback())
+    callbacks = [ResumePoint(), *run.build_callbacks(peft=args.peft.peft_method != "none", fp16=training.fp16)]
     trainer = LLMKitTrainer(
         model=built.model,
         args=training,
