@@ -32,13 +32,11 @@ from typing import Any, NamedTuple
 
 import torch
 from peft import get_peft_model
-from transformers import TrainerCallback, set_seed
 from transformers import default_data_collator as collate
-from transformers.integrations import TensorBoardCallback
-from transformers.integrations.integration_utils import default_logdir
+from transformers import set_seed
 
 from hf_llmkit import LLMKitTrainingArguments
-from hf_llmkit.callbacks import FaultToleranceCallback, LossScaleCallback, SavePeftModelCallback, TrainingDivergedError
+from hf_llmkit.callbacks import TrainingDivergedError
 from hf_llmkit.cli import FlagGroup, UsageError, exit_on_error, usage_errors  # noqa: F401 (callers catch run_clm.UsageError)
 from hf_llmkit.cli.arguments import SCRATCH_SIZES, DataArguments, ModelArguments, RunArguments, resolve_block_size
 from hf_llmkit.cli.folders import (
@@ -50,9 +48,16 @@ from hf_llmkit.cli.folders import (
 )
 from hf_llmkit.cli.help import HelpLayout
 from hf_llmkit.cli.model_loading import load_model, load_tokenizer, ties_embeddings
-from hf_llmkit.cli.output import configure_console
+from hf_llmkit.cli.output import configure_console, keep_tensorboard_in_output_dir
 from hf_llmkit.cli.parser import CommandLineParser
-from hf_llmkit.cli.results import count_parameters, describe_setup, perplexity, results_table, save_results
+from hf_llmkit.cli.results import (
+    ResumePoint,
+    count_parameters,
+    describe_setup,
+    perplexity,
+    results_table,
+    save_results,
+)
 from hf_llmkit.corpus import corpus_texts, default_cache_dir
 from hf_llmkit.data_files import find_data_files, read_file_rows, read_text_rows
 from hf_llmkit.lm_data import build_lm_datasets
@@ -285,24 +290,9 @@ def prepare_datasets(args: Args, built: Model, texts: list[str], held_out: list[
     return train, evaluation
 
 
-class ResumePoint(TrainerCallback):
-    """Remembers the step `train()` started from (0 for a new run; the checkpoint's step after a resume)."""
-
-    step: int | None = None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.step = state.global_step
-
-
 def build_trainer(args: Args, built: Model, train, evaluation) -> LLMKitTrainer:
     run, training = args.run, args.training
-    callbacks: list[TrainerCallback] = [ResumePoint()]
-    if run.fault_tolerance:
-        callbacks.append(FaultToleranceCallback())
-    if run.save_peft_adapter and args.peft.peft_method != "none":
-        callbacks.append(SavePeftModelCallback())
-    if run.log_loss_scale and training.fp16:  # the loss scale exists only in fp16
-        callbacks.append(LossScaleCallback())
+    callbacks = [ResumePoint(), *run.build_callbacks(peft=args.peft.peft_method != "none", fp16=training.fp16)]
     trainer = LLMKitTrainer(
         model=built.model,
         args=training,
@@ -312,11 +302,7 @@ def build_trainer(args: Args, built: Model, train, evaluation) -> LLMKitTrainer:
         data_collator=collate,
         callbacks=callbacks,
     )
-    for callback in trainer.callback_handler.callbacks:
-        # transformers 5.23's TensorBoardCallback picks its folder in on_train_begin; a log before it (our evaluation
-        # before training) would open a writer in ./runs of the current folder and keep it for the whole run
-        if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
-            callback.logging_dir = os.path.join(training.output_dir, default_logdir())
+    keep_tensorboard_in_output_dir(trainer)
     return trainer
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from hf_llmkit.parallel.moe.expert_parallel import expert_shards, shard_expert_state
 from hf_llmkit.parallel.moe.layer import MoELayer, moe_layers
-from hf_llmkit.parallel.moe.upcycle import NATIVE_MOE_BLOCKS
+from hf_llmkit.parallel.moe.upcycle import is_native_moe_block
 
 
 def register_zero3_leaf_modules(model: nn.Module) -> bool:
@@ -30,7 +30,7 @@ def register_zero3_leaf_modules(model: nn.Module) -> bool:
 
 def has_moe_blocks(model: nn.Module) -> bool:
     """Whether `model` holds `MoELayer`s or transformers' Mixtral / Qwen2-MoE sparse blocks."""
-    return any(isinstance(m, MoELayer) or type(m).__name__ in NATIVE_MOE_BLOCKS for m in model.modules())
+    return any(isinstance(m, MoELayer) or is_native_moe_block(m) for m in model.modules())
 
 
 def load_moe_checkpoint(model: nn.Module, folder: str) -> None:

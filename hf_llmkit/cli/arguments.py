@@ -182,6 +182,17 @@ class RunArguments:
         if self.warmup_ratio is not None and not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"--warmup_ratio {self.warmup_ratio} must be in [0, 1); e.g. 0.05 warms up over 5%")
 
+    def build_callbacks(self, *, peft: bool, fp16: bool) -> list[Any]:
+        """The hf_llmkit callbacks these flags switch on (the loss scale exists only in fp16 runs)."""
+        from hf_llmkit.callbacks import FaultToleranceCallback, LossScaleCallback, SavePeftModelCallback
+
+        callbacks: list[Any] = [FaultToleranceCallback()] if self.fault_tolerance else []
+        if self.save_peft_adapter and peft:
+            callbacks.append(SavePeftModelCallback())
+        if self.log_loss_scale and fp16:
+            callbacks.append(LossScaleCallback())
+        return callbacks
+
 
 def resolve_block_size(data_args: DataArguments, config: Any) -> int:
     """`--block_size`, or min(128, the model's context); larger than the context raises `ValueError`."""

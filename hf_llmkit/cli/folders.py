@@ -68,6 +68,14 @@ def _read_json(path: Path, what: str) -> dict:
     return data
 
 
+def _existing_folder(path: str | os.PathLike, *, flag: str, fix: str) -> Path:
+    folder = Path(path)
+    if not folder.is_dir():
+        what = "is a file" if folder.exists() else "does not exist"
+        raise ValueError(f"{flag} {path} {what}; {fix}")
+    return folder
+
+
 def _check_safetensors_header(path: Path, flag: str) -> None:
     from safetensors import safe_open
 
@@ -80,10 +88,7 @@ def _check_safetensors_header(path: Path, flag: str) -> None:
 
 def check_model_folder(path: str | os.PathLike, *, flag: str = "--model_name_or_path") -> None:
     """A local model folder: `config.json` (a JSON object naming its `model_type`) and weights that open."""
-    folder = Path(path)
-    if not folder.is_dir():
-        what = "is a file" if folder.exists() else "does not exist"
-        raise ValueError(f"{flag} {path} {what}; pass a local model folder (models are not downloaded)")
+    folder = _existing_folder(path, flag=flag, fix="pass a local model folder (models are not downloaded)")
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{flag} {path} has no config.json; pass the folder save_pretrained() wrote")
@@ -109,10 +114,7 @@ def check_model_folder(path: str | os.PathLike, *, flag: str = "--model_name_or_
 
 def check_tokenizer_folder(path: str | os.PathLike, *, flag: str = "--tokenizer_name_or_path") -> None:
     """A local tokenizer folder (tokenizer.json, tokenizer_config.json, vocab files...)."""
-    folder = Path(path)
-    if not folder.is_dir():
-        what = "is a file" if folder.exists() else "does not exist"
-        raise ValueError(f"{flag} {path} {what}; pass a local tokenizer folder (tokenizers are not downloaded)")
+    folder = _existing_folder(path, flag=flag, fix="pass a local tokenizer folder (tokenizers are not downloaded)")
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"{flag} {path} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...)")
     if (folder / "tokenizer_config.json").is_file():
@@ -121,10 +123,7 @@ def check_tokenizer_folder(path: str | os.PathLike, *, flag: str = "--tokenizer_
 
 def check_checkpoint_folder(path: str | os.PathLike, *, flag: str = "--resume_from_checkpoint") -> None:
     """A Trainer checkpoint folder (`checkpoint-N` with a `trainer_state.json` that parses)."""
-    folder = Path(path)
-    if not folder.is_dir():
-        what = "is a file" if folder.exists() else "does not exist"
-        raise ValueError(f"{flag} {path} {what}; pass a checkpoint-N folder of an earlier run")
+    folder = _existing_folder(path, flag=flag, fix="pass a checkpoint-N folder of an earlier run")
     state = folder / "trainer_state.json"
     if not state.is_file():
         inside = sorted(p.name for p in folder.glob("checkpoint-*") if p.is_dir())

@@ -16,15 +16,17 @@ filter; `import hf_llmkit` installs them, before peft / bitsandbytes / DeepSpeed
   `gradient_accumulation_steps`, so the value used is the one asked for).
 
 `configure_console(main_process=...)` sets INFO logs and dataset progress bars on the main process only; the other
-ranks log warnings and errors.
+ranks log warnings and errors. `keep_tensorboard_in_output_dir(trainer)` keeps TensorBoard's event files in the
+run's output folder.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
-__all__ = ["configure_console", "silence_known_noise"]
+__all__ = ["configure_console", "keep_tensorboard_in_output_dir", "silence_known_noise"]
 
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -76,3 +78,17 @@ def configure_console(*, main_process: bool) -> None:
     transformers.utils.logging.disable_progress_bar()  # per-save "Writing model shards" bars between the steps
     if not main_process:
         datasets.disable_progress_bars()
+
+
+def keep_tensorboard_in_output_dir(trainer) -> None:
+    """Point a `TensorBoardCallback` that has no folder yet at `<output_dir>/<default_logdir()>`.
+
+    transformers 5.23's TensorBoardCallback picks its folder in `on_train_begin`; a log before it (an evaluation
+    before training) would open a writer in ./runs of the current folder and keep it for the whole run.
+    """
+    from transformers.integrations import TensorBoardCallback
+    from transformers.integrations.integration_utils import default_logdir
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
+            callback.logging_dir = os.path.join(trainer.args.output_dir, default_logdir())

@@ -41,7 +41,7 @@ class _PrintFullHelp(argparse.Action):
         super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser._print_message(parser.format_help(full=True), sys.stdout)
+        sys.stdout.write(parser.format_help(full=True))
         parser.exit()
 
 

@@ -2,7 +2,8 @@
 
 `save_results(trainer, "train", metrics)` writes `train_results.json` and merges it into `all_results.json`
 (`Trainer.save_metrics`); for "eval" it adds `perplexity` first, as transformers' own `run_clm.py` does.
-`results_table(describe_setup(...), results)` is the table a run ends with: what was trained (method,
+`ResumePoint` records the step a run started from (its `resumed_at`). `results_table(describe_setup(...), results)`
+is the table a run ends with: what was trained (method,
 quantization, experts, sequence parallelism, ranks), parameters counted once per storage, steps, losses, time.
 """
 
@@ -12,7 +13,26 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["count_parameters", "describe_setup", "markdown_table", "perplexity", "results_table", "save_results"]
+from transformers import TrainerCallback
+
+__all__ = [
+    "ResumePoint",
+    "count_parameters",
+    "describe_setup",
+    "markdown_table",
+    "perplexity",
+    "results_table",
+    "save_results",
+]
+
+
+class ResumePoint(TrainerCallback):
+    """Remembers the step `train()` started from (0 for a new run; the checkpoint's step after a resume)."""
+
+    step: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step
 
 
 def perplexity(loss: float) -> float:

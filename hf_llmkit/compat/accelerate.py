@@ -3,6 +3,9 @@
 - `model._is_accelerate_prepared`: the mark `Accelerator.prepare_model` leaves on a model it prepared (also in
   `evaluation_mode`, where it does not wrap the model in DDP); a marked model is never prepared again.
 - `Accelerator._models`: the models the accelerator tracks (for `save_state`, `free_memory`, `unwrap`).
+- `AcceleratorState._reset_state()`: forgets the process-wide accelerator state, so a second `Accelerator` (a second
+  Trainer with another DeepSpeed config in one process) can be made. accelerate's and transformers' own tests reset
+  it the same way; hf_llmkit's multi-rank test scripts do (`reset_accelerator_state`), the library never does.
 
 `LLMKitTrainer` forgets an evaluation-only preparation before training (hf_llmkit.trainers.eval_preparation): no
 public API undoes `prepare_model`.
@@ -13,7 +16,7 @@ from __future__ import annotations
 CHECKED_AGAINST = "1.15.0"
 PREPARED_MARK = "_is_accelerate_prepared"
 
-__all__ = ["CHECKED_AGAINST", "PREPARED_MARK", "forget_prepared_model", "is_prepared"]
+__all__ = ["CHECKED_AGAINST", "PREPARED_MARK", "forget_prepared_model", "is_prepared", "reset_accelerator_state"]
 
 
 def is_prepared(model) -> bool:
@@ -26,3 +29,10 @@ def forget_prepared_model(accelerator, model) -> None:
     if PREPARED_MARK in vars(model):
         delattr(model, PREPARED_MARK)
     accelerator._models[:] = [m for m in accelerator._models if m is not model]
+
+
+def reset_accelerator_state() -> None:
+    """Forget the process-wide `AcceleratorState` (not the process group): the next `Accelerator` starts afresh."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()

@@ -39,7 +39,10 @@ BASE_TUNER_HOOKS: dict[str, tuple[tuple[str, ...], str]] = {
         ("parent", "child_name", "new_module", "child"),
         "unloading a wrapped block (an MLP, an attention module) that has no .weight to copy back",
     ),
-    "_post_injection_hook": (("model", "config", "adapter_name"), "P-tuning v2 switches the attention function"),
+    "_post_injection_hook": (
+        ("model", "config", "adapter_name"),
+        "every method installs its strict-loading hooks there; P-tuning v2 also switches the attention function",
+    ),
     "_enable_adapter_layers": (("enabled",), "P-tuning v2 switches the attention function back and forth"),
     "_unload_and_optionally_merge": (
         ("merge", "progressbar", "safe_merge", "adapter_names"),

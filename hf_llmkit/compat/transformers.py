@@ -1,6 +1,7 @@
-"""transformers internals hf_llmkit relies on (checked against transformers 5.23.0).
+"""transformers internals hf_llmkit relies on (checked against transformers 5.23.0), in three groups.
 
-`LLMKitTrainer` overrides three private `Trainer` methods; each is needed because no public hook runs at that point:
+**The Trainer.** `LLMKitTrainer` overrides four private `Trainer` methods; each is needed because no public hook runs
+at that point:
 
 - `_save_checkpoint(model, trial)`: the only place that runs before a checkpoint's first byte and after its last.
   hf_llmkit marks the folder as being written, holds off the Trainer's own `save_total_limit` rotation (which runs
@@ -12,16 +13,41 @@
 - `_clip_grad_norm(model)`: under expert parallelism (DDP) the clipping norm covers the experts of every rank.
 
 Expert parallelism also calls `Trainer._save(output_dir, state_dict)` to write the gathered full model the way a
-normal save would (safetensors, config, tokenizer, training arguments).
+normal save would (safetensors, config, tokenizer, training arguments). It also relies on `_save_checkpoint`
+reading `args.save_total_limit` for its rotation (held off as above), and on `save_model(output_dir,
+_internal_call)`, whose private flag tells a checkpoint's model save from a final one. (`benchmarks/callbacks.py`
+and the checkpoint tests call `_save_checkpoint` / `_load_best_model` directly to time or drive exactly that step.)
 
-It also relies on `_save_checkpoint` reading `args.save_total_limit` for its rotation (held off as above), and on
-`save_model(output_dir, _internal_call)`, whose private flag tells a checkpoint's model save from a final one.
-`tests/compat/test_transformers.py` fails when any of these is gone or changed its parameters.
+**The attention stack.** transformers lets a plugin register attention functions (`AttentionInterface.register`)
+and mask builders (`AttentionMaskInterface.register`) and switch a model to one
+(`PreTrainedModel.set_attn_implementation`), but it has no public way to *read* which implementation a model
+uses, and a few of its own kernels read that private attribute from the module they are handed:
+
+- `config._attn_implementation`: the implementation the model dispatches to (`configured_attention`);
+- flash-attention kernels read `module.config._attn_implementation` to pick the flash library, so a wrapper that
+  hands them a module must report the kernel's own name there (`ConfigReportingKernel`);
+- "eager" is not in `ALL_ATTENTION_FUNCTIONS`: each modeling file defines its own `eager_attention_forward`
+  (`model_eager_attention`).
+
+**The DKM quantizer.** `HfQuantizer`'s documented extension points are underscore methods
+(`_process_model_before_weight_loading`, `_process_model_after_weight_loading`: "make sure to override" them, its
+docstrings say); `from_pretrained` hands the first one `checkpoint_files`, which the DKM loader reads. Besides:
+
+- `PreTrainedModel._keep_in_fp32_modules`: the modules a model wants kept in float32. transformers' own quantizers
+  (bitsandbytes, torchao) read it the same way to build their skip lists; there is no public accessor.
+- `PreTrainedModel._keys_to_ignore_on_load_unexpected`: the documented way for a model to silence "unexpected key"
+  reports on load. A DKM Trainer checkpoint holds two representations of each clustered layer (the training state
+  and the packed export); the representation the loaded layer does not use is expected, not unexpected.
+
+`tests/compat/test_transformers*.py` fail when any of these is gone or changed its parameters.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
 
 CHECKED_AGAINST = "5.23.0"
 
@@ -36,13 +62,25 @@ TRAINER_PRIVATE_HOOKS: dict[str, tuple[str, ...]] = {
 TRAINER_PRIVATE_CALLS: dict[str, tuple[str, ...]] = {"_save": ("output_dir", "state_dict")}
 # Public Trainer methods whose private parameters LLMKitTrainer reads.
 TRAINER_PRIVATE_PARAMETERS: dict[str, tuple[str, ...]] = {"save_model": ("output_dir", "_internal_call")}
+# HfQuantizer hooks DKMHfQuantizer overrides -> the public method that calls each.
+QUANTIZER_HOOKS: dict[str, str] = {
+    "_process_model_before_weight_loading": "preprocess_model",
+    "_process_model_after_weight_loading": "postprocess_model",
+}
 
 __all__ = [
     "CHECKED_AGAINST",
+    "QUANTIZER_HOOKS",
     "TRAINER_PRIVATE_CALLS",
     "TRAINER_PRIVATE_HOOKS",
     "TRAINER_PRIVATE_PARAMETERS",
+    "ConfigReportingKernel",
+    "configured_attention",
+    "ignore_unexpected_keys",
+    "keep_in_fp32_modules",
+    "missing_quantizer_internals",
     "missing_trainer_internals",
+    "model_eager_attention",
 ]
 
 
@@ -63,3 +101,56 @@ def missing_trainer_internals() -> list[str]:
     if "save_total_limit" not in inspect.getsource(Trainer._save_checkpoint):
         missing.append("Trainer._save_checkpoint no longer rotates by args.save_total_limit")
     return missing
+
+
+def missing_quantizer_internals() -> list[str]:
+    """What the installed `HfQuantizer` / `from_pretrained` lack of `QUANTIZER_HOOKS` (empty when all is there)."""
+    from transformers import PreTrainedModel
+    from transformers.quantizers.base import HfQuantizer
+
+    missing = []
+    for hook, caller in QUANTIZER_HOOKS.items():
+        if not hasattr(HfQuantizer, hook):
+            missing.append(f"HfQuantizer.{hook}")
+        elif f"self.{hook}(" not in inspect.getsource(getattr(HfQuantizer, caller)):
+            missing.append(f"HfQuantizer.{caller} no longer calls {hook}")
+    if "checkpoint_files=checkpoint_files" not in inspect.getsource(PreTrainedModel.from_pretrained):
+        missing.append("from_pretrained no longer passes checkpoint_files to the quantizer")
+    return missing
+
+
+# --- the attention stack ---------------------------------------------------------------------------------------
+
+
+def configured_attention(config: Any) -> str | None:
+    """The attention implementation name a model with this config dispatches to (`None` before it was resolved)."""
+    return config._attn_implementation
+
+
+class ConfigReportingKernel:
+    """A model config whose `_attn_implementation` reports `kernel` (what a flash kernel reads to pick its library)."""
+
+    def __init__(self, config: Any, kernel: str) -> None:
+        self._config, self._attn_implementation = config, kernel
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def model_eager_attention(module: Any) -> Callable[..., Any] | None:
+    """The `eager_attention_forward` of the modeling file that defines `module`'s class, or None."""
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
+# --- the DKM quantizer ------------------------------------------------------------------------------------------
+
+
+def keep_in_fp32_modules(model) -> list[str]:
+    """Module names the model keeps in float32 (never clustered)."""
+    return sorted(getattr(model, "_keep_in_fp32_modules", None) or [])
+
+
+def ignore_unexpected_keys(model, patterns: list[str]) -> None:
+    """Add regex `patterns` to the keys a load of `model` does not report as unexpected."""
+    current = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    model._keys_to_ignore_on_load_unexpected = current | set(patterns)

@@ -37,7 +37,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from hf_llmkit.compat.transformers_attention import ConfigReportingKernel, configured_attention, model_eager_attention
+from hf_llmkit.compat.transformers import ConfigReportingKernel, configured_attention, model_eager_attention
 
 AttentionCall = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 # Names only: set_attn_implementation loads a flash library for any implementation name containing "flash".

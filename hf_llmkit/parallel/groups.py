@@ -49,18 +49,8 @@ def new_expert_parallel_groups(*, ep_size: int) -> ExpertParallelGroups:
     Collective: every rank of the default group must call it, in the same order as its other `new_group` calls.
     """
     _check_initialised("new_expert_parallel_groups")
+    ep_group, replica_group = _blocks_and_strides(size=ep_size, flag="expert_parallel_size")
     world, rank = dist.get_world_size(), dist.get_rank()
-    if ep_size < 1 or world % ep_size:
-        raise ValueError(
-            f"expert_parallel_size={ep_size} must be >= 1 and divide the world size {world}; "
-            f"launch a multiple of {ep_size} ranks or pick a divisor of {world}"
-        )
-    ep_group = new_expert_parallel_group(ep_size=ep_size)
-    replica_group = None
-    for offset in range(ep_size):
-        group = dist.new_group(list(range(offset, world, ep_size)))
-        if rank % ep_size == offset:
-            replica_group = group
     return ExpertParallelGroups(
         ep_group=ep_group,
         replica_group=replica_group,
@@ -74,6 +64,26 @@ def new_expert_parallel_groups(*, ep_size: int) -> ExpertParallelGroups:
 def _check_initialised(what: str) -> None:
     if not dist.is_initialized():
         raise ValueError(f"{what} needs torch.distributed initialised (init_process_group first)")
+
+
+def _blocks_and_strides(*, size: int, flag: str) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's block of `size` consecutive ranks and its group of ranks `size` apart (same place in a block).
+
+    Collective: creates every block group, then every strided group, on all ranks (`new_group` requires it).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if size < 1 or world % size:
+        raise ValueError(
+            f"{flag}={size} must be >= 1 and divide the world size {world}; "
+            f"launch a multiple of {size} ranks or pick a divisor of {world}"
+        )
+    block = new_expert_parallel_group(ep_size=size)
+    strided = None
+    for offset in range(size):
+        group = dist.new_group(list(range(offset, world, size)))
+        if rank % size == offset:
+            strided = group
+    return block, strided
 
 
 @dataclass(frozen=True)
@@ -98,27 +108,13 @@ def new_sequence_parallel_groups(*, sp_size: int) -> SequenceParallelGroups:
     Collective: every rank of the default group must call it, in the same order as its other `new_group` calls.
     """
     _check_initialised("new_sequence_parallel_groups")
+    sp_group, dp_group = _blocks_and_strides(size=sp_size, flag="sequence_parallel_size")
     world, rank = dist.get_world_size(), dist.get_rank()
-    if sp_size < 1 or world % sp_size:
-        raise ValueError(
-            f"sequence_parallel_size={sp_size} must be >= 1 and divide the world size {world}; "
-            f"launch a multiple of {sp_size} ranks or pick a divisor of {world}"
-        )
-    dp_size = world // sp_size
-    sp_group = dp_group = None
-    for start in range(0, world, sp_size):
-        group = dist.new_group(list(range(start, start + sp_size)))
-        if start <= rank < start + sp_size:
-            sp_group = group
-    for offset in range(sp_size):
-        group = dist.new_group(list(range(offset, world, sp_size)))
-        if rank % sp_size == offset:
-            dp_group = group
     return SequenceParallelGroups(
         sp_group=sp_group,
         dp_group=dp_group,
         sp_rank=rank % sp_size,
         sp_size=sp_size,
         dp_rank=rank // sp_size,
-        dp_size=dp_size,
+        dp_size=world // sp_size,
     )

@@ -23,7 +23,7 @@ from torch import nn
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 
-from hf_llmkit.compat.transformers_quantizers import ignore_unexpected_keys
+from hf_llmkit.compat.transformers import ignore_unexpected_keys
 from hf_llmkit.quantization.config import DKMConfig
 from hf_llmkit.quantization.layers import (
     DKMEmbedding,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
-from hf_llmkit.compat.transformers_quantizers import keep_in_fp32_modules
+from hf_llmkit.compat.transformers import keep_in_fp32_modules
 from hf_llmkit.quantization import integration
 from hf_llmkit.quantization.config import DKMConfig
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 import accelerate
 import torch
 from accelerate import Accelerator
+from accelerate.state import is_initialized
 
-from hf_llmkit.compat.accelerate import CHECKED_AGAINST, PREPARED_MARK, forget_prepared_model, is_prepared
+from hf_llmkit.compat.accelerate import (
+    CHECKED_AGAINST,
+    PREPARED_MARK,
+    forget_prepared_model,
+    is_prepared,
+    reset_accelerator_state,
+)
 
 
 def test_evaluation_preparation_can_be_undone():
@@ -18,3 +25,13 @@ def test_evaluation_preparation_can_be_undone():
     assert any(m is model for m in accelerator._models), f"{where} no longer tracks models in Accelerator._models"
     forget_prepared_model(accelerator, model)
     assert not is_prepared(model) and not any(m is model for m in accelerator._models)
+
+
+def test_accelerator_state_can_be_reset():
+    Accelerator(cpu=True)
+    assert is_initialized()
+    reset_accelerator_state()
+    where = f"accelerate {accelerate.__version__} (checked against {CHECKED_AGAINST})"
+    assert not is_initialized(), f"{where}: AcceleratorState._reset_state no longer clears the accelerator state"
+    Accelerator(cpu=True)  # a fresh accelerator can be made again
+    assert is_initialized()

@@ -1,4 +1,4 @@
-"""The transformers internals behind hf_llmkit's attention stack still exist (compat/transformers_attention.py)."""
+"""The transformers internals behind hf_llmkit's attention stack still exist (hf_llmkit.compat.transformers)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import inspect
 
 import transformers
 
-from hf_llmkit.compat.transformers_attention import (
+from hf_llmkit.compat.transformers import (
     CHECKED_AGAINST,
     ConfigReportingKernel,
     configured_attention,

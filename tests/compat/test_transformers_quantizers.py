@@ -1,4 +1,4 @@
-"""The transformers internals `hf_llmkit.compat.transformers_quantizers` relies on still exist and still work."""
+"""The transformers internals the DKM quantizer relies on (hf_llmkit.compat.transformers) still exist and work."""
 
 from __future__ import annotations
 
@@ -7,7 +7,12 @@ import inspect
 import transformers
 from transformers import PreTrainedModel
 
-from hf_llmkit.compat.transformers_quantizers import CHECKED_AGAINST, ignore_unexpected_keys, keep_in_fp32_modules
+from hf_llmkit.compat.transformers import (
+    CHECKED_AGAINST,
+    ignore_unexpected_keys,
+    keep_in_fp32_modules,
+    missing_quantizer_internals,
+)
 from hf_llmkit.testing import tiny_llama
 
 HINT = (
@@ -28,3 +33,8 @@ def test_ignored_unexpected_keys_are_dropped_from_the_load_report():
     model = tiny_llama()
     ignore_unexpected_keys(model, [r"(^|\.)lm_head\.centroids$"])
     assert r"(^|\.)lm_head\.centroids$" in model._keys_to_ignore_on_load_unexpected
+
+
+def test_quantizer_hooks_are_still_called_with_the_checkpoint_files():
+    missing = missing_quantizer_internals()
+    assert not missing, f"{missing}: {HINT}"

@@ -20,6 +20,7 @@ import torch
 from transformers import default_data_collator
 
 from hf_llmkit import LLMKitTrainingArguments
+from hf_llmkit.compat.accelerate import reset_accelerator_state
 from hf_llmkit.parallel import moe_layers, upcycle_to_moe
 from hf_llmkit.parallel.moe.expert_parallel import expert_shards, gather_expert_state
 from hf_llmkit.testing import tiny_llama
@@ -48,10 +49,8 @@ def train(args, ep: int, out: str, *, max_steps: int = STEPS, resume: str | None
     ds_config = None
     if args.zero:
         # accelerate allows one DeepSpeed Accelerator per process; transformers' own DeepSpeed tests reset its
-        # shared state the same way between trainers (test-only use of a private accelerate method).
-        from accelerate.state import AcceleratorState
-
-        AcceleratorState._reset_state()
+        # shared state the same way between trainers (a private accelerate method: hf_llmkit.compat.accelerate).
+        reset_accelerator_state()
         ds_config = {
             "zero_optimization": {"stage": args.zero},
             "train_micro_batch_size_per_gpu": "auto",
@@ -122,9 +121,7 @@ def bad_setups(args) -> dict[str, str]:
         ("with_sp", build_model(), with_sp),
     ):
         if args.zero:
-            from accelerate.state import AcceleratorState
-
-            AcceleratorState._reset_state()
+            reset_accelerator_state()
         try:
             LLMKitTrainer(model=model, args=targs, train_dataset=make_rows(4))
             errors[name] = "no error"

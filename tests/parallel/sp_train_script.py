@@ -15,7 +15,7 @@ import torch
 from transformers import default_data_collator
 
 from hf_llmkit import LLMKitTrainingArguments
-from hf_llmkit.compat.transformers_attention import configured_attention
+from hf_llmkit.compat.transformers import configured_attention
 from hf_llmkit.testing import tiny_llama
 from hf_llmkit.trainers import LLMKitTrainer
 

@@ -9,7 +9,7 @@ import torch
 from peft import get_peft_model
 
 from hf_llmkit import PTuningV2Config
-from hf_llmkit.compat.transformers_attention import configured_attention
+from hf_llmkit.compat.transformers import configured_attention
 from hf_llmkit.parallel.attention import (
     AttentionLayer,
     AttentionStack,

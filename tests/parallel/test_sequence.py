@@ -13,7 +13,7 @@ from peft import get_peft_model
 from torch.distributed.device_mesh import init_device_mesh
 
 from hf_llmkit import PTuningV2Config
-from hf_llmkit.compat.transformers_attention import configured_attention
+from hf_llmkit.compat.transformers import configured_attention
 from hf_llmkit.parallel import (
     apply_sequence_parallel,
     new_sequence_parallel_groups,

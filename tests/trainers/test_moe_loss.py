@@ -85,7 +85,9 @@ def _deepspeed_train_once(out_dir: str, stage: int) -> dict:
     }
     model = upcycled()
     trainer = make_trainer(model, out_dir, deepspeed=ds_config, use_cpu=False, max_steps=2)
-    leaf = all(getattr(m, "_z3_leaf", False) for m in moe_layers(model))
+    from deepspeed.utils import z3_leaf_module
+
+    leaf = all(z3_leaf_module(m) for m in moe_layers(model))
     trainer.train()
     trainer.save_model(out_dir + "/final")
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]

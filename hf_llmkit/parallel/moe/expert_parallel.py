@@ -28,7 +28,7 @@ from torch import nn
 
 from hf_llmkit.parallel.groups import ExpertParallelGroups
 from hf_llmkit.parallel.moe.layer import MoELayer, moe_layers
-from hf_llmkit.parallel.moe.upcycle import NATIVE_MOE_BLOCKS, use_moe_layers
+from hf_llmkit.parallel.moe.upcycle import is_native_moe_block, use_moe_layers
 
 EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")  # [E, ., .] tensors split along dim 0
 
@@ -44,7 +44,7 @@ def apply_expert_parallel(
     is not a multiple of `groups.ep_size`.
     """
     if not moe_layers(model):
-        if not any(type(m).__name__ in NATIVE_MOE_BLOCKS for m in model.modules()):
+        if not any(is_native_moe_block(m) for m in model.modules()):
             raise ValueError(
                 f"expert parallelism needs a mixture-of-experts model; {type(model).__name__} has no MoE layer "
                 "(upcycle a dense model first: --upcycle_moe true / upcycle_to_moe)"

@@ -56,7 +56,14 @@ _SUPPORTED = {
         (*_COMMON, "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
     ),
 }  # fmt: skip
-NATIVE_MOE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
+
+
+def is_native_moe_block(module: nn.Module) -> bool:
+    """Whether `module` is a sparse block of transformers' Mixtral or Qwen2-MoE (what `use_moe_layers` replaces)."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    return isinstance(module, (MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock))
 
 
 def supported_architectures() -> list[str]:
@@ -210,7 +217,7 @@ def use_moe_layers(
     """
     config, replaced = model.config, 0
     for name, block in list(model.named_modules()):
-        if type(block).__name__ not in NATIVE_MOE_BLOCKS:
+        if not is_native_moe_block(block):
             continue
         shared = getattr(block, "shared_expert", None)
         gate_up = block.experts.gate_up_proj  # [E, 2I, H]
