@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from hf_llmkit import PTuningV2Config
+from hf_llmkit.compat.transformers_attention import configured_attention
 from hf_llmkit.testing import tiny_llama, tiny_model
 from hf_llmkit.tuners.ptuning_v2 import PlainPrefix, ProjectedPrefix
 from tests.tuners.support import examples, fresh_logits, quantized_tiny_llama, snapshot, trainer
@@ -23,8 +24,7 @@ IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18]])
 
 
 def _model(implementation: str = "sdpa", **config):
-    model = tiny_llama()
-    model.config._attn_implementation = implementation
+    model = tiny_llama(attn_implementation=implementation)
     torch.manual_seed(0)
     return get_peft_model(model, PTuningV2Config(num_virtual_tokens=config.pop("num_virtual_tokens", 3), **config))
 
@@ -52,7 +52,7 @@ def test_non_attention_target_is_refused():
 def test_prefix_equals_a_kv_cache_prefilled_with_the_prefix(implementation):
     """Independent reference: the base model reading the prefixes as cached past keys/values (no RoPE on them)."""
     peft_model = _model(implementation).eval()
-    assert peft_model.config._attn_implementation == f"ptuning_v2_{implementation}"
+    assert configured_attention(peft_model.config) == f"ptuning_v2_{implementation}"
     base = peft_model.get_base_model()
     with torch.no_grad():
         ours = peft_model(input_ids=IDS).logits
@@ -246,13 +246,13 @@ def test_multiple_adapters_disable_unload_and_merge_refusal(capsys):
         layer = peft_model.get_base_model().model.layers[1].self_attn
         assert layer.current_prefix().shape == (2, 2, 8, 16)  # both prefixes, concatenated
         with peft_model.disable_adapter():
-            assert peft_model.config._attn_implementation == "sdpa"
+            assert configured_attention(peft_model.config) == "sdpa"
             torch.testing.assert_close(peft_model(input_ids=IDS).logits, base, rtol=0, atol=0)
-        assert peft_model.config._attn_implementation == "ptuning_v2_sdpa"
+        assert configured_attention(peft_model.config) == "ptuning_v2_sdpa"
     with pytest.raises(ValueError, match="cannot merge.*unload"):
         peft_model.merge_and_unload()
     unloaded = peft_model.unload()
-    assert unloaded.config._attn_implementation == "sdpa"
+    assert configured_attention(unloaded.config) == "sdpa"
     assert not any(hasattr(m, "ptuning_v2_prefix") for m in unloaded.modules())
     with torch.no_grad():
         torch.testing.assert_close(unloaded(input_ids=IDS).logits, base, rtol=0, atol=0)
@@ -260,7 +260,7 @@ def test_multiple_adapters_disable_unload_and_merge_refusal(capsys):
 
 def test_switching_attention_after_injection_is_refused():
     peft_model = _model()
-    peft_model.config._attn_implementation = "eager"
+    peft_model.get_base_model().set_attn_implementation("eager")
     with pytest.raises(ValueError, match="prefixes would be ignored"):
         peft_model(input_ids=IDS)
 
