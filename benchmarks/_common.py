@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# $HF_LLMKIT_BENCH_RESULTS moves the output (tests run the scripts' --quick modes into a temporary folder)
+RESULTS = Path(os.environ.get("HF_LLMKIT_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
@@ -230,7 +231,7 @@ def markdown_table(rows: list[list[str]]) -> str:
 
 
 def write_results(name: str, data: dict[str, Any]) -> Path:
-    """`benchmarks/results/<name>.json` (the folder is git-ignored); returns the path."""
+    """`benchmarks/results/<name>.json` (the folder is git-ignored; `$HF_LLMKIT_BENCH_RESULTS` moves it)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(data, indent=2, default=str))

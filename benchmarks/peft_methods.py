@@ -10,6 +10,8 @@ steps on the embedded corpus and is scored by masked-LM perplexity on a held-out
 
     python benchmarks/peft_methods.py                      # ~3 minutes on 2 idle CPU cores
     python benchmarks/peft_methods.py --adapters-python /path/to/venv/bin/python   # or $HF_LLMKIT_ADAPTERS_PYTHON
+    python benchmarks/peft_methods.py --quick               # batch 2 x 32 tokens, 2 rounds, 1 quality step
+    python benchmarks/peft_methods.py --device cuda         # the default when a GPU is present (both processes)
 
 The AdapterHub venv: `python3 -m venv VENV && VENV/bin/pip install adapters 'transformers==4.57.*' torch`.
 Writes benchmarks/results/peft_methods.json.
@@ -28,6 +30,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from _common import RESULTS, add_device_argument, pick_device, synchronize
 from adapterhub_peer import CALIBRATION, calibration_step, run_adapterhub  # sibling script (on sys.path)
 
 import hf_llmkit
@@ -93,8 +96,9 @@ def adapt_batch(batch: dict, extra: dict) -> dict:
 class Runner:
     """One method's model, optimizer and batch; `step()` is one timed training step."""
 
-    def __init__(self, model, batch: dict, lr: float) -> None:
-        self.model, self.batch = model, batch
+    def __init__(self, model, batch: dict, lr: float, device: torch.device) -> None:
+        model.to(device)
+        self.model, self.batch, self.device = model, {k: v.to(device) for k, v in batch.items()}, device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr)
         self.trainable = sum(p.numel() for p in self.params)
@@ -109,10 +113,12 @@ class Runner:
         return loss.item()
 
     def memory_mib(self) -> float:
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        if self.device.type == "cuda":  # the whole step's allocator peak: parameters, activations, grads, Adam state
+            synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
             self.step()
-            return torch.cuda.max_memory_allocated() / 2**20
+            synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
         params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         saved: dict[int, int] = {}
 
@@ -185,17 +191,17 @@ def quality_lr(name: str) -> float:
     return 1e-2 if any(k in name for k in ("Prefix", "Prompt", "ptuning")) else 2e-3
 
 
-def build_runners(kind: str, batch: dict) -> tuple[dict, dict]:
+def build_runners(kind: str, batch: dict, device: torch.device) -> tuple[dict, dict]:
     from peft import get_peft_model
 
     base = build_base(kind)
-    runners = {"full fine-tuning": Runner(copy.deepcopy(base), batch, 1e-5)}
+    runners = {"full fine-tuning": Runner(copy.deepcopy(base), batch, 1e-5, device)}
     skipped = {}
     for name, make in method_configs(kind).items():
         try:
             config, changes = make()
             model = get_peft_model(copy.deepcopy(base), config)
-            runner = Runner(model, adapt_batch(batch, changes), quality_lr(name))
+            runner = Runner(model, adapt_batch(batch, changes), quality_lr(name), device)
             runner.step()  # fails here, not mid-timing, if the method cannot run this model
             runners[name] = runner
         except Exception as err:  # a peer method that cannot run a workload is reported, not fatal
@@ -203,19 +209,21 @@ def build_runners(kind: str, batch: dict) -> tuple[dict, dict]:
     return runners, skipped
 
 
-def time_runners(runners: dict, rounds: int, warmup: int = 1) -> dict[str, float]:
-    steps = {CALIBRATION: calibration_step(), **{name: runner.step for name, runner in runners.items()}}
+def time_runners(runners: dict, rounds: int, device: torch.device, warmup: int = 1) -> dict[str, float]:
+    steps = {CALIBRATION: calibration_step(device), **{name: runner.step for name, runner in runners.items()}}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(warmup + rounds):
         for name, step in steps.items():
+            synchronize(device)
             start = time.perf_counter()
             step()
+            synchronize(device)
             if r >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: 1e3 * min(t) for name, t in times.items()}  # noise only adds: the minimum is the cost
 
 
-def quality_run(steps: int, seq: int, batch_size: int) -> dict[str, float | str]:
+def quality_run(steps: int, seq: int, batch_size: int, device: torch.device) -> dict[str, float | str]:
     """MiniLM masked-LM: fit the new MLM head once (frozen encoder), then each method trains `steps` steps."""
     from peft import get_peft_model
     from transformers import AutoTokenizer
@@ -224,7 +232,7 @@ def quality_run(steps: int, seq: int, batch_size: int) -> dict[str, float | str]
     texts = corpus_texts()
     cut = int(0.9 * len(texts))
     train, held_out = token_blocks(tokenizer, texts[:cut], seq), token_blocks(tokenizer, texts[cut:], seq)[:64]
-    eval_batch = make_batch("bert", held_out, tokenizer.mask_token_id, seed=1)
+    eval_batch = {k: v.to(device) for k, v in make_batch("bert", held_out, tokenizer.mask_token_id, seed=1).items()}
 
     def perplexity(model) -> float:
         model.eval()
@@ -233,7 +241,7 @@ def quality_run(steps: int, seq: int, batch_size: int) -> dict[str, float | str]
         model.train()
         return math.exp(loss)
 
-    base = build_base("bert")
+    base = build_base("bert").to(device)
     head = [p for n, p in base.named_parameters() if n.startswith("cls.predictions.transform") or n.endswith("bias")]
     for p in base.parameters():
         p.requires_grad_(False)
@@ -243,7 +251,8 @@ def quality_run(steps: int, seq: int, batch_size: int) -> dict[str, float | str]
     optimizer = torch.optim.AdamW(head, lr=2e-3)
     for i in range(2 * steps):  # the head fit is shared by every method below
         rows = train[(i * batch_size) % len(train) :][:batch_size]
-        base(**make_batch("bert", rows, tokenizer.mask_token_id, seed=100 + i)).loss.backward()
+        batch = make_batch("bert", rows, tokenizer.mask_token_id, seed=100 + i)
+        base(**{k: v.to(device) for k, v in batch.items()}).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     for p in base.parameters():
@@ -258,7 +267,7 @@ def quality_run(steps: int, seq: int, batch_size: int) -> dict[str, float | str]
             for i in range(steps):
                 rows = train[(i * batch_size) % len(train) :][:batch_size]
                 batch = adapt_batch(make_batch("bert", rows, tokenizer.mask_token_id, seed=200 + i), extra)
-                model(**batch).loss.backward()
+                model(**{k: v.to(device) for k, v in batch.items()}).loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             model.eval()
@@ -342,8 +351,13 @@ def main() -> None:
         help="python of a venv with adapters + transformers 4.57 ($HF_LLMKIT_ADAPTERS_PYTHON)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: robust on a shared machine)")
-    parser.add_argument("--out", default=str(HERE / "results" / "peft_methods.json"))
+    parser.add_argument("--out", default=str(RESULTS / "peft_methods.json"))
+    parser.add_argument("--quick", action="store_true", help="batch 2 x 32 tokens, 2 rounds, 1 quality step")
+    add_device_argument(parser)
     args = parser.parse_args()
+    device = pick_device(args.device)
+    if args.quick:
+        args.batch, args.seq, args.rounds, args.quality_steps = 2, 32, 2, 1
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
@@ -367,9 +381,9 @@ def main() -> None:
     for spec in peer_spec.values():
         spec.get("config", {}).pop("transformers_version", None)
     print(f"AdapterHub peer: running {args.adapters_python or '(none)'} ...", flush=True)
-    adapterhub = run_adapterhub(args.adapters_python, peer_spec, args.rounds, args.threads)
+    adapterhub = run_adapterhub(args.adapters_python, peer_spec, args.rounds, args.threads, device=device.type)
     report = {
-        "device": "cuda" if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()} threads",
+        "device": device.type if device.type == "cuda" else f"cpu x{torch.get_num_threads()} threads",
         "shapes": {"batch": args.batch, "seq": args.seq},
         "adapterhub": adapterhub,
         "workloads": {},
@@ -385,8 +399,8 @@ def main() -> None:
         tokenizer = tokenizers[kind]
         blocks = token_blocks(tokenizer, texts[: 40 * args.batch], args.seq)[: args.batch]
         batch = make_batch(kind, blocks, tokenizer.mask_token_id)
-        runners, skipped = build_runners(kind, batch)
-        times = time_runners(runners, args.rounds)
+        runners, skipped = build_runners(kind, batch, device)
+        times = time_runners(runners, args.rounds, device)
         memory = {name: r.memory_mib() for name, r in runners.items()}
         peers = adapterhub.get(kind, {})
         lines += workload_table(title, runners, times, memory, peers, skipped)
@@ -405,7 +419,7 @@ def main() -> None:
         }
         del runners
     if args.quality_steps > 0:
-        quality = quality_run(args.quality_steps, seq=64, batch_size=8)
+        quality = quality_run(args.quality_steps, seq=64, batch_size=8, device=device)
         report["quality"] = quality
         lines += [
             f"\n### Quality: MiniLM masked-LM perplexity on a held-out corpus slice after {args.quality_steps} "
