@@ -275,7 +275,8 @@ def report_memory(runs: dict, config: dict) -> None:
     names = list(dict.fromkeys(name for run in runs.values() for name in run["memory"]))
     for name in names:
         got = [runs[sp]["memory"].get(name, {}).get("max_seq") for sp in runs]
-        rows.append([name, *[str(v) if v else "-" for v in got], *[f"{v / base:.2f}x" if v else "-" for v in got]])
+        ratios = [f"{v / base:.2f}x" if v and base else "-" for v in got]  # base 0: plain sp=1 never fit
+        rows.append([name, *[str(v) if v else "-" for v in got], *ratios])
     print(f"\n## Longest sequence within {config['budget_mib']:g} MiB of peak tensor memory per rank\n")
     print(markdown_table(rows))
     print(
