@@ -11,24 +11,110 @@ exceeded the number of cores says so under its table.
     bench = Bench(rounds=7, warmup=1)
     timings = bench.run({"ours": step_ours, "peer": step_peer}, baseline="peer")
     print(timings.table(title="step time"))
+
+Devices: every benchmark takes `--device {cpu,cuda}` (`add_device_argument`; default cuda when available) and gets a
+`torch.device` from `pick_device`. On CUDA, timings synchronize (`Bench(sync=synchronizer(device))`, or
+`synchronize(device)` around hand-made timings) and memory is the allocator's peak (`PeakMemory`:
+`torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, above what was allocated at entry); on CPU
+`PeakMemory` counts the tensors the block creates (`_tensor_memory.TensorMemory`), the same quantity without an
+allocator. `--quick` (every benchmark has it) runs the smallest sizes for 1-2 rounds: a smoke test in seconds.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+if TYPE_CHECKING:
+    import torch
+
+# $HF_LLMKIT_BENCH_RESULTS moves the output (tests run the scripts' --quick modes into a temporary folder)
+RESULTS = Path(os.environ.get("HF_LLMKIT_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    """`--device {cpu,cuda}`, default cuda when a CUDA device is present."""
+    import torch
+
+    default = "cuda" if torch.cuda.is_available() else "cpu"
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=default, help=f"(default: {default})")
+
+
+def pick_device(name: str) -> torch.device:
+    """The `torch.device` for `--device`; exits with code 2 and one line when CUDA is asked for but absent."""
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda: torch sees no CUDA device here; use --device cpu", file=sys.stderr)
+        raise SystemExit(2)
+    if name not in ("cpu", "cuda"):
+        print(f"error: --device must be cpu or cuda, got {name!r}", file=sys.stderr)
+        raise SystemExit(2)
+    return torch.device(name)
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work (CUDA kernels run asynchronously); nothing to wait for on CPU."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def synchronizer(device: torch.device | str) -> Callable[[], None] | None:
+    """`Bench(sync=...)` for `device`: None on CPU (nothing to wait for)."""
+    import torch
+
+    device = torch.device(device)
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+
+
+class PeakMemory:
+    """Peak bytes allocated inside the block above what was allocated at entry (`with PeakMemory(device) as mem:`,
+    then `mem.peak_bytes`): CUDA's `max_memory_allocated` on a GPU, the tensors the block created on CPU."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        import torch
+
+        self.device = torch.device(device)
+        self.peak_bytes = 0
+        self._counter = None
+
+    def __enter__(self) -> PeakMemory:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            from _tensor_memory import TensorMemory
+
+            self._counter = TensorMemory().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+        else:
+            self._counter.__exit__(*exc)
+            self.peak_bytes = self._counter.peak_bytes
 
 
 def machine_state() -> dict[str, Any]:
-    """Threads torch uses, the core count and the 1-minute load average, to store next to a measurement."""
+    """Threads torch uses, the core count, the 1-minute load average and the GPU (if any), to store next to a
+    measurement."""
     import torch
 
     return {
@@ -36,6 +122,7 @@ def machine_state() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "load_1min": round(os.getloadavg()[0], 2),
         "time": time.strftime("%Y-%m-%d %H:%M"),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
 
@@ -45,6 +132,8 @@ def load_note(before: dict[str, Any], after: dict[str, Any]) -> str:
         f"torch threads {before['torch_threads']}, {before['cores']} cores, load {before['load_1min']:.2f} -> "
         f"{after['load_1min']:.2f} ({before['time']})"
     )
+    if before.get("gpu"):
+        note += f", GPU {before['gpu']}"
     if max(before["load_1min"], after["load_1min"]) > (before["cores"] or 1):
         note += " — LOADED MACHINE: load above the core count, ratios less reliable"
     return note
@@ -123,6 +212,8 @@ class Bench:
         return Timings(seconds, baseline, before, machine_state())
 
     def _time(self, fn: Callable[[], Any]) -> float:
+        if self.sync is not None:  # work queued before the timing is not this call's
+            self.sync()
         start = time.perf_counter()
         for _ in range(self.repeat):
             fn()
@@ -140,7 +231,7 @@ def markdown_table(rows: list[list[str]]) -> str:
 
 
 def write_results(name: str, data: dict[str, Any]) -> Path:
-    """`benchmarks/results/<name>.json` (the folder is git-ignored); returns the path."""
+    """`benchmarks/results/<name>.json` (the folder is git-ignored; `$HF_LLMKIT_BENCH_RESULTS` moves it)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(data, indent=2, default=str))

@@ -33,7 +33,7 @@ def deepspeed_ulysses(model: torch.nn.Module, world: int):
 
     # Without an accelerator, PartialState finds no DeepSpeed backend and reports 1 process: configure it on gloo.
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    PartialState(backend="gloo")
+    PartialState(backend="gloo" if next(model.parameters()).device.type == "cpu" else None)
     ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
     handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")
     accelerator = Accelerator(

@@ -7,6 +7,7 @@ import copy
 import warnings
 
 import torch
+from _common import synchronize  # sibling module (the script's folder is on sys.path)
 
 import hf_llmkit
 from hf_llmkit.testing import corpus_tokenizer, minilm_path, tiny_llama_config
@@ -69,8 +70,9 @@ def adapt_batch(batch: dict, extra: dict) -> dict:
 class Runner:
     """One method's model, optimizer and batch; `step()` is one timed training step."""
 
-    def __init__(self, model, batch: dict, lr: float) -> None:
-        self.model, self.batch = model, batch
+    def __init__(self, model, batch: dict, lr: float, device: torch.device) -> None:
+        model.to(device)
+        self.model, self.batch, self.device = model, {k: v.to(device) for k, v in batch.items()}, device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr)
         self.trainable = sum(p.numel() for p in self.params)
@@ -85,10 +87,12 @@ class Runner:
         return loss.item()
 
     def memory_mib(self) -> float:
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        if self.device.type == "cuda":  # the whole step's allocator peak: parameters, activations, grads, Adam state
+            synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
             self.step()
-            return torch.cuda.max_memory_allocated() / 2**20
+            synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
         params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         saved: dict[int, int] = {}
 
@@ -161,17 +165,17 @@ def quality_lr(name: str) -> float:
     return 1e-2 if any(k in name for k in ("Prefix", "Prompt", "ptuning")) else 2e-3
 
 
-def build_runners(kind: str, batch: dict) -> tuple[dict, dict]:
+def build_runners(kind: str, batch: dict, device: torch.device) -> tuple[dict, dict]:
     from peft import get_peft_model
 
     base = build_base(kind)
-    runners = {"full fine-tuning": Runner(copy.deepcopy(base), batch, 1e-5)}
+    runners = {"full fine-tuning": Runner(copy.deepcopy(base), batch, 1e-5, device)}
     skipped = {}
     for name, make in method_configs(kind).items():
         try:
             config, changes = make()
             model = get_peft_model(copy.deepcopy(base), config)
-            runner = Runner(model, adapt_batch(batch, changes), quality_lr(name))
+            runner = Runner(model, adapt_batch(batch, changes), quality_lr(name), device)
             runner.step()  # fails here, not mid-timing, if the method cannot run this model
             runners[name] = runner
         except Exception as err:  # a peer method that cannot run a workload is reported, not fatal

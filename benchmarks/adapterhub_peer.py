@@ -42,13 +42,13 @@ def _adapter_configs(spec: dict) -> dict:
 CALIBRATION = "calibration (pure torch)"
 
 
-def calibration_step():
+def calibration_step(device: torch.device | str = "cpu"):
     """A fixed pure-torch fwd + bwd (same torch in both environments): the machine-speed yardstick that lets
     step times from two processes, run minutes apart on a shared machine, be compared."""
     g = torch.Generator().manual_seed(0)
     # about as long as a workload step: under bursty load a short yardstick finds quiet gaps a long step cannot
-    layers = [torch.randn(1024, 1024, generator=g, requires_grad=True) for _ in range(4)]
-    x = torch.randn(512, 1024, generator=g)
+    layers = [torch.randn(1024, 1024, generator=g).to(device).requires_grad_() for _ in range(4)]
+    x = torch.randn(512, 1024, generator=g).to(device)
 
     def step() -> None:
         h = x
@@ -83,7 +83,7 @@ def _batch(workload: dict) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
-def run_adapterhub(python: str | None, workloads: dict, rounds: int, threads: int = 1) -> dict:
+def run_adapterhub(python: str | None, workloads: dict, rounds: int, threads: int = 1, *, device: str = "cpu") -> dict:
     """Time AdapterHub's Houlsby/Pfeiffer/parallel adapters in their own venv; {'error': why} if it cannot run."""
     if not python:
         return {"error": "no AdapterHub venv given (--adapters-python or $HF_LLMKIT_ADAPTERS_PYTHON)"}
@@ -97,6 +97,7 @@ def run_adapterhub(python: str | None, workloads: dict, rounds: int, threads: in
         "non_linearity": "relu",
         "parallel_scaling": 4.0,
         "threads": threads,
+        "device": device,
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
@@ -120,21 +121,29 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     torch.set_num_threads(spec.get("threads", 1))
+    device = torch.device(spec.get("device", "cpu"))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # queued kernels belong to the step
     out = {"versions": {"adapters": adapters.__version__, "transformers": __import__("transformers").__version__}}
     for name, workload in spec["workloads"].items():
-        batch = _batch(workload)
-        runners = {CALIBRATION: (calibration_step(), 0), "full fine-tuning": _runner(_model(workload), batch, 1e-5)}
+        batch = {key: value.to(device) for key, value in _batch(workload).items()}
+        runners = {
+            CALIBRATION: (calibration_step(device), 0),
+            "full fine-tuning": _runner(_model(workload).to(device), batch, 1e-5),
+        }
         for method, config in _adapter_configs(spec).items():
             model = _model(workload)
             adapters.init(model)
             model.add_adapter("bench", config=config)
             model.train_adapter("bench")
+            model.to(device)  # after the adapter exists: its weights move too
             runners[method] = _runner(model, batch, 1e-3)
         times = {m: [] for m in runners}
         for r in range(spec["warmup"] + spec["rounds"]):
             for method, (step, _) in runners.items():  # interleaved rounds: machine noise hits all alike
+                sync()
                 start = time.perf_counter()
                 step()
+                sync()
                 if r >= spec["warmup"]:
                     times[method].append(time.perf_counter() - start)
         out[name] = {m: {"trainable": runners[m][1], "step_ms": 1e3 * min(t)} for m, t in times.items()}

@@ -1,7 +1,8 @@
 """Callbacks: per-step overhead of each hf_llmkit callback, and checkpoint time with the manifest vs a plain save.
 
-Part 1, per-step overhead: a tiny Llama trains with `LLMKitTrainer` and each callback in turn (a real
-`torch.amp.GradScaler("cpu")` is installed so `LossScaleCallback` takes its active path). After a real run, the
+Part 1, per-step overhead: a tiny Llama trains with `LLMKitTrainer` and each callback in turn (on CPU a real
+`torch.amp.GradScaler("cpu")` is installed so `LossScaleCallback` takes its active path; on CUDA the run is fp16
+with the GradScaler accelerate creates). After a real run, the
 callback's per-step events (and `FaultToleranceCallback`'s loss hook) are called with the live trainer objects
 in a loop; their cost per step (minimum over repeats) divided by the fastest step of the run is the overhead,
 which keeps other processes' noise out of both numbers. The target
@@ -15,6 +16,8 @@ checksums, fsync, rotation), and variants without checksums / without fsync.
 
     python benchmarks/callbacks.py            # ~2 minutes on 2 idle CPU cores
     python benchmarks/callbacks.py --steps 60 --saves 7
+    python benchmarks/callbacks.py --quick    # 8 steps, 1 save of a hidden-64 model: seconds
+    python benchmarks/callbacks.py --device cuda   # the default when a GPU is present; step times synchronized
 
 Writes benchmarks/results/callbacks.json.
 """
@@ -30,7 +33,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from _common import load_note, machine_state, write_results
+from _common import add_device_argument, load_note, machine_state, pick_device, synchronize, write_results
 from transformers import Trainer, TrainerCallback, default_data_collator
 
 from hf_llmkit import LLMKitTrainingArguments
@@ -53,20 +56,22 @@ class Blocks(torch.utils.data.Dataset):
 
 
 class StepClock(TrainerCallback):
-    """Wall time between consecutive `on_step_begin` events = one full training step."""
+    """Wall time between consecutive `on_step_begin` events = one full training step (queued GPU work included)."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device):
+        self.device = device
         self.steps: list[float] = []
         self._last: float | None = None
 
     def on_step_begin(self, args, state, control, **kwargs):
+        synchronize(self.device)
         now = time.perf_counter()
         if self._last is not None:
             self.steps.append(now - self._last)
         self._last = now
 
 
-def _trainer(out: str, callbacks: list, steps: int, scaler: bool, **overrides) -> Trainer:
+def _trainer(out: str, callbacks: list, steps: int, scaler: bool, device: torch.device, **overrides) -> Trainer:
     model = tiny_llama(seed=0).train()
     kwargs = dict(
         max_steps=steps,
@@ -75,7 +80,8 @@ def _trainer(out: str, callbacks: list, steps: int, scaler: bool, **overrides) -
         logging_steps=10,
         report_to="none",
         disable_tqdm=True,
-        use_cpu=True,
+        use_cpu=device.type == "cpu",
+        fp16=scaler and device.type == "cuda",  # accelerate's own GradScaler on a GPU
         seed=0,
         save_strategy="no",
     )
@@ -87,7 +93,7 @@ def _trainer(out: str, callbacks: list, steps: int, scaler: bool, **overrides) -
         data_collator=default_data_collator,
         callbacks=callbacks,
     )
-    if scaler:
+    if scaler and device.type == "cpu":
         trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     return trainer
 
@@ -104,9 +110,9 @@ def _event_cost(callback, trainer, repeats: int) -> float:
         train_dataloader=None,
         eval_dataloader=None,
     )
-    batch = trainer.train_dataset[0]
+    batch = {key: value[None].to(trainer.model.device) for key, value in trainer.train_dataset[0].items()}
     with torch.no_grad():
-        output = trainer.model(input_ids=batch["input_ids"][None], labels=batch["labels"][None])
+        output = trainer.model(**batch)
     capture = getattr(getattr(callback, "watch", None), "capture", None)  # FaultToleranceCallback's loss hook
     best = float("inf")
     for _ in range(repeats):
@@ -116,11 +122,12 @@ def _event_cost(callback, trainer, repeats: int) -> float:
                 capture(trainer.model, (), output)
             for event in PER_STEP_EVENTS:
                 getattr(callback, event)(args, state, control, **kwargs)
+        synchronize(trainer.model.device)  # device work a callback queued (a loss check) is its cost too
         best = min(best, (time.perf_counter() - start) / 50)
     return best
 
 
-def per_step_overhead(steps: int) -> dict:
+def per_step_overhead(steps: int, device: torch.device, rounds: int = 3) -> dict:
     """Callback cost per step vs the fastest (least disturbed) step of the same tiny-model run."""
     rows = {}
     factories = {
@@ -129,9 +136,9 @@ def per_step_overhead(steps: int) -> dict:
         "SavePeftModelCallback": SavePeftModelCallback,
     }
     for name, factory in factories.items():
-        callback, clock = factory(), StepClock()
+        callback, clock = factory(), StepClock(device)
         with tempfile.TemporaryDirectory() as out:
-            trainer = _trainer(out, [clock, callback], steps, scaler=True)
+            trainer = _trainer(out, [clock, callback], steps, scaler=True, device=device)
             trainer.train()
             trainer.model.train()
             trainer.state.global_step = 1  # as in the middle of a run
@@ -142,25 +149,25 @@ def per_step_overhead(steps: int) -> dict:
                 model=trainer.model,
                 optimizer=trainer.callback_handler.optimizer,
             )
-            cost = _event_cost(callback, trainer, repeats=7)
+            cost = _event_cost(callback, trainer, repeats=rounds + 4)
             callback.on_train_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
             trainer.control.take_stop_request()
         step = min(clock.steps[2:])
         rows[name] = {"step_ms": step * 1e3, "callback_us_per_step": cost * 1e6, "overhead_pct": 100 * cost / step}
     # End to end, interleaved: no callbacks vs all three (fastest step of each run, median over rounds).
     fastest = {"none": [], "all three": []}
-    for _ in range(3):
+    for _ in range(rounds):
         for label in fastest:
-            clock = StepClock()
+            clock = StepClock(device)
             extra = [FaultToleranceCallback(), LossScaleCallback(), SavePeftModelCallback()] if label != "none" else []
             with tempfile.TemporaryDirectory() as out:
-                _trainer(out, [clock, *extra], steps // 2, scaler=True).train()
+                _trainer(out, [clock, *extra], max(steps // 2, 4), scaler=True, device=device).train()
             fastest[label].append(min(clock.steps[2:]))
     none, all3 = statistics.median(fastest["none"]), statistics.median(fastest["all three"])
     return {"callbacks": rows, "end_to_end": {"none_ms": none * 1e3, "all_three_ms": all3 * 1e3, "ratio": all3 / none}}
 
 
-def checkpoint_times(saves: int, hidden: int) -> dict:
+def checkpoint_times(saves: int, hidden: int, device: torch.device) -> dict:
     """Median seconds of one checkpoint: the plain Trainer's vs ours (Trainer save + manifest) and variants."""
     variants = {
         "Trainer._save_checkpoint (peer)": None,
@@ -185,7 +192,7 @@ def checkpoint_times(saves: int, hidden: int) -> dict:
             per_device_train_batch_size=2,
             report_to="none",
             disable_tqdm=True,
-            use_cpu=True,
+            use_cpu=device.type == "cpu",
             save_strategy="no",
         )
         trainer = LLMKitTrainer(
@@ -196,6 +203,7 @@ def checkpoint_times(saves: int, hidden: int) -> dict:
         for round_ in range(saves):
             for name, settings in variants.items():  # interleaved: noise hits every variant alike
                 trainer.state.global_step = 100 * round_ + list(variants).index(name) + 1
+                synchronize(device)
                 start = time.perf_counter()
                 if settings is None:
                     Trainer._save_checkpoint(trainer, trainer.model, trial=None)  # the peer, unchanged
@@ -222,25 +230,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="training steps per overhead run")
     parser.add_argument("--saves", type=int, default=3, help="checkpoints timed per variant")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size of the checkpointed model")
+    parser.add_argument("--quick", action="store_true", help="8 steps, 1 round, 1 save of a hidden-64 model")
+    add_device_argument(parser)
     ns = parser.parse_args()
+    device = pick_device(ns.device)
+    if ns.quick:
+        ns.steps, ns.saves, ns.hidden = 8, 1, 64
     torch.set_num_threads(max(1, torch.get_num_threads()))
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
     before = machine_state()
-    overhead = per_step_overhead(ns.steps)
-    print("\n### Per-step overhead (tiny Llama, batch 8 x 64 tokens, real GradScaler)\n")
+    overhead = per_step_overhead(ns.steps, device, rounds=1 if ns.quick else 3)
+    print(f"\n### Per-step overhead (tiny Llama, batch 8 x 64 tokens, real GradScaler, {device.type})\n")
     print("| callback | fastest step (ms) | callback time per step (us) | overhead |")
     print("|---|---|---|---|")
     for name, row in overhead["callbacks"].items():
         print(f"| {name} | {row['step_ms']:.1f} | {row['callback_us_per_step']:.1f} | {row['overhead_pct']:.3f}% |")
     e2e = overhead["end_to_end"]
     print(
-        f"\nEnd to end (interleaved, fastest step, median of 3 rounds): none {e2e['none_ms']:.1f} ms, "
+        f"\nEnd to end (interleaved, fastest step, median of {1 if ns.quick else 3} round(s)): "
+        f"none {e2e['none_ms']:.1f} ms, "
         f"all three {e2e['all_three_ms']:.1f} ms, ratio {e2e['ratio']:.3f}"
     )
 
-    ckpt = checkpoint_times(ns.saves, ns.hidden)
+    ckpt = checkpoint_times(ns.saves, ns.hidden, device)
     print(f"\n### Checkpoint time ({ckpt['checkpoint_mb']:.1f} MB checkpoint, median of {ns.saves})\n")
     print("| save | seconds | ratio vs plain Trainer save |")
     print("|---|---|---|")

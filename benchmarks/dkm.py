@@ -2,7 +2,9 @@
 
     python benchmarks/dkm.py              # every section: a few minutes of (a)-(c) on a quiet 2-core machine, then
                                           # quality (d) and the quickstart LM (e)
-    python benchmarks/dkm.py --quick      # (a)-(b) only, fewer rounds, a smaller slice of the peer's big layer
+    python benchmarks/dkm.py --quick      # (a)-(b) on one 256x256 layer, 2 rounds: seconds
+    python benchmarks/dkm.py --device cuda  # the default when a GPU is present: every system on the GPU, timings
+                                          # synchronized, memory = CUDA's allocator peak (max_memory_allocated)
     python benchmarks/dkm.py --peer-full  # the peer on the whole 4096x4096 layer (needs ~10 GB free at 4 bits)
 
 (a) One training step (forward + backward + centroid update) of one Linear, 16 tokens, 3 DKM iterations each (our
@@ -19,7 +21,8 @@
 (d) Quality on all-MiniLM-L6-v2: benchmarks/dkm_quality.py. (e) The quickstart LM: benchmarks/dkm_quickstart.py.
 
 Writes benchmarks/results/dkm.json and dkm_speed.png / dkm_memory.png beside it; one torch thread; the machine
-load is recorded before and after every measurement and printed under each table.
+load is recorded before and after every measurement and printed under each table. On CUDA, "saved" in (a) becomes
+the step's peak allocation above the parameters and the input (`_common.PeakMemory`), for every system alike.
 """
 
 from __future__ import annotations
@@ -32,7 +35,19 @@ import time
 from pathlib import Path
 
 import torch
-from _common import Bench, load_note, machine_state, markdown_table, plot_lines, write_results
+from _common import (
+    Bench,
+    PeakMemory,
+    add_device_argument,
+    load_note,
+    machine_state,
+    markdown_table,
+    pick_device,
+    plot_lines,
+    synchronize,
+    synchronizer,
+    write_results,
+)
 
 from hf_llmkit.quantization import MarshalHooks
 from hf_llmkit.quantization.layers import DKMLinear, DKMSettings
@@ -41,17 +56,19 @@ TOKENS = 16
 DKM_ITERS = 3
 
 
-def _ours(rows: int, cols: int, bits: int, dtype: torch.dtype):
+def _ours(rows: int, cols: int, bits: int, dtype: torch.dtype, device: torch.device):
     """(step, layer input, init seconds) of our DKM Linear (early stop off: all 3 iterations run, like the peer)."""
     torch.manual_seed(0)
     settings = DKMSettings(bits=bits, cluster_dim=1, groups=1, dkm_iters=DKM_ITERS, epsilon=1e-12, offload=False)
-    layer = DKMLinear(cols, rows, False, settings, dtype=dtype)
+    layer = DKMLinear(cols, rows, False, settings, device=device, dtype=dtype)
     torch.nn.init.normal_(layer.weight, std=0.02)
+    synchronize(device)
     start = time.perf_counter()
     layer.init_centroids()
+    synchronize(device)
     init = time.perf_counter() - start
     layer.train()
-    x = torch.randn(TOKENS, cols).to(dtype)
+    x = torch.randn(TOKENS, cols).to(device=device, dtype=dtype)
 
     def step():
         layer.weight.grad = None
@@ -60,7 +77,7 @@ def _ours(rows: int, cols: int, bits: int, dtype: torch.dtype):
     return step, x, init
 
 
-def _peer(rows: int, cols: int, bits: int):
+def _peer(rows: int, cols: int, bits: int, device: torch.device):
     """(step, layer input, init seconds) of coremltools' DKMPalettizer on one Linear (fp32, its opt1d init)."""
     from coremltools.optimize.torch.palettization import (
         DKMPalettizer,
@@ -69,13 +86,13 @@ def _peer(rows: int, cols: int, bits: int):
     )
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(cols, rows, bias=False))
+    model = torch.nn.Sequential(torch.nn.Linear(cols, rows, bias=False, device=device))
     torch.nn.init.normal_(model[0].weight, std=0.02)
     config = ModuleDKMPalettizerConfig(n_bits=bits, kmeans_max_iter=DKM_ITERS, kmeans_init="opt1d")
     palettizer = DKMPalettizer(model, DKMPalettizerConfig(global_config=config))
     model = palettizer.prepare()
     model.train()
-    x = torch.randn(TOKENS, cols)
+    x = torch.randn(TOKENS, cols).to(device)
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -84,31 +101,40 @@ def _peer(rows: int, cols: int, bits: int):
 
     first = time.perf_counter()
     step()  # the first step runs the k-means initialisation
+    synchronize(device)
     first = time.perf_counter() - first
     later = time.perf_counter()
     step()
+    synchronize(device)
     return step, x, max(0.0, first - (time.perf_counter() - later))
 
 
 def _saved_bytes(step, x) -> float:
-    """Bytes saved for backward by one step (each storage once; parameters and the input are not counted)."""
+    """On CPU, bytes saved for backward by one step (each storage once; parameters and the input are not counted);
+    on CUDA, the step's peak allocation above what existed before it (`max_memory_allocated`)."""
+    if x.device.type == "cuda":
+        with PeakMemory(x.device) as peak:
+            step()
+        return float(peak.peak_bytes)
     with MarshalHooks(offload=False, exclude=(x,)) as meter:
         step()
     return float(meter.stats.stored_bytes)
 
 
-def compare(rows: int, cols: int, bits: int, rounds: int, peer_rows: int) -> dict:
+def compare(rows: int, cols: int, bits: int, rounds: int, peer_rows: int, device: torch.device) -> dict:
     """Section (a) + (b) for one layer shape and bit width."""
     scale = rows / peer_rows
-    peer_step, peer_x, peer_init = _peer(peer_rows, cols, bits)
+    peer_step, peer_x, peer_init = _peer(peer_rows, cols, bits, device)
     ours = {
-        name: _ours(rows, cols, bits, dtype) for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+        name: _ours(rows, cols, bits, dtype, device)
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
     }
     variants = {"peer": peer_step} | {name: step for name, (step, _, _) in ours.items()}
-    timings = Bench(rounds=rounds, warmup=1).run(variants)
+    timings = Bench(rounds=rounds, warmup=1, sync=synchronizer(device)).run(variants)
     peer_s = [t * scale for t in timings.seconds["peer"]]
     out = {
         "layer": f"{rows}x{cols}",
+        "device": device.type,
         "bits": bits,
         "peer_rows": peer_rows,
         "scale": scale,
@@ -134,8 +160,9 @@ def compare(rows: int, cols: int, bits: int, rounds: int, peer_rows: int) -> dic
 
 def print_speed(results: list[dict]) -> None:
     print("\n### (a) One DKM training step of one Linear vs coremltools DKMPalettizer (16 tokens, 3 iterations)\n")
-    head = ["layer", "bits", "peer s/step", "peer saved MB", "ours", "s/step (median)", "speed-up min / median"]
-    head += ["saved MB", "peer saved / ours"]
+    what = "peak MB" if results and results[0].get("device") == "cuda" else "saved MB"  # CUDA: allocator peak
+    head = ["layer", "bits", "peer s/step", f"peer {what}", "ours", "s/step (median)", "speed-up min / median"]
+    head += [what, f"peer {what.split()[0]} / ours"]
     rows = [head]
     for r in results:
         peer = f"{statistics.median(r['peer_seconds']):.3g}" + (
@@ -202,7 +229,7 @@ def plot(results: list[dict]) -> list[Path | None]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="(a)-(b) only, fewer rounds, a smaller peer slice")
+    parser.add_argument("--quick", action="store_true", help="(a)-(b) only, one 256x256 layer, 2 rounds")
     parser.add_argument("--peer-full", action="store_true", help="run the peer on the whole 4096x4096 layer")
     parser.add_argument("--only", nargs="*", default=None, choices=["speed", "memory", "quality", "quickstart"])
     parser.add_argument("--naive-rows", type=int, default=64, help="(c): rows of the naive slice (scaled linearly)")
@@ -211,28 +238,32 @@ def main() -> None:
     parser.add_argument("--quickstart-train-steps", type=int, default=200, help="(e): steps when training it here")
     parser.add_argument("--quickstart-finetune-steps", type=int, default=30, help="(e): DKM fine-tune steps")
     parser.add_argument("--quickstart-eval-blocks", type=int, default=40, help="(e): validation blocks")
+    add_device_argument(parser)
     args = parser.parse_args()
+    device = pick_device(args.device)
     torch.set_num_threads(1)  # shared machine: OpenMP spinning under load costs more than a second thread gives
     sections = set(args.only or (["speed"] if args.quick else ["speed", "memory", "quality", "quickstart"]))
-    results: dict = {"argv": sys.argv[1:], "machine_before": machine_state()}
+    results: dict = {"argv": sys.argv[1:], "device": device.type, "machine_before": machine_state()}
     start = time.perf_counter()
     if "speed" in sections:
-        big_slice = 4096 if args.peer_full else (512 if args.quick else 1024)
-        plan = [(1024, 1024, 1024, 3 if args.quick else 5), (4096, 4096, big_slice, 1 if args.quick else 3)]
-        results["speed"] = [compare(r, c, bits, rounds, peer) for r, c, peer, rounds in plan for bits in (3, 4)]
+        big_slice = 4096 if args.peer_full else 1024
+        plan = [(1024, 1024, 1024, 5), (4096, 4096, big_slice, 3)] if not args.quick else [(256, 256, 256, 2)]
+        results["speed"] = [
+            compare(r, c, bits, rounds, peer, device) for r, c, peer, rounds in plan for bits in (3, 4)
+        ]
         print_speed(results["speed"])
         print_init(results["speed"])
         results["plots"] = [str(p) for p in plot(results["speed"]) if p is not None]
     if "memory" in sections:
         from dkm_memory import memory_cases, print_memory
 
-        results["memory"] = memory_cases(args.naive_rows)
+        results["memory"] = memory_cases(args.naive_rows, device=device.type)
         print_memory(results["memory"])
     if "quality" in sections:
         from dkm_quality import print_quality, quality_table
 
         with tempfile.TemporaryDirectory(prefix="dkm_bench_") as tmp:
-            results["quality"] = quality_table(Path(tmp), args.finetune_steps)
+            results["quality"] = quality_table(Path(tmp), args.finetune_steps, device=device.type)
         print_quality(results["quality"])
     if "quickstart" in sections:
         import dkm_quickstart
@@ -240,7 +271,7 @@ def main() -> None:
         model_dir = dkm_quickstart.ensure_model(args.quickstart_model, args.quickstart_train_steps)
         with tempfile.TemporaryDirectory(prefix="dkm_bench_lm_") as tmp:
             rows = dkm_quickstart.perplexity_table(
-                Path(tmp), model_dir, args.quickstart_finetune_steps, args.quickstart_eval_blocks
+                Path(tmp), model_dir, args.quickstart_finetune_steps, args.quickstart_eval_blocks, device=device.type
             )
         results["quickstart"] = {"model": str(model_dir), "rows": rows}
         dkm_quickstart.print_table(rows)

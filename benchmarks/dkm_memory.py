@@ -13,12 +13,14 @@ reported). MALLOC_MMAP_THRESHOLD_ is set so freed memory is returned and peaks a
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
 
 import psutil
 import torch
+from _common import PeakMemory, synchronize
 
 from hf_llmkit.quantization.layers import DKMLinear, DKMSettings
 from hf_llmkit.quantization.marshal import MarshalHooks
@@ -61,12 +63,14 @@ def measure_layer(
     tokens: int = 16,
     dkm_iters: int = 3,
     seed: int = 0,
+    device: str = "cpu",
 ) -> dict[str, float]:
-    """One training forward + backward of a `[rows_used, cols]` slice of a `[rows, cols]` DKM Linear.
+    """One training forward + backward of a `[rows_used, cols]` slice of a `[rows, cols]` DKM Linear on `device`.
 
     Returns `saved_bytes` (each saved tensor counted separately, or each storage once when `marshal`),
-    `peak_bytes` (resident-memory peak above the start of the step), `seconds`, all for the slice; parameters
-    and the input activation are not counted (they exist without DKM too).
+    `peak_bytes` (resident-memory peak above the start of the step on CPU; CUDA's `max_memory_allocated` above it
+    on a GPU), `seconds`, all for the slice; parameters and the input activation are not counted (they exist
+    without DKM too).
     """
     rows_used = rows_used or rows
     torch.manual_seed(seed)
@@ -74,26 +78,29 @@ def measure_layer(
     settings = DKMSettings(
         bits=bits, cluster_dim=1, groups=1, uniquify=uniquify, shard=shard, offload=False, dkm_iters=dkm_iters
     )
-    layer = DKMLinear(cols, rows_used, False, settings, dtype=weight.dtype)
+    if device.startswith("cuda") and torch.distributed.is_initialized():
+        device = f"cuda:{torch.cuda.current_device()}"  # a launched rank: its own GPU
+    layer = DKMLinear(cols, rows_used, False, settings, device=device, dtype=weight.dtype)
     with torch.no_grad():
         layer.weight.copy_(weight)
     del weight
     layer.init_centroids()
     layer.train()
-    x = torch.randn(tokens, cols).to(layer.weight.dtype)
+    x = torch.randn(tokens, cols).to(device=device, dtype=layer.weight.dtype)
     # The layer's own hooks are off; an outer meter with the same bookkeeping measures both accountings.
-    with PeakRSS() as peak:
+    with PeakRSS() if layer.weight.device.type == "cpu" else PeakMemory(layer.weight.device) as peak:
         start = time.perf_counter()
         with MarshalHooks(offload=False, exclude=(x,)) as meter:
             y = layer(x)
         y.float().square().sum().backward()
+        synchronize(layer.weight.device)
         seconds = time.perf_counter() - start
     stats = meter.stats
     return {
         "saved_bytes": float(stats.stored_bytes if marshal else stats.requested_bytes),
         "requested_bytes": float(stats.requested_bytes),
         "stored_bytes": float(stats.stored_bytes),
-        "peak_bytes": float(peak.peak),
+        "peak_bytes": float(peak.peak if isinstance(peak, PeakRSS) else peak.peak_bytes),
         "seconds": seconds,
         "rows_used": float(rows_used),
     }
@@ -113,9 +120,9 @@ MALLOC_ENV = {
 }
 
 
-def _case_list(naive_rows: int) -> tuple[list, list]:
+def _case_list(naive_rows: int, shapes: list[tuple[int, int]]) -> tuple[list, list]:
     single, sharded = [], []
-    for rows, cols in SHAPES:
+    for rows, cols in shapes:
         base = {"rows": rows, "cols": cols, "dtype": "bfloat16"}
         single += [
             ((rows, cols), "naive", dict(base, uniquify=False, marshal=False, rows_used=naive_rows)),
@@ -143,17 +150,25 @@ def _case_list(naive_rows: int) -> tuple[list, list]:
     return single, sharded
 
 
-def memory_cases(naive_rows: int) -> list[dict]:
-    """Every case of section (c): two fresh interpreters (single-rank cases) plus a pair of gloo ranks."""
-    from hf_llmkit.testing import launch
+def memory_cases(naive_rows: int, *, device: str = "cpu", shapes: list[tuple[int, int]] | None = None) -> list[dict]:
+    """Every case of section (c): two fresh interpreters (single-rank cases) plus a pair of ranks (gloo, or one GPU
+    each over NCCL; on CUDA with fewer than 2 GPUs the sharded cases are left out, said so on stderr)."""
+    from hf_llmkit.testing import distributed_backend, launch
 
-    single, sharded = _case_list(naive_rows)
+    single, sharded = _case_list(naive_rows, shapes or SHAPES)
+    single = [(shape, name, dict(case, device=device)) for shape, name, case in single]
+    sharded = [(shape, name, dict(case, device=device)) for shape, name, case in sharded]
     got = launch(
         measure_cases, [c for *_, c in single], nprocs=1, init_process_group=False, env=MALLOC_ENV, timeout=1200
     )[0]
-    got += launch(measure_cases, [c for *_, c in sharded], nprocs=2, env=MALLOC_ENV, timeout=1200)[0]
+    if device == "cuda" and "nccl" not in distributed_backend(2):
+        print("(c): sharded cases need 2 GPUs on --device cuda; left out", file=sys.stderr)
+        sharded = []
+    if sharded:
+        got += launch(measure_cases, [c for *_, c in sharded], nprocs=2, env=MALLOC_ENV, timeout=1200)[0]
     out, naive = [], {}
-    cases = sorted(zip(single + sharded, got), key=lambda item: SHAPES.index(item[0][0]))
+    order = shapes or SHAPES
+    cases = sorted(zip(single + sharded, got), key=lambda item: order.index(item[0][0]))
     for ((rows, cols), name, _case), res in cases:
         scale = rows / res["rows_used"]
         saved, peak = res["saved_bytes"] * scale, res["peak_bytes"] * scale

@@ -72,7 +72,7 @@ def _sentences() -> tuple[list[str], list[str]]:
 
 
 def _embed(model, tok, sents: list[str], grad: bool = False) -> torch.Tensor:
-    batch = tok(sents, padding=True, truncation=True, max_length=64, return_tensors="pt")
+    batch = tok(sents, padding=True, truncation=True, max_length=64, return_tensors="pt").to(model.device)
     with torch.set_grad_enabled(grad):
         hidden = model(**batch).last_hidden_state.float()
     mask = batch["attention_mask"].unsqueeze(-1).float()
@@ -99,8 +99,8 @@ def _finetune(model, tok, teacher, train, steps: int) -> None:
         opt.step()
 
 
-def quality_table(tmp: Path, steps: int) -> list[dict]:
-    """Rows of section (d)."""
+def quality_table(tmp: Path, steps: int, *, device: str = "cpu") -> list[dict]:
+    """Rows of section (d), every model on `device`."""
     from transformers import AutoTokenizer, BertModel, BitsAndBytesConfig
 
     from hf_llmkit import DKMConfig
@@ -110,7 +110,7 @@ def quality_table(tmp: Path, steps: int) -> list[dict]:
     mdir = _minilm_dir()
     tok = AutoTokenizer.from_pretrained(mdir)
     train, held_out = _sentences()
-    teacher = BertModel.from_pretrained(mdir).eval()
+    teacher = BertModel.from_pretrained(mdir).to(device).eval()
     reference = torch.cat([_embed(teacher, tok, held_out[i : i + 32]) for i in range(0, len(held_out), 32)])
     fp32_mb = size_mb(mdir)
     linear_fp32 = sum(m.weight.numel() * 4 for m in teacher.modules() if type(m) is torch.nn.Linear)
@@ -122,7 +122,7 @@ def quality_table(tmp: Path, steps: int) -> list[dict]:
 
     add({"method": "fp32 (reference)", "bpw": 32.0, "mean_cos": 1.0, "min_cos": 1.0, "ckpt_mb": fp32_mb})
     for bits in (3, 4):
-        model = BertModel.from_pretrained(mdir, quantization_config=DKMConfig(bits=bits))
+        model = BertModel.from_pretrained(mdir, quantization_config=DKMConfig(bits=bits)).to(device)
         layers = bf16_latent(model, DKMLinear)
         mean, low = _eval(model, tok, held_out, reference)
         bpw = dkm_bits_per_weight(layers)
@@ -147,7 +147,7 @@ def quality_table(tmp: Path, steps: int) -> list[dict]:
         ("bitsandbytes int8", BitsAndBytesConfig(load_in_8bit=True), 8 + 32 / 384),
     ]:
         try:
-            model = BertModel.from_pretrained(mdir, quantization_config=cfg, device_map="cpu")
+            model = BertModel.from_pretrained(mdir, quantization_config=cfg, device_map=device)
             mean, low = _eval(model, tok, held_out, reference)
             model.save_pretrained(tmp / name.replace(" ", "_"))
             ckpt = size_mb(tmp / name.replace(" ", "_"))

@@ -75,7 +75,7 @@ def _blocks(model_dir: Path, n_eval: int):
 @torch.no_grad()
 def _perplexity(model, blocks: torch.Tensor) -> float:
     model.eval()
-    losses = [model(input_ids=b, labels=b).loss.float().item() for b in blocks.split(8)]
+    losses = [model(input_ids=b, labels=b).loss.float().item() for b in blocks.to(model.device).split(8)]
     weights = [len(b) for b in blocks.split(8)]  # equal-length blocks: block mean == token mean
     return math.exp(sum(loss * w for loss, w in zip(losses, weights)) / sum(weights))
 
@@ -85,15 +85,15 @@ def _finetune(model, train: torch.Tensor, steps: int) -> None:
     model.train()
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
-        batch = train[torch.randint(len(train), (8,), generator=gen)]
+        batch = train[torch.randint(len(train), (8,), generator=gen)].to(model.device)
         loss = model(input_ids=batch, labels=batch).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
 
 
-def perplexity_table(tmp: Path, model_dir: Path, steps: int, n_eval: int) -> list[dict]:
-    """Rows of the quickstart table."""
+def perplexity_table(tmp: Path, model_dir: Path, steps: int, n_eval: int, *, device: str = "cpu") -> list[dict]:
+    """Rows of the quickstart table, every model on `device`."""
     from dkm_quality import bf16_latent, dkm_bits_per_weight, round_to_nearest, size_mb
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -102,7 +102,7 @@ def perplexity_table(tmp: Path, model_dir: Path, steps: int, n_eval: int) -> lis
 
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # int8 logs a cast warning on every matmul
     train, val = _blocks(model_dir, n_eval)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     linears = {n: m for n, m in base.named_modules() if type(m) is torch.nn.Linear and n != "lm_head"}
     numel = sum(m.weight.numel() for m in linears.values())
     fp32_mb = size_mb(model_dir)
@@ -127,7 +127,7 @@ def perplexity_table(tmp: Path, model_dir: Path, steps: int, n_eval: int) -> lis
     )
     del control
     for bits in (3, 4):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=DKMConfig(bits=bits))
+        model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=DKMConfig(bits=bits)).to(device)
         layers = bf16_latent(model, DKMLinear)  # bf16 latent weights, as in eDKM (and the MiniLM section)
         bpw = dkm_bits_per_weight(layers)
         model.save_pretrained(tmp / f"lm_kmeans{bits}")
@@ -159,7 +159,7 @@ def perplexity_table(tmp: Path, model_dir: Path, steps: int, n_eval: int) -> lis
         ("bitsandbytes int8", BitsAndBytesConfig(load_in_8bit=True), 8 + row_scales),  # fp32 scale per row
     ]:
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=cfg, device_map="cpu")
+            model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=cfg, device_map=device)
             for m in model.modules():
                 # bnb's AVX512-bf16 CPU repacking needs out_features % 32 == 0 and in_features % 64 == 0 (this
                 # MLP is 688 wide); its generic dequantize path computes the same nf4 weights for every layer.

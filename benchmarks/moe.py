@@ -14,8 +14,10 @@ Part 2, upcycling: a tiny Llama is upcycled (`upcycle_to_moe`, 8 experts, top-2)
 on the embedded corpus with and without the load-balancing loss; reports the final loss and the max/min expert
 load ratio of the last logging window.
 
-    python benchmarks/moe.py --quick   # one configuration, 3 rounds, no training: ~30 s
+    python benchmarks/moe.py --quick   # 8 experts, 512 tokens, 2 rounds, no training: seconds
     python benchmarks/moe.py           # the full grid and the training part: ~6 minutes on 2 idle cores
+
+`--device cuda` (the default when a GPU is present) runs every system on the GPU, timings synchronized.
 
 Writes benchmarks/results/moe.json and, per thread count, moe_experts_<n>thr.png and moe_tokens_<n>thr.png
 (time / floor against experts and against tokens).
@@ -32,11 +34,11 @@ import time
 from collections.abc import Callable
 
 import torch
-from _common import Bench, markdown_table, plot_lines, write_results
+from _common import Bench, add_device_argument, markdown_table, pick_device, plot_lines, synchronizer, write_results
 from torch import nn
 
 from hf_llmkit.parallel import MoELayer
-from hf_llmkit.testing import corpus_texts, corpus_tokenizer, free_port, tiny_llama_config
+from hf_llmkit.testing import corpus_texts, corpus_tokenizer, distributed_backend, free_port, tiny_llama_config
 
 FLOOR, OURS = "dense MLP x2 (floor)", "hf_llmkit MoELayer dropless"
 EVEN = "E dense MLPs, even rows (no routing)"
@@ -92,7 +94,7 @@ def deepspeed_moe(shape: dict, *, drop_tokens: bool, state: dict) -> nn.Module:
     if not dist.is_initialized():  # DeepSpeed's MoE needs a process group, even for one rank
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group(distributed_backend(1), rank=0, world_size=1)  # + NCCL for CUDA tensors on a GPU
     hidden, inter = shape["hidden"], shape["inter"]
     layer = MoE(
         hidden, SwiGLU(hidden, inter), num_experts=shape["experts"], k=2, capacity_factor=1.0,
@@ -152,7 +154,7 @@ def check_outputs(systems: dict[str, nn.Module], x: torch.Tensor) -> dict[str, d
     """Largest difference of each MoE system's output and input gradient from Mixtral eager's."""
     ref_name = "Mixtral block eager"
     results = {}
-    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(x.device)
     outs = {}
     for name in (ref_name, OURS, "DeepSpeed MoE dropless"):
         if name in systems:
@@ -178,15 +180,17 @@ def ratio_stats(numerator: list[float], denominator: list[float]) -> dict[str, f
 
 def bench_config(shape: dict, threads: int, args) -> dict:
     torch.set_num_threads(threads)
+    device, sync = pick_device(args.device), synchronizer(args.device)
     systems = build_systems(shape, batched_mm_budget=args.batched_mm_gib, deepspeed=not args.no_deepspeed)
-    x = torch.randn(1, shape["tokens"], shape["hidden"], generator=torch.Generator().manual_seed(1))
+    systems = {name: module.to(device) for name, module in systems.items()}
+    x = torch.randn(1, shape["tokens"], shape["hidden"], generator=torch.Generator().manual_seed(1)).to(device)
     diffs = check_outputs(systems, x)
     steps = {name: step(name, module, x) for name, module in systems.items()}
-    once = {name: _time_once(fn) for name, fn in steps.items()}  # also a warm-up
+    once = {name: _time_once(fn, sync) for name, fn in steps.items()}  # also a warm-up
     # A system far slower than the floor (Mixtral eager at 64 experts: ~25x) would take most of the run: one call
     # is enough to rank it, and it is reported from that call.
     slow = {n: t / once[FLOOR] for n, t in once.items() if t > args.slow_cutoff * once[FLOOR]}
-    timings = Bench(rounds=args.rounds, warmup=args.warmup).run(
+    timings = Bench(rounds=args.rounds, warmup=args.warmup, sync=sync).run(
         {name: fn for name, fn in steps.items() if name not in slow}, baseline=FLOOR
     )
     secs = timings.seconds
@@ -206,9 +210,11 @@ def bench_config(shape: dict, threads: int, args) -> dict:
     }  # fmt: skip
 
 
-def _time_once(fn: Callable[[], None]) -> float:
+def _time_once(fn: Callable[[], None], sync: Callable[[], None] | None) -> float:
     start = time.perf_counter()
     fn()
+    if sync is not None:
+        sync()
     return time.perf_counter() - start
 
 
@@ -252,7 +258,7 @@ def plot_sweep(results: list[dict], key: str, fixed: dict, threads: int) -> None
         print(f"plot: {path}")
 
 
-def train_upcycled(steps: int, aux_coef: float) -> dict:
+def train_upcycled(steps: int, aux_coef: float, device: str) -> dict:
     from transformers import LlamaForCausalLM, PrinterCallback
 
     from hf_llmkit import LLMKitTrainingArguments
@@ -269,7 +275,7 @@ def train_upcycled(steps: int, aux_coef: float) -> dict:
         targs = LLMKitTrainingArguments(
             out, max_steps=steps, per_device_train_batch_size=8, learning_rate=3e-3, warmup_steps=2,
             logging_steps=max(steps // 4, 1), report_to=[], save_strategy="no", disable_tqdm=True,
-            use_cpu=True, seed=0, moe_aux_loss_coef=aux_coef, moe_z_loss_coef=0.001,
+            use_cpu=device == "cpu", seed=0, moe_aux_loss_coef=aux_coef, moe_z_loss_coef=0.001,
         )  # fmt: skip
         trainer = LLMKitTrainer(model=model, args=targs, train_dataset=data)
         trainer.remove_callback(PrinterCallback)
@@ -291,7 +297,7 @@ def train_upcycled(steps: int, aux_coef: float) -> dict:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="8 experts, 2,048 tokens, 1 thread, 3 rounds")
+    parser.add_argument("--quick", action="store_true", help="8 experts, 512 tokens, 1 thread, 2 rounds, no training")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--experts", default="8,16,64", help="expert sweep (at 2,048 tokens)")
     parser.add_argument("--tokens", default="512,2048,8192", help="token sweep (at 8 experts)")
@@ -302,16 +308,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--slow-cutoff", type=float, default=6.0, help="systems slower than this x floor: one call")
     parser.add_argument("--train-steps", type=int, default=30, help="upcycling part (0 = skip)")
     parser.add_argument("--aux-coef", type=float, default=0.01, help="balancing-loss weight of the 'with' run")
+    add_device_argument(parser)
     args = parser.parse_args()
+    pick_device(args.device)  # exit code 2 now, not after minutes of work, when CUDA is asked for and absent
     if args.quick:
-        args.threads, args.experts, args.tokens, args.rounds, args.train_steps = "1", "8", "2048", 3, 0
+        args.threads, args.experts, args.tokens, args.rounds, args.train_steps = "1", "8", "512", 2, 0
     return args
 
 
 def main() -> None:
     args = parse_args()
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
-    configs = [(e, 2048) for e in ints(args.experts)] + [(8, t) for t in ints(args.tokens) if (8, t) != (8, 2048)]
+    fixed = 512 if args.quick else 2048  # the expert sweep's token count
+    configs = [(e, fixed) for e in ints(args.experts)] + [(8, t) for t in ints(args.tokens) if (8, t) != (8, fixed)]
     results = []
     for threads in ints(args.threads):
         for experts, tokens in configs:
@@ -324,7 +333,7 @@ def main() -> None:
         plot_sweep(results, "tokens", {"experts": 8}, threads)
     training = []
     if args.train_steps:
-        training = [train_upcycled(args.train_steps, 0.0), train_upcycled(args.train_steps, args.aux_coef)]
+        training = [train_upcycled(args.train_steps, c, args.device) for c in (0.0, args.aux_coef)]
         print(f"\n### Upcycled tiny Llama (8 experts, top-2), {args.train_steps} LLMKitTrainer steps\n")
         rows = [["moe_aux_loss_coef", "final LM loss", "max/min expert load (last window)", "per window", "seconds"]]
         for t in training:

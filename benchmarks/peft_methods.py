@@ -10,6 +10,8 @@ steps on the embedded corpus and is scored by masked-LM perplexity on a held-out
 
     python benchmarks/peft_methods.py                      # ~3 minutes on 2 idle CPU cores
     python benchmarks/peft_methods.py --adapters-python /path/to/venv/bin/python   # or $HF_LLMKIT_ADAPTERS_PYTHON
+    python benchmarks/peft_methods.py --quick               # batch 2 x 32 tokens, 2 rounds, 1 quality step
+    python benchmarks/peft_methods.py --device cuda         # the default when a GPU is present (both processes)
 
 The AdapterHub venv: `python3 -m venv VENV && VENV/bin/pip install adapters 'transformers==4.57.*' torch`.
 Writes benchmarks/results/peft_methods.json.
@@ -27,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import Bench, load_note  # sibling modules (the script's folder is on sys.path)
+from _common import RESULTS, Bench, add_device_argument, load_note, pick_device, synchronize  # sibling modules
 from _peft_workloads import (
     LLAMA_SHAPE,
     adapt_batch,
@@ -46,15 +48,15 @@ HERE = Path(__file__).resolve().parent
 OURS = ("bottleneck houlsby", "bottleneck pfeiffer", "bottleneck parallel", "bitfit", "ptuning v1", "ptuning v2")
 
 
-def time_runners(runners: dict, rounds: int, warmup: int = 1) -> tuple[dict[str, float], str]:
+def time_runners(runners: dict, rounds: int, device: torch.device, warmup: int = 1) -> tuple[dict[str, float], str]:
     """Fastest step (ms) per method, rounds interleaved in rotated order (`_common.Bench`), and the load note."""
-    steps = {CALIBRATION: calibration_step(), **{name: runner.step for name, runner in runners.items()}}
-    timings = Bench(rounds=rounds, warmup=warmup).run(steps)
+    steps = {CALIBRATION: calibration_step(device), **{name: runner.step for name, runner in runners.items()}}
+    timings = Bench(rounds=rounds, warmup=warmup, sync=lambda: synchronize(device)).run(steps)
     times = {name: 1e3 * min(t) for name, t in timings.seconds.items()}  # noise only adds: the minimum is the cost
     return times, load_note(timings.before, timings.after)
 
 
-def quality_run(steps: int, seq: int, batch_size: int) -> dict[str, float | str]:
+def quality_run(steps: int, seq: int, batch_size: int, device: torch.device) -> dict[str, float | str]:
     """MiniLM masked-LM: fit the new MLM head once (frozen encoder), then each method trains `steps` steps."""
     from peft import get_peft_model
     from transformers import AutoTokenizer
@@ -63,7 +65,7 @@ def quality_run(steps: int, seq: int, batch_size: int) -> dict[str, float | str]
     texts = corpus_texts()
     cut = int(0.9 * len(texts))
     train, held_out = token_blocks(tokenizer, texts[:cut], seq), token_blocks(tokenizer, texts[cut:], seq)[:64]
-    eval_batch = make_batch("bert", held_out, tokenizer.mask_token_id, seed=1)
+    eval_batch = {k: v.to(device) for k, v in make_batch("bert", held_out, tokenizer.mask_token_id, seed=1).items()}
 
     def perplexity(model) -> float:
         model.eval()
@@ -72,7 +74,7 @@ def quality_run(steps: int, seq: int, batch_size: int) -> dict[str, float | str]
         model.train()
         return math.exp(loss)
 
-    base = build_base("bert")
+    base = build_base("bert").to(device)
     head = [p for n, p in base.named_parameters() if n.startswith("cls.predictions.transform") or n.endswith("bias")]
     for p in base.parameters():
         p.requires_grad_(False)
@@ -82,7 +84,8 @@ def quality_run(steps: int, seq: int, batch_size: int) -> dict[str, float | str]
     optimizer = torch.optim.AdamW(head, lr=2e-3)
     for i in range(2 * steps):  # the head fit is shared by every method below
         rows = train[(i * batch_size) % len(train) :][:batch_size]
-        base(**make_batch("bert", rows, tokenizer.mask_token_id, seed=100 + i)).loss.backward()
+        batch = make_batch("bert", rows, tokenizer.mask_token_id, seed=100 + i)
+        base(**{k: v.to(device) for k, v in batch.items()}).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     for p in base.parameters():
@@ -97,7 +100,7 @@ def quality_run(steps: int, seq: int, batch_size: int) -> dict[str, float | str]
             for i in range(steps):
                 rows = train[(i * batch_size) % len(train) :][:batch_size]
                 batch = adapt_batch(make_batch("bert", rows, tokenizer.mask_token_id, seed=200 + i), extra)
-                model(**batch).loss.backward()
+                model(**{k: v.to(device) for k, v in batch.items()}).loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             model.eval()
@@ -181,8 +184,13 @@ def main() -> None:
         help="python of a venv with adapters + transformers 4.57 ($HF_LLMKIT_ADAPTERS_PYTHON)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: robust on a shared machine)")
-    parser.add_argument("--out", default=str(HERE / "results" / "peft_methods.json"))
+    parser.add_argument("--out", default=str(RESULTS / "peft_methods.json"))
+    parser.add_argument("--quick", action="store_true", help="batch 2 x 32 tokens, 2 rounds, 1 quality step")
+    add_device_argument(parser)
     args = parser.parse_args()
+    device = pick_device(args.device)
+    if args.quick:
+        args.batch, args.seq, args.rounds, args.quality_steps = 2, 32, 2, 1
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
@@ -206,9 +214,9 @@ def main() -> None:
     for spec in peer_spec.values():
         spec.get("config", {}).pop("transformers_version", None)
     print(f"AdapterHub peer: running {args.adapters_python or '(none)'} ...", flush=True)
-    adapterhub = run_adapterhub(args.adapters_python, peer_spec, args.rounds, args.threads)
+    adapterhub = run_adapterhub(args.adapters_python, peer_spec, args.rounds, args.threads, device=device.type)
     report = {
-        "device": "cuda" if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()} threads",
+        "device": device.type if device.type == "cuda" else f"cpu x{torch.get_num_threads()} threads",
         "shapes": {"batch": args.batch, "seq": args.seq},
         "adapterhub": adapterhub,
         "workloads": {},
@@ -224,8 +232,8 @@ def main() -> None:
         tokenizer = tokenizers[kind]
         blocks = token_blocks(tokenizer, texts[: 40 * args.batch], args.seq)[: args.batch]
         batch = make_batch(kind, blocks, tokenizer.mask_token_id)
-        runners, skipped = build_runners(kind, batch)
-        times, load = time_runners(runners, args.rounds)
+        runners, skipped = build_runners(kind, batch, device)
+        times, load = time_runners(runners, args.rounds, device)
         memory = {name: r.memory_mib() for name, r in runners.items()}
         peers = adapterhub.get(kind, {})
         lines += workload_table(title, runners, times, memory, peers, skipped)
@@ -245,7 +253,7 @@ def main() -> None:
         }
         del runners
     if args.quality_steps > 0:
-        quality = quality_run(args.quality_steps, seq=64, batch_size=8)
+        quality = quality_run(args.quality_steps, seq=64, batch_size=8, device=device)
         report["quality"] = quality
         lines += [
             f"\n### Quality: MiniLM masked-LM perplexity on a held-out corpus slice after {args.quality_steps} "

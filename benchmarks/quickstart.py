@@ -10,6 +10,8 @@ peer; torch threads and the load before and after.
 
     python benchmarks/quickstart.py              # 2 rounds (about 10 minutes on 2 cores)
     python benchmarks/quickstart.py --rounds 3 --steps 300
+    python benchmarks/quickstart.py --quick          # 1 round of 5 steps, 16 eval blocks: a smoke test
+    python benchmarks/quickstart.py --device cuda    # the default when a GPU is present (both variants)
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import load_note, machine_state, markdown_table, write_results
+from _common import add_device_argument, load_note, machine_state, markdown_table, pick_device, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def peer(output_dir: str, steps: int) -> None:
+def peer(output_dir: str, steps: int, device: str, eval_blocks: int | None = None) -> None:
     """The quickstart on the plain transformers Trainer (same model, data, schedule, evaluations, checkpoints)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, default_data_collator, set_seed
 
@@ -50,9 +52,13 @@ def peer(output_dir: str, steps: int) -> None:
         output_dir, max_steps=steps, per_device_train_batch_size=8, per_device_eval_batch_size=16, learning_rate=1e-3,
         lr_scheduler_type="cosine", warmup_steps=20, weight_decay=0.01, logging_steps=20, save_steps=100,
         save_total_limit=2, report_to="none", disable_tqdm=True, seed=42, dataloader_pin_memory=False,
+        use_cpu=device == "cpu",
     )  # fmt: skip
+    validation = data["validation"]
+    if eval_blocks is not None:  # as run_clm's --max_eval_samples
+        validation = validation.select(range(min(eval_blocks, len(validation))))
     trainer = Trainer(
-        model=model, args=args, train_dataset=data["train"], eval_dataset=data["validation"],
+        model=model, args=args, train_dataset=data["train"], eval_dataset=validation,
         processing_class=tokenizer, data_collator=default_data_collator,
     )  # fmt: skip
     trainer.evaluate()
@@ -62,8 +68,9 @@ def peer(output_dir: str, steps: int) -> None:
     trainer.evaluate()
 
 
-def run_variant(name: str, steps: int) -> dict[str, float]:
-    """One fresh process of `name`; its wall time and the Trainer's train_runtime."""
+def run_variant(name: str, steps: int, device: str, eval_blocks: int | None = None) -> dict[str, float]:
+    """One fresh process of `name` on `device`; its wall time and the Trainer's train_runtime (the Trainer
+    synchronizes the GPU before it reads its clock)."""
     with tempfile.TemporaryDirectory(prefix="quickstart_") as out:
         if name == "run_clm (make quickstart)":
             cmd = [
@@ -74,9 +81,11 @@ def run_variant(name: str, steps: int) -> dict[str, float]:
                 "--disable_tqdm",
                 "true",
             ]
-            cmd += ["--max_steps", str(steps)]
+            cmd += ["--max_steps", str(steps), "--use_cpu", str(device == "cpu").lower()]
+            cmd += ["--max_eval_samples", str(eval_blocks)] if eval_blocks else []
         else:
-            cmd = [sys.executable, __file__, "--peer-run", out, "--steps", str(steps)]
+            cmd = [sys.executable, __file__, "--peer-run", out, "--steps", str(steps), "--device", device]
+            cmd += ["--eval-blocks", str(eval_blocks)] if eval_blocks else []
         start = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         wall = time.perf_counter() - start
@@ -91,17 +100,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--peer-run", help=argparse.SUPPRESS)
+    parser.add_argument("--eval-blocks", type=int, default=None, help="evaluate on this many validation blocks")
+    parser.add_argument("--quick", action="store_true", help="1 round of 5 steps, 16 eval blocks")
+    add_device_argument(parser)
     options = parser.parse_args()
+    device = pick_device(options.device).type
+    if options.quick:
+        options.rounds, options.steps, options.eval_blocks = 1, 5, 16
     if options.peer_run:
-        return peer(options.peer_run, options.steps)
+        return peer(options.peer_run, options.steps, device, options.eval_blocks)
     names = ["run_clm (make quickstart)", "plain Trainer (peer)"]
-    run_variant(names[0], 1)  # untimed: builds the tokenizer and the data cache, as the first quickstart does
+    # untimed: builds the tokenizer and the data cache, as the first quickstart does
+    run_variant(names[0], 1, device, options.eval_blocks)
     before = machine_state()
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for index in range(options.rounds):
         order = names[index % 2 :] + names[: index % 2]
         for name in order:
-            samples[name].append(run_variant(name, options.steps))
+            samples[name].append(run_variant(name, options.steps, device, options.eval_blocks))
     after = machine_state()
     rows = [["variant", "wall s (min / median)", "train s (min / median)", "train x peer (min / median)"]]
     summary = {}
@@ -113,7 +129,7 @@ def main() -> None:
         rows.append([name, f"{min(wall):.1f} / {statistics.median(wall):.1f}",
                      f"{min(train):.1f} / {statistics.median(train):.1f}",
                      f"{min(ratios):.3f} / {statistics.median(ratios):.3f}"])  # fmt: skip
-    print(f"## quickstart: {options.steps} steps, {options.rounds} rounds\n")
+    print(f"## quickstart: {options.steps} steps, {options.rounds} rounds, {device}\n")
     print(markdown_table(rows) + "\n\n" + load_note(before, after))
     path = write_results("quickstart", {"steps": options.steps, "summary": summary, "before": before, "after": after})
     print(f"\nresults: {path}")

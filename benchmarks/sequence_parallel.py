@@ -29,8 +29,13 @@ gradient but not the head's -- ours (checkpointed chunks) gives the untiled grad
 Step time: every variant at `--time-seq` tokens, in interleaved rounds with the order rotated each round
 (`_common.Bench`), each round's time the slowest rank's; min and median of per-round ratios.
 
-    python benchmarks/sequence_parallel.py --quick     # sp 1 and 2, 16 MiB: about 4 minutes on 2 quiet cores
+    python benchmarks/sequence_parallel.py --quick     # sp 1 and 2, 8 MiB, 256 tokens timed, 2 rounds: a smoke test
     python benchmarks/sequence_parallel.py             # sp 1, 2, 4, 32 MiB: about 30 minutes
+    python benchmarks/sequence_parallel.py --device cuda --budget-mib 4096   # one GPU per rank, over NCCL
+
+On CUDA (the default when a GPU is present) each rank runs on its own GPU (sp values above the GPU count are left
+out), memory is the allocator's peak (`torch.cuda.max_memory_allocated` above the parameters, `_common.PeakMemory`),
+timings synchronize, and the ALST offload really copies checkpointed activations to the host.
 """
 
 from __future__ import annotations
@@ -51,8 +56,18 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import Bench, load_note, machine_state, markdown_table, plot_lines, write_results  # noqa: E402
-from _tensor_memory import TensorMemory  # noqa: E402
+from _common import (  # noqa: E402
+    Bench,
+    PeakMemory,
+    add_device_argument,
+    load_note,
+    machine_state,
+    markdown_table,
+    pick_device,
+    plot_lines,
+    synchronizer,
+    write_results,
+)
 
 from hf_llmkit.parallel import new_sequence_parallel_groups, shard_sequence_batch  # noqa: E402
 from hf_llmkit.parallel.sequence import (  # noqa: E402
@@ -80,10 +95,19 @@ CHUNK = 256  # positions per tiled-loss / tiled-MLP chunk, ours and DeepSpeed's
 OURS = ("plain", "ckpt", "tiled", "alst")
 
 
+def _device() -> torch.device:
+    """This rank's device: its own GPU (set by `launch` when there is one per rank) when the run is on CUDA."""
+    return torch.device("cuda", torch.cuda.current_device()) if _DEVICE["type"] == "cuda" else torch.device("cpu")
+
+
+_DEVICE = {"type": "cpu"}  # set once per rank by bench_rank
+
+
 def _batch(seq: int, sp_rank: int, sp_size: int) -> dict:
     g = torch.Generator().manual_seed(seq)
     ids = torch.randint(3, MODEL["vocab_size"], (1, seq), generator=g)
-    return shard_sequence_batch({"input_ids": ids, "labels": ids.clone()}, sp_rank=sp_rank, sp_size=sp_size)
+    shard = shard_sequence_batch({"input_ids": ids, "labels": ids.clone()}, sp_rank=sp_rank, sp_size=sp_size)
+    return {key: value.to(_device()) for key, value in shard.items()}
 
 
 def _mean(total: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
@@ -94,7 +118,7 @@ def _mean(total: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
 
 def _ours(switches: str, group) -> callable:
     """One of our variants: a step function (fwd + bwd on a shard) returning the loss."""
-    model = tiny_llama(seed=0, **MODEL).train()
+    model = tiny_llama(seed=0, **MODEL).to(_device()).train()
     if group is not None:
         apply_sequence_parallel(model, group=group)
     if switches in ("ckpt", "alst"):
@@ -124,7 +148,7 @@ def _deepspeed(switches: str, group, world: int) -> callable:
     """DeepSpeed's Ulysses (sp > 1) and, for "alst", its TiledMLP / TiledFusedLogitsLoss + checkpointing."""
     import _deepspeed_alst as peer
 
-    model = tiny_llama(seed=0, **MODEL).train()
+    model = tiny_llama(seed=0, **MODEL).to(_device()).train()
     if switches == "alst":
         model.activation_checkpointing_enable()
         peer.deepspeed_tiled_mlp(model, chunk_size=CHUNK)
@@ -157,7 +181,7 @@ def _max_over_ranks(values: list[float]) -> list[float]:
 
 def _peak(step, seq: int, sp_rank: int, sp_size: int) -> int:
     batch = _batch(seq, sp_rank, sp_size)
-    with TensorMemory() as mem:
+    with PeakMemory(_device()) as mem:
         step(batch)
     return int(_max_over_ranks([mem.peak_bytes])[0])
 
@@ -193,6 +217,7 @@ def _longest(step, budget: int, sp_rank: int, sp_size: int, probe: int) -> tuple
 def bench_rank(config: dict) -> dict:
     """One rank of a run with world = sp: memory search then interleaved timing of every variant."""
     torch.set_num_threads(config["threads"])
+    _DEVICE["type"] = config["device"]
     world = dist.get_world_size()
     groups = new_sequence_parallel_groups(sp_size=world) if world > 1 else None
     group, sp_rank = (groups.sp_group, groups.sp_rank) if groups else (None, 0)
@@ -213,7 +238,7 @@ def bench_rank(config: dict) -> dict:
         memory[name] = {"max_seq": longest, "runs": runs, "peak_at_probe": _peak(step, probe, sp_rank, world)}
     batch = _batch(config["time_seq"], sp_rank, world)
     variants = {name: partial(step, batch) for name, step in steps.items()}
-    timings = Bench(rounds=config["rounds"], warmup=1).run(variants)
+    timings = Bench(rounds=config["rounds"], warmup=1, sync=synchronizer(_device())).run(variants)
     seconds = {name: _max_over_ranks(ts) for name, ts in timings.seconds.items()}  # the slowest rank, per round
     return {
         "losses": losses,
@@ -250,7 +275,8 @@ def report_memory(runs: dict, config: dict) -> None:
     names = list(dict.fromkeys(name for run in runs.values() for name in run["memory"]))
     for name in names:
         got = [runs[sp]["memory"].get(name, {}).get("max_seq") for sp in runs]
-        rows.append([name, *[str(v) if v else "-" for v in got], *[f"{v / base:.2f}x" if v else "-" for v in got]])
+        ratios = [f"{v / base:.2f}x" if v and base else "-" for v in got]  # base 0: plain sp=1 never fit
+        rows.append([name, *[str(v) if v else "-" for v in got], *ratios])
     print(f"\n## Longest sequence within {config['budget_mib']:g} MiB of peak tensor memory per rank\n")
     print(markdown_table(rows))
     print(
@@ -278,17 +304,24 @@ def report_time(runs: dict, config: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--budget-mib", type=float, default=32.0)
+    parser.add_argument("--budget-mib", type=float, default=None, help="(default: 32 on CPU, 4096 on CUDA)")
     parser.add_argument("--probe", type=int, default=512, help="tokens per rank of the first memory probe")
     parser.add_argument("--time-seq", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--time-only", action="store_true", help="skip the longest-sequence search")
-    parser.add_argument("--quick", action="store_true", help="sp 1 and 2, 16 MiB, 1024 tokens, 3 rounds")
+    parser.add_argument("--quick", action="store_true", help="sp 1 and 2, 8 MiB, 256 tokens timed, 2 rounds")
+    add_device_argument(parser)
     args = parser.parse_args()
+    device = pick_device(args.device)
+    if args.budget_mib is None:
+        args.budget_mib = 4096.0 if device.type == "cuda" else 32.0
     if args.quick:
-        args.sp, args.budget_mib, args.probe, args.time_seq, args.rounds = [1, 2], 16.0, 256, 1024, 3
+        args.sp, args.budget_mib, args.probe, args.time_seq, args.rounds = [1, 2], 8.0, 64, 256, 2
+    if device.type == "cuda" and any(sp > torch.cuda.device_count() for sp in args.sp):
+        print(f"--device cuda: one GPU per rank; sp > {torch.cuda.device_count()} left out", file=sys.stderr)
+        args.sp = [sp for sp in args.sp if sp <= torch.cuda.device_count()]
     config = {
         "budget": int(args.budget_mib * 2**20),
         "budget_mib": args.budget_mib,
@@ -298,6 +331,7 @@ def main() -> None:
         "threads": args.threads,
         "peer": not args.no_peer,
         "memory": not args.time_only,
+        "device": device.type,
     }
     bench = importlib.import_module("sequence_parallel")  # launch() imports the rank function by module name
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
@@ -320,7 +354,8 @@ def main() -> None:
             series[name] = points
     png = plot_lines(
         "sequence_parallel", series, xlabel="sequence-parallel ranks (sp)", ylabel="longest sequence (tokens)",
-        title=f"Longest trainable sequence within {args.budget_mib:g} MiB per rank (CPU, tiny Llama)", logx=True,
+        title=f"Longest trainable sequence within {args.budget_mib:g} MiB per rank ({device.type}, tiny Llama)",
+        logx=True,
     )  # fmt: skip
     print(f"\nwrote {write_results('sequence_parallel', results)}" + (f" and {png}" if png else ""))
 

@@ -1,9 +1,10 @@
-"""Shared by tests, benchmarks and examples: a CPU multi-rank launcher and tiny model / corpus factories.
+"""Shared by tests, benchmarks and examples: a multi-rank launcher and tiny model / corpus factories.
 
-`launch(fn, nprocs=2)` runs an importable function on N real `torch.distributed` gloo ranks on 127.0.0.1
-and returns every rank's result; `launch_script(path, nprocs=2)` does the same for a script under
-`torchrun` or `accelerate launch`. Both pick a free port, bound the run in time, and raise
-`DistributedRunError` with every rank's stderr when a rank fails or hangs.
+`launch(fn, nprocs=2)` runs an importable function on N real `torch.distributed` ranks on 127.0.0.1 (gloo; with
+NCCL for CUDA tensors when the machine has a GPU per rank, see `distributed_backend`) and returns every rank's
+result; `launch_script(path, nprocs=2)` does the same for a script under `torchrun` or `accelerate launch`. Both
+pick a free port, bound the run in time, and raise `DistributedRunError` with every rank's stderr when a rank fails
+or hangs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "DistributedRunError",
     "corpus_texts",
     "corpus_tokenizer",
+    "distributed_backend",
     "free_port",
     "launch",
     "launch_script",
@@ -47,6 +49,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def distributed_backend(nprocs: int) -> str:
+    """The process-group backend for `nprocs` ranks on this machine: `"cpu:gloo,cuda:nccl"` when there is a CUDA
+    device per rank and torch has NCCL (CUDA tensors go through NCCL, CPU tensors still through gloo), else `"gloo"`.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs and dist.is_nccl_available():
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
 
 
 def _rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None) -> dict[str, str]:
@@ -100,11 +116,12 @@ def launch(
     env: dict[str, str] | None = None,
     init_process_group: bool = True,
 ) -> list[Any]:
-    """Run `fn(*args)` on `nprocs` gloo ranks and return the per-rank results (rank order).
+    """Run `fn(*args)` on `nprocs` ranks and return the per-rank results (rank order).
 
     `fn` must be importable by module and name (defined at a module's top level) and its arguments and
     result picklable. Each rank is a fresh interpreter with RANK/WORLD_SIZE/MASTER_* set; with
-    `init_process_group` the gloo group is created before `fn` runs and destroyed after.
+    `init_process_group` the group (`distributed_backend(nprocs)`: gloo, plus NCCL for CUDA tensors when there is a
+    GPU per rank, each rank then on `cuda:RANK`) is created before `fn` runs and destroyed after.
     """
     module, name = fn.__module__, fn.__qualname__
     if module == "__main__" or "<locals>" in name:
@@ -112,7 +129,8 @@ def launch(
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="hf_llmkit_launch_") as tmp:
         work = Path(tmp)
-        (work / "call.pkl").write_bytes(pickle.dumps((module, name, args, init_process_group)))
+        backend = distributed_backend(nprocs) if init_process_group else None
+        (work / "call.pkl").write_bytes(pickle.dumps((module, name, args, backend)))
         procs, logs = [], []
         for rank in range(nprocs):
             log = work / f"rank{rank}.stderr"
@@ -271,12 +289,16 @@ def _worker(work: Path) -> None:
     """Entry point of one rank started by `launch` (`python -m hf_llmkit.testing WORKDIR`)."""
     import torch.distributed as dist
 
-    module, name, args, init_pg = pickle.loads((work / "call.pkl").read_bytes())
+    module, name, args, backend = pickle.loads((work / "call.pkl").read_bytes())
     fn: Any = importlib.import_module(module)
     for part in name.split("."):
         fn = getattr(fn, part)
-    if init_pg:
-        dist.init_process_group("gloo")
+    if backend is not None:
+        if "nccl" in backend:  # one GPU per rank, before the group exists (NCCL binds a communicator to it)
+            import torch
+
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend)
     try:
         result = fn(*args)
     finally:

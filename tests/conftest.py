@@ -27,6 +27,18 @@ _NO_BUILDS.write_text("tests/conftest.py: a test tried to JIT-compile a torch / 
 os.environ["TORCH_EXTENSIONS_DIR"] = str(_NO_BUILDS)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` (`make test-gpu`) skip, with the reason, on a machine without a CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False): `make test-gpu` on one")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def hermetic_cache(tmp_path_factory):
     """Tokenizers and processed datasets built by the suite go to a per-session folder (not the user's cache)."""

@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_llmkit.testing import DistributedRunError, launch, tiny_llama
+from hf_llmkit.testing import DistributedRunError, distributed_backend, launch, tiny_llama
 
 
-def _all_reduce_rank() -> tuple[int, int, float]:
+def _all_reduce_rank() -> tuple[int, int, float, str]:
     value = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(value)
-    return dist.get_rank(), dist.get_world_size(), value.item()
+    return dist.get_rank(), dist.get_world_size(), value.item(), dist.get_backend()
 
 
 def _fail_on_rank_one(message: str) -> None:
@@ -31,8 +31,18 @@ def _sleep_forever() -> None:
 
 def test_launch_runs_real_gloo_ranks():
     results = launch(_all_reduce_rank, nprocs=2, timeout=120)
-    assert results == [(0, 2, 3.0), (1, 2, 3.0)]
+    backend = distributed_backend(2)  # "gloo" here; NCCL joins it on a machine with a GPU per rank (tests/gpu)
+    assert results == [(0, 2, 3.0, backend), (1, 2, 3.0, backend)]
     assert not dist.is_initialized()
+
+
+def test_backend_is_gloo_without_a_cuda_device_per_rank():
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert distributed_backend(gpus + 1) == "gloo"  # one rank more than there are GPUs
+    if gpus == 0:
+        assert distributed_backend(1) == "gloo"
+    with pytest.raises(ValueError, match="nprocs must be >= 1"):
+        distributed_backend(0)
 
 
 def test_failure_reports_every_rank():

@@ -28,7 +28,7 @@ __all__ = ["RUN_IDENTITY_FILE", "check_run_identity", "run_identity", "write_run
 
 RUN_IDENTITY_FILE = "llmkit_run.json"
 FORMAT = 1
-# Config fields that describe how a model runs, not which model it is.
+# Config fields that describe how a model runs, not which model it is (private "_" keys are dropped too).
 _VOLATILE = {
     "transformers_version",
     "_name_or_path",
@@ -38,9 +38,6 @@ _VOLATILE = {
     "dtype",
     "use_cache",
     "attn_implementation",
-    "_attn_implementation",
-    "_attn_implementation_autoset",
-    "_attn_implementation_internal",
     "_experts_implementation",
     "experts_implementation",
     "output_attentions",

@@ -24,8 +24,7 @@ IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18]])
 
 
 def _model(implementation: str = "sdpa", **config):
-    model = tiny_llama()
-    model.set_attn_implementation(implementation)
+    model = tiny_llama(attn_implementation=implementation)
     torch.manual_seed(0)
     return get_peft_model(model, PTuningV2Config(num_virtual_tokens=config.pop("num_virtual_tokens", 3), **config))
 
@@ -261,7 +260,7 @@ def test_multiple_adapters_disable_unload_and_merge_refusal(capsys):
 
 def test_switching_attention_after_injection_is_refused():
     peft_model = _model()
-    peft_model.set_attn_implementation("eager")
+    peft_model.get_base_model().set_attn_implementation("eager")
     with pytest.raises(ValueError, match="prefixes would be ignored"):
         peft_model(input_ids=IDS)
 

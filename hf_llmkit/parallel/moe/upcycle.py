@@ -26,6 +26,7 @@ import torch
 import transformers
 from torch import nn
 
+from hf_llmkit.compat.transformers import configured_attention
 from hf_llmkit.parallel.moe.layer import MoELayer
 
 
@@ -97,6 +98,7 @@ def _moe_config(config, target: _Target, *, num_experts: int, top_k: int, jitter
     values = {key: getattr(config, key) for key in target.carried if hasattr(config, key)}
     values[target.expert_count_key] = num_experts
     values.update(num_experts_per_tok=top_k, output_router_logits=False)
+    values["attn_implementation"] = configured_attention(config)  # the dense model's, through the constructor
     if target.moe_prefix == "Mixtral":
         values["router_jitter_noise"] = jitter_noise
     else:  # Qwen2-MoE: every layer sparse, experts as wide as the dense MLP, renormalised top-k
@@ -110,7 +112,6 @@ def _moe_config(config, target: _Target, *, num_experts: int, top_k: int, jitter
         )
     moe_config = getattr(transformers, target.config_class)(**values)
     moe_config.dtype = config.dtype
-    moe_config._attn_implementation = config._attn_implementation
     return moe_config
 
 
