@@ -3,6 +3,8 @@ rendezvous and run the main job with sequence parallel 2 across the two nodes. W
 SIGKILLed after a checkpoint makes the agents restart the whole group; the new workers resume from the last
 complete checkpoint in the shared output folder and end with the final files of an uninterrupted run, byte for
 byte. Each node has its own cache folder (tokenizer and tokenized blocks), built once on each node at the same time.
+The slow cell kills rank 0 half way through a checkpoint. Output folders that not every machine sees, and
+`--save_on_each_node` on several machines, stop before any work with one line.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import pytest
 
 from hf_llmkit.callbacks.checkpoint_manifest import MANIFEST_NAME, WRITING_MARKER
 from hf_llmkit.parallel.elastic import SHARED_STORE_FIX, check_elastic_restarts
+from hf_llmkit.testing import launch
 from tests.callbacks.clm_kill_harness import compare
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, REPO
+from tests.examples.multinode_support import output_folder_checks
 from tests.examples.test_run_clm import TINY
 from tests.examples.two_nodes import TwoNodes
 
@@ -77,7 +81,7 @@ def _check_restart(workdir: Path, reference: Path, run: dict) -> None:
     assert weights and comparison["missing"] == comparison["extra"] == [], comparison
     assert comparison["differing"] == {}, comparison
     leftovers = [p.name for p in run["out"].iterdir() if p.name.startswith("checkpoint-")]
-    assert all((run["out"] / name / MANIFEST_NAME).is_file() for name in leftovers), leftovers
+    assert leftovers and all((run["out"] / name / MANIFEST_NAME).is_file() for name in leftovers), leftovers
     for cache in run["caches"]:  # each node built its cache once, atomically, and reused it after the restart
         blocks = sorted(p.name for p in (cache / "datasets").iterdir())
         assert len(blocks) == 1 and blocks[0].startswith("lm-blocks-") and ".tmp-" not in blocks[0], blocks
@@ -98,6 +102,22 @@ def test_two_nodes_rank0_killed_while_writing_a_checkpoint(tmp_path):
     _check_restart(tmp_path, reference, run)
     interrupted = int(run["at"].split("-")[1])
     assert int(run["resumed"][0]) < interrupted, (run["at"], run["resumed"])
+
+
+def test_output_folders_of_two_machines_are_checked_before_any_work(tmp_path):
+    """Two gloo ranks, each with its own output folder (a machine's local disk) or one shared folder: the
+    combinations that would lose or double-write checkpoint files stop with one line; a resume uses rank 0's
+    checkpoint on every rank."""
+    first, second = launch(output_folder_checks, str(tmp_path), nprocs=2, timeout=180, env={"PYTHONPATH": str(REPO)})
+    for outcome in (first, second):
+        assert outcome["shared folder"] == "ok: None", outcome
+        assert "rank 1 does not see the files rank 0 writes" in outcome["own folders"], outcome
+        assert "put --output_dir on a filesystem every machine mounts" in outcome["own folders"]
+        assert "drop --save_on_each_node" in outcome["shared folder, save_on_each_node"], outcome
+        assert outcome["shared folder, one saver, save_on_each_node"] == "ok: None", outcome  # one machine
+        assert outcome["resume"] == "ok: checkpoint-4", outcome  # rank 1's newer checkpoint-6 is not used
+        assert "rank 1 has no complete copy of it" in outcome["resume, rank 1 without it"], outcome
+        assert all("\n" not in text for text in outcome.values())
 
 
 def test_restarts_with_a_shared_agent_store_are_refused_with_the_fix(monkeypatch):
