@@ -64,11 +64,12 @@ def _killed_and_restarted(workdir: Path, *, rank: int, during_write: bool) -> di
         victim = nodes.worker(rank=rank)
         at = _first_checkpoint(out, nodes, writing=during_write)
         victim.send_signal(signal.SIGKILL)
+        late = (out / at / MANIFEST_NAME).is_file()  # the write finished before the signal landed
         codes = nodes.wait(timeout=TIMEOUT)
         output = nodes.output()
     assert codes == [0, 0], output[-8000:]
     resumed = re.findall(r"\| steps +\| 8 \(resumed at step (\d+)\)", output)
-    return {"out": out, "at": at, "resumed": resumed, "output": output, "caches": caches}
+    return {"out": out, "at": at, "late": late, "resumed": resumed, "output": output, "caches": caches}
 
 
 def _check_restart(workdir: Path, reference: Path, run: dict) -> None:
@@ -101,7 +102,7 @@ def test_two_nodes_rank0_killed_while_writing_a_checkpoint(tmp_path):
     run = _killed_and_restarted(tmp_path, rank=0, during_write=True)
     _check_restart(tmp_path, reference, run)
     interrupted = int(run["at"].split("-")[1])
-    assert int(run["resumed"][0]) < interrupted, (run["at"], run["resumed"])
+    assert int(run["resumed"][0]) < interrupted or run["late"], (run["at"], run["resumed"])
 
 
 def test_output_folders_of_two_machines_are_checked_before_any_work(tmp_path):
