@@ -72,7 +72,7 @@ def _killed_and_restarted(workdir: Path, *, rank: int, during_write: bool) -> di
     return {"out": out, "at": at, "late": late, "resumed": resumed, "output": output, "caches": caches}
 
 
-def _check_restart(workdir: Path, reference: Path, run: dict) -> None:
+def _check_restart(reference: Path, run: dict) -> None:
     assert run["resumed"], run["output"][-6000:]  # the restarted group resumed (the table of world rank 0)
     step = int(run["resumed"][0])
     assert 2 <= step < 8, run["resumed"]
@@ -91,7 +91,7 @@ def _check_restart(workdir: Path, reference: Path, run: dict) -> None:
 def test_two_nodes_sequence_parallel_survive_a_killed_worker(tmp_path):
     reference = _reference(tmp_path)
     run = _killed_and_restarted(tmp_path, rank=1, during_write=False)
-    _check_restart(tmp_path, reference, run)
+    _check_restart(reference, run)
 
 
 @pytest.mark.slow
@@ -100,7 +100,7 @@ def test_two_nodes_rank0_killed_while_writing_a_checkpoint(tmp_path):
     from the complete one before it."""
     reference = _reference(tmp_path)
     run = _killed_and_restarted(tmp_path, rank=0, during_write=True)
-    _check_restart(tmp_path, reference, run)
+    _check_restart(reference, run)
     interrupted = int(run["at"].split("-")[1])
     assert int(run["resumed"][0]) < interrupted or run["late"], (run["at"], run["resumed"])
 
