@@ -16,6 +16,8 @@ from typing import ClassVar
 import torch
 from transformers import TrainingArguments
 
+from hf_llmkit.parallel.elastic import check_elastic_restarts
+
 logger = logging.getLogger(__name__)
 
 
@@ -50,7 +52,9 @@ class LLMKitTrainingArguments(TrainingArguments):
     config there, accelerate's DeepSpeed state is started on gloo (it would otherwise report a single process).
     DeepSpeed without an accelerator never JIT-compiles its CPU collective ops (`hf_llmkit.compat.deepspeed`);
     leave the `optimizer` block out of the DeepSpeed config so the Trainer's torch AdamW is used and no CPU Adam
-    op is compiled either.
+    op is compiled either. Started by `torchrun --max-restarts N` (N > 0) whose agents share their store with the
+    workers, it raises `ValueError` asking for `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`: without it a restarted group
+    cannot connect (`hf_llmkit.parallel.elastic`).
 
     Args:
         (every `transformers.TrainingArguments` argument)
@@ -193,6 +197,7 @@ class LLMKitTrainingArguments(TrainingArguments):
                 f"({world}); launch a multiple of it (e.g. --num_processes {max(self.expert_parallel_size, 1)})"
             )
         multi_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        check_elastic_restarts()  # a torchrun restart must not meet the previous round's process-group addresses
         if self.deepspeed and not _has_accelerator():
             from hf_llmkit.compat.deepspeed import skip_cpu_comm_op_builds
 

@@ -2,8 +2,10 @@
 
 `run_training` does, in order:
 
-1. records what this run is (`run_identity`), resolves the resume point (`auto_resume`, `True`, or a folder) and
-   refuses, before any work, a checkpoint that cannot be resumed from or belongs to another run;
+1. records what this run is (`run_identity`), checks that every machine of the run sees the output folder
+   (`hf_llmkit.trainers.multi_node`), resolves the resume point (`auto_resume`, `True`, or a folder; on several
+   ranks, rank 0's choice) and refuses, before any work, a checkpoint that cannot be resumed from or belongs to
+   another run;
 2. clears the way in `output_dir` (`prepare_output_dir`) and restores the `ExportableState` attributes of the
    `FaultToleranceCallback` (rollback count, loss average) from the checkpoint;
 3. runs `Trainer.train`, then acts on the `StopRequest` a callback filed on the `RequestingControl`: a rollback
@@ -39,6 +41,7 @@ from hf_llmkit.callbacks.run_end import (
     TrainingInterrupted,
     logged,
 )
+from hf_llmkit.trainers.multi_node import agree_on_checkpoint, check_output_dir_sharing
 from hf_llmkit.trainers.resume import ROLLBACK_PREFIX, prepare_output_dir, resolve_resume
 from hf_llmkit.trainers.run_identity import check_run_identity, run_identity
 
@@ -140,11 +143,19 @@ def _end_run(trainer, request: StopRequest) -> None:
     raise logged(TrainingDivergedError(f"training diverged: {request.reason}", exit_code=code), is_main_process=main)
 
 
+def _auto_resume(args, resume_from_checkpoint) -> bool:
+    return resume_from_checkpoint is True or (resume_from_checkpoint is None and getattr(args, "auto_resume", False))
+
+
 def run_training(trainer, train: Callable[..., Any], resume_from_checkpoint=None, **kwargs) -> Any:
     """`train(resume_from_checkpoint=..., **kwargs)` with the checks, restarts and endings described above."""
     trainer.run_identity = run_identity(trainer)
     try:
+        check_output_dir_sharing(trainer.args)  # several machines: one output folder they all see
         resume = resolve_resume(trainer, resume_from_checkpoint)
+        if _auto_resume(trainer.args, resume_from_checkpoint):  # every machine resumes rank 0's choice
+            checksums = getattr(trainer.args, "resume_verify_checksums", True)
+            resume = agree_on_checkpoint(trainer.args, resume, checksums=checksums)
         if resume is not None:
             check_run_identity(trainer.run_identity, resume, trainer.args.output_dir)
         prepare_output_dir(trainer, resume)
