@@ -3,7 +3,7 @@
 with the trained model's outputs, and it matches its single-rank equivalent within 1e-5 (losses and outputs).
 A pair that cannot work is refused before any work with a one-line ValueError.
 
-Cells sharing ranks and engine run in one launch (one process group serves them all); see `matrix.py` for the
+Cells sharing ranks run in one launch (one process group serves them all; DeepSpeed cells one launch each); see `matrix.py` for the
 table and `readme_table.py` for the README section generated from it.
 """
 
@@ -24,7 +24,9 @@ TOLERANCE = 1e-5
 
 
 def _group(c: Cell) -> tuple:
-    return (c.slow, c.setup.ranks, c.setup.zero)
+    """Cells launched together; a DeepSpeed cell gets its own processes (accelerate allows one DeepSpeed
+    `Accelerator` per process)."""
+    return (c.slow, c.setup.ranks, c.name if c.setup.zero else "")
 
 
 class MatrixRuns:
