@@ -102,8 +102,11 @@ def build_model(setup: Setup, base_dir: str | os.PathLike, *, with_peft: bool = 
 def _deepspeed(stage: int) -> dict | None:
     if not stage:
         return None
+    zero = {"stage": stage}
+    if stage == 3:  # as examples/ds_zero3_offload.json: save_model writes the gathered model, not only DeepSpeed's
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
     return {
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": zero,
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
