@@ -155,11 +155,26 @@ def train_cell(setup: Setup, out_dir: Path, base_dir: str) -> dict[str, Any]:
         trainer.model.eval()
         with torch.no_grad():
             logits = trainer.model(**probe_batch()).logits.float()
+    drift = _rank_drift(trainer.model) if setup.ranks > 1 and setup.zero != 3 else 0.0
     trainer.save_model(str(out_dir / "final"))
     engine = type(trainer.model_wrapped).__name__
     del trainer, model, args
     gc.collect()
-    return {"losses": losses, "logits": logits, "saved": str(out_dir / "final"), "engine": engine}
+    return {"losses": losses, "logits": logits, "saved": str(out_dir / "final"), "engine": engine, "drift": drift}
+
+
+def _rank_drift(model) -> float:
+    """Largest difference between this rank's and another rank's replicated parameters (their float64 sums): data
+    parallelism must keep every replicated weight identical; only expert-parallel shards differ by design."""
+    import torch.distributed as dist
+
+    from hf_llmkit.parallel.moe.expert_parallel import expert_shards
+
+    sharded = {id(shard.param) for shard in expert_shards(model).values()}
+    sums = torch.stack([p.detach().double().sum() for p in model.parameters() if id(p) not in sharded])  # [P]
+    gathered = [torch.zeros_like(sums) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, sums)
+    return max((other - sums).abs().max().item() for other in gathered)
 
 
 def run_cells(names: list[str], workdir: str, base_dir: str) -> dict[str, dict]:

@@ -80,6 +80,7 @@ def test_pair_trains_saves_reloads_and_matches_single_rank(name, runs, base_dir)
     losses = result["losses"]
     assert len(losses) >= 2 and all(math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0], f"the loss did not fall: {losses}"
+    assert result["drift"] == 0.0, f"replicated weights differ between ranks by {result['drift']}"
     ref_losses, ref_logits = reference(c.setup, str(base_dir))
     assert losses == pytest.approx(ref_losses, abs=TOLERANCE), "the losses differ from the single-rank equivalent"
     reloaded = reload(c.setup, str(base_dir), result["saved"])
