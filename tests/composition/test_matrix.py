@@ -3,8 +3,8 @@
 with the trained model's outputs, and it matches its single-rank equivalent within 1e-5 (losses and outputs).
 A pair that cannot work is refused before any work with a one-line ValueError.
 
-Cells sharing ranks run in one launch (one process group serves them all; DeepSpeed cells one launch each); see `matrix.py` for the
-table and `readme_table.py` for the README section generated from it.
+Cells sharing ranks run in one launch (one process group serves them all; DeepSpeed cells one launch each); see
+`matrix.py` for the table and `readme_table.py` for the README section generated from it.
 """
 
 from __future__ import annotations
