@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -64,14 +65,24 @@ def _default(value: Any) -> Any:
     return enum_value if isinstance(enum_value, str) else str(value)
 
 
+def _full_shape(tensor, experts: dict[int, int]) -> tuple[int, ...]:
+    """The whole tensor's shape: ZeRO-3 partitions report `ds_shape`; an expert-parallel shard holds `count` of
+    `total` experts along dim 0 (checkpoints hold every expert, so a run resumes under any expert-parallel size)."""
+    shape = tuple(getattr(tensor, "ds_shape", tensor.shape))
+    return (experts[id(tensor)], *shape[1:]) if id(tensor) in experts else shape
+
+
 def _parameters(model) -> dict:
     """Parameter count and a digest of every parameter / buffer name and shape (any structural change shows here)."""
+    from hf_llmkit.parallel.moe.expert_parallel import expert_shards
+
+    experts = {id(shard.param): shard.total for shard in expert_shards(model).values()}
     digest, count = hashlib.sha256(), 0
     named = [*model.named_parameters(), *model.named_buffers()]
     for name, tensor in sorted(named, key=lambda item: item[0]):
-        digest.update(f"{name}:{tuple(getattr(tensor, 'ds_shape', tensor.shape))};".encode())
+        digest.update(f"{name}:{_full_shape(tensor, experts)};".encode())
     for param in model.parameters():
-        count += getattr(param, "ds_numel", param.numel())
+        count += math.prod(_full_shape(param, experts))
     return {"count": count, "layout": digest.hexdigest()[:16]}
 
 
