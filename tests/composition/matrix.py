@@ -8,7 +8,7 @@ README's "Composition" table is generated from `CELLS` (`python -m tests.composi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 PEFT_METHODS = ("lora", "bottleneck", "bitfit", "ptuning", "ptuning_v2")
 
@@ -91,7 +91,6 @@ class Cell:
     expected: str = "ok"
     slow: bool = True
     match: str = ""  # for a refused pair: what the library's ValueError says
-    fixed: str = field(default="", compare=False)  # what the library needed for the pair to work (report only)
 
     @property
     def name(self) -> str:
@@ -109,7 +108,7 @@ def _cell(feature: str, partner: str, *, slow: bool = True) -> Cell:
     if setup.dkm_shard:
         setup = replace(setup, dkm=True)
     expected, match = REFUSED.get((feature, partner), ("ok", ""))
-    return Cell(feature, partner, setup, expected, slow, match, FIXED.get((feature, partner), ""))
+    return Cell(feature, partner, setup, expected, slow, match)
 
 
 # Pairs the library refuses before any work: (the reason, for README; what its ValueError says).
@@ -123,13 +122,6 @@ REFUSED[("moe", "bnb4")] = (
     "refused: experts copy full-precision MLPs; upcycle before quantizing",
     "upcycle_to_moe needs a full-precision dense model, this one is quantized (bitsandbytes)",
 )
-# Pairs that needed a library fix to work (kept for the record; the fix is in the library, not the test).
-FIXED: dict[tuple[str, str], str] = {
-    ("dkm", "bnb4"): "DKM silently skipped the bitsandbytes layers: DKMHfQuantizer now refuses a quantized model",
-    ("moe", "bnb4"): "upcycle_to_moe failed with a state-dict mismatch: it now refuses a quantized model in one line",
-    ("moe", "dkm"): "upcycling a DKM model failed (centroids unexpected); upcycle first, then DKM (also in run_clm)",
-    ("bottleneck", "moe"): "no default targets for mixtral / qwen2_moe and no width for a sparse MoE block",
-}
 # One representative per row runs in `make test` (one 2-rank launch serves all three).
 QUICK = {("lora", "sp2"), ("moe", "ep2"), ("dkm", "shard2")}
 
