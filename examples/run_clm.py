@@ -186,6 +186,11 @@ def check_combinations(args: Args) -> None:
             )
         if args.dkm.quantization is not None:
             raise ValueError("--load_in_kbits 4/8 and --quantization dkm both quantize the weights; choose one")
+        if args.moe.upcycle_moe:
+            raise ValueError(
+                "--upcycle_moe copies full-precision MLP weights into experts, --load_in_kbits 4/8 loads them "
+                "quantized; drop one"
+            )
         if args.model.model_name_or_path is None:
             raise ValueError("--load_in_kbits 4/8 quantizes a pretrained model: add --model_name_or_path")
 
@@ -236,8 +241,15 @@ def build_model(args: Args, tokenizer) -> Model:
             compute_dtype=compute or torch.float32, skip_modules=args.peft.modules_to_save
         )
     required = [name for name in SCRATCH_SIZES if name in args.given]
-    model = load_model(model_args, tokenizer, quantization_config=quantization, required=required)
+    # Experts are copies of full-precision MLPs: with --upcycle_moe, DKM clusters the upcycled model.
+    dkm_after_upcycle = args.dkm.quantization is not None and args.moe.upcycle_moe
+    loaded_with = None if dkm_after_upcycle else quantization
+    model = load_model(model_args, tokenizer, quantization_config=loaded_with, required=required)
     model = args.moe.apply(model)  # --upcycle_moe: dense -> Mixtral / Qwen2-MoE experts
+    if dkm_after_upcycle:
+        from hf_llmkit.quantization import quantize_model
+
+        model = quantize_model(model, quantization)
     if args.training.sequence_parallel_size > 1:
         from hf_llmkit.parallel.sequence.ulysses import kv_replication
 

@@ -181,18 +181,22 @@ class _HookState:
     def __init__(self, expert_ids: set[int], groups: ExpertParallelGroups):
         self.expert_ids, self.groups = expert_ids, groups
         self.world = dist.get_world_size()
-        self.split: dict[int, tuple[list[int], list[int]]] = {}  # bucket index -> (dense, expert) positions
+        self.split: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}  # bucket params -> (dense, expert)
 
 
 def _expert_parallel_hook(state: _HookState, bucket):  # -> Future[Tensor]; DDP rejects string annotations
     """Average dense gradients over the world; sum expert shards over their replicas and divide by the world."""
-    buffer, grads = bucket.buffer(), bucket.gradients()
-    if bucket.index() not in state.split or len(grads) != sum(map(len, state.split[bucket.index()])):
+    buffer, grads, params = bucket.buffer(), bucket.gradients(), bucket.parameters()
+    # Keyed by the bucket's parameters, not its index: DDP rebuilds its buckets after the first step, and a rebuilt
+    # bucket with an old index (even of the same length) holds other parameters; reading it with the old split
+    # left dense gradients unreduced (the ranks' dense weights drifted apart from step 2 on).
+    key = tuple(map(id, params))
+    if key not in state.split:
         positions = ([], [])
-        for i, param in enumerate(bucket.parameters()):
+        for i, param in enumerate(params):
             positions[id(param) in state.expert_ids].append(i)
-        state.split[bucket.index()] = positions
-    dense, expert = state.split[bucket.index()]
+        state.split[key] = positions
+    dense, expert = state.split[key]
     parts = []
     for positions, group in ((dense, None), (expert, state.groups.replica_group)):
         if not positions:

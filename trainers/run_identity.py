@@ -62,21 +62,24 @@ def _default(value: Any) -> Any:
     return enum_value if isinstance(enum_value, str) else str(value)
 
 
-def _parameters(model, full_rows: dict[str, int]) -> dict:
-    """Parameter count and a digest of every parameter / buffer name and shape (any structural change shows here).
+def _full_shape(tensor, experts: dict[int, int]) -> tuple[int, ...]:
+    """The whole tensor's shape: ZeRO-3 partitions report `ds_shape`; an expert-parallel shard holds `count` of
+    `total` experts along dim 0 (checkpoints hold every expert, so a run resumes under any expert-parallel size)."""
+    shape = tuple(getattr(tensor, "ds_shape", tensor.shape))
+    return (experts[id(tensor)], *shape[1:]) if id(tensor) in experts else shape
 
-    `full_rows` names the expert-parallel shards ({name: experts in the whole model}): they count as full tensors,
-    so a run resumes under any expert-parallel size."""
+
+def _parameters(model) -> dict:
+    """Parameter count and a digest of every parameter / buffer name and shape (any structural change shows here)."""
+    from hf_llmkit.parallel.moe.expert_parallel import expert_shards
+
+    experts = {id(shard.param): shard.total for shard in expert_shards(model).values()}
     digest, count = hashlib.sha256(), 0
-    params = dict(model.named_parameters())
-    named = [*params.items(), *model.named_buffers()]
+    named = [*model.named_parameters(), *model.named_buffers()]
     for name, tensor in sorted(named, key=lambda item: item[0]):
-        shape = tuple(getattr(tensor, "ds_shape", tensor.shape))
-        if name in full_rows:
-            shape = (full_rows[name], *shape[1:])
-        digest.update(f"{name}:{shape};".encode())
-        if name in params:
-            count += math.prod(shape) if name in full_rows else getattr(tensor, "ds_numel", tensor.numel())
+        digest.update(f"{name}:{_full_shape(tensor, experts)};".encode())
+    for param in model.parameters():
+        count += math.prod(_full_shape(param, experts))
     return {"count": count, "layout": digest.hexdigest()[:16]}
 
 
@@ -129,7 +132,7 @@ def run_identity(trainer) -> dict:
             "quantization": quantization,
             "sequence_parallel_size": getattr(trainer.args, "sequence_parallel_size", 1),
             "data": _data_identity(trainer.train_dataset),
-            "parameters": _parameters(model, getattr(getattr(trainer, "_expert_parallel", None), "totals", {})),
+            "parameters": _parameters(model),
         }
     )
 

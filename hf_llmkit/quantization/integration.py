@@ -46,6 +46,21 @@ def tied_modules(model: nn.Module) -> list[str]:
     return sorted({k.removesuffix(".weight") for k in set(tied) | set(tied.values())})
 
 
+def check_not_quantized(model: nn.Module) -> None:
+    """DKM clusters full-precision weights: a model another method already quantized (bitsandbytes 4/8-bit, ...)
+    has none to cluster, and DKM would silently leave its layers alone."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    foreign = [name for name, m in model.named_modules() if type(m).__module__.startswith("bitsandbytes")]
+    if foreign or (method is not None and str(getattr(method, "value", method)) != "dkm"):
+        kind = "bitsandbytes" if foreign or "bitsandbytes" in str(method) else str(getattr(method, "value", method))
+        raise ValueError(
+            f"DKM cannot cluster a model whose weights are already quantized by {kind} "
+            f"({foreign[0] if foreign else type(quantizer).__name__}); load the base in full precision "
+            "(drop load_in_4bit / load_in_8bit) and let DKM quantize it"
+        )
+
+
 def dkm_targets(model: nn.Module, config: DKMConfig, skip: list[str]) -> dict[str, tuple[str, int, int]]:
     """`{module name: (kind, rows, cols)}` of the modules `config` clusters (a shape error names the fix)."""
     targets = {}

@@ -32,6 +32,7 @@ class DKMHfQuantizer(HfQuantizer):
         return self.quantization_config.bits / 8
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        integration.check_not_quantized(model)
         skip = list(self.quantization_config.modules_to_not_convert) + integration.tied_modules(model)
         self.modules_to_not_convert = sorted(self.get_modules_to_not_convert(model, skip, keep_in_fp32_modules(model)))
         packed: bool | dict = self.pre_quantized

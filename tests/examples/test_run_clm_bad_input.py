@@ -104,6 +104,7 @@ CASES = [
     ("kbits-without-peft", [*SIZES, "--load_in_kbits", "4"], "train an adapter on it with --peft_method"),
     ("kbits-with-dkm", [*SIZES, "--peft_method", "lora", "--load_in_kbits", "8", "--quantization", "dkm"], "choose"),
     ("kbits-from-scratch", [*SIZES, "--peft_method", "lora", "--load_in_kbits", "4"], "add --model_name_or_path"),
+    ("kbits-with-moe", [*SIZES, "--peft_method", "lora", "--load_in_kbits", "4", "--upcycle_moe", "true"], "drop one"),
     ("unknown-flag", [*SIZES, "--lora_rnk", "4"], "unknown option --lora_rnk; did you mean --lora_rank?"),
     ("invalid-choice", [*SIZES, "--peft_method", "lorra"], "--peft_method: invalid choice: 'lorra'"),
     ("bad-int", [*SIZES, "--max_steps", "ten"], "--max_steps: invalid int value: 'ten'"),

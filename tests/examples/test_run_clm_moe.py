@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.examples.test_run_clm import TINY
 
@@ -36,3 +36,16 @@ def test_upcycled_training_saves_a_native_mixtral_and_logs_expert_load(run_clm, 
 def test_bad_moe_options_name_the_flag(run_clm, tmp_path, args, expected):
     with pytest.raises(run_clm.UsageError, match=expected.replace("(", r"\(")):
         run_clm.run([*TINY, "--upcycle_moe", "true", *args, "--output_dir", str(tmp_path)])
+
+
+def test_upcycle_with_dkm_clusters_the_upcycled_model(run_clm, tmp_path):
+    """--upcycle_moe with --quantization dkm: experts are copied from the full-precision MLPs, then DKM clusters the
+    Mixtral's Linear layers (the fused experts stay full precision); the saved model reloads packed."""
+    from hf_llmkit.quantization import PalettizedLinear
+
+    args = [*TINY, *MOE, "--quantization", "dkm", "--dkm_bits", "2", "--output_dir", str(tmp_path)]
+    results = run_clm.run([*args, "--max_steps", "1", "--save_steps", "100"])
+    assert results["global_step"] == 1
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(model).__name__ == "MixtralForCausalLM"
+    assert isinstance(model.model.layers[0].self_attn.q_proj, PalettizedLinear)

@@ -108,3 +108,12 @@ def test_bad_input_names_the_fix():
     with pytest.raises(ValueError, match="Qwen2 models"):
         upcycle_to_moe(tiny_llama(), num_experts=4, shared_expert_intermediate_size=8)
     assert tiny_llama_config().model_type == "llama"
+
+
+def test_a_quantized_model_is_refused_upcycle_first():
+    from hf_llmkit import DKMConfig
+    from hf_llmkit.quantization import quantize_model
+
+    quantized = quantize_model(tiny_llama(), DKMConfig(bits=2, kmeans_iters=1))
+    with pytest.raises(ValueError, match=r"\(dkm\): upcycle the unquantized model first, then quantize_model"):
+        upcycle_to_moe(quantized, num_experts=4, top_k=2)

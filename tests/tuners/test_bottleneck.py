@@ -36,6 +36,26 @@ def test_default_targets_per_family(family, index):
     assert len(peft_model.base_model.targeted_module_names) == 2 * len(expected)  # both layers
 
 
+@pytest.mark.parametrize("placement", ["houlsby", "pfeiffer", "parallel"])
+def test_moe_families_adapt_the_whole_sparse_block(placement):
+    """Mixtral / Qwen2-MoE (e.g. upcycled): the experts are fused tensors, so the adapters sit on the sparse block
+    (hidden -> hidden), next to the attention output for Houlsby."""
+    from hf_llmkit.parallel import upcycle_to_moe
+
+    ids = torch.randint(1, 100, (2, 8))
+    for dense in (tiny_llama(), tiny_model("qwen2")):
+        model = upcycle_to_moe(dense, num_experts=4, top_k=2).eval()
+        with torch.no_grad():
+            base = model(input_ids=ids)[0]
+            peft_model = get_peft_model(model, BottleneckConfig(placement=placement, bottleneck_size=4))
+            assert torch.equal(peft_model(input_ids=ids)[0], base)
+        layer0 = sorted(n for n in peft_model.base_model.targeted_module_names if ".0." in n)
+        expected = ["mlp", "self_attn.o_proj"] if placement == "houlsby" else ["mlp"]
+        assert len(layer0) == len(expected) and all(n.endswith(e) for n, e in zip(layer0, expected)), layer0
+        block = peft_model.base_model.model.get_submodule(layer0[0])
+        assert block.bottleneck_down["default"].in_features == 64 and block.bottleneck_up["default"].out_features == 64
+
+
 def _one_layer(placement: str, **kwargs):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 12), nn.Linear(12, 12))

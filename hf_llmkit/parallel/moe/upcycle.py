@@ -136,6 +136,21 @@ def _upcycled_block(mlp: nn.Module, config, *, num_experts: int, top_k: int, sha
     return layer
 
 
+def _check_full_precision(model: nn.Module) -> None:
+    """Experts are copies of plain MLP weights: a quantized model (DKM, bitsandbytes, ...) is upcycled before it is
+    quantized, never after (DKM then clusters the upcycled model's Linear layers; the fused experts stay full)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        return
+    method = getattr(quantizer.quantization_config, "quant_method", "?")
+    method = getattr(method, "value", method)
+    then = "then quantize_model(moe_model, DKMConfig(...))" if method == "dkm" else "then quantize the MoE model"
+    raise ValueError(
+        f"upcycle_to_moe needs a full-precision dense model, this one is quantized ({method}): upcycle the "
+        f"unquantized model first, {then}"
+    )
+
+
 def upcycle_to_moe(
     model: nn.Module,
     *,
@@ -163,6 +178,7 @@ def upcycle_to_moe(
         shared_expert_intermediate_size: Qwen2 only: width of Qwen2-MoE's shared expert; it starts with a zero
             output projection. 0 (default) exports a zero-width shared expert, which adds exactly nothing.
     """
+    _check_full_precision(model)
     target, moe_cls = _target_for(model)
     if target.moe_prefix != "Qwen2Moe" and shared_expert_intermediate_size:
         raise ValueError("shared_expert_intermediate_size applies to Qwen2 models (Qwen2-MoE) only; leave it at 0")

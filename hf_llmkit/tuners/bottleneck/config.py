@@ -14,6 +14,9 @@ PLACEMENTS = ("houlsby", "pfeiffer", "parallel")
 DEFAULT_REDUCTION_FACTOR = 16
 
 _DECODER_SEQUENTIAL = {"houlsby": ["self_attn.o_proj", "mlp.down_proj"], "pfeiffer": ["mlp.down_proj"]}
+# Mixture-of-experts families: the experts are fused tensors, so sequential adapters wrap the whole sparse block.
+_MOE_SEQUENTIAL = {"houlsby": ["self_attn.o_proj", "mlp"], "pfeiffer": ["mlp"]}
+_MOE_FAMILIES = ("mixtral", "qwen2_moe")
 # BERT's FFN output is `layer.N.output.dense`; the suffix `output.dense` alone would also match the attention's
 # `attention.output.dense`, hence the regex for the FFN-only placements.
 _BERT_FFN_OUT = r".*layer\.\d+\.output\.dense"
@@ -23,16 +26,18 @@ _BERT_FFN_OUT = r".*layer\.\d+\.output\.dense"
 BOTTLENECK_TARGET_MODULES: dict[str, dict[str, Union[list[str], str]]] = {
     "houlsby": {
         **{family: _DECODER_SEQUENTIAL["houlsby"] for family in ("llama", "mistral", "qwen2")},
+        **{family: _MOE_SEQUENTIAL["houlsby"] for family in _MOE_FAMILIES},
         "gpt2": ["attn.c_proj", "mlp.c_proj"],
         "bert": ["attention.output.dense", "output.dense"],
     },
     "pfeiffer": {
         **{family: _DECODER_SEQUENTIAL["pfeiffer"] for family in ("llama", "mistral", "qwen2")},
+        **{family: _MOE_SEQUENTIAL["pfeiffer"] for family in _MOE_FAMILIES},
         "gpt2": ["mlp.c_proj"],
         "bert": _BERT_FFN_OUT,
     },
     "parallel": {
-        **{family: ["mlp"] for family in ("llama", "mistral", "qwen2")},
+        **{family: ["mlp"] for family in ("llama", "mistral", "qwen2", *_MOE_FAMILIES)},
         "gpt2": ["mlp"],
         # BERT has no single hidden->hidden FFN module; the adapter sits beside the FFN's output projection.
         "bert": _BERT_FFN_OUT,
@@ -47,8 +52,8 @@ class BottleneckConfig(LayerSelectionConfig):
     Args:
         target_modules (`list[str]` or `str`, *optional*):
             Modules to adapt: a regex matched against full module names, or a list of name suffixes. Default: the
-            placement's modules for Llama/Mistral/Qwen2/GPT-2/BERT (`BOTTLENECK_TARGET_MODULES`); other models
-            must name them.
+            placement's modules for Llama/Mistral/Qwen2/GPT-2/BERT and Mixtral/Qwen2-MoE (there the whole sparse MoE
+            block, whose experts are fused tensors; `BOTTLENECK_TARGET_MODULES`); other models must name them.
         placement (`str`):
             "houlsby": sequential adapters after the attention output projection and after the MLP; "pfeiffer":
             after the MLP only; "parallel": beside the module (input: the module's input), output scaled and added.

@@ -27,8 +27,15 @@ MERGE_ERROR = (
 def linear_in_out(module: nn.Module) -> tuple[int, int]:
     """(in, out) features of a module: itself if Linear-like, else its first and last Linear-like descendant.
 
-    Uses module attributes, never `weight.shape`, so it is right under DeepSpeed ZeRO-3 partitioning.
+    Uses module attributes, never `weight.shape`, so it is right under DeepSpeed ZeRO-3 partitioning. A
+    mixture-of-experts block (an `experts` child of fused weights: `MoELayer`, Mixtral / Qwen2-MoE sparse blocks)
+    maps hidden -> hidden; its width is the experts' hidden size.
     """
+    experts = getattr(module, "experts", None)
+    if isinstance(experts, nn.Module):
+        hidden = getattr(experts, "hidden_dim", None) or getattr(experts, "hidden_size", None)
+        if isinstance(hidden, int):
+            return hidden, hidden
     leaves = [m for m in module.modules() if hasattr(m, "weight") and not list(m.children())]
     leaves = [features for m in leaves if (features := linear_features(m)) is not None]
     if not leaves:

@@ -1,0 +1,223 @@
+"""Build, train, save and reload one composition cell; the single-rank reference it must match.
+
+`run_cells` runs on every rank of a `hf_llmkit.testing.launch` (one launch serves every cell of a group): each cell
+trains `STEPS` SGD steps of the real `LLMKitTrainer` on the same global batch, records the logged losses and the
+trained model's logits on a probe batch, and saves the model (`trainer.save_model`). The test process then
+`reload`s the save in a fresh model and replays the cell's single-rank equivalent with `reference`.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import default_data_collator
+
+from tests.composition.matrix import Setup, cell
+
+SEQ, ROWS, STEPS = 16, 4, 4
+VIRTUAL_IDS = (500, 501)  # P-tuning v1's virtual tokens [P0][P1], at the start of every row (no loss there)
+
+
+def learning_rate(setup: Setup) -> float:
+    """SGD step size: DKM's soft assignment turns the sharded table's float32 rounding (relative 1e-6 in the
+    gradients, tests/quantization/test_edkm_shard.py) into larger differences at big steps; 0.05 keeps them < 1e-5."""
+    return 0.05 if setup.dkm else 0.3
+
+
+def make_rows() -> list[dict[str, torch.Tensor]]:
+    """`ROWS` fixed rows; every step trains on all of them (the loss must fall)."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(ROWS):
+        ids = torch.randint(3, 500, (SEQ,), generator=g)
+        ids[: len(VIRTUAL_IDS)] = torch.tensor(VIRTUAL_IDS)
+        labels = ids.clone()
+        labels[: len(VIRTUAL_IDS)] = -100
+        rows.append({"input_ids": ids, "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": labels})
+    return rows
+
+
+def probe_batch() -> dict[str, torch.Tensor]:
+    batch = default_data_collator(make_rows()[:2])
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def peft_config(method: str):
+    from peft import LoraConfig
+
+    from hf_llmkit import BitFitConfig, BottleneckConfig, PTuningConfig, PTuningV2Config
+
+    return {
+        "lora": lambda: LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+        "bottleneck": lambda: BottleneckConfig(bottleneck_size=8, init_weights=False),
+        "bitfit": lambda: BitFitConfig(add_missing_biases=True, init_weights=False),
+        "ptuning": lambda: PTuningConfig(num_virtual_tokens=len(VIRTUAL_IDS), virtual_token_start_id=VIRTUAL_IDS[0]),
+        "ptuning_v2": lambda: PTuningV2Config(num_virtual_tokens=4),
+    }[method]()
+
+
+def bnb_config():
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+
+
+def build_model(setup: Setup, base_dir: str | os.PathLike, *, with_peft: bool = True):
+    """The cell's model, as the main job composes it: load (bnb 4-bit) -> upcycle -> DKM -> PEFT. Deterministic."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_llmkit.testing import tiny_llama
+
+    if setup.bnb4:
+        model = AutoModelForCausalLM.from_pretrained(Path(base_dir) / "tiny", quantization_config=bnb_config())
+    else:
+        model = tiny_llama(seed=0)
+    if setup.moe:
+        from hf_llmkit.parallel import upcycle_to_moe
+
+        torch.manual_seed(1)  # the router's initialisation
+        model = upcycle_to_moe(model, num_experts=4, top_k=2)
+    if setup.dkm:
+        from hf_llmkit import DKMConfig
+        from hf_llmkit.quantization import quantize_model
+
+        model = quantize_model(model, DKMConfig(bits=3, shard=setup.dkm_shard))
+    if setup.gc:
+        model.config.use_cache = False
+    if setup.peft and with_peft:
+        from peft import get_peft_model, prepare_model_for_kbit_training
+
+        if setup.bnb4:
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=setup.gc)
+        torch.manual_seed(2)  # the adapter's initialisation
+        model = get_peft_model(model, peft_config(setup.peft))
+    return model.train()
+
+
+def _deepspeed(stage: int) -> dict | None:
+    if not stage:
+        return None
+    zero = {"stage": stage}
+    if stage == 3:  # as examples/ds_zero3_offload.json: save_model writes the gathered model, not only DeepSpeed's
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return {
+        "zero_optimization": zero,
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
+    }
+
+
+def train_cell(setup: Setup, out_dir: Path, base_dir: str) -> dict[str, Any]:
+    """Train the cell with `LLMKitTrainer` on this rank; save the model to `out_dir/final`."""
+    from hf_llmkit import LLMKitTrainingArguments
+    from hf_llmkit.trainers import LLMKitTrainer
+
+    model = build_model(setup, base_dir)  # before the arguments: a live ZeRO-3 config would partition it
+    args = LLMKitTrainingArguments(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=ROWS // setup.data_parallel,
+        max_steps=STEPS,
+        learning_rate=learning_rate(setup),
+        optim="sgd",
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        train_sampling_strategy="sequential",
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+        gradient_checkpointing=setup.gc,
+        sequence_parallel_size=setup.sp,
+        expert_parallel_size=setup.ep,
+        moe_aux_loss_coef=0.0,
+        moe_z_loss_coef=0.0,
+        deepspeed=_deepspeed(setup.zero),
+    )
+    trainer = LLMKitTrainer(
+        model=model, args=args, train_dataset=make_rows() * STEPS, data_collator=default_data_collator
+    )
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    logits = None
+    if setup.sp == 1:  # under sequence parallelism a forward takes each rank's shard, not the whole probe
+        trainer.model.eval()
+        with torch.no_grad():
+            logits = trainer.model(**probe_batch()).logits.float()
+    drift = _rank_drift(trainer.model) if setup.ranks > 1 and setup.zero != 3 else 0.0
+    trainer.save_model(str(out_dir / "final"))
+    engine = type(trainer.model_wrapped).__name__
+    del trainer, model, args
+    gc.collect()
+    return {"losses": losses, "logits": logits, "saved": str(out_dir / "final"), "engine": engine, "drift": drift}
+
+
+def _rank_drift(model) -> float:
+    """Largest difference between this rank's and another rank's replicated parameters (their float64 sums): data
+    parallelism must keep every replicated weight identical; only expert-parallel shards differ by design."""
+    import torch.distributed as dist
+
+    from hf_llmkit.parallel.moe.expert_parallel import expert_shards
+
+    sharded = {id(shard.param) for shard in expert_shards(model).values()}
+    sums = torch.stack([p.detach().double().sum() for p in model.parameters() if id(p) not in sharded])  # [P]
+    gathered = [torch.zeros_like(sums) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, sums)
+    return max((other - sums).abs().max().item() for other in gathered)
+
+
+def run_cells(names: list[str], workdir: str, base_dir: str) -> dict[str, dict]:
+    """Every cell in `names`, in order, on this rank (launched on the cells' ranks); a failure is recorded, not
+    raised, so the group's other cells still run."""
+    torch.set_num_threads(1)
+    results = {}
+    for name in names:
+        try:
+            results[name] = train_cell(cell(name).setup, Path(workdir) / name, base_dir)
+        except Exception:  # noqa: BLE001 - reported by the cell's test
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+def reference(setup: Setup, base_dir: str) -> tuple[list[float], torch.Tensor]:
+    """The single-rank equivalent in this process: the same model, a plain SGD loop on the same batches."""
+    model = build_model(setup.single_rank(), base_dir)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=learning_rate(setup))
+    batch = default_data_collator(make_rows())
+    losses = []
+    for _ in range(STEPS):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        return losses, model(**probe_batch()).logits.float()
+
+
+def reload(setup: Setup, base_dir: str, saved: str) -> torch.Tensor:
+    """Probe logits of the saved model loaded fresh: an adapter onto a newly built base, else `from_pretrained`."""
+    from transformers import AutoModelForCausalLM
+
+    if setup.peft:
+        from peft import PeftModel
+
+        base = build_model(setup.single_rank(), base_dir, with_peft=False)
+        model = PeftModel.from_pretrained(base, saved)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(saved)
+    model.eval()
+    with torch.no_grad():
+        return model(**probe_batch()).logits.float()
