@@ -88,6 +88,7 @@ def _check_restart(reference: Path, run: dict) -> None:
         assert len(blocks) == 1 and blocks[0].startswith("lm-blocks-") and ".tmp-" not in blocks[0], blocks
 
 
+@pytest.mark.slow  # 2 agents, 6 workers (~70 s); the output-folder and restart-store checks stay in `make test`
 def test_two_nodes_sequence_parallel_survive_a_killed_worker(tmp_path):
     reference = _reference(tmp_path)
     run = _killed_and_restarted(tmp_path, rank=1, during_write=False)

@@ -232,6 +232,7 @@ def test_two_ranks_match_single_rank_and_reject_bad_input():
     ]
 
 
+@pytest.mark.slow  # 4 ranks (~40 s); the 2-rank test and the composition's SP cells stay in `make test`
 def test_four_ranks_match_single_rank_and_dp_x_sp_groups():
     result = launch(equivalence_four_ranks, nprocs=4)[0]
     assert result.pop("members") == [(0, 0), (1, 0), (0, 1), (1, 1)]

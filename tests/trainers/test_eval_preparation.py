@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 from datasets import Dataset
@@ -36,6 +37,7 @@ def _evaluate_then_train() -> float:
     return (flat - reference).abs().max().item()
 
 
+@pytest.mark.slow  # run_clm evaluates before training on 2 ranks in tests/examples/test_run_clm.py (make test)
 def test_evaluate_before_train_keeps_replicas_identical():
     differences = launch(_evaluate_then_train, nprocs=2, timeout=240, init_process_group=False)
     assert differences == [0.0, 0.0]
