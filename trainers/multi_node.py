@@ -51,8 +51,7 @@ def check_output_dir_sharing(args) -> None:
     """Every rank: raise `ResumeError` (one line) unless every rank sees `output_dir` and one process saves into it.
 
     A run that writes no checkpoints (`save_strategy="no"`) has nothing to resume and is not checked."""
-    strategy = getattr(args, "save_strategy", "steps")
-    if world_size() == 1 or str(getattr(strategy, "value", strategy)) == "no":
+    if world_size() == 1 or getattr(args, "save_strategy", None) == "no":  # SaveStrategy is a str enum
         return
     output_dir = Path(args.output_dir)
     token = None
