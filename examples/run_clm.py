@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+
+import hf_llmkit  # noqa: F401  # isort: skip  (first: its filters of upstream noise must precede peft importing bitsandbytes)
 from peft import get_peft_model
 from transformers import default_data_collator as collate
 from transformers import set_seed
