@@ -16,6 +16,7 @@ import hf_llmkit.parallel.moe.experts as experts_module
 from hf_llmkit.parallel import MoELayer
 from hf_llmkit.parallel.moe.dispatch import rows_to_tokens, slot_positions, tokens_to_rows
 from hf_llmkit.parallel.moe.experts import GroupedSwiGLU
+from hf_llmkit.parallel.moe.grad_buffers import GradientBuffer
 
 H, INTER, E = 16, 24, 4
 
@@ -56,26 +57,24 @@ def test_output_and_gradients_match_per_token_definition(top_k, normalize, act):
 
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 @pytest.mark.parametrize(
-    ("counts", "row_tile", "group"),
+    ("counts", "row_tile", "sizes"),
     [
-        ((2, 0, 4, 1), 512, False),
-        ((5, 0, 3, 1), 2, False),
-        ((2, 0, 3, 3, 2, 14), 12, True),
+        ((2, 0, 4, 1), 512, [2, 4, 1]),
+        ((5, 0, 3, 1), 2, [1, 2, 2, 1, 2, 1]),
+        ((7, 0, 3), 3, [2, 2, 3, 3]),
     ],
-    ids=["one-tile-each", "several-tiles-per-expert", "grouped-small-experts"],
+    ids=["one-tile-each", "several-tiles-per-expert", "equal-tiles"],
 )
-def test_grouped_experts_gradcheck(act, counts, row_tile, group, monkeypatch):
-    # Small tiles split an expert's rows (its weight gradient accumulates); grouping pads runs of small experts
-    # into one bmm (here experts [2, 3, 4] share a tile padded to 3 rows each; expert 5 has two tiles).
+def test_grouped_experts_gradcheck(act, counts, row_tile, sizes, monkeypatch):
+    # Small tiles split an expert's rows into equal tiles (its weight gradient accumulates over them).
     monkeypatch.setattr(experts_module, "ROW_TILE", row_tile)
-    monkeypatch.setattr(experts_module, "GROUP_SMALL_EXPERTS", group)
-    tiles = experts_module._tiles(counts, torch.device("cpu"))
-    assert any(t.count > 1 for t in tiles) == group
+    assert [t.hi - t.lo for t in experts_module._tiles(counts)] == sizes
     torch.manual_seed(0)
     x = torch.randn(sum(counts), 4, dtype=torch.double, requires_grad=True)
     gate_up = torch.randn(len(counts), 6, 4, dtype=torch.double, requires_grad=True)
     down = torch.randn(len(counts), 4, 3, dtype=torch.double, requires_grad=True)
-    fn = lambda a, b, c: GroupedSwiGLU.apply(a, b, c, counts, act)  # noqa: E731
+    buffers = (GradientBuffer(), GradientBuffer())  # gradcheck's many backwards reuse or refuse their memory
+    fn = lambda a, b, c: GroupedSwiGLU.apply(a, b, c, counts, act, buffers)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x, gate_up, down))
     fn(x, gate_up, down).sum().backward()
     for e, n in enumerate(counts):

@@ -12,10 +12,11 @@ How the work is laid out (each choice measured on CPU with benchmarks/moe.py):
   down product run back to back, and so does its whole backward chain, so the `[rows, I]` intermediates are
   still in cache when the next op reads them. Over all `2 * tokens` rows at once the elementwise ops ran
   from memory and cost ~3x what they cost inside the dense MLP.
-- On several threads every matmul is a parallel region, and a region per expert and product costs more than
-  small experts' matmuls themselves (a busy second core stalls each one); there, runs of consecutive small
-  experts share one zero-padded tile and one `bmm` per product (`GROUP_SMALL_EXPERTS`, padding bounded by
-  `MAX_GROUP_PADDING`).
+  An expert's rows are cut into equal tiles (no sliver of a few rows, whose matmuls run far below speed).
+- Experts are not batched into padded `bmm` groups on several threads: measured at 2 threads it was within
+  +-3% of one `mm` per expert, better at 8,192 tokens and worse at 64 experts and at 512 tokens.
+- Weight gradients go to reused memory (`GradientBuffer`): a fresh `[E, ., .]` gradient each step faulted in
+  new pages, ~13% of the layer at 64 experts.
 - Forward keeps what a dense MLP's autograd keeps (input, the gate and up pre-activations, the activation
   and the gated hidden), so backward recomputes nothing; a tile's weight gradients are written in place.
 """
@@ -29,91 +30,43 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-ROW_TILE = 512  # rows per tile: [512, I] intermediates stay in cache; large enough for full-speed matmuls
-GROUP_SMALL_EXPERTS: bool | None = None  # batch small experts into one bmm per tile; None = when torch uses > 1 thread
-MAX_GROUP_PADDING = 0.25  # a group's padded rows may exceed its real rows by at most this fraction
+from hf_llmkit.parallel.moe.grad_buffers import GradientBuffer
+
+ROW_TILE = 512  # rows per tile at most: [512, I] intermediates stay in cache; large enough for full-speed matmuls
 
 
 @dataclass(frozen=True)
 class _Tile:
-    """Rows `[lo, hi)` of experts `[first, first + count)`: one expert's rows (`count == 1`, possibly one of several
-    tiles of that expert), or a group of small experts padded to `capacity` rows each for one `bmm` per product."""
+    """Rows `[lo, hi)` of expert `expert`; `first` marks the expert's first tile (its weight gradients are written
+    there and accumulated by the later tiles)."""
 
-    first: int
-    count: int
+    expert: int
     lo: int
     hi: int
-    starts_expert: bool = True  # first tile of its expert (its weight gradient is written, not accumulated)
-    capacity: int = 0
-    pos: torch.Tensor | None = None  # group: row i of the tile goes to row pos[i] of the [count * capacity] layout
+    first: bool = True
 
-    def pack(self, rows: torch.Tensor) -> torch.Tensor:
-        """`[n, K]` rows of this tile -> `[n, K]` (single expert) or zero-padded `[count, capacity, K]` (group)."""
-        if self.pos is None:
-            return rows
-        out = rows.new_zeros(self.count * self.capacity, rows.shape[-1])
-        return out.index_copy_(0, self.pos, rows).view(self.count, self.capacity, -1)
-
-    def matmul(self, a: torch.Tensor, w: torch.Tensor, *, transpose: bool) -> torch.Tensor:
-        """`a @ w_e.T` (transpose) or `a @ w_e` with this tile's expert weights `w_e` (a slice of `w [E, ., .]`)."""
-        if self.pos is None:
-            return a @ (w[self.first].t() if transpose else w[self.first])
-        w = w[self.first : self.first + self.count]
-        return torch.bmm(a, w.transpose(1, 2) if transpose else w)
-
-    def matmul_into(self, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, transpose: bool) -> None:
-        """`matmul(a, w)` written to this tile's rows of `out [N, K]` (unpadded)."""
-        if self.pos is None:
-            torch.mm(a, w[self.first].t() if transpose else w[self.first], out=out[self.lo : self.hi])
-        else:
-            grouped = self.matmul(a, w, transpose=transpose)  # [count, capacity, K]
-            torch.index_select(grouped.view(-1, grouped.shape[-1]), 0, self.pos, out=out[self.lo : self.hi])
+    def matmul(self, a: torch.Tensor, w: torch.Tensor, *, transpose: bool, out: torch.Tensor | None = None):
+        """`a @ w_e.T` (transpose) or `a @ w_e` with this tile's expert weights `w_e = w[expert]`."""
+        w_e = w[self.expert].t() if transpose else w[self.expert]
+        return torch.mm(a, w_e) if out is None else torch.mm(a, w_e, out=out[self.lo : self.hi])
 
     def weight_grad_into(self, grad: torch.Tensor, d_out: torch.Tensor, inp: torch.Tensor) -> None:
-        """This tile's share of `grad[e] = d_out_e.T @ inp_e` for its experts (accumulated after an expert's first)."""
-        if self.pos is not None:
-            torch.bmm(d_out.transpose(1, 2), inp, out=grad[self.first : self.first + self.count])
-        elif self.starts_expert:
-            torch.mm(d_out.t(), inp, out=grad[self.first])
+        """This tile's share of `grad[e] = d_out_e.T @ inp_e`."""
+        if self.first:
+            torch.mm(d_out.t(), inp, out=grad[self.expert])
         else:
-            grad[self.first].addmm_(d_out.t(), inp)
+            grad[self.expert].addmm_(d_out.t(), inp)
 
 
-def _tiles(counts: tuple[int, ...], device: torch.device) -> list[_Tile]:
-    """Tiles covering every row. Experts with more than `ROW_TILE / 2` rows get their own tiles (one `mm` per product
-    each); with grouping on, runs of smaller consecutive experts share a padded tile (one `bmm` per product), which
-    on several threads saves a parallel region per expert and product."""
-    group_small = GROUP_SMALL_EXPERTS if GROUP_SMALL_EXPERTS is not None else torch.get_num_threads() > 1
-    tiles: list[_Tile] = []
-    group: list[tuple[int, int, int]] = []  # (expert, start, count) of the group being filled
-
-    def close_group() -> None:
-        if len(group) == 1:
-            e, lo, n = group[0]
-            tiles.append(_Tile(e, 1, lo, lo + n))
-        elif group:
-            capacity = max(n for _, _, n in group)
-            local = torch.cat([torch.arange(n) + i * capacity for i, (_, _, n) in enumerate(group)]).to(device)
-            lo = group[0][1]
-            tiles.append(_Tile(group[0][0], len(group), lo, lo + sum(n for *_, n in group), True, capacity, local))
-        group.clear()
-
-    start = 0
+def _tiles(counts: tuple[int, ...]) -> list[_Tile]:
+    """Each expert's rows in `ceil(rows / ROW_TILE)` tiles of equal size (530 rows: 265 + 265, not 512 + 18: a
+    sliver of a tile runs its matmuls at a fraction of full speed)."""
+    tiles, start = [], 0
     for expert, n in enumerate(counts):
-        small = group_small and 0 < n <= ROW_TILE // 2
-        if small and group:
-            rows = sum(c for *_, c in group) + n
-            padded = (len(group) + 1) * max(n, *(c for *_, c in group))
-            if padded > ROW_TILE or padded > (1 + MAX_GROUP_PADDING) * rows:
-                close_group()
-        if small:
-            group.append((expert, start, n))
-        else:
-            close_group()
-            for lo in range(start, start + n, ROW_TILE):
-                tiles.append(_Tile(expert, 1, lo, min(lo + ROW_TILE, start + n), lo == start))
+        pieces = max(-(-n // ROW_TILE), 1)
+        bounds = [start + n * i // pieces for i in range(pieces + 1)]
+        tiles += [_Tile(expert, lo, hi, i == 0) for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])) if hi > lo]
         start += n
-    close_group()
     return tiles
 
 
@@ -130,22 +83,22 @@ class GroupedSwiGLU(torch.autograd.Function):
     """`y = down_e(act(gate_e x) * up_e x)` for rows of `x [N, H]` grouped by expert (`counts[e]` rows each)."""
 
     @staticmethod
-    def forward(ctx, x, gate_up, down, counts: tuple[int, ...], act_name: str):
-        tiles, inter = _tiles(counts, x.device), down.shape[-1]
+    def forward(ctx, x, gate_up, down, counts: tuple[int, ...], act_name: str, buffers: tuple[GradientBuffer, ...]):
+        tiles, inter = _tiles(counts), down.shape[-1]
         y = x.new_empty(x.shape)  # [N, H]
-        saved = []  # per tile: input rows, pre-activations [.., 2I], act(gate) [.., I], act(gate) * up [.., I]
+        saved = []  # per tile: input rows, pre-activations [rows, 2I], act(gate), act(gate) * up [rows, I]
         for tile in tiles:
             # Separate tensors per tile, not slices of [N, 2I] buffers: allocations above glibc's mmap
             # threshold (32 MiB) are fresh pages every step, and faulting them in cost ~4% of the layer.
-            x_t = tile.pack(x[tile.lo : tile.hi])
-            h = tile.matmul(x_t, gate_up, transpose=True)  # [.., 2I]: gate | up
-            gate, up = h[..., :inter], h[..., inter:]
+            x_t = x[tile.lo : tile.hi]
+            h = tile.matmul(x_t, gate_up, transpose=True)  # [rows, 2I]: gate | up
+            gate, up = h[:, :inter], h[:, inter:]
             act = torch.nn.functional.silu(gate) if act_name == "silu" else ACT2FN[act_name](gate)
             hidden = act * up
-            tile.matmul_into(hidden, down, y, transpose=True)  # [.., H]
+            tile.matmul(hidden, down, transpose=True, out=y)  # [rows, H]
             saved += (x_t, h, act, hidden)
         ctx.save_for_backward(gate_up, down, *saved)
-        ctx.tiles, ctx.act_name = tiles, act_name
+        ctx.tiles, ctx.act_name, ctx.buffers = tiles, act_name, buffers
         return y
 
     @staticmethod
@@ -155,9 +108,9 @@ class GroupedSwiGLU(torch.autograd.Function):
         need_x, need_gu, need_down = ctx.needs_input_grad[:3]
         dy = dy.contiguous()
         dx = dy.new_empty(dy.shape) if need_x else None
-        d_gate_up = torch.empty_like(gate_up) if need_gu else None
-        d_down = torch.empty_like(down) if need_down else None
-        used = {e for t in tiles for e in range(t.first, t.first + t.count)}
+        d_gate_up = ctx.buffers[0].empty_like(gate_up) if need_gu else None
+        d_down = ctx.buffers[1].empty_like(down) if need_down else None
+        used = {t.expert for t in tiles}
         for e in range(gate_up.shape[0]):
             if e not in used:  # an expert without rows gets a zero gradient
                 for grad in (d_gate_up, d_down):
@@ -165,25 +118,25 @@ class GroupedSwiGLU(torch.autograd.Function):
                         grad[e].zero_()
         for i, tile in enumerate(tiles):
             x_t, h, act, hidden = saved[4 * i : 4 * i + 4]
-            dy_t = tile.pack(dy[tile.lo : tile.hi])  # [.., H]
+            dy_t = dy[tile.lo : tile.hi]  # [rows, H]
             if need_down:
                 tile.weight_grad_into(d_down, dy_t, hidden)  # [H, I] per expert
             if not (need_x or need_gu):
                 continue
-            gate, up = h[..., :inter], h[..., inter:]
-            da = tile.matmul(dy_t, down, transpose=False)  # [.., I]: d hidden
-            dh = torch.empty_like(h)  # [.., 2I]: d gate | d up
+            gate, up = h[:, :inter], h[:, inter:]
+            da = tile.matmul(dy_t, down, transpose=False)  # [rows, I]: d hidden
+            dh = torch.empty_like(h)  # [rows, 2I]: d gate | d up
             if ctx.act_name == "silu":
-                torch.ops.aten.silu_backward.grad_input(da * up, gate, grad_input=dh[..., :inter])
+                torch.ops.aten.silu_backward.grad_input(da * up, gate, grad_input=dh[:, :inter])
             else:
                 _, deriv = _act_and_grad(gate, ctx.act_name)
-                torch.mul(da * up, deriv, out=dh[..., :inter])
-            torch.mul(da, act, out=dh[..., inter:])
+                torch.mul(da * up, deriv, out=dh[:, :inter])
+            torch.mul(da, act, out=dh[:, inter:])
             if need_gu:
                 tile.weight_grad_into(d_gate_up, dh, x_t)  # [2I, H] per expert
             if need_x:
-                tile.matmul_into(dh, gate_up, dx, transpose=False)
-        return dx, d_gate_up, d_down, None, None
+                tile.matmul(dh, gate_up, transpose=False, out=dx)
+        return dx, d_gate_up, d_down, None, None, None
 
 
 class FusedExperts(nn.Module):
@@ -218,6 +171,7 @@ class FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
         nn.init.normal_(self.gate_up_proj, std=1.0 / math.sqrt(hidden_size))
         nn.init.normal_(self.down_proj, std=1.0 / math.sqrt(intermediate_size))
+        self._grad_buffers = (GradientBuffer(), GradientBuffer())  # gate_up_proj's and down_proj's (CPU only)
 
     @torch.no_grad()
     def keep_experts_(self, start: int, count: int) -> None:
@@ -243,7 +197,7 @@ class FusedExperts(nn.Module):
         gate_up, down = self.gate_up_proj, self.down_proj
         if used != self.num_experts:
             gate_up, down = gate_up.narrow(0, first_expert, used), down.narrow(0, first_expert, used)
-        return GroupedSwiGLU.apply(sorted_tokens, gate_up, down, tuple(counts), self.hidden_act)
+        return GroupedSwiGLU.apply(sorted_tokens, gate_up, down, tuple(counts), self.hidden_act, self._grad_buffers)
 
     def extra_repr(self) -> str:
         return (

@@ -194,6 +194,10 @@ class MoELayer(nn.Module):
         )
         return out.reshape(shape)
 
+    def __getstate__(self) -> dict:
+        # The last call's losses hang on its autograd graph, which neither deepcopy nor pickle can copy.
+        return {**super().__getstate__(), "aux": None}
+
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, capacity_factor={self.capacity_factor}, "

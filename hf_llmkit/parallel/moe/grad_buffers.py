@@ -1,0 +1,59 @@
+"""Reused memory for the fused experts' weight gradients on CPU.
+
+The experts' weight gradients are single `[E, ., .]` tensors (192 MiB for 64 experts of 256 x 1,024 in fp32).
+glibc serves an allocation above 32 MiB with a fresh `mmap`, so after `zero_grad(set_to_none=True)` (the
+Trainer's default) every backward faulted in and zero-filled new pages for them: at 64 experts that was a
+tenth of the layer's forward + backward (benchmarks/moe.py). A `GradientBuffer` keeps the storage of the last
+gradient it handed out and hands it out again once nothing else holds that storage (the `.grad` it became was
+dropped); while anything still does (a `.grad` kept for gradient accumulation, a hook's reference, a tensor
+returned by `torch.autograd.grad`), it allocates new memory, so a live gradient is never overwritten.
+
+The cost is that the last gradient's memory stays allocated between steps. CUDA's caching allocator already
+reuses freed blocks, so the buffer is used for CPU tensors only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # private; without it nothing is reused
+
+
+class GradientBuffer:
+    """Hands out uninitialised tensors shaped like a weight, reusing the previous one's memory when it is free."""
+
+    def __init__(self) -> None:
+        self._storage: torch.UntypedStorage | None = None
+
+    def empty_like(self, weight: torch.Tensor) -> torch.Tensor:
+        """An uninitialised contiguous tensor with `weight`'s shape, dtype and device."""
+        storage = self._storage
+        nbytes = weight.numel() * weight.element_size()
+        if (
+            storage is not None
+            and _storage_use_count is not None
+            and storage.device == weight.device
+            and storage.nbytes() == nbytes
+            and _storage_use_count(storage._cdata) == 1  # only this buffer holds it
+        ):
+            return weight.new_empty(0).set_(storage, 0, weight.shape, _contiguous_strides(weight.shape))
+        out = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+        self._storage = out.untyped_storage() if weight.device.type == "cpu" else None
+        return out
+
+    def __deepcopy__(self, memo) -> GradientBuffer:
+        return GradientBuffer()  # a copied module gets its own memory when it first needs it
+
+    def __getstate__(self) -> dict:
+        return {}  # never pickled with a module
+
+    def __setstate__(self, state: dict) -> None:
+        self._storage = None
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
