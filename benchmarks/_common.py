@@ -246,6 +246,7 @@ def plot_lines(
     ylabel: str,
     title: str,
     logx: bool = False,
+    logy: bool = False,
     hline: float | None = None,
 ) -> Path | None:
     """`benchmarks/results/<name>.png`: one line per series ({label: (xs, ys)}); None when matplotlib is missing."""
@@ -265,7 +266,10 @@ def plot_lines(
         ax.axhline(hline, color="grey", linestyle="--", linewidth=1)
     if logx:
         ax.set_xscale("log", base=2)
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    if logy:  # one slow system would otherwise flatten every other line
+        ax.set_yscale("log")
+    ax.set(xlabel=xlabel, ylabel=ylabel)
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

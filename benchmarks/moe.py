@@ -298,8 +298,9 @@ def plot_sweep(results: list[dict], key: str, fixed: dict, threads: int) -> None
     other = "tokens" if key == "experts" else "experts"
     title = f"MoE fwd+bwd / two dense MLP passes ({other} = {what}, {threads} thread(s), median of rounds)"
     path = plot_lines(
-        f"moe_{key}_{threads}thr", series, xlabel=key, ylabel="time / floor", title=title, logx=True, hline=1.0
-    )
+        f"moe_{key}_{threads}thr", series, xlabel=key, ylabel="time / floor (log)", title=title, logx=True,
+        logy=True, hline=1.0,
+    )  # fmt: skip
     if path:
         print(f"plot: {path}")
 
