@@ -38,6 +38,7 @@ from _common import Bench, add_device_argument, markdown_table, pick_device, plo
 from torch import nn
 
 from hf_llmkit.parallel import MoELayer
+from hf_llmkit.parallel.moe.grad_buffers import GradientBuffer
 from hf_llmkit.testing import corpus_texts, corpus_tokenizer, distributed_backend, free_port, tiny_llama_config
 
 FLOOR, OURS = "dense MLP x2 (floor)", "hf_llmkit MoELayer dropless"
@@ -103,8 +104,6 @@ class WeightTraffic(nn.Module):
 
     def __init__(self, hidden: int, inter: int, experts: int):
         super().__init__()
-        from hf_llmkit.parallel.moe.grad_buffers import GradientBuffer
-
         self.gate_up = nn.Parameter(torch.randn(experts, 2 * inter, hidden))
         self.down = nn.Parameter(torch.randn(experts, hidden, inter))
         self.buffers = (GradientBuffer(), GradientBuffer())

@@ -2,11 +2,12 @@
 
 The experts' weight gradients are single `[E, ., .]` tensors (192 MiB for 64 experts of 256 x 1,024 in fp32).
 glibc serves an allocation above 32 MiB with a fresh `mmap`, so after `zero_grad(set_to_none=True)` (the
-Trainer's default) every backward faulted in and zero-filled new pages for them: at 64 experts that was a
-tenth of the layer's forward + backward (benchmarks/moe.py). A `GradientBuffer` keeps the storage of the last
-gradient it handed out and hands it out again once nothing else holds that storage (the `.grad` it became was
-dropped); while anything still does (a `.grad` kept for gradient accumulation, a hook's reference, a tensor
-returned by `torch.autograd.grad`), it allocates new memory, so a live gradient is never overwritten.
+Trainer's default) every backward faulted in and zero-filled new pages for them: ~13% of the layer's forward +
+backward at 64 experts, 2,048 tokens, 1 thread (the layer of benchmarks/moe.py with and without this buffer).
+A `GradientBuffer` keeps the storage of the last gradient it handed out and hands it out again once nothing else
+holds that storage (the `.grad` it became was dropped); while anything still does (a `.grad` kept for gradient
+accumulation, a hook's reference, a tensor returned by `torch.autograd.grad`), it allocates new memory, so a live
+gradient is never overwritten.
 
 The cost is that the last gradient's memory stays allocated between steps. CUDA's caching allocator already
 reuses freed blocks, so the buffer is used for CPU tensors only.
@@ -36,7 +37,7 @@ class GradientBuffer:
             and storage.nbytes() == nbytes
             and _storage_use_count(storage._cdata) == 1  # only this buffer holds it
         ):
-            return weight.new_empty(0).set_(storage, 0, weight.shape, _contiguous_strides(weight.shape))
+            return weight.new_empty(0).set_(storage, 0, weight.shape)  # no strides given: contiguous ones
         out = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
         self._storage = out.untyped_storage() if weight.device.type == "cpu" else None
         return out
@@ -49,11 +50,3 @@ class GradientBuffer:
 
     def __setstate__(self, state: dict) -> None:
         self._storage = None
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
