@@ -2,7 +2,7 @@
 
 - **Complete checkpoints.** After every save, once all ranks have finished writing, the main process writes a
   manifest (files, sizes, checksums) into the checkpoint, last; only then does the checkpoint count. Resume, rotation
-  and verification share one classifier (`hf_llmkit.callbacks.checkpoint_status`): only our own interrupted writes
+  and verification share one classifier (`hf_llmkit.checkpoints.status`): only our own interrupted writes
   are ever deleted unasked, corrupt checkpoints are moved aside, checkpoints without a manifest (a plain `Trainer`,
   an older version) are validated by loading and resumed from. After each manifest the callback applies
   `save_total_limit` itself (never deleting the newest complete checkpoint).
@@ -49,19 +49,19 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from hf_llmkit.callbacks.checkpoint_housekeeping import drop_abandoned, remove_checkpoint, rotate_checkpoints
-from hf_llmkit.callbacks.checkpoint_manifest import mark_writing, write_manifest
-from hf_llmkit.callbacks.checkpoint_status import CheckpointState, classify_checkpoint, latest_complete_checkpoint
-from hf_llmkit.callbacks.distributed import any_rank, barrier, world_size
-from hf_llmkit.callbacks.loss_watch import LossWatch
-from hf_llmkit.callbacks.run_end import (
+from hf_llmkit.checkpoints.collectives import any_rank, barrier, world_size
+from hf_llmkit.checkpoints.endings import (
     RequestingControl,
     StopRequest,
     TrainingDivergedError,
     TrainingInterrupted,
     logged,
 )
-from hf_llmkit.callbacks.save_retries import save_with_retries
+from hf_llmkit.checkpoints.housekeeping import drop_abandoned, remove_checkpoint, rotate_checkpoints, tidy_checkpoints
+from hf_llmkit.checkpoints.loss_watch import LossWatch
+from hf_llmkit.checkpoints.manifest import mark_writing, write_manifest
+from hf_llmkit.checkpoints.retries import save_with_retries
+from hf_llmkit.checkpoints.status import CheckpointState, classify_checkpoint, latest_complete_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -236,8 +236,6 @@ class FaultToleranceCallback(TrainerCallback, ExportableState):
         self._install_signals()
         self.watch.attach(model)
         if not isinstance(control, RequestingControl):  # LLMKitTrainer tidies before it loads the checkpoint
-            from hf_llmkit.callbacks.checkpoint_housekeeping import tidy_checkpoints
-
             if state.is_world_process_zero:
                 tidy_checkpoints(args.output_dir, resume_step=state.global_step)
                 if args.save_total_limit:

@@ -13,7 +13,7 @@ It logs nothing when no loss scaler is active (bf16, fp32), so no misleading con
 once when the scale falls to its minimum (`min_scale`, or DeepSpeed's `min_loss_scale`): from then on overflows
 are no longer absorbed. With `LLMKitTrainer` the values go through `Trainer.log`, so TensorBoard and the other
 reporters receive them; with a plain `Trainer` they reach `log_history` and the progress output only
-(see `hf_llmkit.callbacks.log_bridge`).
+(see `hf_llmkit.log_bridge`).
 
 Example:
     ```python
@@ -34,7 +34,7 @@ import numbers
 
 from transformers import TrainerCallback
 
-from hf_llmkit.callbacks.log_bridge import add_callback_logs
+from hf_llmkit.log_bridge import add_callback_logs
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,8 @@ import torch
 from safetensors import safe_open
 from transformers import TrainerCallback
 
-from hf_llmkit.callbacks.checkpoint_manifest import TMP_MARK, add_to_manifest, write_manifest
+from hf_llmkit.checkpoints.manifest import add_to_manifest, write_manifest
+from hf_llmkit.checkpoints.names import TMP_MARK
 
 logger = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ from typing import ClassVar
 import torch
 from transformers import TrainingArguments
 
+from hf_llmkit.checkpoints.exit_codes import EXIT_DIVERGED, EXIT_PREEMPTED
 from hf_llmkit.parallel.elastic import check_elastic_restarts
 
 logger = logging.getLogger(__name__)
@@ -117,10 +118,11 @@ class LLMKitTrainingArguments(TrainingArguments):
         default=1.0, metadata={"help": "Seconds before the first save retry (doubles at each retry)."}
     )
     preemption_exit_code: int = field(
-        default=143, metadata={"help": "Exit status after a SIGTERM/SIGUSR1 save (143: interrupted, run again)."}
+        default=EXIT_PREEMPTED,
+        metadata={"help": "Exit status after a SIGTERM/SIGUSR1 save (143: interrupted, run again)."},
     )
     divergence_exit_code: int = field(
-        default=3, metadata={"help": "Exit status when the loss diverges beyond the allowed rollbacks."}
+        default=EXIT_DIVERGED, metadata={"help": "Exit status when the loss diverges beyond the allowed rollbacks."}
     )
     moe_aux_loss_coef: float = field(
         default=0.01,

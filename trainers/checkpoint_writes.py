@@ -26,19 +26,13 @@ from contextlib import contextmanager
 from fnmatch import fnmatch
 from pathlib import Path
 
-from hf_llmkit.callbacks.checkpoint_housekeeping import (
-    CORRUPT_PREFIX,
-    INCOMPLETE_PREFIX,
-    drop_abandoned,
-    move_aside,
-    remove_checkpoint,
-    rotate_checkpoints,
-)
-from hf_llmkit.callbacks.checkpoint_manifest import clear_writing, mark_writing, payload_files, write_manifest
-from hf_llmkit.callbacks.checkpoint_status import CheckpointState, classify_checkpoint
-from hf_llmkit.callbacks.distributed import any_rank, barrier
-from hf_llmkit.callbacks.run_end import CheckpointWriteError, logged
-from hf_llmkit.callbacks.save_retries import describe_write_error, save_with_retries
+from hf_llmkit.checkpoints.collectives import any_rank, barrier
+from hf_llmkit.checkpoints.endings import CheckpointWriteError, logged
+from hf_llmkit.checkpoints.housekeeping import drop_abandoned, move_aside, remove_checkpoint, rotate_checkpoints
+from hf_llmkit.checkpoints.manifest import clear_writing, mark_writing, payload_files, write_manifest
+from hf_llmkit.checkpoints.names import CORRUPT_PREFIX, INCOMPLETE_PREFIX
+from hf_llmkit.checkpoints.retries import describe_write_error, save_with_retries
+from hf_llmkit.checkpoints.status import CheckpointState, classify_checkpoint
 
 logger = logging.getLogger(__name__)
 

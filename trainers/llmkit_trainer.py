@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from transformers import Trainer, TrainingArguments
 
-from hf_llmkit.callbacks.checkpoint_status import classify_checkpoint
-from hf_llmkit.callbacks.log_bridge import add_callback_logs
-from hf_llmkit.callbacks.run_end import RequestingControl
+from hf_llmkit.checkpoints.endings import RequestingControl, ResumeError
+from hf_llmkit.checkpoints.status import classify_checkpoint
+from hf_llmkit.log_bridge import add_callback_logs
 from hf_llmkit.trainers.checkpoint_writes import save_checkpoint, save_final_model
 from hf_llmkit.trainers.eval_preparation import forget_evaluation_preparation
 from hf_llmkit.trainers.expert_parallel import TrainerExpertParallel
@@ -32,7 +32,7 @@ from hf_llmkit.trainers.moe_loss import (
     register_zero3_leaf_modules,
 )
 from hf_llmkit.trainers.recovery import TrainingAlreadyComplete, run_training
-from hf_llmkit.trainers.resume import ResumeError, load_own_adapters
+from hf_llmkit.trainers.resume import load_own_adapters
 from hf_llmkit.trainers.sequence_parallel import TrainerSequenceParallel
 
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hf_llmkit.callbacks.checkpoint_status import classify_checkpoint
-from hf_llmkit.callbacks.distributed import barrier, world_size
-from hf_llmkit.trainers.resume import ResumeError
+from hf_llmkit.checkpoints.collectives import barrier, world_size
+from hf_llmkit.checkpoints.endings import ResumeError
+from hf_llmkit.checkpoints.status import classify_checkpoint
 
 __all__ = ["agree_on_checkpoint", "check_output_dir_sharing"]
 

@@ -28,12 +28,9 @@ from typing import Any
 
 from transformers.trainer_utils import TrainOutput
 
-from hf_llmkit.callbacks.checkpoint_manifest import MANIFEST_NAME, checkpoint_step
-from hf_llmkit.callbacks.distributed import barrier
 from hf_llmkit.callbacks.fault_tolerance import FaultToleranceCallback, preemption_message
-from hf_llmkit.callbacks.run_end import (
-    EXIT_DIVERGED,
-    EXIT_PREEMPTED,
+from hf_llmkit.checkpoints.collectives import barrier
+from hf_llmkit.checkpoints.endings import (
     RequestingControl,
     RunEndingError,
     StopRequest,
@@ -41,15 +38,15 @@ from hf_llmkit.callbacks.run_end import (
     TrainingInterrupted,
     logged,
 )
+from hf_llmkit.checkpoints.exit_codes import EXIT_DIVERGED, EXIT_PREEMPTED
+from hf_llmkit.checkpoints.names import MANIFEST_NAME, ROLLBACK_PREFIX, TRAINER_STATE, checkpoint_step
 from hf_llmkit.trainers.multi_node import agree_on_checkpoint, check_output_dir_sharing
-from hf_llmkit.trainers.resume import ROLLBACK_PREFIX, prepare_output_dir, resolve_resume
+from hf_llmkit.trainers.resume import prepare_output_dir, resolve_resume
 from hf_llmkit.trainers.run_identity import check_run_identity, run_identity
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ROLLBACK_PREFIX", "TrainingAlreadyComplete", "prepare_rollback_checkpoint", "run_training"]
-
-TRAINER_STATE = "trainer_state.json"
+__all__ = ["TrainingAlreadyComplete", "prepare_rollback_checkpoint", "run_training"]
 
 
 class TrainingAlreadyComplete(Exception):

@@ -18,25 +18,15 @@ import logging
 import os
 from pathlib import Path
 
-from hf_llmkit.callbacks.checkpoint_housekeeping import remove_checkpoint, tidy_checkpoints
-from hf_llmkit.callbacks.checkpoint_manifest import checkpoint_step
-from hf_llmkit.callbacks.checkpoint_status import classify_checkpoint, latest_complete_checkpoint
-from hf_llmkit.callbacks.distributed import barrier
-from hf_llmkit.callbacks.run_end import RunEndingError
+from hf_llmkit.checkpoints.collectives import barrier
+from hf_llmkit.checkpoints.endings import ResumeError
+from hf_llmkit.checkpoints.housekeeping import remove_checkpoint, tidy_checkpoints
+from hf_llmkit.checkpoints.names import ROLLBACK_PREFIX, TRAINER_STATE, checkpoint_step
+from hf_llmkit.checkpoints.status import classify_checkpoint, latest_complete_checkpoint
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ResumeError", "load_own_adapters", "prepare_output_dir", "resolve_resume", "resume_step"]
-
-TRAINER_STATE = "trainer_state.json"
-ROLLBACK_PREFIX = "llmkit-rollback"  # restart points of in-process rollbacks (hf_llmkit.trainers.recovery)
-
-
-class ResumeError(RunEndingError, ValueError):
-    """This run cannot start: it cannot resume from that checkpoint (wrong folder, corrupt, another run's), or its
-    output folder cannot be written. Exit status 2."""
-
-    default_code = 2
 
 
 def resolve_resume(trainer, resume_from_checkpoint: str | bool | None) -> str | None:

@@ -20,13 +20,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hf_llmkit.trainers.resume import ResumeError
+from hf_llmkit.checkpoints.endings import ResumeError
+from hf_llmkit.checkpoints.names import RUN_RECORD
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["RUN_IDENTITY_FILE", "check_run_identity", "run_identity", "write_run_identity"]
 
-RUN_IDENTITY_FILE = "llmkit_run.json"
+RUN_IDENTITY_FILE = RUN_RECORD
 FORMAT = 1
 # Config fields that describe how a model runs, not which model it is (private "_" keys are dropped too).
 _VOLATILE = {

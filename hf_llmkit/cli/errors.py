@@ -20,9 +20,11 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from hf_llmkit.checkpoints.exit_codes import EXIT_USAGE
+
 __all__ = ["USAGE_EXIT_CODE", "UsageError", "exit_on_error", "one_line", "usage_errors"]
 
-USAGE_EXIT_CODE = 2  # argparse's status for bad arguments
+USAGE_EXIT_CODE = EXIT_USAGE  # argparse's status for bad arguments
 _MAX_CHARS = 600
 _OTHER_RANKS_EXIT_DELAY_S = 3.0
 
@@ -71,7 +73,7 @@ def exit_on_error(
         if not isinstance(code, int):
             raise
         if getattr(err, "logged", False):
-            pass  # a run-ending error logged its one line already (hf_llmkit.callbacks.run_end)
+            pass  # a run-ending error logged its one line already (hf_llmkit.checkpoints.endings)
         elif _is_first_rank():
             print(f"{prog}: error: {one_line(err)}", file=sys.stderr, flush=True)
         else:  # the other ranks read the same input: let rank 0 print before a launcher stops the group

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402  (after the path: the repository's tests package)
 from safetensors.torch import load_file  # noqa: E402
 
-from hf_llmkit.callbacks.checkpoint_manifest import MANIFEST_NAME, list_checkpoints  # noqa: E402
+from hf_llmkit.checkpoints.names import MANIFEST_NAME, list_checkpoints  # noqa: E402
 from hf_llmkit.testing import free_port  # noqa: E402
 from tests.conftest import load_example  # noqa: E402
 

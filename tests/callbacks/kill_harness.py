@@ -27,7 +27,7 @@ from transformers import default_data_collator
 
 from hf_llmkit import LLMKitTrainingArguments
 from hf_llmkit.callbacks import FaultToleranceCallback, latest_complete_checkpoint
-from hf_llmkit.callbacks.checkpoint_manifest import MANIFEST_NAME, checkpoint_step, list_checkpoints
+from hf_llmkit.checkpoints.names import MANIFEST_NAME, checkpoint_step, list_checkpoints
 from hf_llmkit.testing import tiny_llama
 from hf_llmkit.trainers import LLMKitTrainer
 

@@ -16,13 +16,9 @@ from hf_llmkit.callbacks import (
     classify_checkpoint,
     latest_complete_checkpoint,
 )
-from hf_llmkit.callbacks.checkpoint_housekeeping import (
-    drop_abandoned,
-    remove_checkpoint,
-    rotate_checkpoints,
-    tidy_checkpoints,
-)
-from hf_llmkit.callbacks.checkpoint_manifest import MANIFEST_NAME, list_checkpoints, mark_writing
+from hf_llmkit.checkpoints.housekeeping import drop_abandoned, remove_checkpoint, rotate_checkpoints, tidy_checkpoints
+from hf_llmkit.checkpoints.manifest import mark_writing
+from hf_llmkit.checkpoints.names import MANIFEST_NAME, list_checkpoints
 from tests.callbacks.support import make_trainer
 
 

@@ -11,7 +11,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_callback import ExportableState
 
 from hf_llmkit.callbacks import FaultToleranceCallback, LossScaleCallback, SavePeftModelCallback, verify_checkpoint
-from hf_llmkit.callbacks.checkpoint_manifest import MANIFEST_NAME
+from hf_llmkit.checkpoints.names import MANIFEST_NAME
 from tests.callbacks.support import Blocks, make_trainer, small_model
 
 FACTORIES = {

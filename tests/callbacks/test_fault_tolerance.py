@@ -20,8 +20,9 @@ from hf_llmkit.callbacks import (
     latest_complete_checkpoint,
     verify_checkpoint,
 )
-from hf_llmkit.callbacks.checkpoint_housekeeping import rotate_checkpoints
-from hf_llmkit.callbacks.checkpoint_manifest import MANIFEST_NAME, list_checkpoints, mark_writing
+from hf_llmkit.checkpoints.housekeeping import rotate_checkpoints
+from hf_llmkit.checkpoints.manifest import mark_writing
+from hf_llmkit.checkpoints.names import MANIFEST_NAME, list_checkpoints
 from tests.callbacks.support import Blocks, data_order, make_trainer, poison_loss, record_blocks, small_model
 
 

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from hf_llmkit.callbacks.checkpoint_manifest import write_manifest
+from hf_llmkit.checkpoints import ResumeError
+from hf_llmkit.checkpoints.manifest import write_manifest
 from hf_llmkit.trainers.multi_node import agree_on_checkpoint, check_output_dir_sharing
-from hf_llmkit.trainers.resume import ResumeError
 
 
 def _outcome(check) -> str:

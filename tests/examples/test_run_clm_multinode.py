@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_llmkit.callbacks.checkpoint_manifest import MANIFEST_NAME, WRITING_MARKER
+from hf_llmkit.checkpoints.names import MANIFEST_NAME, WRITING_MARKER
 from hf_llmkit.parallel.elastic import SHARED_STORE_FIX, check_elastic_restarts
 from hf_llmkit.testing import launch
 from tests.callbacks.clm_kill_harness import compare

@@ -10,7 +10,7 @@ import pytest
 from transformers import TrainerCallback
 
 from hf_llmkit.callbacks import CheckpointState, FaultToleranceCallback, classify_checkpoint, verify_checkpoint
-from hf_llmkit.callbacks.checkpoint_manifest import MANIFEST_NAME
+from hf_llmkit.checkpoints.names import MANIFEST_NAME
 from hf_llmkit.trainers import ResumeError
 from tests.callbacks.support import make_trainer
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hf_llmkit.callbacks import CheckpointWriteError, verify_checkpoint
-from hf_llmkit.callbacks.save_retries import describe_write_error
+from hf_llmkit.checkpoints.retries import describe_write_error
 from tests.conftest import EXAMPLES
 from tests.examples.test_run_clm import TINY
 

@@ -12,7 +12,7 @@ through one of two routes:
 
 Example:
     ```python
-    from hf_llmkit.callbacks.log_bridge import add_callback_logs
+    from hf_llmkit.log_bridge import add_callback_logs
 
     class Contributor:
         def contribute_logs(self, logs, state):

@@ -16,6 +16,10 @@ message first (main process only).
   (`divergence_exit_code`).
 - `CheckpointWriteError`: a disk-full or permission error during a save; the last complete checkpoint is untouched.
   Exit status 74 (EX_IOERR).
+- `ResumeError`: the run cannot start (a checkpoint it cannot resume from, an output folder it cannot use). Exit
+  status 2.
+
+The statuses come from one table, `hf_llmkit.checkpoints.exit_codes`.
 """
 
 from __future__ import annotations
@@ -25,23 +29,19 @@ from dataclasses import dataclass
 
 from transformers import TrainerControl
 
+from hf_llmkit.checkpoints.exit_codes import EXIT_DIVERGED, EXIT_IO_ERROR, EXIT_PREEMPTED, EXIT_USAGE
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "EXIT_DIVERGED",
-    "EXIT_IO_ERROR",
-    "EXIT_PREEMPTED",
     "CheckpointWriteError",
     "RequestingControl",
+    "ResumeError",
     "RunEndingError",
     "StopRequest",
     "TrainingDivergedError",
     "TrainingInterrupted",
 ]
-
-EXIT_PREEMPTED = 143  # 128 + SIGTERM, what schedulers and `torchrun --max-restarts` read as "killed, retry"
-EXIT_DIVERGED = 3
-EXIT_IO_ERROR = 74  # sysexits.h EX_IOERR
 
 
 class RunEndingError(RuntimeError, SystemExit):
@@ -76,6 +76,13 @@ class CheckpointWriteError(RunEndingError):
     is untouched. The original `OSError` / `RuntimeError` is the `__cause__`."""
 
     default_code = EXIT_IO_ERROR
+
+
+class ResumeError(RunEndingError, ValueError):
+    """This run cannot start: it cannot resume from that checkpoint (wrong folder, corrupt, another run's), or its
+    output folder cannot be written. Exit status 2."""
+
+    default_code = EXIT_USAGE
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hf_llmkit.callbacks.distributed import any_rank
+from hf_llmkit.checkpoints.collectives import any_rank
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from hf_llmkit.callbacks.distributed import world_size
+from hf_llmkit.checkpoints.collectives import world_size
 
 __all__ = ["LossWatch"]
 

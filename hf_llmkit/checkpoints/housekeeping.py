@@ -1,6 +1,6 @@
 """What may happen to checkpoint folders: deleting ours, moving the rest aside, rotation. Nothing else.
 
-Every decision comes from `classify_checkpoint` (hf_llmkit.callbacks.checkpoint_status):
+Every decision comes from `classify_checkpoint` (hf_llmkit.checkpoints.status):
 
 - only an `interrupted` folder (our marker, no manifest) is deleted without being asked to;
 - a `corrupt` one is renamed `corrupt-checkpoint-N` and kept, with the reason logged;
@@ -22,21 +22,21 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hf_llmkit.callbacks.checkpoint_manifest import (
+from hf_llmkit.checkpoints.manifest import mark_writing
+from hf_llmkit.checkpoints.names import (
+    ABANDONED_PREFIX,
+    CORRUPT_PREFIX,
+    INCOMPLETE_PREFIX,
     MANIFEST_NAME,
     WRITING_MARKER,
     checkpoint_step,
     list_checkpoints,
-    mark_writing,
 )
-from hf_llmkit.callbacks.checkpoint_status import CheckpointState, classify_checkpoint
+from hf_llmkit.checkpoints.status import CheckpointState, classify_checkpoint
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ABANDONED_PREFIX",
-    "CORRUPT_PREFIX",
-    "INCOMPLETE_PREFIX",
     "TidyReport",
     "drop_abandoned",
     "move_aside",
@@ -44,10 +44,6 @@ __all__ = [
     "rotate_checkpoints",
     "tidy_checkpoints",
 ]
-
-ABANDONED_PREFIX = "abandoned-"
-CORRUPT_PREFIX = "corrupt-"
-INCOMPLETE_PREFIX = "incomplete-"
 
 
 def _owned(folder: Path) -> bool:

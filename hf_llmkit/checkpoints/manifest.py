@@ -10,7 +10,7 @@ A folder hf_llmkit writes (a `checkpoint-N`, a final model folder, an adapter fo
 
 Manifest entries are relative paths confined to their folder: an absolute path, a `..` component or a symlink that
 leaves the folder makes the manifest invalid (`check_manifest`). Which folders are complete, interrupted,
-foreign or corrupt is decided in `hf_llmkit.callbacks.checkpoint_status`.
+foreign or corrupt is decided in `hf_llmkit.checkpoints.status`.
 """
 
 from __future__ import annotations
@@ -18,49 +18,27 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
-MANIFEST_NAME = "llmkit_manifest.json"
-WRITING_MARKER = ".llmkit-writing"
+from hf_llmkit.checkpoints.names import MANIFEST_NAME, TMP_MARK, WRITING_MARKER, checkpoint_step
+
 MANIFEST_FORMAT = 1
-TMP_MARK = ".llmkit-tmp"  # suffix of folders/files being written atomically; never part of a manifest
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 _CHUNK = 4 << 20
 _NOT_PAYLOAD = {MANIFEST_NAME, WRITING_MARKER}
 
 __all__ = [
-    "MANIFEST_NAME",
-    "TMP_MARK",
-    "WRITING_MARKER",
     "add_to_manifest",
     "check_manifest",
-    "checkpoint_step",
     "clear_writing",
     "is_writing",
-    "list_checkpoints",
     "mark_writing",
+    "payload_files",
     "read_manifest",
     "write_manifest",
 ]
-
-
-def checkpoint_step(path: str | os.PathLike) -> int | None:
-    """The step N of a `checkpoint-N` folder, or None for any other name."""
-    match = _CHECKPOINT_RE.match(Path(path).name)
-    return int(match.group(1)) if match else None
-
-
-def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """Every `checkpoint-N` folder under `output_dir`, oldest step first (complete or not)."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = [(checkpoint_step(p), p) for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir()]
-    return [p for _, p in sorted(found)]
 
 
 # -- write markers ------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@
 
 Example:
     ```python
-    from hf_llmkit.callbacks import latest_complete_checkpoint
+    from hf_llmkit.checkpoints import latest_complete_checkpoint
 
     trainer.train(resume_from_checkpoint=latest_complete_checkpoint("outputs/run"))
     ```
@@ -31,14 +31,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from hf_llmkit.callbacks.checkpoint_manifest import (
-    TMP_MARK,
-    check_manifest,
-    checkpoint_step,
-    is_writing,
-    list_checkpoints,
-    read_manifest,
-)
+from hf_llmkit.checkpoints.manifest import check_manifest, is_writing, read_manifest
+from hf_llmkit.checkpoints.names import TMP_MARK, TRAINER_STATE, checkpoint_step, list_checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +45,6 @@ __all__ = [
     "verify_checkpoint",
 ]
 
-TRAINER_STATE = "trainer_state.json"
 _WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",

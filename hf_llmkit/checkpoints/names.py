@@ -1,0 +1,67 @@
+"""Every file and folder name the checkpoint lifecycle reads or writes, in one place.
+
+The Trainer's own names (`trainer_state.json`, `checkpoint-N`) are transformers' and are spelled here once; the
+rest are hf_llmkit's. Nothing else in the library spells them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+__all__ = [
+    "ABANDONED_PREFIX",
+    "CHECKPOINT_PREFIX",
+    "CORRUPT_PREFIX",
+    "INCOMPLETE_PREFIX",
+    "LOCK_FILE",
+    "MANIFEST_NAME",
+    "ROLLBACK_PREFIX",
+    "RUN_RECORD",
+    "TMP_MARK",
+    "TRAINER_STATE",
+    "WRITING_MARKER",
+    "checkpoint_folder",
+    "checkpoint_step",
+    "list_checkpoints",
+]
+
+# transformers' names
+TRAINER_STATE = "trainer_state.json"
+CHECKPOINT_PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR: folders are `checkpoint-N`
+
+# hf_llmkit's names inside a folder it writes
+MANIFEST_NAME = "llmkit_manifest.json"  # written last: the folder is complete
+WRITING_MARKER = ".llmkit-writing"  # written first: our write of the folder is in progress (or was cut short)
+TMP_MARK = ".llmkit-tmp"  # suffix of folders/files being written atomically; never part of a manifest
+RUN_RECORD = "llmkit_run.json"  # which run wrote a checkpoint (hf_llmkit.trainers.run_identity)
+LOCK_FILE = ".llmkit-lock"  # in output_dir: the run that holds the folder (hf_llmkit.checkpoints.lock)
+
+# prefixes of checkpoint folders moved out of the way (never matched by `checkpoint-*` globs)
+ABANDONED_PREFIX = "abandoned-"
+CORRUPT_PREFIX = "corrupt-"
+INCOMPLETE_PREFIX = "incomplete-"
+ROLLBACK_PREFIX = "llmkit-rollback"  # restart points of in-process rollbacks (hf_llmkit.trainers.recovery)
+
+_CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
+
+
+def checkpoint_folder(output_dir: str | os.PathLike, step: int) -> Path:
+    """`output_dir/checkpoint-{step}`, the folder the Trainer writes at `step`."""
+    return Path(output_dir) / f"{CHECKPOINT_PREFIX}-{step}"
+
+
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The step N of a `checkpoint-N` folder, or None for any other name."""
+    match = _CHECKPOINT_RE.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Every `checkpoint-N` folder under `output_dir`, oldest step first (complete or not)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(checkpoint_step(p), p) for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir()]
+    return [p for _, p in sorted(found)]
