@@ -1,24 +1,24 @@
 """`FaultToleranceCallback`: checkpoints that survive kills, clean preemption, and rollback on NaN/spiking loss.
 
-- **Complete checkpoints.** After every save, once all ranks have finished writing, the main process writes a
-  manifest (files, sizes, checksums) into the checkpoint, last; only then does the checkpoint count. Resume, rotation
-  and verification share one classifier (`hf_llmkit.checkpoints.status`): only our own interrupted writes
-  are ever deleted unasked, corrupt checkpoints are moved aside, checkpoints without a manifest (a plain `Trainer`,
-  an older version) are validated by loading and resumed from. After each manifest the callback applies
-  `save_total_limit` itself (never deleting the newest complete checkpoint).
+It works the same under every Trainer (`transformers.Trainer`, TRL's `SFTTrainer`, any subclass, `LLMKitTrainer`):
+
+- **Complete checkpoints.** Every writer marks a checkpoint before its first byte; after every save, once all ranks
+  have finished writing, the main process writes a manifest (files, sizes, checksums) into it, last, and only then
+  does the checkpoint count; then `save_total_limit` is applied on the classifier's terms (never deleting the newest
+  complete checkpoint). Resume, rotation and verification share one classifier (`hf_llmkit.checkpoints.status`):
+  only our own interrupted writes are ever deleted unasked, corrupt checkpoints are moved aside, checkpoints without
+  a manifest (written without this callback) are validated by loading and resumed from.
 - **Preemption.** SIGTERM / SIGUSR1 make every rank save at the next step boundary and stop. The run then ends with
   `TrainingInterrupted`, exit status 143 by default (`exit_code`, or `LLMKitTrainingArguments.preemption_exit_code`):
   a preempted run is not a finished one, and re-running the same command continues it.
 - **Divergence.** A NaN/Inf training loss, a loss above `loss_spike_factor` x its running average, or non-finite
-  weights at save time roll training back to the last complete checkpoint and skip the data since then, at most
-  `max_rollbacks` times, then end the run with `TrainingDivergedError` (exit status 3 when uncaught). The rollback
-  count and the loss average are `ExportableState` attributes: they survive a resume.
+  weights at save time stop the run (`TrainingDivergedError`, exit status 3) naming the last complete checkpoint;
+  `LLMKitTrainer` then rolls back to it by itself and skips the data since then, at most `max_rollbacks` times. The
+  rollback count and the loss average are `ExportableState` attributes: they survive a resume.
 
-The callback only asks, through `control`: with `LLMKitTrainer` (whose `RequestingControl` carries a `StopRequest`)
-the trainer rolls back or ends the run, retries transient I/O errors during a save, and with `auto_resume=True`
-resumes from the newest complete checkpoint. With a plain `Trainer` the callback raises the matching error itself
-once the step's saves are done, and the Trainer's own `save_total_limit` rotation (which runs before the manifest
-exists) stays in charge: prefer `LLMKitTrainer`.
+The callback asks through `control` and ends a stopped run by raising, once the step's saves are done. With a
+Trainer other than `LLMKitTrainer`, the Trainer's own `save_total_limit` rotation runs before the manifest exists:
+keep `save_total_limit` at 2 or more (or unset) so a complete checkpoint exists at every moment.
 
 Example:
     ```python
@@ -44,29 +44,28 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from pathlib import Path
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from hf_llmkit.checkpoints.collectives import any_rank, barrier, world_size
-from hf_llmkit.checkpoints.endings import (
-    RequestingControl,
-    StopRequest,
-    TrainingDivergedError,
-    TrainingInterrupted,
-    logged,
+from hf_llmkit.checkpoints.collectives import any_rank, barrier
+from hf_llmkit.checkpoints.endings import StopRequest, TrainingDivergedError, TrainingInterrupted, logged
+from hf_llmkit.checkpoints.exit_codes import EXIT_DIVERGED, EXIT_PREEMPTED
+from hf_llmkit.checkpoints.housekeeping import remove_checkpoint, tidy_checkpoints
+from hf_llmkit.checkpoints.lifecycle import (
+    CheckpointGuard,
+    ManifestSettings,
+    begin_checkpoint,
+    complete_checkpoint,
 )
-from hf_llmkit.checkpoints.housekeeping import drop_abandoned, remove_checkpoint, rotate_checkpoints, tidy_checkpoints
 from hf_llmkit.checkpoints.loss_watch import LossWatch
-from hf_llmkit.checkpoints.manifest import mark_writing, write_manifest
-from hf_llmkit.checkpoints.retries import save_with_retries
-from hf_llmkit.checkpoints.status import CheckpointState, classify_checkpoint, latest_complete_checkpoint
+from hf_llmkit.checkpoints.names import checkpoint_folder
+from hf_llmkit.checkpoints.status import latest_complete_checkpoint
 
 logger = logging.getLogger(__name__)
 
 
-class FaultToleranceCallback(TrainerCallback, ExportableState):
+class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
     """Makes a Trainer run survive kills, preemption and loss blow-ups (see the module docstring).
 
     Args:
@@ -118,7 +117,7 @@ class FaultToleranceCallback(TrainerCallback, ExportableState):
         self.rollbacks = 0  # resumable state (see `state`)
         self._signal: int | None = None
         self._old_handlers: dict[int, object] = {}
-        self._pending: StopRequest | None = None  # plain Trainer only: raised once the step's saves are done
+        self._pending: StopRequest | None = None  # raised once the step's saves are done
 
     # -- ExportableState: what survives a resume ------------------------------------------------------------
     def state(self) -> dict:
@@ -137,6 +136,18 @@ class FaultToleranceCallback(TrainerCallback, ExportableState):
             },
             "attributes": {"rollbacks": self.rollbacks, "loss_ema": self.loss_ema, "good_steps": self.good_steps},
         }
+
+    def _restore(self, saved) -> None:
+        """Apply the attributes saved for this callback in a checkpoint (its constructor arguments stay as given)."""
+        saved = saved[0] if isinstance(saved, list) and saved else saved
+        attributes = saved.get("attributes") if isinstance(saved, dict) else None
+        for name, value in (attributes or {}).items():
+            if name in ("rollbacks", "loss_ema", "good_steps"):
+                setattr(self, name, value)
+
+    @property
+    def manifest_settings(self) -> ManifestSettings:
+        return ManifestSettings(checksum=self.checksum, fsync=self.fsync, retries=self.manifest_retries)
 
     # the loss watch's running average, exposed as attributes so `from_state` / `setattr` restore it
     @property
@@ -179,12 +190,10 @@ class FaultToleranceCallback(TrainerCallback, ExportableState):
 
     # -- requests -------------------------------------------------------------------------------------------
     def _stop(self, control, request: StopRequest) -> None:
-        if isinstance(control, RequestingControl):
-            control.request_stop(request)
-        else:  # a plain Trainer: stop now, raise once this step's saves are done
-            control.should_training_stop = True
-            control.should_save = request.kind == "preempted"
-            self._pending = self._pending or request
+        """Stop after this step's saves (a preemption saves first); the first request wins."""
+        control.should_training_stop = True
+        control.should_save = request.kind == "preempted"
+        self._pending = self._pending or request
 
     def _diverged(self, args, state, control, reason: str) -> None:
         step = state.global_step
@@ -205,46 +214,46 @@ class FaultToleranceCallback(TrainerCallback, ExportableState):
             self._stop(control, StopRequest("diverged", step, message, rollbacks=self.rollbacks))
             return
         self.rollbacks += 1
-        logger.warning("%s at step %d: rolling back to %s (rollback %d)", reason, step, checkpoint, self.rollbacks)
         self._stop(control, StopRequest("rollback", step, reason, checkpoint=checkpoint, rollbacks=self.rollbacks))
 
     def _raise_pending(self, args, state) -> None:
-        """Plain Trainer only: nobody else acts on the request, so the callback ends the run with an error."""
+        """End a stopped run: the error carries the request (`LLMKitTrainer` catches a rollback and restarts)."""
         request, self._pending = self._pending, None
         if request is None:
             return
         self.close()
         main = state.is_world_process_zero
         if request.kind == "preempted":
-            message = preemption_message(request, args.output_dir)
-            error = TrainingInterrupted(message, exit_code=request.exit_code)
+            code = request.exit_code
+            code = getattr(args, "preemption_exit_code", EXIT_PREEMPTED) if code is None else code
+            message = f"{preemption_message(request, args.output_dir)} (exit status {code})"
+            error = TrainingInterrupted(message, exit_code=code, request=request)
             raise logged(error, is_main_process=main, level=logging.WARNING)
-        message = f"training diverged: {request.reason}"
+        code = getattr(args, "divergence_exit_code", EXIT_DIVERGED)
         if request.kind == "rollback":
             message = (
-                f"training diverged: {request.reason} at step {request.step}; use hf_llmkit.trainers.LLMKitTrainer to "
-                f"roll back automatically, or resume from {request.checkpoint} with a lower learning rate"
+                f"{request.reason} at step {request.step}: the run restarts from {request.checkpoint}, its last "
+                "complete checkpoint (hf_llmkit.trainers.LLMKitTrainer rolls back by itself; with another Trainer, "
+                "resume from it with a lower learning rate)"
             )
-        raise logged(TrainingDivergedError(message), is_main_process=main)
+            error = TrainingDivergedError(message, exit_code=code, request=request)
+            raise logged(error, is_main_process=main, level=logging.WARNING)
+        error = TrainingDivergedError(f"training diverged: {request.reason}", exit_code=code, request=request)
+        raise logged(error, is_main_process=main)
 
     # -- Trainer events -------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        name = type(self).__name__
         # Resumed from a checkpoint saved without this callback, the Trainer's save would fail with KeyError on
-        # the missing `stateful_callbacks` entry (transformers 5.23): give it one.
-        state.stateful_callbacks.setdefault(type(self).__name__, self.state())
+        # the missing `stateful_callbacks` entry (transformers 5.23): give it one. Resumed from one saved with it,
+        # the entry holds this callback's saved attributes (rollback count, loss average): restore them.
+        self._restore(state.stateful_callbacks.setdefault(name, self.state()))
         self._signal, self._pending = None, None
         self._install_signals()
         self.watch.attach(model)
-        if not isinstance(control, RequestingControl):  # LLMKitTrainer tidies before it loads the checkpoint
-            if state.is_world_process_zero:
-                tidy_checkpoints(args.output_dir, resume_step=state.global_step)
-                if args.save_total_limit:
-                    logger.warning(
-                        "save_total_limit with a plain Trainer: its rotation runs before the manifest is written "
-                        "and counts incomplete folders; use hf_llmkit.trainers.LLMKitTrainer for manifest-aware "
-                        "rotation"
-                    )
-            barrier()
+        if state.is_world_process_zero:  # checkpoints newer than the resume point must not be taken for this run's
+            tidy_checkpoints(args.output_dir, resume_step=state.global_step)
+        barrier()
 
     def on_step_end(self, args, state, control, **kwargs):
         signal_seen, nonfinite, loss = self.watch.verdict(args.device, signal_seen=self._signal is not None)
@@ -256,22 +265,18 @@ class FaultToleranceCallback(TrainerCallback, ExportableState):
             name = signal.Signals(self._signal).name if self._signal else "a signal"
             control.should_save = True
             self._stop(control, StopRequest("preempted", state.global_step, name, exit_code=self.exit_code))
-        self._mark_plain_trainer_save(args, state, control)
+        self._begin_save(args, state, control)
         return control
 
-    def _mark_plain_trainer_save(self, args, state, control) -> None:
-        """A plain Trainer is about to write `checkpoint-N`: the marker goes in before its first byte, and a step
-        whose checkpoint is already complete is not written again (`LLMKitTrainer._save_checkpoint` does both)."""
-        if not control.should_save or isinstance(control, RequestingControl):
-            return
-        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if checkpoint.is_dir() and classify_checkpoint(checkpoint, checksums=False).resumable:
-            control.should_save = False
-        elif args.should_save or args.save_on_each_node or world_size() > 1:
-            mark_writing(checkpoint)
+    def _begin_save(self, args, state, control) -> None:
+        """The Trainer is about to write `checkpoint-N`: the marker goes in before its first byte, and a step whose
+        checkpoint already loads is not written again."""
+        if control.should_save:
+            checkpoint = checkpoint_folder(args.output_dir, state.global_step)
+            control.should_save = begin_checkpoint(checkpoint, main=args.should_save, device=args.device)
 
     def on_save(self, args, state, control, model=None, **kwargs):
-        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        checkpoint = checkpoint_folder(args.output_dir, state.global_step)
         if any_rank(self.check_weights_on_save and not self.watch.weights_finite(model), args.device):
             barrier()
             if state.is_world_process_zero:
@@ -279,27 +284,21 @@ class FaultToleranceCallback(TrainerCallback, ExportableState):
             self._diverged(args, state, control, "non-finite weights at save time")
             return control
         barrier()  # every rank has finished writing its part
-        if state.is_world_process_zero and checkpoint.is_dir():
-            verdict = classify_checkpoint(checkpoint, checksums=False)
-            if verdict.state is not CheckpointState.COMPLETE:  # not yet listed (a re-save is skipped earlier)
-                save_with_retries(
-                    lambda: write_manifest(
-                        checkpoint, checksum=self.checksum, fsync=self.fsync, extra={"world_size": args.world_size}
-                    ),
-                    retries=self.manifest_retries,
-                    delay=0.5,
-                    what=f"manifest of {checkpoint.name}",
-                    collective=False,  # only the main process writes the manifest
-                )
-            rotate_checkpoints(args.output_dir, args.save_total_limit, keep=(state.best_model_checkpoint,))
-            drop_abandoned(args.output_dir)
+        if state.is_world_process_zero:
+            complete_checkpoint(
+                checkpoint,
+                output_dir=args.output_dir,
+                save_total_limit=args.save_total_limit,
+                keep=(state.best_model_checkpoint,),
+                manifest=self.manifest_settings,
+                extra={"world_size": args.world_size},
+            )
         return control
 
     def on_epoch_end(self, args, state, control, **kwargs):
-        request = getattr(control, "stop_request", None)
-        if request is not None and request.kind != "preempted":
+        if self._pending is not None and self._pending.kind != "preempted":
             control.should_save = False  # never save the diverged state, even at an epoch-end save
-        self._mark_plain_trainer_save(args, state, control)
+        self._begin_save(args, state, control)
         self._raise_pending(args, state)
         return control
 
@@ -311,7 +310,7 @@ class FaultToleranceCallback(TrainerCallback, ExportableState):
 
 def preemption_message(request: StopRequest, output_dir: str) -> str:
     """The one line a preempted run ends with: what happened, where the checkpoint is, how to continue."""
-    checkpoint = Path(output_dir) / f"checkpoint-{request.step}"
+    checkpoint = checkpoint_folder(output_dir, request.step)
     return (
         f"received {request.reason}: stopped at step {request.step} after saving the complete checkpoint "
         f"{checkpoint}; run the same command again to continue from it"

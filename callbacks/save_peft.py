@@ -10,10 +10,11 @@ name with a manifest (`verify_checkpoint` checks it) and renamed into place, so 
 adapter. Works for every PEFT method saved through `PeftModel.save_pretrained`: peft's own (LoRA, IA3, ...) and
 hf_llmkit's (bottleneck adapters, BitFit, P-tuning v1/v2).
 
-A run stopped early (preemption, rollback, divergence: a `StopRequest` on the control) writes no final adapter:
-`output_dir/<subfolder>` always holds the end of a finished run. Resuming a plain `Trainer` loads every adapter
-subfolder of the checkpoint as an extra adapter, this callback's `<subfolder>` included; the callback removes that
-stray copy before training starts, so it is never trained, saved or nested (`LLMKitTrainer` does not load it).
+A run stopped early (preemption, rollback, divergence) writes no final adapter: the `FaultToleranceCallback` ends it
+before `on_train_end`, so `output_dir/<subfolder>` always holds the end of a finished run. Resuming a plain
+`Trainer` loads every adapter subfolder of the checkpoint as an extra adapter, this callback's `<subfolder>`
+included; the callback removes that stray copy before training starts, so it is never trained, saved or nested
+(`LLMKitTrainer` does not load it).
 
 Example:
     ```python
@@ -237,8 +238,6 @@ class SavePeftModelCallback(TrainerCallback):
                     add_to_manifest(checkpoint, folder)
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
-        if getattr(control, "stop_request", None) is not None:
-            return  # stopped early (preempted / rolled back / diverged): not the end of the run
         if self.save_at_train_end:
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
             self.save(

@@ -3,13 +3,15 @@
 A checkpoint write (`save_checkpoint`, called from `_save_checkpoint`):
 
 1. A step whose `checkpoint-N` already loads is not written again (a same-step re-save would rewrite a complete
-   checkpoint in place). A leftover `checkpoint-N` is deleted if it is our interrupted write, else moved aside.
-2. Every rank creates the writing marker before its first byte.
+   checkpoint in place). A leftover `checkpoint-N` is deleted if it is our interrupted write, else moved aside
+   (`hf_llmkit.checkpoints.lifecycle.clear_for_writing`).
+2. Every rank creates the writing marker before its first byte (`begin_checkpoint`).
 3. The Trainer writes, with its own `save_total_limit` rotation held off (it runs before the checkpoint is complete
    and counts incomplete folders); transient I/O errors are retried on every rank together, and the run record
    (`llmkit_run.json`) is written next to the Trainer's files.
-4. Once every rank is done the marker is removed (the checkpoint now loads; a `FaultToleranceCallback` adds the
-   manifest in `on_save`), then rotation runs on the classifier's terms and `abandoned-` checkpoints go.
+4. The checkpoint is made complete once per save by `complete_checkpoint`: in the `on_save` of the trainer's
+   `CheckpointGuard` (a `FaultToleranceCallback`: manifest, rotation), or here when it has none (marker removed,
+   rotation).
 
 A disk-full or permission error ends the run with `CheckpointWriteError`: one line saying so; the half-written
 folder (ours) is removed and the last complete checkpoint is left as it was.
@@ -26,13 +28,13 @@ from contextlib import contextmanager
 from fnmatch import fnmatch
 from pathlib import Path
 
-from hf_llmkit.checkpoints.collectives import any_rank, barrier
+from hf_llmkit.checkpoints.collectives import barrier
 from hf_llmkit.checkpoints.endings import CheckpointWriteError, logged
-from hf_llmkit.checkpoints.housekeeping import drop_abandoned, move_aside, remove_checkpoint, rotate_checkpoints
-from hf_llmkit.checkpoints.manifest import clear_writing, mark_writing, payload_files, write_manifest
-from hf_llmkit.checkpoints.names import CORRUPT_PREFIX, INCOMPLETE_PREFIX
+from hf_llmkit.checkpoints.housekeeping import remove_checkpoint
+from hf_llmkit.checkpoints.lifecycle import CheckpointGuard, begin_checkpoint, complete_checkpoint
+from hf_llmkit.checkpoints.manifest import mark_writing, payload_files, write_manifest
+from hf_llmkit.checkpoints.names import checkpoint_folder
 from hf_llmkit.checkpoints.retries import describe_write_error, save_with_retries
-from hf_llmkit.checkpoints.status import CheckpointState, classify_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -69,38 +71,16 @@ def _trainer_rotation_held_off(args):
         args.save_total_limit = limit
 
 
-def _clear_the_way(folder: Path) -> bool:
-    """Main process, before writing `folder`: False when it already holds a checkpoint that loads (skip the save)."""
-    if not folder.exists() and not folder.is_symlink():
-        return True
-    verdict = classify_checkpoint(folder, checksums=False)
-    if verdict.resumable:
-        return False
-    if folder.is_symlink():  # never write through a link out of output_dir: drop the link, keep its target
-        folder.unlink()
-        logger.warning("removed the link %s before writing this step's checkpoint (%s)", folder, verdict.reason)
-    elif verdict.state is CheckpointState.INTERRUPTED:
-        remove_checkpoint(folder)
-    else:
-        prefix = CORRUPT_PREFIX if verdict.state is CheckpointState.CORRUPT else INCOMPLETE_PREFIX
-        target = move_aside(folder, prefix)
-        logger.warning("moved %s aside to %s before writing it: %s", folder.name, target.name, verdict.reason)
-    return True
-
-
 def save_checkpoint(trainer, write: Callable[[], None], identity: dict | None) -> None:
     """Write `checkpoint-{global_step}` through `write()` (the Trainer's `_save_checkpoint`) as described above."""
     from hf_llmkit.trainers.run_identity import write_run_identity
 
     args, state = trainer.args, trainer.state
-    folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+    folder = checkpoint_folder(args.output_dir, state.global_step)
     main = args.should_save
-    proceed = _clear_the_way(folder) if main else True
-    if any_rank(not proceed, args.device):
+    if not begin_checkpoint(folder, main=main, device=args.device):
         logger.info("%s already holds this step's checkpoint; not writing it again", folder)
         return
-    barrier()  # the folder is cleared before any rank writes into it
-    mark_writing(folder)
     _register_stateful_callbacks(trainer)
 
     def attempt() -> None:
@@ -127,10 +107,11 @@ def save_checkpoint(trainer, write: Callable[[], None], identity: dict | None) -
         message = f"could not write {folder}: {reason}; the last complete checkpoint is untouched"
         raise logged(CheckpointWriteError(message), is_main_process=main) from err
     barrier()  # every rank's files are on disk
-    if main:
-        clear_writing(folder)
-        rotate_checkpoints(args.output_dir, limit, keep=(state.best_model_checkpoint,))
-        drop_abandoned(args.output_dir)
+    guarded = any(isinstance(cb, CheckpointGuard) for cb in trainer.callback_handler.callbacks)
+    if main and not guarded:  # else the guard's on_save completes it
+        complete_checkpoint(
+            folder, output_dir=args.output_dir, save_total_limit=limit, keep=(state.best_model_checkpoint,)
+        )
 
 
 def _register_stateful_callbacks(trainer) -> None:

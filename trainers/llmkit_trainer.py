@@ -6,8 +6,8 @@ like `transformers.Trainer`. Public hooks overridden: `train`, `training_step`, 
 runs at these points; each is listed with its reason and checked against the installed transformers in
 `hf_llmkit.compat.transformers`):
 
-- `_save_checkpoint`: write markers before the first byte, hold off the Trainer's pre-manifest rotation, retry
-  transient I/O errors, one line on a full disk, the run record (hf_llmkit.trainers.checkpoint_writes);
+- `_save_checkpoint`: clear the way and mark before the first byte, hold off the Trainer's pre-manifest rotation,
+  retry transient I/O errors, one line on a full disk, the run record (hf_llmkit.trainers.checkpoint_writes);
 - `_load_from_checkpoint`: resume exactly the PEFT model's own adapters, and MoE hub-layout experts;
 - `_load_best_model`: verify the best checkpoint before loading it; MoE experts;
 - `_clip_grad_norm`: under expert parallelism (DDP) the norm must cover every rank's experts, not the local ones.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from transformers import Trainer, TrainingArguments
 
-from hf_llmkit.checkpoints.endings import RequestingControl, ResumeError
+from hf_llmkit.checkpoints.endings import ResumeError
 from hf_llmkit.checkpoints.status import classify_checkpoint
 from hf_llmkit.log_bridge import add_callback_logs
 from hf_llmkit.trainers.checkpoint_writes import save_checkpoint, save_final_model
@@ -53,8 +53,6 @@ class LLMKitTrainer(Trainer):
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, TrainingArguments):
             raise TypeError(f"LLMKitTrainer needs TrainingArguments, got {type(self.args).__name__}")
-        # Callbacks file stop requests (rollback, preemption, divergence) here; `train` acts on them.
-        self.control = RequestingControl()
         self.run_identity: dict | None = None  # what this run is (hf_llmkit.trainers.run_identity), set by train()
         self.resumed_from: str | None = None  # the checkpoint the last train() started from, set by train()
         # Mixture of experts (hf_llmkit.trainers.moe_loss): auxiliary losses + routing logs for MoELayer models.
@@ -116,7 +114,7 @@ class LLMKitTrainer(Trainer):
     # Fault tolerance (hf_llmkit.trainers.recovery / checkpoint_writes / resume / run_identity).
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
         """`Trainer.train`; `auto_resume` / `resume_from_checkpoint=True` pick the latest complete checkpoint, a
-        checkpoint of another run is refused before any work, and callbacks' stop requests are acted on."""
+        checkpoint of another run is refused before any work, and a callback's rollback request is acted on."""
         forget_evaluation_preparation(self)  # an earlier evaluate() must not leave the model out of DDP
         return run_training(
             self, super().train, resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval

@@ -6,11 +6,10 @@
    (`hf_llmkit.trainers.multi_node`), resolves the resume point (`auto_resume`, `True`, or a folder; on several
    ranks, rank 0's choice) and refuses, before any work, a checkpoint that cannot be resumed from or belongs to
    another run;
-2. clears the way in `output_dir` (`prepare_output_dir`) and restores the `ExportableState` attributes of the
-   `FaultToleranceCallback` (rollback count, loss average) from the checkpoint;
-3. runs `Trainer.train`, then acts on the `StopRequest` a callback filed on the `RequestingControl`: a rollback
-   restarts from the last good checkpoint with the offending data window skipped; a preemption or a divergence
-   ends the run with `TrainingInterrupted` / `TrainingDivergedError` (their exit codes come from the arguments).
+2. clears the way in `output_dir` (`prepare_output_dir`);
+3. runs `Trainer.train`. A callback that stops the run raises once the step's saves are done, its `StopRequest`
+   attached (`hf_llmkit.checkpoints.endings`): on a `"rollback"` request the run restarts from the last complete
+   checkpoint with the offending data window skipped; any other ending propagates with its exit code.
 
 A checkpoint resumed at `max_steps` finishes without training a step (`TrainingAlreadyComplete`, raised by
 `LLMKitTrainer.training_step`): resumed mid-epoch, the Trainer would otherwise run one step past the end.
@@ -26,19 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import TrainOutput
 
-from hf_llmkit.callbacks.fault_tolerance import FaultToleranceCallback, preemption_message
 from hf_llmkit.checkpoints.collectives import barrier
-from hf_llmkit.checkpoints.endings import (
-    RequestingControl,
-    RunEndingError,
-    StopRequest,
-    TrainingDivergedError,
-    TrainingInterrupted,
-    logged,
-)
-from hf_llmkit.checkpoints.exit_codes import EXIT_DIVERGED, EXIT_PREEMPTED
+from hf_llmkit.checkpoints.endings import RunEndingError, StopRequest, logged
+from hf_llmkit.checkpoints.lifecycle import CheckpointGuard
 from hf_llmkit.checkpoints.names import MANIFEST_NAME, ROLLBACK_PREFIX, TRAINER_STATE, checkpoint_step
 from hf_llmkit.trainers.multi_node import agree_on_checkpoint, check_output_dir_sharing
 from hf_llmkit.trainers.resume import prepare_output_dir, resolve_resume
@@ -53,41 +45,28 @@ class TrainingAlreadyComplete(Exception):
     """Raised before the first step of a run resumed at `max_steps` (the Trainer would train one step too many)."""
 
 
-def _watchers(trainer) -> list[FaultToleranceCallback]:
-    return [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, FaultToleranceCallback)]
-
-
-def restore_callback_state(trainer, checkpoint: str) -> None:
-    """Apply the `ExportableState` attributes saved in `checkpoint` to the live `FaultToleranceCallback`s.
-
-    The Trainer does this itself only with `restore_callback_states_from_checkpoint=True` (and then replaces the
-    callback objects, constructor arguments included); here the callbacks keep the arguments they were given.
-    """
-    if trainer.args.restore_callback_states_from_checkpoint:
-        return
-    try:
-        saved = json.loads((Path(checkpoint) / TRAINER_STATE).read_text(encoding="utf-8"))["stateful_callbacks"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    states = saved.get(FaultToleranceCallback.__name__) if isinstance(saved, dict) else None
-    states = states if isinstance(states, list) else [states] if states else []
-    for watcher, state in zip(_watchers(trainer), states):
-        for name, value in (state.get("attributes") or {}).items():
-            setattr(watcher, name, value)
-
-
 def rollback_path(request: StopRequest, output_dir: str | os.PathLike) -> Path:
     """Where the restart point goes (not named `checkpoint-N`: never auto-resumed)."""
     return Path(output_dir) / f"{ROLLBACK_PREFIX}-{checkpoint_step(request.checkpoint)}-to-{request.step}"
 
 
-def prepare_rollback_checkpoint(request: StopRequest, output_dir: str | os.PathLike) -> str:
+def exported_callback_states(callbacks) -> dict[str, Any]:
+    """`stateful_callbacks` as the Trainer saves them: each `ExportableState` callback's `state()`, by class name."""
+    grouped: dict[str, list] = {}
+    for callback in callbacks:
+        if isinstance(callback, ExportableState):
+            grouped.setdefault(type(callback).__name__, []).append(callback.state())
+    return {name: states[0] if len(states) == 1 else states for name, states in grouped.items()}
+
+
+def prepare_rollback_checkpoint(request: StopRequest, output_dir: str | os.PathLike, callbacks=()) -> str:
     """A resumable copy of the good checkpoint whose `trainer_state.json` says `request.step`.
 
     Resuming from it restores weights, optimizer, scheduler and RNG from the good checkpoint while the Trainer
     fast-forwards the data loader past the bad step, so the batches since the checkpoint (the offending window) are
-    skipped and counted as steps without an update. The saved rollback count is the new one. Files are hard-linked
-    (copied where links are impossible); the manifest is dropped (the copy's state file differs).
+    skipped and counted as steps without an update. The callbacks' saved states are their states now (`state()`,
+    as the Trainer saves them: the rollback count included). Files are hard-linked (copied where links are
+    impossible); the manifest is dropped (the copy's state file differs).
     """
     source, target = Path(request.checkpoint), rollback_path(request, output_dir)
     if target.exists():
@@ -105,11 +84,13 @@ def prepare_rollback_checkpoint(request: StopRequest, output_dir: str | os.PathL
     state_file.unlink()  # a hard link: write a fresh file, never the good checkpoint's
     state = json.loads((source / TRAINER_STATE).read_text(encoding="utf-8"))
     state["global_step"] = request.step
-    saved = state.get("stateful_callbacks", {}).get(FaultToleranceCallback.__name__)
-    for entry in saved if isinstance(saved, list) else [saved] if saved else []:
-        entry.setdefault("attributes", {})["rollbacks"] = request.rollbacks
+    state.setdefault("stateful_callbacks", {}).update(exported_callback_states(callbacks))
     state_file.write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
     return str(target)
+
+
+def _guards(trainer) -> list[CheckpointGuard]:
+    return [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, CheckpointGuard)]
 
 
 def _reset_for_retrain(trainer) -> None:
@@ -127,17 +108,6 @@ def _finish_complete_run(trainer) -> TrainOutput:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     train_loss = sum(losses) / len(losses) if losses else float("nan")
     return TrainOutput(trainer.state.global_step, train_loss, {"train_loss": train_loss, "train_runtime": 0.0})
-
-
-def _end_run(trainer, request: StopRequest) -> None:
-    args, main = trainer.args, trainer.is_world_process_zero()
-    if request.kind == "preempted":
-        code = request.exit_code if request.exit_code is not None else getattr(args, "preemption_exit_code", None)
-        code = EXIT_PREEMPTED if code is None else code
-        message = f"{preemption_message(request, args.output_dir)} (exit status {code})"
-        raise logged(TrainingInterrupted(message, exit_code=code), is_main_process=main, level=logging.WARNING)
-    code = getattr(args, "divergence_exit_code", EXIT_DIVERGED)
-    raise logged(TrainingDivergedError(f"training diverged: {request.reason}", exit_code=code), is_main_process=main)
 
 
 def _auto_resume(args, resume_from_checkpoint) -> bool:
@@ -159,40 +129,32 @@ def run_training(trainer, train: Callable[..., Any], resume_from_checkpoint=None
     except RunEndingError as err:
         raise logged(err, is_main_process=trainer.is_world_process_zero()) from err.__cause__
     trainer.resumed_from = resume  # what this train() call started from (None: from scratch), for reports
-    if resume is not None:
-        restore_callback_state(trainer, resume)
-
-    def take() -> StopRequest | None:  # read afresh: a restored callback state replaces the control object
-        return trainer.control.take_stop_request() if isinstance(trainer.control, RequestingControl) else None
-
-    take()  # nothing left over from an earlier train() call
     made: list[str] = []
     try:
         while True:
             try:
-                output = train(resume_from_checkpoint=resume, **kwargs)
+                return train(resume_from_checkpoint=resume, **kwargs)
             except TrainingAlreadyComplete:
                 return _finish_complete_run(trainer)
-            request = take()
-            if request is None:
-                return output
-            if request.kind != "rollback":
-                _end_run(trainer, request)
+            except RunEndingError as err:
+                request = err.request
+                if request is None or request.kind != "rollback":
+                    raise
             if trainer.is_world_process_zero():
-                prepare_rollback_checkpoint(request, trainer.args.output_dir)
+                prepare_rollback_checkpoint(request, trainer.args.output_dir, trainer.callback_handler.callbacks)
             barrier()
             resume = str(rollback_path(request, trainer.args.output_dir))
             made.append(resume)
             logger.warning(
-                "rolling back to %s and skipping the data up to step %d (%s)", request.checkpoint, request.step,
-                request.reason,
+                "rolling back to %s and skipping the data up to step %d (%s; rollback %d)", request.checkpoint,
+                request.step, request.reason, request.rollbacks,
             )  # fmt: skip
             _reset_for_retrain(trainer)
     except RunEndingError as err:  # e.g. a checkpoint that fails to load: one line, once
         raise logged(err, is_main_process=trainer.is_world_process_zero()) from err.__cause__
     finally:
-        for watcher in _watchers(trainer):
-            watcher.close()  # signal handlers and hooks, also when training raised
+        for guard in _guards(trainer):
+            guard.close()  # signal handlers and hooks, also when training raised
         if trainer.is_world_process_zero():
             for folder in made:
                 shutil.rmtree(folder, ignore_errors=True)

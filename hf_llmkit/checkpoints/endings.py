@@ -1,10 +1,10 @@
-"""How a run ends early: the requests callbacks make through `control`, and the errors that end the run.
+"""How a run ends early: why a callback stopped it (`StopRequest`), and the errors that end the run.
 
 Callbacks never exit the process or mutate the arguments. A callback that needs the run to end (a preemption
-signal, a diverged loss) sets `control.should_training_stop` and, when the trainer can act on more than that,
-files a `StopRequest` on the control object: `LLMKitTrainer` hands the Trainer a `RequestingControl`, reads the
-request once `Trainer.train` returns, and rolls back or ends the run. With a plain `Trainer` (a plain
-`TrainerControl`) the callback raises the matching error itself, since nothing else would.
+signal, a diverged loss) sets `control.should_training_stop` (and `should_save` for a preemption), lets the step's
+saves finish, and then raises the matching error below with its `StopRequest` attached, under every Trainer alike.
+A trainer that can do more catches it: `LLMKitTrainer` restarts from the last complete checkpoint on a `"rollback"`
+request; everything else ends the run.
 
 The errors below are `RuntimeError`s (so `except Exception` catches them) that are also `SystemExit`s: left
 uncaught, the interpreter exits with their `code` and prints no traceback. Whoever raises one logs its one-line
@@ -27,15 +27,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from transformers import TrainerControl
-
 from hf_llmkit.checkpoints.exit_codes import EXIT_DIVERGED, EXIT_IO_ERROR, EXIT_PREEMPTED, EXIT_USAGE
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "CheckpointWriteError",
-    "RequestingControl",
     "ResumeError",
     "RunEndingError",
     "StopRequest",
@@ -49,9 +46,10 @@ class RunEndingError(RuntimeError, SystemExit):
 
     default_code = 1
 
-    def __init__(self, message: str, *, exit_code: int | None = None):
+    def __init__(self, message: str, *, exit_code: int | None = None, request: StopRequest | None = None):
         super().__init__(message)
         self.code = self.default_code if exit_code is None else exit_code
+        self.request = request  # why a callback stopped the run (None: not a callback's stop)
         self.logged = False  # set once its one line was logged
 
     @property
@@ -87,11 +85,11 @@ class ResumeError(RunEndingError, ValueError):
 
 @dataclass(frozen=True)
 class StopRequest:
-    """Why a callback stopped training, for the trainer to act on.
+    """Why a callback stopped training, carried by the error it raises.
 
     `kind` is `"rollback"` (restart from `checkpoint` as if the steps up to `step` had run: the data window in
     between is skipped), `"diverged"` (no rollback left: end the run) or `"preempted"` (a signal; the checkpoint
-    at `step` is complete: end the run with `exit_code`, or the trainer's default when None).
+    at `step` is complete: end the run with `exit_code`, or the arguments' `preemption_exit_code` when None).
     """
 
     kind: str
@@ -100,22 +98,6 @@ class StopRequest:
     checkpoint: str | None = None
     rollbacks: int = 0
     exit_code: int | None = None
-
-
-class RequestingControl(TrainerControl):
-    """The `TrainerControl` of a trainer that acts on `StopRequest`s (`LLMKitTrainer`); the first request wins."""
-
-    stop_request: StopRequest | None = None
-
-    def request_stop(self, request: StopRequest) -> None:
-        self.should_training_stop = True
-        self.should_save = self.should_save and request.kind == "preempted"
-        if self.stop_request is None:
-            self.stop_request = request
-
-    def take_stop_request(self) -> StopRequest | None:
-        request, self.stop_request = self.stop_request, None
-        return request
 
 
 def log_once(message: str, *, is_main_process: bool, level: int = logging.ERROR) -> None:
