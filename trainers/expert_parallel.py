@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 
+from hf_llmkit.compat.accelerate import replace_ddp_handler, unwrap_optimizer
 from hf_llmkit.parallel.groups import ExpertParallelGroups, new_expert_parallel_groups
 from hf_llmkit.parallel.moe.expert_parallel import (
     apply_expert_parallel,
@@ -56,8 +57,9 @@ class TrainerExpertParallel:
         self._gathered_optimizer_state: dict[int, dict] | None = None
         if not self.deepspeed:
             broadcast_parameters_(trainer.model, groups=groups)
-            trainer.accelerator.ddp_handler = ExpertParallelDDPKwargs(
-                trainer.accelerator.ddp_handler, expert_ids=self.expert_ids, groups=groups
+            replace_ddp_handler(
+                trainer.accelerator,
+                lambda base: ExpertParallelDDPKwargs(base, expert_ids=self.expert_ids, groups=groups),
             )
             if trainer.optimizer is not None:  # passed in by the user: `create_optimizer` will not run
                 self.attach_optimizer(trainer.optimizer)
@@ -91,7 +93,7 @@ class TrainerExpertParallel:
         `load_state_dict` accept full ones (from any expert-parallel size). DDP only."""
         if self.deepspeed or not self.shards:
             return
-        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+        inner = unwrap_optimizer(optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
         inner.register_state_dict_post_hook(self._full_optimizer_state)
         inner.register_load_state_dict_pre_hook(self._shard_optimizer_state)
 
@@ -104,7 +106,7 @@ class TrainerExpertParallel:
     def gather_optimizer_state(self, optimizer, *, everywhere: bool = False) -> None:
         """Collective over the first EP group (every EP group with `everywhere`): full expert states for the next
         `optimizer.state_dict()`."""
-        inner = getattr(optimizer, "optimizer", optimizer)
+        inner = unwrap_optimizer(optimizer)
         gathered = {}
         for index, name in self._expert_indices(inner).items():
             param = self.shards[name].param

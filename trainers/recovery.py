@@ -32,6 +32,7 @@ from hf_llmkit.checkpoints.collectives import barrier
 from hf_llmkit.checkpoints.endings import RunEndingError, StopRequest, logged
 from hf_llmkit.checkpoints.lifecycle import CheckpointGuard
 from hf_llmkit.checkpoints.names import MANIFEST_NAME, ROLLBACK_PREFIX, TRAINER_STATE, checkpoint_step
+from hf_llmkit.compat.accelerate import unwrap_optimizer
 from hf_llmkit.trainers.multi_node import agree_on_checkpoint, check_output_dir_sharing
 from hf_llmkit.trainers.resume import prepare_output_dir, resolve_resume
 from hf_llmkit.trainers.run_identity import check_run_identity, run_identity
@@ -95,9 +96,8 @@ def _guards(trainer) -> list[CheckpointGuard]:
 
 def _reset_for_retrain(trainer) -> None:
     """Let `Trainer.train` build its optimizer wrapper again; the states are reloaded from the checkpoint."""
-    inner = getattr(trainer.optimizer, "optimizer", None)
-    if inner is not None:  # accelerate's AcceleratedOptimizer: re-preparing would wrap it twice
-        trainer.optimizer = inner
+    if trainer.optimizer is not None:  # accelerate's AcceleratedOptimizer: re-preparing would wrap it twice
+        trainer.optimizer = unwrap_optimizer(trainer.optimizer)
 
 
 def _finish_complete_run(trainer) -> TrainOutput:

@@ -17,6 +17,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from hf_llmkit.checkpoints.names import TRAINER_STATE
+
 __all__ = [
     "check_checkpoint_folder",
     "check_json_file",
@@ -124,7 +126,7 @@ def check_tokenizer_folder(path: str | os.PathLike, *, flag: str = "--tokenizer_
 def check_checkpoint_folder(path: str | os.PathLike, *, flag: str = "--resume_from_checkpoint") -> None:
     """A Trainer checkpoint folder (`checkpoint-N` with a `trainer_state.json` that parses)."""
     folder = _existing_folder(path, flag=flag, fix="pass a checkpoint-N folder of an earlier run")
-    state = folder / "trainer_state.json"
+    state = folder / TRAINER_STATE
     if not state.is_file():
         inside = sorted(p.name for p in folder.glob("checkpoint-*") if p.is_dir())
         hint = f" (it holds {inside[-1]}: pass that)" if inside else ""

@@ -6,6 +6,12 @@
 - `AcceleratorState._reset_state()`: forgets the process-wide accelerator state, so a second `Accelerator` (a second
   Trainer with another DeepSpeed config in one process) can be made. accelerate's and transformers' own tests reset
   it the same way; hf_llmkit's multi-rank test scripts do (`reset_accelerator_state`), the library never does.
+- `Accelerator.ddp_handler`: the `DistributedDataParallelKwargs` handler whose `to_kwargs()` and
+  `register_comm_hook(model)` accelerate calls when it wraps a model in DDP. Expert parallelism replaces it
+  (`replace_ddp_handler`) to skip DDP's start-up broadcast and reduce expert gradients over their replicas only;
+  accelerate offers no public way to pass a communication hook with its state.
+- `AcceleratedOptimizer.optimizer`: the wrapped torch optimizer (`unwrap_optimizer`), for state-dict hooks on the
+  real optimizer and for a second `Trainer.train` (a rollback) that must not wrap the wrapper again.
 
 `LLMKitTrainer` forgets an evaluation-only preparation before training (hf_llmkit.trainers.eval_preparation): no
 public API undoes `prepare_model`.
@@ -13,10 +19,21 @@ public API undoes `prepare_model`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 CHECKED_AGAINST = "1.15.0"
 PREPARED_MARK = "_is_accelerate_prepared"
 
-__all__ = ["CHECKED_AGAINST", "PREPARED_MARK", "forget_prepared_model", "is_prepared", "reset_accelerator_state"]
+__all__ = [
+    "CHECKED_AGAINST",
+    "PREPARED_MARK",
+    "forget_prepared_model",
+    "is_prepared",
+    "replace_ddp_handler",
+    "reset_accelerator_state",
+    "unwrap_optimizer",
+]
 
 
 def is_prepared(model) -> bool:
@@ -36,3 +53,16 @@ def reset_accelerator_state() -> None:
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state()
+
+
+def replace_ddp_handler(accelerator, make: Callable[[Any], Any]) -> None:
+    """Set `accelerator.ddp_handler` to `make(current handler or None)`; the result must offer `to_kwargs()` and
+    `register_comm_hook(model)`, which accelerate calls when it wraps a model in DDP."""
+    accelerator.ddp_handler = make(accelerator.ddp_handler)
+
+
+def unwrap_optimizer(optimizer):
+    """The torch optimizer inside accelerate's `AcceleratedOptimizer` (the optimizer itself when not wrapped)."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer

@@ -1,4 +1,7 @@
-"""Contract: every hf_llmkit callback handles every TrainerCallback event, alone and together in a real run."""
+"""Contract: every hf_llmkit callback handles every TrainerCallback event, alone and together in a real run.
+
+Every callback of the library is here: the three of `hf_llmkit.callbacks`, `DKMTrainingStateCallback`
+(hf_llmkit.quantization) and the main job's `ResumePoint` (hf_llmkit.cli.results)."""
 
 from __future__ import annotations
 
@@ -12,12 +15,16 @@ from transformers.trainer_callback import ExportableState
 
 from hf_llmkit.callbacks import FaultToleranceCallback, LossScaleCallback, SavePeftModelCallback, verify_checkpoint
 from hf_llmkit.checkpoints.names import MANIFEST_NAME
+from hf_llmkit.cli.results import ResumePoint
+from hf_llmkit.quantization import DKMTrainingStateCallback
 from tests.callbacks.support import Blocks, make_trainer, small_model
 
-FACTORIES = {
-    "save_peft": lambda: SavePeftModelCallback(save_merged=True),
+FACTORIES = {  # fault_tolerance first, save_peft in the middle: the reversed order puts fault_tolerance last
     "fault_tolerance": lambda: FaultToleranceCallback(),
+    "save_peft": lambda: SavePeftModelCallback(save_merged=True),
     "loss_scale": lambda: LossScaleCallback(),
+    "dkm_training_state": lambda: DKMTrainingStateCallback(),
+    "resume_point": lambda: ResumePoint(),
 }
 
 # Every event in the order a training run with evaluation, prediction and a push would fire them.
@@ -106,10 +113,10 @@ def test_every_event_without_training_objects(tmp_path, name):
 
 @pytest.mark.parametrize(
     "order",
-    [("fault_tolerance", "save_peft", "loss_scale"), ("loss_scale", "save_peft", "fault_tolerance")],
+    [tuple(FACTORIES), tuple(reversed(FACTORIES))],
     ids=["ft-first", "ft-last"],
 )
-def test_all_three_together_in_either_order(tmp_path, order):
+def test_all_together_in_either_order(tmp_path, order):
     trainer = make_trainer(
         tmp_path,
         model=_lora_model(),

@@ -12,7 +12,9 @@ from hf_llmkit.compat.accelerate import (
     PREPARED_MARK,
     forget_prepared_model,
     is_prepared,
+    replace_ddp_handler,
     reset_accelerator_state,
+    unwrap_optimizer,
 )
 
 
@@ -35,3 +37,20 @@ def test_accelerator_state_can_be_reset():
     assert not is_initialized(), f"{where}: AcceleratorState._reset_state no longer clears the accelerator state"
     Accelerator(cpu=True)  # a fresh accelerator can be made again
     assert is_initialized()
+
+
+def test_the_ddp_handler_and_the_wrapped_optimizer_are_where_hf_llmkit_reaches_them():
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    where = f"accelerate {accelerate.__version__} (checked against {CHECKED_AGAINST})"
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=5)])
+    seen = []
+    replace_ddp_handler(accelerator, lambda base: seen.append(base) or "replacement")
+    assert isinstance(seen[0], DistributedDataParallelKwargs), f"{where} no longer keeps Accelerator.ddp_handler"
+    assert accelerator.ddp_handler == "replacement"
+    model = torch.nn.Linear(2, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = accelerator.prepare_optimizer(inner)
+    assert wrapped is not inner and unwrap_optimizer(wrapped) is inner, f"{where}: AcceleratedOptimizer.optimizer"
+    assert unwrap_optimizer(inner) is inner
+    reset_accelerator_state()
