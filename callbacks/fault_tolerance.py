@@ -49,18 +49,19 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from hf_llmkit.checkpoints.collectives import any_rank, barrier
-from hf_llmkit.checkpoints.endings import StopRequest, TrainingDivergedError, TrainingInterrupted, logged
+from hf_llmkit.checkpoints.endings import ResumeError, StopRequest, TrainingDivergedError, TrainingInterrupted, logged
 from hf_llmkit.checkpoints.exit_codes import EXIT_DIVERGED, EXIT_PREEMPTED
-from hf_llmkit.checkpoints.housekeeping import remove_checkpoint, tidy_checkpoints
+from hf_llmkit.checkpoints.housekeeping import remove_checkpoint, tidy_above_latest, tidy_checkpoints
 from hf_llmkit.checkpoints.lifecycle import (
     CheckpointGuard,
     ManifestSettings,
     begin_checkpoint,
     complete_checkpoint,
 )
+from hf_llmkit.checkpoints.lock import OutputDirLock, hold_output_dir
 from hf_llmkit.checkpoints.loss_watch import LossWatch
 from hf_llmkit.checkpoints.names import checkpoint_folder
-from hf_llmkit.checkpoints.status import latest_complete_checkpoint
+from hf_llmkit.checkpoints.status import classify_checkpoint, latest_complete_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
         self._signal: int | None = None
         self._old_handlers: dict[int, object] = {}
         self._pending: StopRequest | None = None  # raised once the step's saves are done
+        self._lock: tuple[str, OutputDirLock] | None = None  # (output_dir, this run's share of its lock)
 
     # -- ExportableState: what survives a resume ------------------------------------------------------------
     def state(self) -> dict:
@@ -241,8 +243,49 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
         error = TrainingDivergedError(f"training diverged: {request.reason}", exit_code=code, request=request)
         raise logged(error, is_main_process=main)
 
+    # -- the output folder ----------------------------------------------------------------------------------
+    def _hold_output_dir(self, args, state) -> bool:
+        """This run's lock on `output_dir` (one run per folder), kept while the callback lives; True when taken
+        just now. Raises `OutputDirInUse` (every rank) when another live run holds it."""
+        if self._lock is not None and self._lock[0] == args.output_dir:
+            return False
+        handle = hold_output_dir(args.output_dir, main=state.is_world_process_zero, device=args.device)
+        self._lock = (args.output_dir, handle)
+        return True
+
+    def _refuse_unusable_resume(self, args, state) -> None:
+        """The Trainer resumed from `checkpoint-{global_step}` of `output_dir`: refuse it unless it can be resumed
+        from (a folder given explicitly and half written, say), naming the latest complete one."""
+        checkpoint = checkpoint_folder(args.output_dir, state.global_step)
+        if state.global_step == 0 or not checkpoint.is_dir():
+            return
+        verdict = classify_checkpoint(checkpoint, checksums=False)
+        if verdict.resumable:
+            return
+        latest = latest_complete_checkpoint(args.output_dir)
+        hint = f"resume from {latest}, the latest complete checkpoint" if latest else "train from scratch"
+        error = ResumeError(
+            f"the Trainer resumed from {verdict.describe()}; {hint} "
+            "(resume_from_checkpoint=hf_llmkit.checkpoints.latest_complete_checkpoint(output_dir))"
+        )
+        raise logged(error, is_main_process=state.is_world_process_zero)
+
     # -- Trainer events -------------------------------------------------------------------------------------
+    def on_init_end(self, args, state, control, **kwargs):
+        """Before anything is loaded: take the output folder, and leave no half-written checkpoint at its top, where
+        `resume_from_checkpoint=True` (the highest `checkpoint-N`) would pick it."""
+        self._hold_output_dir(args, state)
+        if state.is_world_process_zero:
+            report = tidy_above_latest(args.output_dir)
+            if report.deleted or report.corrupt or report.incomplete:
+                latest = latest_complete_checkpoint(args.output_dir, checksums=False)
+                logger.warning("the latest checkpoint that can be resumed from in %s: %s", args.output_dir, latest)
+        barrier()
+        return control
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._hold_output_dir(args, state)  # added after the Trainer was built: no on_init_end
+        self._refuse_unusable_resume(args, state)
         name = type(self).__name__
         # Resumed from a checkpoint saved without this callback, the Trainer's save would fail with KeyError on
         # the missing `stateful_callbacks` entry (transformers 5.23): give it one. Resumed from one saved with it,

@@ -39,6 +39,7 @@ from transformers import set_seed
 
 from hf_llmkit import LLMKitTrainingArguments
 from hf_llmkit.callbacks import TrainingDivergedError
+from hf_llmkit.checkpoints.lock import hold_output_dir
 from hf_llmkit.cli import FlagGroup, UsageError, exit_on_error, usage_errors  # noqa: F401 (callers catch run_clm.UsageError)
 from hf_llmkit.cli.arguments import SCRATCH_SIZES, DataArguments, ModelArguments, RunArguments, resolve_block_size
 from hf_llmkit.cli.folders import (
@@ -370,6 +371,8 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     configure_console(main_process=args.training.should_log)
     set_seed(args.training.seed)
+    # one run per output folder: a second run into it stops here, before any work (held until the job ends)
+    lock = hold_output_dir(args.training.output_dir, main=args.training.process_index == 0)  # noqa: F841
     with usage_errors(OSError):  # everything the input decides is checked before training starts
         texts, held_out = check_inputs(args)
         built = build_model(args, load_tokenizer(args.model))

@@ -2,7 +2,8 @@
 
 `run_training` does, in order:
 
-1. records what this run is (`run_identity`), checks that every machine of the run sees the output folder
+1. takes the output folder (`hf_llmkit.checkpoints.lock`: one run per folder, for the length of the call), records
+   what this run is (`run_identity`), checks that every machine of the run sees the output folder
    (`hf_llmkit.trainers.multi_node`), resolves the resume point (`auto_resume`, `True`, or a folder; on several
    ranks, rank 0's choice) and refuses, before any work, a checkpoint that cannot be resumed from or belongs to
    another run;
@@ -31,6 +32,7 @@ from transformers.trainer_utils import TrainOutput
 from hf_llmkit.checkpoints.collectives import barrier
 from hf_llmkit.checkpoints.endings import RunEndingError, StopRequest, logged
 from hf_llmkit.checkpoints.lifecycle import CheckpointGuard
+from hf_llmkit.checkpoints.lock import hold_output_dir
 from hf_llmkit.checkpoints.names import MANIFEST_NAME, ROLLBACK_PREFIX, TRAINER_STATE, checkpoint_step
 from hf_llmkit.compat.accelerate import unwrap_optimizer
 from hf_llmkit.trainers.multi_node import agree_on_checkpoint, check_output_dir_sharing
@@ -114,21 +116,20 @@ def _auto_resume(args, resume_from_checkpoint) -> bool:
     return resume_from_checkpoint is True or (resume_from_checkpoint is None and getattr(args, "auto_resume", False))
 
 
-def run_training(trainer, train: Callable[..., Any], resume_from_checkpoint=None, **kwargs) -> Any:
-    """`train(resume_from_checkpoint=..., **kwargs)` with the checks, restarts and endings described above."""
-    trainer.run_identity = run_identity(trainer)
-    try:
-        check_output_dir_sharing(trainer.args)  # several machines: one output folder they all see
-        resume = resolve_resume(trainer, resume_from_checkpoint)
-        if _auto_resume(trainer.args, resume_from_checkpoint):  # every machine resumes rank 0's choice
-            checksums = getattr(trainer.args, "resume_verify_checksums", True)
-            resume = agree_on_checkpoint(trainer.args, resume, checksums=checksums)
-        if resume is not None:
-            check_run_identity(trainer.run_identity, resume, trainer.args.output_dir)
-        prepare_output_dir(trainer, resume)
-    except RunEndingError as err:
-        raise logged(err, is_main_process=trainer.is_world_process_zero()) from err.__cause__
-    trainer.resumed_from = resume  # what this train() call started from (None: from scratch), for reports
+def _resume_point(trainer, resume_from_checkpoint) -> str | None:
+    """The checkpoint this call resumes from (None: from scratch), checked and with the way cleared for it."""
+    args = trainer.args
+    check_output_dir_sharing(args)  # several machines: one output folder they all see
+    resume = resolve_resume(trainer, resume_from_checkpoint)
+    if _auto_resume(args, resume_from_checkpoint):  # every machine resumes rank 0's choice
+        resume = agree_on_checkpoint(args, resume, checksums=getattr(args, "resume_verify_checksums", True))
+    if resume is not None:
+        check_run_identity(trainer.run_identity, resume, args.output_dir)
+    prepare_output_dir(trainer, resume)
+    return resume
+
+
+def _train_with_rollbacks(trainer, train: Callable[..., Any], resume: str | None, **kwargs) -> Any:
     made: list[str] = []
     try:
         while True:
@@ -150,11 +151,25 @@ def run_training(trainer, train: Callable[..., Any], resume_from_checkpoint=None
                 request.step, request.reason, request.rollbacks,
             )  # fmt: skip
             _reset_for_retrain(trainer)
-    except RunEndingError as err:  # e.g. a checkpoint that fails to load: one line, once
-        raise logged(err, is_main_process=trainer.is_world_process_zero()) from err.__cause__
     finally:
-        for guard in _guards(trainer):
-            guard.close()  # signal handlers and hooks, also when training raised
         if trainer.is_world_process_zero():
             for folder in made:
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_training(trainer, train: Callable[..., Any], resume_from_checkpoint=None, **kwargs) -> Any:
+    """`train(resume_from_checkpoint=..., **kwargs)` with the checks, restarts and endings described above."""
+    trainer.run_identity = run_identity(trainer)
+    main, lock = trainer.is_world_process_zero(), None
+    try:
+        lock = hold_output_dir(trainer.args.output_dir, main=main, device=trainer.args.device)
+        resume = _resume_point(trainer, resume_from_checkpoint)
+        trainer.resumed_from = resume  # what this train() call started from (None: from scratch), for reports
+        return _train_with_rollbacks(trainer, train, resume, **kwargs)
+    except RunEndingError as err:  # refused before any work, or e.g. a checkpoint that fails to load: one line, once
+        raise logged(err, is_main_process=main) from err.__cause__
+    finally:
+        if lock is not None:
+            lock.release()
+        for guard in _guards(trainer):
+            guard.close()  # signal handlers and hooks, also when training raised

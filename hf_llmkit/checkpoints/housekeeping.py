@@ -42,6 +42,7 @@ __all__ = [
     "move_aside",
     "remove_checkpoint",
     "rotate_checkpoints",
+    "tidy_above_latest",
     "tidy_checkpoints",
 ]
 
@@ -126,6 +127,32 @@ def tidy_checkpoints(output_dir: str | os.PathLike, *, resume_step: int) -> Tidy
             )
         elif newer:
             _move(checkpoint, INCOMPLETE_PREFIX, report.incomplete, str(verdict.reason))
+    return report
+
+
+def tidy_above_latest(output_dir: str | os.PathLike) -> TidyReport:
+    """Main process: make the highest `checkpoint-N` one that can be resumed from (or leave none).
+
+    What picks "the highest checkpoint" (`resume_from_checkpoint=True` of a Trainer, transformers'
+    `get_last_checkpoint`) would otherwise take a half-written one. Every checkpoint newer than the newest resumable
+    one is deleted when it is our interrupted write, else moved aside (`corrupt-` / `incomplete-`). Sizes only: the
+    checksums of a large checkpoint are read once, when a run resumes from it.
+    """
+    report = TidyReport()
+    for checkpoint in reversed(list_checkpoints(output_dir)):
+        verdict = classify_checkpoint(checkpoint, checksums=False)
+        if verdict.resumable:
+            break
+        if verdict.state is CheckpointState.INTERRUPTED:
+            if remove_checkpoint(checkpoint):
+                report.deleted.append(checkpoint.name)
+                logger.warning("deleted %s: %s", checkpoint, verdict.reason)
+            continue
+        prefix, record = (
+            (CORRUPT_PREFIX, report.corrupt) if verdict.state is CheckpointState.CORRUPT else
+            (INCOMPLETE_PREFIX, report.incomplete)
+        )  # fmt: skip
+        _move(checkpoint, prefix, record, str(verdict.reason))
     return report
 
 

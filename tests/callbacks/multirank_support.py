@@ -46,4 +46,7 @@ def train_two_ranks(out_dir: str) -> dict:
                 manifest_world_size=manifest["world_size"],
                 checkpoints=sorted(p for p in os.listdir(out_dir) if p.startswith("checkpoint-")),
             )
+    from hf_llmkit.checkpoints.lock import lock_holder
+
+    result.update(pid=os.getpid(), lock_pid=lock_holder(out_dir)["pid"])  # one holder for both ranks
     return result

@@ -1,16 +1,22 @@
-"""FaultToleranceCallback's resumable state goes through `ExportableState`, and it asks through `control`:
-with a plain Trainer it raises the run-ending errors itself, and it never touches the arguments."""
+"""FaultToleranceCallback's resumable state goes through `ExportableState`, it asks through `control` and ends a
+stopped run by raising (under a plain Trainer too), it never touches the arguments, and a plain Trainer with it never
+resumes from a half-written checkpoint."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 
 import pytest
 from transformers import TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 
-from hf_llmkit.callbacks import FaultToleranceCallback, TrainingInterrupted
+from hf_llmkit.callbacks import FaultToleranceCallback, TrainingInterrupted, verify_checkpoint
+from hf_llmkit.checkpoints import ResumeError
+from hf_llmkit.checkpoints.manifest import mark_writing
+from hf_llmkit.checkpoints.names import MANIFEST_NAME
 from tests.callbacks.support import Blocks, data_order, make_trainer, poison_loss, small_model
 
 
@@ -75,3 +81,28 @@ def test_rollback_also_works_when_the_trainer_restores_callback_states(tmp_path)
     assert trainer.train().global_step == 8
     [live] = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, FaultToleranceCallback)]
     assert live.rollbacks == 2
+
+
+def test_a_plain_trainer_never_resumes_from_a_half_written_checkpoint(tmp_path):
+    """`resume_from_checkpoint=True` takes the highest `checkpoint-N`: the callback clears half-written ones from
+    the top when the Trainer is built, and refuses one the Trainer was given explicitly, naming the complete one."""
+    make_trainer(tmp_path, plain=True, callbacks=[FaultToleranceCallback()], max_steps=4).train()
+    shutil.copytree(tmp_path / "checkpoint-4", tmp_path / "checkpoint-6")  # killed while writing checkpoint-6
+    (tmp_path / "checkpoint-6" / MANIFEST_NAME).unlink()
+    (tmp_path / "checkpoint-6" / "trainer_state.json").unlink()
+    mark_writing(tmp_path / "checkpoint-6")
+    assert get_last_checkpoint(str(tmp_path)).endswith("checkpoint-6")  # what the Trainer alone would resume
+    trainer = make_trainer(tmp_path, plain=True, callbacks=[FaultToleranceCallback()], max_steps=6)
+    assert not (tmp_path / "checkpoint-6").exists()  # our interrupted write, gone when the Trainer was built
+    trainer.train(resume_from_checkpoint=True)
+    assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [1, 2, 3, 4, 5, 6]
+    assert verify_checkpoint(tmp_path / "checkpoint-6") is None
+
+    (tmp_path / "checkpoint-2" / MANIFEST_NAME).unlink()
+    mark_writing(tmp_path / "checkpoint-2")  # an older half-written folder, named explicitly
+    trainer = make_trainer(tmp_path, plain=True, callbacks=[FaultToleranceCallback()], max_steps=8)
+    with pytest.raises(ResumeError, match="resumed from checkpoint-2 is interrupted") as error:
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    message = str(error.value)
+    assert f"resume from {tmp_path / 'checkpoint-6'}, the latest complete" in message and "\n" not in message
+    assert error.value.code == 2 and sorted(p.name for p in tmp_path.glob("checkpoint-*"))[-1] == "checkpoint-6"

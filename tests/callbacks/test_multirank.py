@@ -1,4 +1,5 @@
-"""The callbacks on 2 real gloo ranks: manifests cover every rank's files, rotation, auto-resume, no deadlock."""
+"""The callbacks on 2 real gloo ranks: manifests cover every rank's files, rotation, auto-resume, no deadlock, one
+holder of the output folder's lock."""
 
 from __future__ import annotations
 
@@ -21,3 +22,4 @@ def test_two_ranks_checkpoint_rotate_and_resume(tmp_path):
     assert first["manifest_world_size"] == 2
     assert first["checkpoints"] == ["checkpoint-4"] and second["checkpoints"] == ["checkpoint-6"]
     assert latest_complete_checkpoint(tmp_path).endswith("checkpoint-6")
+    assert ranks[0]["lock_pid"] == ranks[1]["lock_pid"] == ranks[0]["pid"]  # rank 0 holds the output folder

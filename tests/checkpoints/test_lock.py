@@ -1,0 +1,91 @@
+"""One run per output folder, with two real processes (issue 21, section 1): while one process holds the folder, the
+main job into it stops before any work with one line naming the holder, a Trainer with `FaultToleranceCallback`
+and `LLMKitTrainer` are refused too, and the checkpoint the holder is writing stays untouched; once the holder is
+killed (-9), its stale lock is taken over without a word."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from hf_llmkit.callbacks import FaultToleranceCallback
+from hf_llmkit.checkpoints.lock import OutputDirInUse, hold_output_dir, lock_holder
+from hf_llmkit.checkpoints.names import LOCK_FILE, WRITING_MARKER
+from tests.callbacks.support import make_trainer
+from tests.conftest import REPO
+from tests.examples.test_run_clm import TINY
+
+HOLDER = """
+import sys
+from hf_llmkit.checkpoints.lock import hold_output_dir
+from hf_llmkit.checkpoints.manifest import mark_writing
+handle = hold_output_dir(sys.argv[1])
+mark_writing(sys.argv[1] + "/checkpoint-3")  # a checkpoint this run is writing
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def holder(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.stdout.readline().strip() == "held"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_second_run_into_a_held_folder_stops_before_any_work_and_a_dead_holder_is_taken_over(
+    tmp_path, holder, run_clm, hermetic_cache, caplog
+):
+    writing = tmp_path / "checkpoint-3"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    blocks_before = sorted(hermetic_cache.rglob("lm-blocks-*"))
+    with pytest.raises(OutputDirInUse) as error:  # the main job, as `main()` runs it (exit status = error.code)
+        run_clm.run([*TINY, "--output_dir", str(tmp_path)])
+    line = str(error.value)
+    assert error.value.code == 2 and "\n" not in line
+    assert f"host {socket.gethostname()}, pid {holder.pid}, started 20" in line, line
+    assert "let that run finish or stop it, or pass another --output_dir" in line
+    assert sorted(hermetic_cache.rglob("lm-blocks-*")) == blocks_before  # nothing tokenized
+    # In this process: a Trainer with the callback is refused when built, LLMKitTrainer when it trains.
+    with pytest.raises(OutputDirInUse, match=f"pid {holder.pid}"):
+        make_trainer(tmp_path, plain=True, callbacks=[FaultToleranceCallback()])
+    trainer = make_trainer(tmp_path, max_steps=2)
+    with pytest.raises(OutputDirInUse) as error:
+        trainer.train()
+    assert error.value.code == 2 and trainer.state.global_step == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # the holder's checkpoint-3 is untouched
+    assert (writing / WRITING_MARKER).is_file()
+
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_llmkit"):
+        handle = hold_output_dir(tmp_path)
+    assert handle.held and not caplog.records  # taken over without a word
+    assert lock_holder(tmp_path)["pid"] == os.getpid()
+    assert hold_output_dir(tmp_path).held  # shared within the process
+    handle.release()
+
+
+def test_the_lock_leaves_unwritable_folders_to_the_writability_checks(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("not a folder")
+    assert not hold_output_dir(target).held
+    assert not (tmp_path / LOCK_FILE).exists()
+    handle = hold_output_dir(tmp_path / "new" / "out")  # created on the way
+    assert handle.held and (tmp_path / "new" / "out" / LOCK_FILE).is_file()
+    handle.release()
