@@ -62,7 +62,7 @@ from hf_llmkit.cli.results import (
     save_results,
 )
 from hf_llmkit.corpus import corpus_texts, default_cache_dir
-from hf_llmkit.data_files import find_data_files, read_file_rows, read_text_rows
+from hf_llmkit.data_files import TextFiles, find_data_files
 from hf_llmkit.lm_data import build_lm_datasets
 from hf_llmkit.parallel.moe.arguments import MoEArguments
 from hf_llmkit.quantization.arguments import DKMArguments, KbitArguments
@@ -208,10 +208,10 @@ def check_inputs(args: Args) -> tuple[list[str], list[str] | None]:
     if training.resume_from_checkpoint is not None:
         check_checkpoint_folder(training.resume_from_checkpoint)
     files = find_data_files(dataset_dir=data.dataset_dir, train_file=data.train_file)
-    texts = read_text_rows(files) if files else corpus_texts()
+    texts = TextFiles(files) if files else corpus_texts()  # checked now, streamed when tokenized
     held_out = None
     if data.validation_file is not None:
-        held_out = read_file_rows(find_data_files(train_file=data.validation_file, flag="--validation_file")[0])
+        held_out = TextFiles(find_data_files(train_file=data.validation_file, flag="--validation_file"))
     cache_flag = "--data_cache_dir" if data.data_cache_dir else "the hf_llmkit cache ($HF_LLMKIT_CACHE)"
     check_writable_folder(data.data_cache_dir or default_cache_dir(), flag=cache_flag)
     check_writable_folder(training.output_dir, flag="--output_dir")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
-from hf_llmkit.cache_folder import publish_once
+from hf_llmkit.cache_folder import publish_once, remove_stale_temporaries
 
 BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
 DEFAULT_VOCAB_SIZE = 4096
@@ -60,6 +60,8 @@ def corpus_tokenizer(
     if (folder / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(folder)
     tokenizer = _train_bpe(texts, vocab_size)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(folder.parent)  # what a killed build left behind
     publish_once(folder, tokenizer.save_pretrained)
     return PreTrainedTokenizerFast.from_pretrained(folder)
 

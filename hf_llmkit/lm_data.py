@@ -1,29 +1,55 @@
 """Causal-LM data: raw texts -> tokenized -> grouped into fixed-size blocks -> train/validation split.
 
-The pipeline of the Chinese-LLaMA-Alpaca-2 pre-training recipe, with `datasets`: `map` to tokenize, `map` to
-concatenate and cut into `block_size` blocks (labels = inputs; the model shifts them), a seeded split (or a
-held-out validation text), and the processed result cached with `save_to_disk` under a key made of the sources'
-content (sha256 of each file's bytes), the tokenizer and the block size, so a second run (or the other ranks)
-reuses it and an edited file is never served from a stale cache. Reading and checking the user's files is
-`hf_llmkit.data_files`.
+The pipeline of the Chinese-LLaMA-Alpaca-2 pre-training recipe: tokenize each row (an end-of-text token after it),
+concatenate, cut into `block_size` blocks (labels = inputs; the model shifts them), then a seeded split (or a
+held-out validation text). Rows are grouped 2,000 at a time, as the recipe's `datasets.map(batch_size=2000)` does
+(the tail of each group, under one block, is dropped).
+
+Memory does not grow with the data: the rows are streamed (`hf_llmkit.data_files.TextFiles`; a row longer than
+`PIECE_CHARS` characters is tokenized in pieces), tokenized a bounded batch at a time, and the blocks are written to
+an Arrow file as they come; with a `cache_dir` the result stays memory-mapped from disk.
+
+The result is cached (`save_to_disk`) under a key of everything that decides the blocks: the sources' content (sha256
+of each file's bytes, or of the texts), the whole tokenizer (its serialized vocabulary, merges, normalizer and
+pre-tokenizer, and the end-of-text token), the block size, and either the validation text's content or the split
+percentage with its seed. So a second run (or the other ranks) reuses it and nothing else is ever served from it.
+`max_train_samples` / `max_eval_samples` select from the loaded splits afterwards. A write killed half way leaves a
+temporary folder that the next build in the same cache folder removes (`hf_llmkit.cache_folder`).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import os
-from collections.abc import Sequence
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 from datasets import Dataset, DatasetDict, load_from_disk
 from transformers import PreTrainedTokenizerBase
 
-from hf_llmkit.cache_folder import publish_once
-from hf_llmkit.data_files import read_text_rows
+from hf_llmkit.cache_folder import publish_once, remove_stale_temporaries, temporary_sibling
+from hf_llmkit.checkpoints.names import path_too_long, shown_path
+from hf_llmkit.checkpoints.retries import describe_write_error, write_errno
+from hf_llmkit.data_files import TextFiles, split_long_text
 
 __all__ = ["build_lm_datasets", "validation_block_count"]
+
+GROUP_ROWS = 2000  # rows concatenated before cutting blocks (the recipe's map batch size)
+GROUP_TOKENS = 1 << 22  # ... or fewer, when huge rows would make a group hold more tokens than this
+_WRITE_BLOCKS = 1024  # blocks per Arrow record batch
+_TOKENIZE_ROWS, _TOKENIZE_CHARS = 1000, 1 << 18  # one tokenizer call: at most this many rows / characters
+_CACHE_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.ENAMETOOLONG}
+# the types `datasets.map` gives these columns (its optimized integer types for token ids and masks)
+_SCHEMA = pa.schema(
+    [("input_ids", pa.list_(pa.int32())), ("attention_mask", pa.list_(pa.int8())), ("labels", pa.list_(pa.int64()))]
+)
 
 
 def _file_digest(path: Path) -> bytes:
@@ -35,16 +61,29 @@ def _file_digest(path: Path) -> bytes:
     return digest.digest()
 
 
-def _cache_key(files: Sequence[Path], texts: Sequence[str] | None, tokenizer, block_size: int, split: float) -> str:
+def _tokenizer_digest(tokenizer) -> bytes:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    described = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    special = json.dumps([type(tokenizer).__name__, tokenizer.eos_token_id, str(tokenizer.special_tokens_map)])
+    return hashlib.sha256(f"{described}\0{special}".encode()).digest()
+
+
+def _source_digest(files: Sequence[Path], texts: Iterable[str] | None) -> bytes:
     digest = hashlib.sha256()
     for path in files:
         digest.update(f"{path.suffix}:".encode())  # .txt and .json of the same bytes read differently
         digest.update(_file_digest(path))
-    for text in texts or ():
-        digest.update(text.encode())
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
-    digest.update(hashlib.sha256(vocab.encode()).digest())
-    digest.update(f"{type(tokenizer).__name__}:{block_size}:{split}:v2".encode())
+    if isinstance(texts, TextFiles):
+        digest.update(_source_digest(texts.files, None))
+    else:
+        for text in texts or ():
+            digest.update(hashlib.sha256(text.encode()).digest())
+    return digest.digest()
+
+
+def _cache_key(sources: bytes, tokenizer, block_size: int, split: str) -> str:
+    digest = hashlib.sha256(sources + _tokenizer_digest(tokenizer))
+    digest.update(f"{block_size}:{split}:v3".encode())
     return digest.hexdigest()[:16]
 
 
@@ -57,28 +96,94 @@ def validation_block_count(blocks: int, percentage: float) -> int:
     return min(max(1, math.ceil(blocks * percentage / 100)), blocks - 1)  # datasets' rounding for a float test_size
 
 
-def _blocks(texts: Dataset, tokenizer, block_size: int, num_proc: int | None, what: str) -> Dataset:
-    eos = tokenizer.eos_token_id
+def _pieces(files: Sequence[Path], texts: Iterable[str] | None) -> Iterator[tuple[str, bool]]:
+    """(text, ends its row) of the texts, then of the files' rows; long rows come in pieces."""
+    if isinstance(texts, TextFiles):
+        yield from texts.pieces()
+    else:
+        for text in texts or ():
+            pieces = list(split_long_text(text)) or [""]  # an empty row still ends with an end-of-text token
+            yield from ((piece, index == len(pieces) - 1) for index, piece in enumerate(pieces))
+    if files:
+        yield from TextFiles(files).pieces()
 
-    def tokenize(batch):
-        # Documents longer than the model's context are expected here: they are cut into blocks below.
-        ids = tokenizer(batch["text"], add_special_tokens=False, verbose=False)["input_ids"]
-        return {"input_ids": [seq + [eos] if eos is not None else seq for seq in ids]}
 
-    def group(batch):
-        flat = [tok for seq in batch["input_ids"] for tok in seq]
-        usable = len(flat) // block_size * block_size
-        blocks = [flat[i : i + block_size] for i in range(0, usable, block_size)]
-        return {"input_ids": blocks, "attention_mask": [[1] * block_size for _ in blocks], "labels": blocks}
+class _Grouper:
+    """Concatenates tokenized rows; a group closes after `GROUP_ROWS` rows (or `GROUP_TOKENS` tokens)."""
 
-    tokenized = texts.map(
-        tokenize, batched=True, remove_columns=texts.column_names, num_proc=num_proc, desc="Tokenize"
-    )
-    # Large batches keep the tail dropped by grouping negligible (at most block_size-1 tokens per 2,000 rows).
-    blocks = tokenized.map(group, batched=True, batch_size=2000, num_proc=num_proc, desc=f"Group into {block_size}")
-    if len(blocks) == 0:
+    def __init__(self):
+        self.parts: list[np.ndarray] = []
+        self.rows = self.tokens = 0
+
+    def add(self, ids: np.ndarray, ends_row: bool) -> np.ndarray | None:
+        self.parts.append(ids)
+        self.rows, self.tokens = self.rows + ends_row, self.tokens + len(ids)
+        return self.close() if self.rows >= GROUP_ROWS or self.tokens >= GROUP_TOKENS else None
+
+    def close(self) -> np.ndarray | None:
+        group = np.concatenate(self.parts) if self.parts else None
+        self.parts, self.rows, self.tokens = [], 0, 0
+        return group
+
+
+def _groups(pieces: Iterator[tuple[str, bool]], tokenizer, eos: int | None) -> Iterator[np.ndarray]:
+    """The token ids of each group of rows, one array per group; tokenized a bounded batch at a time."""
+    grouper, batch, chars = _Grouper(), [], 0
+    for piece in _with_end(pieces):
+        if piece is not None:
+            batch.append(piece)
+            chars += len(piece[0])
+            if len(batch) < _TOKENIZE_ROWS and chars < _TOKENIZE_CHARS:
+                continue
+        if batch:
+            ids = tokenizer([text for text, _ in batch], add_special_tokens=False, verbose=False)["input_ids"]
+            for (_, ends), seq in zip(batch, ids):
+                group = grouper.add(np.asarray(seq + [eos] if ends and eos is not None else seq, np.int64), ends)
+                if group is not None:
+                    yield group
+            batch, chars = [], 0
+    group = grouper.close()
+    if group is not None:
+        yield group
+
+
+def _with_end(pieces: Iterator[tuple[str, bool]]) -> Iterator[tuple[str, bool] | None]:
+    yield from pieces
+    yield None
+
+
+def _write_blocks(pieces: Iterator[tuple[str, bool]], tokenizer, block_size: int, path: Path, what: str) -> int:
+    """Cut every group into blocks (its tail, under one block, dropped) and append them to the Arrow file `path`."""
+    count = 0
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, _SCHEMA) as writer:
+        for ids in _groups(pieces, tokenizer, tokenizer.eos_token_id):
+            usable = len(ids) // block_size * block_size
+            for start in range(0, usable, block_size * _WRITE_BLOCKS):
+                blocks = ids[start : min(usable, start + block_size * _WRITE_BLOCKS)].reshape(-1, block_size)
+                offsets = pa.array(np.arange(0, blocks.size + 1, block_size, dtype=np.int32))
+                flat = blocks.ravel()
+                columns = [
+                    pa.ListArray.from_arrays(offsets, pa.array(flat.astype(np.int32))),
+                    pa.ListArray.from_arrays(offsets, pa.array(np.ones(blocks.size, dtype=np.int8))),
+                    pa.ListArray.from_arrays(offsets, pa.array(flat)),
+                ]
+                writer.write_batch(pa.record_batch(columns, schema=_SCHEMA))
+                count += len(blocks)
+    if count == 0:
         raise ValueError(f"the {what} text gives 0 blocks of {block_size} tokens; add text or lower --block_size")
-    return blocks
+    return count
+
+
+def _build(work: Path, *, tokenizer, block_size, files, texts, validation_texts, percentage, seed, in_memory):
+    train_file, held_file = work / "train.arrow", work / "validation.arrow"
+    blocks = _write_blocks(_pieces(files, texts), tokenizer, block_size, train_file, "training")
+    train = Dataset.from_file(str(train_file), in_memory=in_memory)
+    if validation_texts is not None:
+        _write_blocks(_pieces((), validation_texts), tokenizer, block_size, held_file, "validation")
+        return DatasetDict(train=train, validation=Dataset.from_file(str(held_file), in_memory=in_memory))
+    count = validation_block_count(blocks, percentage)
+    splits = train.train_test_split(test_size=count, seed=seed, shuffle=True, keep_in_memory=in_memory)
+    return DatasetDict(train=splits["train"], validation=splits["test"])
 
 
 def build_lm_datasets(
@@ -86,42 +191,56 @@ def build_lm_datasets(
     tokenizer: PreTrainedTokenizerBase,
     block_size: int,
     files: Sequence[Path] = (),
-    texts: Sequence[str] | None = None,
-    validation_texts: Sequence[str] | None = None,
+    texts: Iterable[str] | TextFiles | None = None,
+    validation_texts: Iterable[str] | TextFiles | None = None,
     validation_split_percentage: float = 5.0,
     cache_dir: str | os.PathLike | None = None,
     num_proc: int | None = None,
     seed: int = 42,
 ) -> DatasetDict:
-    """Tokenized, grouped `train` and `validation` splits of `texts` (or of the rows of `files`).
+    """Tokenized, grouped `train` and `validation` splits of `texts` (strings, or `TextFiles`) and of `files`.
 
     The validation split is `validation_texts` when given, else `validation_split_percentage` percent of the
-    blocks (at least one). With `cache_dir`, the result is stored there and reloaded on later calls with the
-    same inputs.
+    blocks (at least one), chosen with `seed`. With `cache_dir`, the result is stored there and reloaded on later
+    calls with the same inputs. (`num_proc`, the recipe's `--preprocessing_num_workers`, is accepted and unused:
+    rows are tokenized in batches in this process, and a fast tokenizer spreads a batch over the cores itself.)
     """
+    del num_proc
+    files = [Path(path) for path in files]
     if validation_texts is None:
         validation_block_count(2, validation_split_percentage)  # range check before any work
-    target = None
-    if cache_dir is not None:
-        key = _cache_key(files, texts, tokenizer, block_size, validation_split_percentage)
-        if validation_texts is not None:
-            held_out = _cache_key((), validation_texts, tokenizer, block_size, 0.0)
-            key = hashlib.sha256(f"{key}:{held_out}".encode()).hexdigest()[:16]
-        target = Path(cache_dir) / f"lm-blocks-{key}"
-        if (target / "dataset_dict.json").is_file():
-            return load_from_disk(str(target))
-    rows = list(texts or []) + (read_text_rows(files) if files else [])
-    train = _blocks(Dataset.from_dict({"text": rows}), tokenizer, block_size, num_proc, "training")
-    if validation_texts is not None:
-        held = _blocks(
-            Dataset.from_dict({"text": list(validation_texts)}), tokenizer, block_size, num_proc, "validation"
-        )
-        result = DatasetDict(train=train, validation=held)
+        split = f"split {validation_split_percentage} seed {seed}"
     else:
-        count = validation_block_count(len(train), validation_split_percentage)
-        splits = train.train_test_split(test_size=count, seed=seed, shuffle=True)
-        result = DatasetDict(train=splits["train"], validation=splits["test"])
-    if target is not None:
-        publish_once(target, lambda tmp: result.save_to_disk(str(tmp)))
-        result = load_from_disk(str(target))
-    return result
+        split = "held out " + _source_digest((), validation_texts).hex()
+    build = dict(
+        tokenizer=tokenizer, block_size=block_size, files=files, texts=texts, validation_texts=validation_texts,
+        percentage=validation_split_percentage, seed=seed,
+    )  # fmt: skip
+    if cache_dir is None:
+        with tempfile.TemporaryDirectory(prefix="hf_llmkit_blocks_") as work:
+            return _build(Path(work), in_memory=True, **build)
+    cache = Path(cache_dir)
+    too_long = path_too_long(cache)
+    if too_long:
+        raise ValueError(f"the cache folder {shown_path(cache)} {too_long}; pass --data_cache_dir with a shorter path")
+    target = cache / f"lm-blocks-{_cache_key(_source_digest(files, texts), tokenizer, block_size, split)}"
+    if (target / "dataset_dict.json").is_file():
+        return load_from_disk(str(target))
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(cache)  # what killed builds left behind
+        work = temporary_sibling(target, "work")
+        work.mkdir()
+        try:
+            result = _build(work, in_memory=False, **build)
+            publish_once(target, lambda tmp: result.save_to_disk(str(tmp)))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    except OSError as err:
+        if write_errno(err) not in _CACHE_WRITE_ERRORS:
+            raise
+        raise ValueError(
+            f"cannot write the tokenized data into the cache folder {cache}: {describe_write_error(err, cache)}; "
+            "free space there, or pass --data_cache_dir on another disk (or with a shorter path)"
+        ) from err
+    return load_from_disk(str(target))

@@ -15,11 +15,14 @@ runs at these points; each is listed with its reason and checked against the ins
 
 from __future__ import annotations
 
+import math
+
 from transformers import Trainer, TrainingArguments
 
 from hf_llmkit.checkpoints.endings import ResumeError
 from hf_llmkit.checkpoints.status import classify_checkpoint
 from hf_llmkit.log_bridge import add_callback_logs
+from hf_llmkit.trainers.changed_settings import apply_changed_settings
 from hf_llmkit.trainers.checkpoint_writes import save_checkpoint, save_final_model
 from hf_llmkit.trainers.eval_preparation import forget_evaluation_preparation
 from hf_llmkit.trainers.expert_parallel import TrainerExpertParallel
@@ -55,6 +58,7 @@ class LLMKitTrainer(Trainer):
             raise TypeError(f"LLMKitTrainer needs TrainingArguments, got {type(self.args).__name__}")
         self.run_identity: dict | None = None  # what this run is (hf_llmkit.trainers.run_identity), set by train()
         self.resumed_from: str | None = None  # the checkpoint the last train() started from, set by train()
+        self.changed_settings: list = []  # settings a resume changed (learning rate...): applied at the first step
         # Mixture of experts (hf_llmkit.trainers.moe_loss): auxiliary losses + routing logs for MoELayer models.
         self._moe_loss = MoELossTracker(
             aux_loss_coef=getattr(self.args, "moe_aux_loss_coef", 0.0),
@@ -123,6 +127,9 @@ class LLMKitTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         if 0 < self.state.max_steps <= self.state.global_step:
             raise TrainingAlreadyComplete()  # resumed at the end: the Trainer would run one step too many
+        if self.changed_settings:  # optimizer, scheduler and state now hold the checkpoint's values
+            apply_changed_settings(self, self.changed_settings)
+            self.changed_settings = []
         return super().training_step(model, inputs, num_items_in_batch)
 
     def _save_checkpoint(self, model, trial):
@@ -155,6 +162,12 @@ class LLMKitTrainer(Trainer):
         if has_moe_blocks(self.model) and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             return load_moe_checkpoint(self.model, self.state.best_model_checkpoint)
         return super()._load_best_model()
+
+    def save_metrics(self, split, metrics, combined=True):
+        """`Trainer.save_metrics`, as valid JSON: a NaN or infinite value (a loss that diverged, the perplexity of
+        a huge loss) is written as null."""
+        finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+        return super().save_metrics(split, finite, combined)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log: MoE losses and expert load since the previous one

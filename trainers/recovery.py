@@ -36,7 +36,7 @@ from hf_llmkit.checkpoints.lock import hold_output_dir
 from hf_llmkit.checkpoints.names import MANIFEST_NAME, ROLLBACK_PREFIX, TRAINER_STATE, checkpoint_step
 from hf_llmkit.compat.accelerate import unwrap_optimizer
 from hf_llmkit.trainers.multi_node import agree_on_checkpoint, check_output_dir_sharing
-from hf_llmkit.trainers.resume import prepare_output_dir, resolve_resume
+from hf_llmkit.trainers.resume import prepare_output_dir, resolve_resume, resume_step
 from hf_llmkit.trainers.run_identity import check_run_identity, run_identity
 
 logger = logging.getLogger(__name__)
@@ -103,13 +103,23 @@ def _reset_for_retrain(trainer) -> None:
 
 
 def _finish_complete_run(trainer) -> TrainOutput:
-    """The resumed checkpoint is the end of training: its weights are loaded, no step runs."""
+    """The resumed checkpoint is the end of training: its weights are loaded, no step runs (no loss to report)."""
     logger.info("training already finished at step %d (resumed from its last checkpoint)", trainer.state.global_step)
     trainer.is_in_train = False
     trainer.control = trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    train_loss = sum(losses) / len(losses) if losses else float("nan")
-    return TrainOutput(trainer.state.global_step, train_loss, {"train_loss": train_loss, "train_runtime": 0.0})
+    metrics = {"train_loss": None, "train_runtime": 0.0, "epoch": trainer.state.epoch}
+    return TrainOutput(trainer.state.global_step, None, metrics)
+
+
+def _say_what_the_loss_covers(output: TrainOutput, resumed_at: int) -> TrainOutput:
+    """After a resume, `train_loss` averages this call's steps only: `train_loss_steps` says which ("7-8"; "none"
+    when the checkpoint was the end of the run)."""
+    if not resumed_at or not isinstance(output, TrainOutput):
+        return output
+    metrics = dict(output.metrics)
+    ran = output.global_step > resumed_at
+    metrics["train_loss_steps"] = f"{resumed_at + 1}-{output.global_step}" if ran else "none"
+    return TrainOutput(output.global_step, output.training_loss, metrics)
 
 
 def _auto_resume(args, resume_from_checkpoint) -> bool:
@@ -123,8 +133,8 @@ def _resume_point(trainer, resume_from_checkpoint) -> str | None:
     resume = resolve_resume(trainer, resume_from_checkpoint)
     if _auto_resume(args, resume_from_checkpoint):  # every machine resumes rank 0's choice
         resume = agree_on_checkpoint(args, resume, checksums=getattr(args, "resume_verify_checksums", True))
-    if resume is not None:
-        check_run_identity(trainer.run_identity, resume, args.output_dir)
+    if resume is not None:  # another run's checkpoint is refused; settings a resume may change take effect
+        trainer.changed_settings = check_run_identity(trainer.run_identity, resume, args.output_dir)
     prepare_output_dir(trainer, resume)
     return resume
 
@@ -165,7 +175,8 @@ def run_training(trainer, train: Callable[..., Any], resume_from_checkpoint=None
         lock = hold_output_dir(trainer.args.output_dir, main=main, device=trainer.args.device)
         resume = _resume_point(trainer, resume_from_checkpoint)
         trainer.resumed_from = resume  # what this train() call started from (None: from scratch), for reports
-        return _train_with_rollbacks(trainer, train, resume, **kwargs)
+        output = _train_with_rollbacks(trainer, train, resume, **kwargs)
+        return _say_what_the_loss_covers(output, resume_step(resume))
     except RunEndingError as err:  # refused before any work, or e.g. a checkpoint that fails to load: one line, once
         raise logged(err, is_main_process=main) from err.__cause__
     finally:

@@ -2,12 +2,19 @@
 
 Every checkpoint `LLMKitTrainer` writes holds `llmkit_run.json`: the model's architecture and sizes (its config,
 without dtype / attention implementation / version fields), the PEFT method and its config, the quantization
-config, the MoE settings (part of the config), the parameters' names and shapes, the sequence-parallel size, and
-the training data (number of samples and a digest of a few evenly spread samples). Resuming compares it with the
-current run: any difference ends with one line naming it and the fix (another `--output_dir`, or
-`--overwrite_output_dir true` to start over). What may change between the runs of one job (`max_steps`,
-`save_steps`, logging, learning rate, number of ranks) is not recorded.
-A checkpoint without the file (a plain `Trainer`, an older version) is resumed without the check.
+config, the MoE settings (part of the config), the parameters' names and shapes, the sequence-parallel size, the
+training data (number of samples and a digest of a few evenly spread samples: the files, block size, split and
+sample limits all show there), the seed, the number of ranks and the batch geometry (per-device batch size,
+gradient accumulation), and the optimizer's type and settings other than the learning rate (they live in
+`optimizer.pt`). Resuming compares it with the current run: any difference ends with one line naming only what
+differs and the fix (the recorded values, another `--output_dir`, or `--overwrite_output_dir true` to start over).
+A different number of ranks is refused because the data order could not continue: each rank's sampler position
+and RNG state belong to its rank.
+
+What a user may change between the runs of one job (learning rate, length, schedule, logging, save cadence,
+clipping) is recorded too, under `settings`, and is not refused: the resumed run says in one line what changed and
+applies it (`hf_llmkit.trainers.changed_settings`). A checkpoint without the file (a plain `Trainer`, an older
+version) is resumed without the check; a record from an older version is compared on the sections it has.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 
 from hf_llmkit.checkpoints.endings import ResumeError
 from hf_llmkit.checkpoints.names import RUN_RECORD
+from hf_llmkit.trainers.changed_settings import changed_settings, describe_changes, recorded_settings
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +56,21 @@ _VOLATILE = {
 }
 _PEFT_VOLATILE = {"base_model_name_or_path", "revision", "inference_mode"}
 _DATA_SAMPLES = 8
-_ORDER = ("model", "peft", "quantization", "sequence_parallel_size", "data", "parameters")  # most telling first
+# most telling first
+_ORDER = ("model", "peft", "quantization", "sequence_parallel_size", "training", "data", "parameters")
+# TrainingArguments fields that shape the checkpoint (refused when changed); "ranks" is the world size.
+_TRAINING = (
+    "seed",
+    "data_seed",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "optim",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+)
+_NOT_COMPARED = {"format", "settings"}
 
 
 def _plain(value: Any) -> Any:
@@ -118,6 +140,10 @@ def _data_identity(dataset) -> dict | None:
     return {"samples": n, "digest": digest.hexdigest()[:16]}
 
 
+def _training(args) -> dict:
+    return {"ranks": args.world_size, **{name: getattr(args, name, None) for name in _TRAINING}}
+
+
 def run_identity(trainer) -> dict:
     """What makes this trainer's run this run (see the module docstring)."""
     model = trainer.model
@@ -132,8 +158,10 @@ def run_identity(trainer) -> dict:
             "peft": _peft_configs(model),
             "quantization": quantization,
             "sequence_parallel_size": getattr(trainer.args, "sequence_parallel_size", 1),
+            "training": _training(trainer.args),
             "data": _data_identity(trainer.train_dataset),
             "parameters": _parameters(model),
+            "settings": recorded_settings(trainer.args),
         }
     )
 
@@ -160,41 +188,48 @@ def _short(value: Any) -> str:
 
 
 def differences(recorded: dict, current: dict) -> list[str]:
-    """`field: recorded -> current` for every field that differs, most telling first (nested fields dotted)."""
+    """`field: recorded -> current` for every field that really differs, most telling first (nested fields dotted;
+    the training section's fields by their argument names). Sections an older record lacks are not compared; the
+    parameter digest, which follows from the rest, is named only when nothing else differs."""
     changed = []
-    keys = [k for k in _ORDER if k in current or k in recorded]
-    keys += sorted((set(current) | set(recorded)) - set(keys) - {"format"})
+    keys = [k for k in _ORDER if k in current and k in recorded]
+    keys += sorted((set(current) & set(recorded)) - set(keys) - _NOT_COMPARED)
     for key in keys:
         old, new = recorded.get(key), current.get(key)
-        if old == new:
+        if old == new or (key == "parameters" and changed):
             continue
         if not (isinstance(old, dict) and isinstance(new, dict)):
-            changed.append(f"{key}: {_short(old)} -> {_short(new)}")
-            continue
-        flat_old, flat_new = _flatten(old, key), _flatten(new, key)
-        for name in sorted(set(flat_old) | set(flat_new)):
-            if flat_old.get(name) != flat_new.get(name):
-                changed.append(f"{name}: {_short(flat_old.get(name))} -> {_short(flat_new.get(name))}")
+            pairs = [(key, old, new)]
+        else:
+            flat_old, flat_new = _flatten(old, key), _flatten(new, key)
+            pairs = [(name, flat_old.get(name), flat_new.get(name)) for name in sorted(set(flat_old) | set(flat_new))]
+        for name, a, b in pairs:
+            if a != b and _short(a) != _short(b):
+                changed.append(f"{name.removeprefix('training.')}: {_short(a)} -> {_short(b)}")
     return changed
 
 
-def check_run_identity(identity: dict, checkpoint: str | os.PathLike, output_dir: str) -> None:
-    """Raise `ResumeError` (one line) when `checkpoint` was written by a different run."""
+def check_run_identity(identity: dict, checkpoint: str | os.PathLike, output_dir: str) -> list[tuple[str, Any, Any]]:
+    """Raise `ResumeError` (one line) when `checkpoint` was written by a different run; else return the settings
+    this run changes (`hf_llmkit.trainers.changed_settings`), after saying so in one line."""
     path = Path(checkpoint) / RUN_IDENTITY_FILE
     if not path.is_file():
         logger.info(
             "%s has no %s (written without LLMKitTrainer): resuming without the run check", checkpoint, path.name
         )
-        return
+        return []
     try:
         recorded = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise ResumeError(f"{path} is unreadable ({err}); resume from another checkpoint") from err
     changed = differences(recorded, identity)
-    if not changed:
-        return
-    shown = "; ".join(changed[:3]) + (f"; and {len(changed) - 3} more" if len(changed) > 3 else "")
-    raise ResumeError(
-        f"{checkpoint} belongs to a different run ({shown}); pass another --output_dir for this run, or "
-        f"--overwrite_output_dir true to start over in {output_dir}"
-    )
+    if changed:
+        shown = "; ".join(changed[:4]) + (f"; and {len(changed) - 4} more" if len(changed) > 4 else "")
+        raise ResumeError(
+            f"{checkpoint} belongs to a different run ({shown}); resume with the recorded values, pass another "
+            f"--output_dir for this run, or --overwrite_output_dir true to start over in {output_dir}"
+        )
+    settings = changed_settings(recorded.get("settings"), identity["settings"])
+    if settings:
+        logger.warning("resuming from %s with changed settings: %s", checkpoint, describe_changes(settings))
+    return settings

@@ -1,7 +1,8 @@
 """Every file and folder name the checkpoint lifecycle reads or writes, in one place.
 
 The Trainer's own names (`trainer_state.json`, `checkpoint-N`) are transformers' and are spelled here once; the
-rest are hf_llmkit's. Nothing else in the library spells them.
+rest are hf_llmkit's. Nothing else in the library spells them. `path_too_long` says, before any work, when a folder
+given by the user cannot hold these names (a path over PATH_MAX, a name over NAME_MAX).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ __all__ = [
     "checkpoint_folder",
     "checkpoint_step",
     "list_checkpoints",
+    "path_too_long",
+    "shown_path",
 ]
 
 # transformers' names
@@ -44,6 +47,7 @@ CORRUPT_PREFIX = "corrupt-"
 INCOMPLETE_PREFIX = "incomplete-"
 ROLLBACK_PREFIX = "llmkit-rollback"  # restart points of in-process rollbacks (hf_llmkit.trainers.recovery)
 
+ROOM = 96  # bytes a folder's path must leave for what is written inside it ("/checkpoint-123456/...")
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 
 
@@ -65,3 +69,32 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
         return []
     found = [(checkpoint_step(p), p) for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir()]
     return [p for _, p in sorted(found)]
+
+
+def _limit(folder: Path, name: str, default: int) -> int:
+    for candidate in (folder, *folder.parents):
+        try:
+            return os.pathconf(candidate, name)
+        except (OSError, ValueError):
+            continue
+    return default
+
+
+def path_too_long(path: str | os.PathLike) -> str | None:
+    """Why `path` is too long to be written into (a name over NAME_MAX, or a path leaving less than `ROOM` bytes
+    below PATH_MAX), or None."""
+    absolute = Path(os.path.abspath(path))
+    name_max = _limit(absolute, "PC_NAME_MAX", 255)
+    longest = max((len(os.fsencode(part)) for part in absolute.parts[1:]), default=0)
+    if longest > name_max:
+        return f"has a name of {longest} bytes, over the limit of {name_max} bytes per name"
+    size, limit = len(os.fsencode(str(absolute))), _limit(absolute, "PC_PATH_MAX", 4096)
+    if size + ROOM > limit:
+        return f"is {size} bytes long, too close to the path limit of {limit} for what is written inside it"
+    return None
+
+
+def shown_path(path: str | os.PathLike, limit: int = 100) -> str:
+    """`path` for a one-line message: its start and end around "..." when it is longer than `limit` characters."""
+    text = str(path)
+    return text if len(text) <= limit else f"{text[: limit // 2 - 2]}...{text[-(limit // 2 - 1) :]}"

@@ -40,7 +40,7 @@ _PERMANENT_ERRNOS = {
     errno.EFBIG,
 }
 _STREAM_ERRORS = ("PytorchStreamWriter", "file write failed", "iostream error", "unexpected pos")
-_OS_ERROR_IN_TEXT = re.compile(r"os error (\d+)")
+_OS_ERROR_IN_TEXT = re.compile(r"(?:os error|\[?errno) (\d+)", re.IGNORECASE)  # safetensors, pyarrow
 _WORDS = {
     errno.ENOSPC: "no space left on the device",
     errno.EDQUOT: "disk quota exceeded",
@@ -49,6 +49,8 @@ _WORDS = {
     errno.EROFS: "read-only filesystem",
     errno.EFBIG: "file too large (a file size limit, e.g. ulimit -f)",
     errno.EIO: "input/output error",
+    errno.ENAMETOOLONG: "a path or a name in it is too long (the limits are PATH_MAX and NAME_MAX, usually 4096 and "
+    "255 bytes)",
 }
 
 

@@ -17,7 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from hf_llmkit.checkpoints.names import TRAINER_STATE
+from hf_llmkit.checkpoints.names import TRAINER_STATE, path_too_long, shown_path
 
 __all__ = [
     "check_checkpoint_folder",
@@ -46,6 +46,9 @@ def _nearest_existing(path: Path) -> Path:
 def check_writable_folder(path: str | os.PathLike, *, flag: str) -> None:
     """`path` is a writable folder, or one that can be created (the probe creates nothing that stays)."""
     folder = Path(path)
+    too_long = path_too_long(folder)
+    if too_long:
+        raise ValueError(f"{flag} {shown_path(path)} {too_long}; pass a shorter path")
     existing = _nearest_existing(folder)
     if not existing.is_dir():
         where = "is a file" if existing == folder else f"is inside {existing}, which is a file"

@@ -11,7 +11,9 @@
   (`replace_ddp_handler`) to skip DDP's start-up broadcast and reduce expert gradients over their replicas only;
   accelerate offers no public way to pass a communication hook with its state.
 - `AcceleratedOptimizer.optimizer`: the wrapped torch optimizer (`unwrap_optimizer`), for state-dict hooks on the
-  real optimizer and for a second `Trainer.train` (a rollback) that must not wrap the wrapper again.
+  real optimizer and for a second `Trainer.train` (a rollback) that must not wrap the wrapper again;
+  `AcceleratedScheduler.scheduler` likewise (`unwrap_scheduler`): a resume with a new learning rate sets its base
+  rates.
 
 `LLMKitTrainer` forgets an evaluation-only preparation before training (hf_llmkit.trainers.eval_preparation): no
 public API undoes `prepare_model`.
@@ -33,6 +35,7 @@ __all__ = [
     "replace_ddp_handler",
     "reset_accelerator_state",
     "unwrap_optimizer",
+    "unwrap_scheduler",
 ]
 
 
@@ -66,3 +69,10 @@ def unwrap_optimizer(optimizer):
     from accelerate.optimizer import AcceleratedOptimizer
 
     return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+
+
+def unwrap_scheduler(scheduler):
+    """The torch scheduler inside accelerate's `AcceleratedScheduler` (the scheduler itself when not wrapped)."""
+    from accelerate.scheduler import AcceleratedScheduler
+
+    return scheduler.scheduler if isinstance(scheduler, AcceleratedScheduler) else scheduler

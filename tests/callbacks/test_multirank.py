@@ -1,13 +1,16 @@
 """The callbacks on 2 real gloo ranks: manifests cover every rank's files, rotation, auto-resume, no deadlock, one
-holder of the output folder's lock."""
+holder of the output folder's lock; a resume of that run on 1 rank is refused (the resume policy's ranks row)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from hf_llmkit.callbacks import latest_complete_checkpoint
+from hf_llmkit.checkpoints import ResumeError
 from hf_llmkit.testing import launch
-from tests.callbacks.multirank_support import train_two_ranks
+from tests.callbacks.multirank_support import _train, train_two_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,3 +26,6 @@ def test_two_ranks_checkpoint_rotate_and_resume(tmp_path):
     assert first["checkpoints"] == ["checkpoint-4"] and second["checkpoints"] == ["checkpoint-6"]
     assert latest_complete_checkpoint(tmp_path).endswith("checkpoint-6")
     assert ranks[0]["lock_pid"] == ranks[1]["lock_pid"] == ranks[0]["pid"]  # rank 0 holds the output folder
+    # The same job on 1 rank cannot continue the 2 ranks' data order: refused, naming only the number of ranks.
+    with pytest.raises(ResumeError, match=r"different run \(ranks: 2 -> 1\); resume with the recorded values"):
+        _train(str(tmp_path), 8)

@@ -1,4 +1,5 @@
-"""hf_llmkit.data_files: every bad data file is refused with one sentence naming the file, the place and the fix."""
+"""hf_llmkit.data_files: every bad data file is refused with one sentence naming the file, the place (its line
+number, also deep in a large file) and the fix; files are streamed, a long row in pieces."""
 
 from __future__ import annotations
 
@@ -6,14 +7,21 @@ import json
 
 import pytest
 
-from hf_llmkit.data_files import MAX_FOLDER_DEPTH, find_data_files, read_file_rows, read_text_rows
+from hf_llmkit.data_files import (
+    MAX_FOLDER_DEPTH,
+    PIECE_CHARS,
+    TextFiles,
+    find_data_files,
+    read_file_rows,
+    read_text_rows,
+)
 
 BAD_FILES = {
     "empty.txt": (b"", "empty.txt is empty"),
     "blank.txt": (b"  \n\n \t\n", "blank.txt is empty"),
-    "binary.txt": (b"\x89PNG\r\n\x1a\n\x00\x00\xff", "binary.txt is not UTF-8 text (byte 0x89 at offset 0"),
-    "nul.txt": (b"text\x00more", "nul.txt holds NUL bytes at offset 4"),
-    "latin1.jsonl": ('{"text": "caf\xe9"}\n'.encode("latin-1"), "latin1.jsonl is not UTF-8 text (byte 0xe9"),
+    "binary.txt": (b"\x89PNG\r\n\x1a\n\x00\x00\xff", "binary.txt line 1 is not UTF-8 text (byte 0x89 at offset 0"),
+    "nul.txt": (b"text\x00more", "nul.txt line 1 holds a NUL byte: a binary file"),
+    "latin1.jsonl": ('{"text": "caf\xe9"}\n'.encode("latin-1"), "latin1.jsonl line 1 is not UTF-8 text (byte 0xe9"),
     "malformed.jsonl": (b'{"text": "a"}\n{"text": oops}\n', "malformed.jsonl line 2 is not valid JSON"),
     "truncated.json": (b'[{"text": "a"}, {"text": ', "truncated.json line 1 is not valid JSON"),
     "notext.jsonl": (
@@ -85,3 +93,42 @@ def test_missing_or_unusable_paths(tmp_path, monkeypatch, kwargs, expected):
     (tmp_path / "EMPTY").mkdir()
     with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(".", r"\.")):
         find_data_files(**kwargs)
+
+
+def test_a_bad_byte_deep_in_a_large_file_is_reported_by_line_number(tmp_path):
+    path = tmp_path / "big.txt"
+    lines = [f"line {i} of plain text" for i in range(300_000)]  # several read chunks
+    lines[250_000] = "caf\xe9"
+    path.write_bytes("\n".join(lines).encode("latin-1"))
+    with pytest.raises(ValueError, match=r"big.txt line 250001 is not UTF-8 text \(byte 0xe9 at offset \d+"):
+        TextFiles([path])
+    path.write_bytes("\n".join(lines[:250_000]).encode() + b"\nok\nbad\x00byte\n")
+    with pytest.raises(ValueError, match="big.txt line 250002 holds a NUL byte"):
+        TextFiles([path])
+
+
+def test_rows_are_streamed_in_pieces_that_join_to_the_rows(tmp_path):
+    path = tmp_path / "mixed.txt"
+    long_row = " ".join(f"word{i}" for i in range(200_000))  # over PIECE_CHARS characters, on one line
+    filler = "x" * 1022 + "\r\n"  # 4,096 of them after one byte: the last "\r\n" straddles the 4 MiB read chunks
+    path.write_bytes(("\n" + filler * 4096).encode() + long_row.encode() + b"\r\nlast")
+    pieces = list(TextFiles([path]).pieces())
+    assert max(len(text) for text, _ in pieces) <= PIECE_CHARS
+    assert all(text.startswith(" ") for text, ends in pieces[4097:-1])  # cut before a space
+    rows = list(TextFiles([path]))
+    assert rows == ["x" * 1022] * 4096 + [long_row, "last"]  # "\r\n" across two chunks is one line break
+    path.write_bytes(path.read_bytes().replace(b"last", b"la\x00st"))
+    with pytest.raises(ValueError, match="mixed.txt line 4099 holds a NUL byte"):  # the line count agrees
+        TextFiles([path])
+
+
+def test_json_parsed_whole_has_a_size_limit_named_with_the_fix(tmp_path, monkeypatch):
+    import hf_llmkit.data_files as data_files
+
+    monkeypatch.setattr(data_files, "MAX_JSON_BYTES", 64)
+    (tmp_path / "a.json").write_text(json.dumps([{"text": "x" * 100}]))
+    (tmp_path / "b.jsonl").write_text('{"text": "short"}\n' + json.dumps({"text": "y" * 100}) + "\n")
+    with pytest.raises(ValueError, match=r"a.json is over 0 MB, and a .json array is parsed whole; write one JSON"):
+        read_file_rows(tmp_path / "a.json")
+    with pytest.raises(ValueError, match="b.jsonl line 2 is over 0 MB, and a JSON line is parsed whole; split"):
+        read_file_rows(tmp_path / "b.jsonl")

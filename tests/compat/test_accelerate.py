@@ -15,6 +15,7 @@ from hf_llmkit.compat.accelerate import (
     replace_ddp_handler,
     reset_accelerator_state,
     unwrap_optimizer,
+    unwrap_scheduler,
 )
 
 
@@ -53,4 +54,7 @@ def test_the_ddp_handler_and_the_wrapped_optimizer_are_where_hf_llmkit_reaches_t
     wrapped = accelerator.prepare_optimizer(inner)
     assert wrapped is not inner and unwrap_optimizer(wrapped) is inner, f"{where}: AcceleratedOptimizer.optimizer"
     assert unwrap_optimizer(inner) is inner
+    schedule = torch.optim.lr_scheduler.LambdaLR(inner, lambda step: 1.0)
+    wrapped_schedule = accelerator.prepare_scheduler(schedule)
+    assert unwrap_scheduler(wrapped_schedule) is schedule, f"{where}: AcceleratedScheduler.scheduler"
     reset_accelerator_state()

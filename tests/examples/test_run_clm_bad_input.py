@@ -62,11 +62,11 @@ def inputs(tmp_path_factory) -> Path:
 # (name, flags, expected part of the one line); {d} is the inputs folder.
 CASES = [
     ("empty-file", [*SIZES, "--train_file", "{d}/empty.txt"], "empty.txt is empty; add text or remove the file"),
-    ("binary-file", [*SIZES, "--train_file", "{d}/binary.txt"], "binary.txt is not UTF-8 text (byte 0x89 at offset 0"),
+    ("binary-file", [*SIZES, "--train_file", "{d}/binary.txt"], "binary.txt line 1 is not UTF-8 text (byte 0x89 at"),
     ("malformed-json", [*SIZES, "--train_file", "{d}/malformed.jsonl"], "malformed.jsonl line 2 is not valid JSON"),
     ("json-no-text", [*SIZES, "--train_file", "{d}/notext.jsonl"], "line 1 has no 'text' field (fields: body)"),
     ("json-text-not-str", [*SIZES, "--train_file", "{d}/number.json"], "row 1: 'text' is int, not a string"),
-    ("binary-validation", [*SIZES, "--validation_file", "{d}/binary.txt"], "binary.txt is not UTF-8 text"),
+    ("binary-validation", [*SIZES, "--validation_file", "{d}/binary.txt"], "binary.txt line 1 is not UTF-8 text"),
     ("csv-file", [*SIZES, "--train_file", "{d}/data.csv"], "unsupported suffix '.csv'; use .txt, .json or .jsonl"),
     ("no-data-files", [*SIZES, "--dataset_dir", "{d}/empty_dir"], "holds no .txt, .json or .jsonl file"),
     ("deep-dataset-dir", [*SIZES, "--dataset_dir", "{d}/deep"], "nests folders more than 32 levels deep"),
