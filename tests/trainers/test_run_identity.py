@@ -77,3 +77,17 @@ def test_readme_commands_into_the_quickstart_folder_stop_with_one_line(run_clm, 
             run_clm.run([*common, *flags])
         assert named in str(error.value)
     assert run_clm.run([*common[:-4], "--max_steps", "3", "--save_steps", "2"])["global_step"] == 3  # same run
+    # The results files stay strict JSON after a resume, and say which steps the loss covers (issue 21, 4).
+    train = _strict_json(tmp_path / "train_results.json")
+    assert train["train_loss_steps"] == "3-3" and train["train_loss"] > 0 and train["epoch"] > 0
+    run_clm.run([*common[:-4], "--max_steps", "3", "--save_steps", "2"])  # resumed at its end: no step to report
+    train = _strict_json(tmp_path / "train_results.json")
+    assert train["train_loss_steps"] == "none" and train["train_loss"] is None and train["epoch"] > 0
+    assert _strict_json(tmp_path / "all_results.json")["train_loss"] is None
+
+
+def _strict_json(path) -> dict:
+    def refuse(constant):
+        raise AssertionError(f"{path.name} holds {constant}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
