@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hf_llmkit.compat.torch import version_counter
 from hf_llmkit.quantization import _dkm as dkm
 from hf_llmkit.quantization import _edkm as edkm
 from hf_llmkit.quantization._bucketed_grad import BucketedDKM
@@ -121,7 +122,8 @@ class _Clustered:
 
     def hard_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The hard-assigned weight (what evaluation, inference and the saved checkpoint use), cached."""
-        key = (self.weight._version, self.weight.data_ptr(), self.centroids._version, self.centroids.data_ptr(), dtype)
+        w, c = self.weight, self.centroids
+        key = (version_counter(w), w.data_ptr(), version_counter(c), c.data_ptr(), dtype)
         if self._hard_cache is None or self._hard_cache[0] != key:
             w = dkm.lookup(self.centroids, self.hard_indices()).reshape(self.weight.shape).to(dtype)
             self._hard_cache = (key, w)
