@@ -32,7 +32,10 @@ BASE_TUNER_HOOKS: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "_prepare_adapter_config": (("peft_config", "model_config"), "default target_modules computed from the model"),
     "_prepare_model": (("peft_config", "model"), "fail before injection, naming close module names"),
-    "_check_target_module_exists": (("peft_config", "key"), "BitFit skips matched modules without a bias"),
+    "_check_target_module_exists": (
+        ("peft_config", "key"),
+        "never target what another adapter's modules_to_save wraps; BitFit skips matched modules without a bias",
+    ),
     "_check_merge_allowed": ((), "methods that cannot merge refuse with a message naming unload()"),
     "_check_tied_modules": (("model", "peft_config"), "P-tuning keeps tied embeddings tied without a warning"),
     "_replace_module": (

@@ -107,7 +107,15 @@ class LLMKitTuner(BaseTuner):
     target_module_mapping: ClassVar[dict] = {}  # defaults are computed from the model in _prepare_adapter_config
 
     def _prepare_model(self, peft_config: Any, model: nn.Module) -> None:
+        # Modules that an earlier adapter's `modules_to_save` wraps (the wrapper, its original, its plain copies)
+        # are never targets: peft matches names over every module, and would adapt the copies of another adapter.
+        self._saved_module_names = [n for n, m in model.named_modules() if isinstance(m, AuxiliaryTrainingWrapper)]
         check_targets_exist(model, peft_config.target_modules, type(peft_config).__name__)
+
+    def _check_target_module_exists(self, peft_config: Any, key: str) -> Any:
+        if any(key == n or key.startswith(n + ".") for n in getattr(self, "_saved_module_names", ())):
+            return False
+        return super()._check_target_module_exists(peft_config, key)
 
     def _create_and_replace(
         self,

@@ -54,8 +54,9 @@ class PTuningV2Model(LLMKitTuner):
             names = attention_module_names(self.model)
             if not names:
                 raise ValueError(
-                    "found no transformers attention module (a *Attention module with layer_idx) in the model; set "
-                    "target_modules to the names of its attention modules"
+                    f"P-tuning v2 prepends keys/values inside attention, and {type(self.model).__name__} has no "
+                    "transformers attention module (a *Attention module with layer_idx); use it with a transformers "
+                    "model, or set target_modules to the names of its attention modules"
                 )
             peft_config.target_modules = set(names)
         return peft_config
