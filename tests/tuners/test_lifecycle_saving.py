@@ -52,7 +52,7 @@ def _with_copies(family: str, tied: bool, wrappers: dict[str, ModulesToSaveWrapp
 
 
 @pytest.mark.parametrize(("case", "cell"), MTS_CELLS)
-def test_modules_to_save(case, cell):
+def test_modules_to_save(case, cell, tmp_path):
     method, family = METHODS[case.method], case.family
     inputs, plain = method.inputs(family), FAMILIES[family].inputs()  # plain: no virtual tokens
 
@@ -84,6 +84,12 @@ def test_modules_to_save(case, cell):
     moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
     assert moved <= names and moved & copy_params and any(prefix in n for n in moved)
     expected = outputs(model, inputs)
+    if cell.tied:  # saved and loaded back, the copies are tied again (the fresh-process reload: test_save_and_reload)
+        model.save_pretrained(tmp_path)
+        again = PeftModel.from_pretrained(base(), tmp_path)
+        copies = [_wrappers(again)[n].modules_to_save["default"].weight for n in ("model.embed_tokens", "lm_head")]
+        assert copies[0] is copies[1]
+        torch.testing.assert_close(outputs(again, inputs), expected, rtol=0, atol=0)
     with model.disable_adapter():  # the original modules, not the trained copies
         torch.testing.assert_close(outputs(model, plain), outputs(base(), plain), rtol=0, atol=0)
 
@@ -138,22 +144,41 @@ def _save(case, folder):
     return (family, False, str(folder), adapters), expected, names
 
 
+def _save_seed(case, cell, folder):
+    """One adapter with the seed recipe's `modules_to_save` (`cell`) saved to `folder`: the job and its outputs."""
+    method, family = METHODS[case.method], case.family
+    config = method.config(family, modules_to_save=list(cell.entries), ensure_weight_tying=cell.tied)
+    model = get_peft_model(make_model(family, cell.tied), config)
+    with torch.no_grad():
+        for p in (p for n, p in model.named_parameters() if ".modules_to_save." in n):
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+    model.save_pretrained(folder)
+    inputs = method.inputs(family)
+    return (family, cell.tied, str(folder), [("default", "", inputs)]), [outputs(model, inputs)]
+
+
 @pytest.fixture(scope="module")
 def saved(request, tmp_path_factory):
-    """Every case the session runs `test_save_and_reload` for: saved here, reloaded in one fresh interpreter."""
+    """Every case the session runs `test_save_and_reload` for (with the seed recipe's modules_to_save where it
+    applies): saved here, all reloaded in one fresh interpreter."""
     wanted = [
         item.callspec.params["case"]
         for item in request.session.items
         if getattr(item, "originalname", None) == "test_save_and_reload" and hasattr(item, "callspec")
     ]
     root = tmp_path_factory.mktemp("lifecycle")
-    jobs, results = [], {}
+    jobs, expected, results = [], [], {}
     for case in wanted:
-        job, expected, names = _save(case, root / case.id)
+        job, outs, names = _save(case, root / case.id)
         jobs.append(job)
-        results[case.id] = {"folder": root / case.id, "expected": expected, "trainable": names}
-    for case, reloaded in zip(wanted, fresh_process_outputs(jobs) if jobs else []):
-        results[case.id]["reloaded"] = reloaded
+        expected.append((case.id, "two adapters", outs))
+        results[case.id] = {"folder": root / case.id, "trainable": names, "reloads": []}
+        for cell in saved_modules(case.family)[1:] if not METHODS[case.method].embedding_saved else []:
+            job, outs = _save_seed(case, cell, root / f"{case.id}-{cell.name}")
+            jobs.append(job)
+            expected.append((case.id, cell.name, outs))
+    for (case_id, what, outs), reloaded in zip(expected, fresh_process_outputs(jobs) if jobs else []):
+        results[case_id]["reloads"].append((what, outs, reloaded))
     return results
 
 
@@ -169,13 +194,16 @@ def test_save_and_reload(case, saved):
         assert state and all(t.numel() > 0 for t in state.values())
         copy_keys = {k for k in state if f".{FAMILIES[family].one_module}." in k and prefix not in k}
         assert copy_keys and all(prefix in k for k in set(state) - copy_keys), sorted(state)  # adapter + copy only
-    for reloaded, expected in zip(result["reloaded"], result["expected"]):  # a fresh interpreter, same outputs
-        torch.testing.assert_close(reloaded, expected, rtol=0, atol=0)
+    for what, expected, reloaded in result["reloads"]:  # a fresh interpreter, the same outputs
+        assert len(reloaded) == len(expected), what
+        for one, other in zip(reloaded, expected):
+            torch.testing.assert_close(one, other, rtol=0, atol=0, msg=lambda m, what=what: f"{what}: {m}")
+    expected = result["reloads"][0][1][0]  # the default adapter's outputs before saving
 
     inputs = method.inputs(family)
     frozen = PeftModel.from_pretrained(make_model(family), folder, is_trainable=False)
     assert not trainable(frozen) and frozen.peft_config["default"].inference_mode
-    torch.testing.assert_close(outputs(frozen, inputs), result["expected"][0], rtol=0, atol=0)
+    torch.testing.assert_close(outputs(frozen, inputs), expected, rtol=0, atol=0)
     resumed = PeftModel.from_pretrained(make_model(family), folder, is_trainable=True)
     assert trainable(resumed) == result["trainable"][0]  # what get_peft_model trained, nothing more
     resumed.load_adapter(folder / "other", adapter_name="other", is_trainable=True)
@@ -186,4 +214,4 @@ def test_save_and_reload(case, saved):
         lazily = PeftModel.from_pretrained(make_model(family), folder, low_cpu_mem_usage=True)
     # weights created on the meta device, then loaded as views of the file: another CPU kernel may run, so float
     # rounding may differ
-    torch.testing.assert_close(outputs(lazily, inputs), result["expected"][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outputs(lazily, inputs), expected, rtol=1e-4, atol=1e-4)
