@@ -111,6 +111,10 @@ def test_modules_to_save(case, cell, tmp_path):
     if method.merge_error:
         refuses_in_one_line(method.merge_error, model.merge_and_unload)
     else:
+        model.merge_adapter()
+        torch.testing.assert_close(outputs(model, inputs), expected, rtol=1e-4, atol=1e-4)
+        model.unmerge_adapter()
+        torch.testing.assert_close(outputs(model, inputs), expected, rtol=1e-4, atol=1e-4)
         merged = copy.deepcopy(model).merge_and_unload(safe_merge=True)
         assert no_peft_modules_left(merged)
         torch.testing.assert_close(outputs(merged, inputs), expected, rtol=1e-4, atol=1e-4)
@@ -119,7 +123,8 @@ def test_modules_to_save(case, cell, tmp_path):
     unloaded = model.unload()  # as LoRA: the adapter goes, the trained copies stay
     assert no_peft_modules_left(unloaded)
     reference = _with_copies(family, cell.tied, wrappers)
-    torch.testing.assert_close(outputs(unloaded, plain), outputs(reference, plain), rtol=0, atol=0)
+    rounding = 0 if method.merge_error else 1e-4  # a merge and an unmerge went through the base weights
+    torch.testing.assert_close(outputs(unloaded, plain), outputs(reference, plain), rtol=rounding, atol=rounding)
 
 
 def _save(case, folder):

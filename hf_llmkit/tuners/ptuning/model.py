@@ -69,14 +69,16 @@ class PTuningModel(LLMKitTuner):
         ]
         if saved:
             entry, name = saved[0]
+            if peft_config.modules_to_tie and entry == name:  # put there by ensure_weight_tying (LLMKitTuner)
+                tied = sorted(peft_config.modules_to_tie)
+                raise ValueError(
+                    f"P-tuning v1 wraps the input embedding {name!r}, so ensure_weight_tying=True cannot tie "
+                    f"{tied} to a trained copy of it; set ensure_weight_tying=False ({tied} then train as their own "
+                    "copy)"
+                )
             raise ValueError(
                 f"P-tuning v1 wraps the input embedding {name!r} for its virtual tokens, so modules_to_save cannot "
                 f"also train it in full; remove {entry!r} from modules_to_save (other modules, e.g. 'lm_head', may "
                 "stay)"
-                + (
-                    "; ensure_weight_tying=True put it there to keep the output layer tied: set it to False"
-                    if peft_config.modules_to_tie
-                    else ""
-                )
             )
         return peft_config
