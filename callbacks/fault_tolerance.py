@@ -249,7 +249,10 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
         just now. Raises `OutputDirInUse` (every rank) when another live run holds it."""
         if self._lock is not None and self._lock[0] == args.output_dir:
             return False
-        handle = hold_output_dir(args.output_dir, main=state.is_world_process_zero, device=args.device)
+        try:
+            handle = hold_output_dir(args.output_dir, main=state.is_world_process_zero, device=args.device)
+        except ResumeError as err:
+            raise logged(err, is_main_process=state.is_world_process_zero) from None
         self._lock = (args.output_dir, handle)
         return True
 

@@ -371,10 +371,10 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     configure_console(main_process=args.training.should_log)
     set_seed(args.training.seed)
-    # one run per output folder: a second run into it stops here, before any work (held until the job ends)
-    lock = hold_output_dir(args.training.output_dir, main=args.training.process_index == 0)  # noqa: F841
     with usage_errors(OSError):  # everything the input decides is checked before training starts
         texts, held_out = check_inputs(args)
+        # one run per output folder: a second run into it stops here, before any work (held until the job ends)
+        lock = hold_output_dir(args.training.output_dir, main=args.training.process_index == 0)  # noqa: F841
         built = build_model(args, load_tokenizer(args.model))
         train, evaluation = prepare_datasets(args, built, texts, held_out)
     base_dir = write_adapter_base(args, built)

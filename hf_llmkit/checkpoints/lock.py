@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hf_llmkit.checkpoints.collectives import any_rank
-from hf_llmkit.checkpoints.endings import ResumeError, logged
+from hf_llmkit.checkpoints.endings import ResumeError
 from hf_llmkit.checkpoints.names import LOCK_FILE
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,8 @@ def _try_lock(folder: Path) -> tuple[int | None, str | None]:
 def hold_output_dir(output_dir: str | os.PathLike, *, main: bool = True, device="cpu") -> OutputDirLock:
     """Take this run's lock on `output_dir` (shared within the process); only `main` locks, every rank agrees.
 
-    Raises `OutputDirInUse` (one line, exit status 2) on every rank when another live process holds it.
+    Raises `OutputDirInUse` (one line, exit status 2; the caller logs it) on every rank when another live process
+    holds it.
     """
     folder = Path(output_dir)
     key = None
@@ -145,9 +146,8 @@ def hold_output_dir(output_dir: str | os.PathLike, *, main: bool = True, device=
             key = None
     if any_rank(busy, device):
         holder = _describe(lock_holder(folder)) if main else "see rank 0's message"
-        error = OutputDirInUse(
+        raise OutputDirInUse(
             f"output_dir {folder} is in use by another run ({holder}); let that run finish or stop it, or pass "
             "another --output_dir"
         )
-        raise logged(error, is_main_process=main)
     return OutputDirLock(key)

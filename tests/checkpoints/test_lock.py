@@ -53,10 +53,10 @@ def test_a_second_run_into_a_held_folder_stops_before_any_work_and_a_dead_holder
     writing = tmp_path / "checkpoint-3"
     before = sorted(p.name for p in tmp_path.iterdir())
     blocks_before = sorted(hermetic_cache.rglob("lm-blocks-*"))
-    with pytest.raises(OutputDirInUse) as error:  # the main job, as `main()` runs it (exit status = error.code)
+    with pytest.raises(run_clm.UsageError) as error:  # the main job: one line and exit status 2 from `main()`
         run_clm.run([*TINY, "--output_dir", str(tmp_path)])
     line = str(error.value)
-    assert error.value.code == 2 and "\n" not in line
+    assert isinstance(error.value.__cause__, OutputDirInUse) and "\n" not in line
     assert f"host {socket.gethostname()}, pid {holder.pid}, started 20" in line, line
     assert "let that run finish or stop it, or pass another --output_dir" in line
     assert sorted(hermetic_cache.rglob("lm-blocks-*")) == blocks_before  # nothing tokenized
