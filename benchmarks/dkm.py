@@ -59,7 +59,7 @@ DKM_ITERS = 3
 def _ours(rows: int, cols: int, bits: int, dtype: torch.dtype, device: torch.device):
     """(step, layer input, init seconds) of our DKM Linear (early stop off: all 3 iterations run, like the peer)."""
     torch.manual_seed(0)
-    settings = DKMSettings(bits=bits, cluster_dim=1, groups=1, dkm_iters=DKM_ITERS, epsilon=1e-12, offload=False)
+    settings = DKMSettings.build(rows, bits=bits, dkm_iters=DKM_ITERS, epsilon=1e-12, offload=False)
     layer = DKMLinear(cols, rows, False, settings, device=device, dtype=dtype)
     torch.nn.init.normal_(layer.weight, std=0.02)
     synchronize(device)

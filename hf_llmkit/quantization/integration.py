@@ -24,6 +24,7 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 
 from hf_llmkit.compat.transformers import ignore_unexpected_keys
+from hf_llmkit.quantization import engines
 from hf_llmkit.quantization.config import DKMConfig
 from hf_llmkit.quantization.layers import (
     DKMEmbedding,
@@ -92,6 +93,10 @@ def replace_with_dkm_layers(
         settings = DKMSettings.from_config(config, kind, rows)
         device, dtype = module.weight.device, module.weight.dtype
         as_packed = packed.get(name) == "packed" if isinstance(packed, dict) else packed
+        if not as_packed and config.engine != "auto":
+            reason = engines.unsupported(config.engine, dtype, config.cluster_dim, config.shard)
+            if reason is not None:
+                raise ValueError(f"DKMConfig(engine={config.engine!r}) cannot train {name!r}: {reason}.")
         if kind == "linear":
             cls = PalettizedLinear if as_packed else DKMLinear
             new = cls(cols, rows, module.bias is not None, settings, device=device, dtype=dtype)

@@ -11,8 +11,9 @@ from hf_llmkit.testing import launch
 
 def _step(uniquify: bool, shard: bool, dtype: torch.dtype, groups: int, amp: bool = False) -> tuple[torch.Tensor, ...]:
     torch.manual_seed(0)  # the same layer on every rank
-    settings = DKMSettings(bits=3, cluster_dim=1, groups=groups, uniquify=uniquify, shard=shard, epsilon=1e-9)
+    settings = DKMSettings.build(64, groups=groups, bits=3, uniquify=uniquify, shard=shard, epsilon=1e-9)
     layer = DKMLinear(128, 64, False, settings, dtype=dtype)
+    assert (layer.shard_group is not None) == shard  # made as the layer is built, not in its first forward
     torch.nn.init.normal_(layer.weight, std=0.02)
     layer.init_centroids()
     layer.train()
@@ -35,7 +36,7 @@ def rel(a, b):
 
 def shard_matches_unsharded() -> list[dict[str, float]]:
     """Every case on this rank: relative differences sharded vs unsharded (one launch: rank start-up is slow)."""
-    from hf_llmkit.quantization.layers import shard_group
+    from hf_llmkit.quantization.engines.table import make_shard_group
 
     out = []
     for uniquify, dtype_name, groups in CASES:
@@ -47,7 +48,7 @@ def shard_matches_unsharded() -> list[dict[str, float]]:
     ref = _step(True, False, torch.float32, 2)
     got = _step(True, True, torch.float32, 2, amp=True)  # under bf16 autocast: the product in bf16, DKM in fp32
     out.append({"y": rel(got[0], ref[0]), "grad": rel(got[1], ref[1]), "centroids": rel(got[2], ref[2])})
-    out.append({"sharded_world": dist.get_world_size(shard_group())})
+    out.append({"sharded_world": dist.get_world_size(make_shard_group())})
     return out
 
 
