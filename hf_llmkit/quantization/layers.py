@@ -23,7 +23,7 @@ from torch import nn
 
 from hf_llmkit.compat.torch import version_counter
 from hf_llmkit.quantization import _dkm as dkm
-from hf_llmkit.quantization import engines
+from hf_llmkit.quantization import engines, steps
 from hf_llmkit.quantization._packing import pack_indices, packed_numel, unpack_indices
 from hf_llmkit.quantization.config import DKMConfig
 from hf_llmkit.quantization.engines.table import make_shard_group
@@ -91,6 +91,7 @@ class _Clustered:
         k = 1 << settings.bits
         self.register_buffer("centroids", torch.zeros(settings.groups, k, settings.cluster_dim, device=device))
         self._hard_cache: tuple | None = None
+        self.dkm_step: steps.Step | None = None
         self.dkm_initialised = False
         self.register_load_state_dict_pre_hook(_accept_checkpoint_tensors)
 
@@ -145,9 +146,9 @@ class _Clustered:
         marshal = MarshalHooks(offload=True, exclude=() if x is None else (x,)) if cfg.offload else None
         device = self.weight.device.type
         with marshal if marshal is not None else contextlib.nullcontext(), torch.autocast(device, enabled=False):
-            result, cents = engines.soft_cluster(x, self.weight, self.centroids, self.settings, self.shard_group)
-        with torch.no_grad():
-            self.centroids.copy_(cents.detach())
+            start = steps.start_of_step(self, self._vectors(self.weight))  # the same for every forward of a step
+            result, cents = engines.soft_cluster(x, self.weight, start, self.settings, self.shard_group)
+        steps.finish_forward(self, cents)
         self.last_marshal = marshal.stats if marshal is not None else None
         return result
 
@@ -156,13 +157,15 @@ def _accept_checkpoint_tensors(module, state_dict, prefix, *_args) -> None:
     """Load-state-dict pre-hook of the DKM layers: take a checkpoint's training state, or rebuild from a compact one.
 
     - `weight` + `centroids` present (a Trainer checkpoint written with `keep_training_state`): they load as they
-      are, bit for bit; the packed copy next to them is dropped.
+      are, bit for bit, with the optimizer step's `step_start` / `step_key` (`steps.py`); the packed copy next to
+      them is dropped.
     - only `weight_packed` + `weight_lut` (a compact checkpoint): the latent weight restarts from the hard-assigned
       weight and the table from the lookup table (a warning says a resumed run will not match bit for bit).
     Tables must be complete and finite; anything else is a ValueError naming the tensor.
     """
     packed = state_dict.pop(prefix + "weight_packed", None)
     lut = state_dict.pop(prefix + "weight_lut", None)
+    steps.take_step_state(module, state_dict, prefix)
     shape = module.table_shape
     if prefix + "centroids" in state_dict:
         check_table(prefix + "centroids", state_dict[prefix + "centroids"], shape)
@@ -267,7 +270,7 @@ class _Packed(nn.Module):
 
 def _check_packed_tensors(module, state_dict, prefix, *_args) -> None:
     """Load-state-dict pre-hook of the packed layers: drop a training checkpoint's extra tensors, check the table."""
-    for extra in ("weight", "centroids"):
+    for extra in ("weight", "centroids", *steps.STEP_NAMES):
         state_dict.pop(prefix + extra, None)
     lut = state_dict.get(prefix + "weight_lut")
     if lut is not None:
