@@ -45,17 +45,24 @@ def dkm(model, bits: int, skip, train: Callable | None, **options) -> float:
 # ---- trained peers -----------------------------------------------------------------------------------------------
 
 
-def torchao_qat(model, bits: int, skip, train: Callable, group_size: int = 64) -> float:
-    """torchao QAT: int`bits` symmetric weight-only fake quantization per group (fp32 scales), then training."""
+def torchao_qat(model, bits: int, skip, train: Callable, group_size: int | None = 64) -> float:
+    """torchao QAT: int`bits` symmetric weight-only fake quantization per group of `group_size` inputs (None: one
+    scale per output channel), fp32 scales, then training."""
     from torchao.quantization import quantize_
     from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
 
     dtype = getattr(torch, f"int{bits}")
-    config = QATConfig(weight_config=IntxFakeQuantizeConfig(dtype, group_size=group_size, is_symmetric=True))
+    if group_size is None:
+        weight_config = IntxFakeQuantizeConfig(dtype, granularity="per_channel", is_symmetric=True)
+    else:
+        weight_config = IntxFakeQuantizeConfig(dtype, group_size=group_size, is_symmetric=True)
     targets = linears(model, skip)
-    quantize_(model, config, filter_fn=lambda m, name: name in targets)
+    scales = sum(
+        m.weight.shape[0] * (1 if group_size is None else m.weight.shape[1] // group_size) for m in targets.values()
+    )
+    quantize_(model, QATConfig(weight_config=weight_config), filter_fn=lambda m, name: name in targets)
     train(model)
-    return bits + 32 / group_size
+    return (_numel(targets) * bits + scales * 32) / _numel(targets)
 
 
 def coreml_dkm(model, bits: int, skip, train: Callable) -> float:

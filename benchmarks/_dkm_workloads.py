@@ -92,18 +92,24 @@ class MiniLM:
         return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
-def lm_recipe(out_dir: Path, steps: int) -> list[str]:
-    """The one command that pretrains the causal LM (`python examples/run_clm.py <these flags>`): ~24M parameters
-    (hidden 512, 6 layers, vocabulary 4,096 BPE trained on the corpus), `steps` steps of 8 x 256 tokens."""
+LM_SIZES = {  # run_clm.py flags of each size (vocabulary: 4,096 BPE tokens trained on the corpus)
+    "24m": ["--hidden_size", "512", "--intermediate_size", "1376", "--num_hidden_layers", "6"],  # ~24M parameters
+    "5m": [],  # run_clm's defaults: hidden 256, 4 layers, ~5M parameters
+}
+
+
+def lm_recipe(out_dir: Path, steps: int, size: str = "24m") -> list[str]:
+    """The one command that pretrains the causal LM (`python examples/run_clm.py <these flags>`), `steps` steps of
+    run_clm's default batches on the embedded corpus."""
     return [
-        "--output_dir", str(out_dir), "--max_steps", str(steps), "--hidden_size", "512", "--intermediate_size", "1376",
-        "--num_hidden_layers", "6", "--save_strategy", "no", "--overwrite_output_dir", "--disable_tqdm", "true",
-        "--logging_steps", "50", "--learning_rate", "1e-3", "--warmup_steps", "30",
+        "--output_dir", str(out_dir), "--max_steps", str(steps), *LM_SIZES[size], "--save_strategy", "no",
+        "--overwrite_output_dir", "--disable_tqdm", "true", "--logging_steps", "50", "--learning_rate", "1e-3",
+        "--warmup_steps", "30",
     ]  # fmt: skip
 
 
 class CausalLM:
-    name = "Llama ~24M, pretrained here"
+    name = "Llama pretrained here"
     skip = ("lm_head",)
     metrics = ("ppl", "worst_block_ratio")
 
@@ -114,11 +120,11 @@ class CausalLM:
         self.reference = self._block_losses(self.teacher)
 
     @staticmethod
-    def ensure(model_dir: Path, steps: int) -> Path:
+    def ensure(model_dir: Path, steps: int, size: str) -> Path:
         """The pretrained checkpoint in `model_dir`, trained there by `lm_recipe` when missing."""
         if not (Path(model_dir) / "model.safetensors").is_file():
             print(f"  causal LM: pretraining {steps} steps into {model_dir}", file=sys.stderr, flush=True)
-            _run_clm().run(lm_recipe(Path(model_dir), steps))
+            _run_clm().run(lm_recipe(Path(model_dir), steps, size))
         return Path(model_dir)
 
     def load(self):

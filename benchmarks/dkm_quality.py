@@ -22,6 +22,7 @@ Writes benchmarks/results/dkm_quality.json and dkm_quality.png (quality against 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -33,7 +34,20 @@ import torch
 from _common import Bench, PeakMemory, load_note, machine_state, markdown_table, write_results
 from _dkm_workloads import CausalLM, MiniLM, lm_recipe, make_trainer
 
-LM_DIR = Path.home() / ".cache" / "hf_llmkit" / "dkm_quality_lm"
+LM_DIR = Path.home() / ".cache" / "hf_llmkit" / "dkm_quality_lm"  # + "_<size>"
+
+
+def save(results: dict) -> Path:
+    """Write the results, keeping the sections of an earlier run that this one did not measure (`--only`)."""
+    from _common import RESULTS
+
+    path = RESULTS / "dkm_quality.json"
+    if path.is_file():
+        earlier = json.loads(path.read_text())
+        results = {**earlier, **results, "workloads": {**earlier.get("workloads", {}), **results["workloads"]}}
+        if "step_times" not in results and "step_times" in earlier:
+            results["step_times"] = earlier["step_times"]
+    return write_results("dkm_quality", results)
 
 
 def methods(bits: int, args) -> dict[str, tuple]:
@@ -42,12 +56,14 @@ def methods(bits: int, args) -> dict[str, tuple]:
         f"DKM {bits}-bit (ours)": (peers.dkm, True, {}),
         f"k-means {bits}-bit, no training (ours)": (peers.dkm, False, {}),
         f"torchao QAT int{bits} g64": (peers.torchao_qat, True, {}),
+        f"torchao QAT int{bits} per channel": (peers.torchao_qat, True, {"group_size": None}),
         f"coremltools k-means {bits}-bit": (peers.coreml_kmeans, False, {}),
         f"HQQ {bits}-bit g64": (peers.hqq, False, {}),
     }  # fmt: skip
-    if not args.quick:
+    if args.grouped:
         grouped = {"granularity": "per_grouped_channel", "group_size": 16}
         out[f"DKM {bits}-bit, a table per 16 channels (ours)"] = (peers.dkm, True, grouped)
+    if not args.quick:
         out[f"GPTQ {bits}-bit g64 (llmcompressor)"] = (peers.gptq, False, {"calibration": None})
     if args.coreml_dkm:
         out[f"coremltools DKMPalettizer {bits}-bit"] = (peers.coreml_dkm, True, {})
@@ -101,7 +117,7 @@ def step_times(args) -> dict:
             model.zero_grad(set_to_none=True)
 
         variants[label] = step
-    timings = Bench(rounds=2 if args.quick else 5, warmup=1).run(variants, baseline="plain fp32")
+    timings = Bench(rounds=args.step_rounds, warmup=1).run(variants, baseline="plain fp32")
     print("\n### One MiniLM training step (16 sentences), ratio to the plain fp32 step\n")
     print(timings.table())
     return timings.to_json()
@@ -162,9 +178,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps of every trained method")
     parser.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate of every trained method")
     parser.add_argument("--only", nargs="*", choices=["minilm", "lm", "steps"], default=None)
-    parser.add_argument("--lm-dir", type=Path, default=LM_DIR, help="pretrained causal LM (trained there if missing)")
+    parser.add_argument("--lm-dir", type=Path, default=None, help="pretrained causal LM (trained there if missing)")
+    parser.add_argument("--lm-size", default="24m", choices=["24m", "5m"], help="the causal LM's size")
     parser.add_argument("--lm-pretrain-steps", type=int, default=600, help="steps of the causal LM's pretraining")
     parser.add_argument("--coreml-dkm", action="store_true", help="also train coremltools' DKMPalettizer (slow)")
+    parser.add_argument("--grouped", action="store_true", help="also DKM with a table per 16 output channels")
+    parser.add_argument("--step-rounds", type=int, default=3, help="timed rounds of the step-time section")
     args = parser.parse_args()
     args.steps = args.steps if args.steps is not None else (1 if args.quick else 40)
     # --quick: only the first encoder layer's intermediate.dense is quantized (everything else is skipped)
@@ -179,24 +198,29 @@ def main() -> None:
         rows = run_workload(w, args)
         results["workloads"][w.name] = {"metrics": w.metrics, "rows": rows, "held_out": len(w.held_out)}
         print_table(w.name, w.metrics, rows)
-        write_results("dkm_quality", results)  # each finished section is kept
+        save(results)  # each finished section is kept
     if "lm" in sections:
-        model_dir = CausalLM.ensure(args.lm_dir, args.lm_pretrain_steps)
+        lm_dir = args.lm_dir or LM_DIR.with_name(f"{LM_DIR.name}_{args.lm_size}")
+        model_dir = CausalLM.ensure(lm_dir, args.lm_pretrain_steps, args.lm_size)
         w = CausalLM(model_dir, quick=args.quick)
         rows = run_workload(w, args)
-        recipe = "python examples/run_clm.py " + " ".join(lm_recipe(Path("<dir>"), args.lm_pretrain_steps))
+        flags = lm_recipe(Path("<dir>"), args.lm_pretrain_steps, args.lm_size)
+        params = sum(p.numel() for p in w.teacher.parameters())
+        w.name = f"{w.name} ({params / 1e6:.1f}M parameters)"
         results["workloads"][w.name] = {
             "metrics": w.metrics,
             "rows": rows,
-            "recipe": recipe,
+            "recipe": "python examples/run_clm.py " + " ".join(flags),
             "eval_blocks": len(w.val),
         }
         print_table(w.name, w.metrics, rows)
-        write_results("dkm_quality", results)
+        save(results)
     if "steps" in sections:
         results["step_times"] = step_times(args)
     results["machine_after"] = machine_state()
     results["seconds"] = time.perf_counter() - start
+    out = save(results)
+    results = json.loads(out.read_text())
     results["plot"] = str(plot(results))
     out = write_results("dkm_quality", results)
     print(f"\n{load_note(results['machine_before'], results['machine_after'])}; wrote {out}")
