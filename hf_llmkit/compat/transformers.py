@@ -39,6 +39,13 @@ docstrings say); `from_pretrained` hands the first one `checkpoint_files`, which
   reports on load. A DKM Trainer checkpoint holds two representations of each clustered layer (the training state
   and the packed export); the representation the loaded layer does not use is expected, not unexpected.
 
+**Router logits.** `output_router_logits=True` (and TRL's `SFTTrainer`, which turns it on for every model whose
+config has `router_aux_loss_coef`) collects each MoE layer's router logits through forward hooks that transformers
+installs on the modules of its own router classes (`_can_record_outputs`); an `MoELayer` router inside a Mixtral /
+Qwen2-MoE model is not of those classes, so nothing was collected and the load-balancing loss failed on an empty
+tuple. `record_router_logits` installs the same hook (`utils.output_capturing.install_output_capuring_hook`, inactive
+unless a forward asks for router logits) on our router.
+
 `tests/compat/test_transformers*.py` fail when any of these is gone or changed its parameters.
 """
 
@@ -81,6 +88,7 @@ __all__ = [
     "missing_quantizer_internals",
     "missing_trainer_internals",
     "model_eager_attention",
+    "record_router_logits",
 ]
 
 
@@ -154,3 +162,23 @@ def ignore_unexpected_keys(model, patterns: list[str]) -> None:
     """Add regex `patterns` to the keys a load of `model` does not report as unexpected."""
     current = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
     model._keys_to_ignore_on_load_unexpected = current | set(patterns)
+
+
+# --- router logits -----------------------------------------------------------------------------------------------
+
+
+def _router_hook_installer() -> Callable[..., Any] | None:
+    from transformers.utils import output_capturing
+
+    return getattr(output_capturing, "install_output_capuring_hook", None)
+
+
+def record_router_logits(router: Any) -> bool:
+    """Let transformers collect `router`'s logits (the first element of its output) as `router_logits`, like its
+    own router modules' (so `output_router_logits=True` and its load-balancing loss see them). False when the
+    installed transformers has no such hook (`tests/compat/test_transformers_router_logits.py` fails then)."""
+    install = _router_hook_installer()
+    if install is None:
+        return False
+    install(router, "router_logits", 0)
+    return True
