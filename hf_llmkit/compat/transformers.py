@@ -39,6 +39,10 @@ docstrings say); `from_pretrained` hands the first one `checkpoint_files`, which
   reports on load. A DKM Trainer checkpoint holds two representations of each clustered layer (the training state
   and the packed export); the representation the loaded layer does not use is expected, not unexpected.
 
+**Renamed keywords.** transformers 5.24 renames the KV-cache keyword of every model's forward from
+`past_key_values` to `cache` (the old name is deprecated until 5.40). `cache_keyword(model)` is the name the
+installed transformers takes, so code and tests that pass a cache work on both sides of the rename.
+
 **Router logits.** `output_router_logits=True` (and TRL's `SFTTrainer`, which turns it on for every model whose
 config has `router_aux_loss_coef`) collects each MoE layer's router logits through forward hooks that transformers
 installs on the modules of its own router classes (`_can_record_outputs`); an `MoELayer` router inside a Mixtral /
@@ -82,6 +86,7 @@ __all__ = [
     "TRAINER_PRIVATE_HOOKS",
     "TRAINER_PRIVATE_PARAMETERS",
     "ConfigReportingKernel",
+    "cache_keyword",
     "configured_attention",
     "ignore_unexpected_keys",
     "keep_in_fp32_modules",
@@ -162,6 +167,12 @@ def ignore_unexpected_keys(model, patterns: list[str]) -> None:
     """Add regex `patterns` to the keys a load of `model` does not report as unexpected."""
     current = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
     model._keys_to_ignore_on_load_unexpected = current | set(patterns)
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword `model`'s forward takes its KV cache by: `"cache"` from transformers 5.24, else
+    `"past_key_values"`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 # --- router logits -----------------------------------------------------------------------------------------------
