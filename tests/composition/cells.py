@@ -141,7 +141,7 @@ def _deepspeed(stage: int) -> dict | None:
     }
 
 
-def _common_args(setup: Setup, out_dir: Path) -> dict[str, Any]:
+def _common_args(setup: Setup, out_dir: Path, device: str) -> dict[str, Any]:
     """The arguments every cell's Trainer gets (SGD at a constant rate, one batch per step, a log every step)."""
     return dict(
         output_dir=str(out_dir), per_device_train_batch_size=ROWS // setup.data_parallel, max_steps=STEPS,
@@ -149,15 +149,15 @@ def _common_args(setup: Setup, out_dir: Path) -> dict[str, Any]:
         max_grad_norm=0.0, logging_steps=1, report_to=[], train_sampling_strategy="sequential", disable_tqdm=True,
         dataloader_num_workers=0, gradient_checkpointing=setup.gc,
         **({setup.precision: True} if setup.precision else {}),
-        **({"use_cpu": True} if setup.precision or setup.fsdp else {}),  # accelerate: autocast / FSDP on CPU ranks
+        **({"use_cpu": True} if device == "cpu" and (setup.precision or setup.fsdp or setup.trl) else {}),
     )  # fmt: skip
 
 
-def train_cell(setup: Setup, out_dir: Path, base_dir: str) -> dict[str, Any]:
-    """Train the cell on this rank; save the model to `out_dir/final`."""
+def train_cell(setup: Setup, out_dir: Path, base_dir: str, device: str = "cpu") -> dict[str, Any]:
+    """Train the cell on this rank (on `device`: "cuda" for tests/gpu); save the model to `out_dir/final`."""
     from hf_llmkit import LLMKitTrainingArguments
 
-    common = _common_args(setup, out_dir)
+    common = _common_args(setup, out_dir, device)
     saved = out_dir / "final"
     if setup.trl:
         model = build_model(setup, base_dir, with_peft=False)  # SFTTrainer applies the PEFT config itself
@@ -184,7 +184,7 @@ def train_cell(setup: Setup, out_dir: Path, base_dir: str) -> dict[str, Any]:
         # into another implementation (an upcycled MoE saves as native Mixtral) is compared without its roundings.
         model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False).eval()
         with torch.no_grad():
-            logits = model(**probe_batch()).logits.float()
+            logits = model(**_to(probe_batch(), device)).logits.float().cpu()
     drift = _rank_drift(trainer.model) if setup.ranks > 1 and setup.zero != 3 and not setup.fsdp else 0.0
     if not setup.trl or not setup.peft:
         trainer.save_model(str(saved))
@@ -225,7 +225,11 @@ def run_cells(names: list[str], workdir: str, base_dir: str) -> dict[str, dict]:
     return results
 
 
-def reference(setup: Setup, base_dir: str) -> tuple[list[float], torch.Tensor]:
+def _to(batch: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def reference(setup: Setup, base_dir: str, device: str = "cpu") -> tuple[list[float], torch.Tensor]:
     """The single-rank equivalent in this process: the same model, a plain SGD loop on the same batches, under the
     same autocast (fp16: with a `GradScaler` of accelerate's settings) and loss (TRL: its fused LM-head loss)."""
     single = setup.single_rank()
@@ -238,12 +242,13 @@ def reference(setup: Setup, base_dir: str) -> tuple[list[float], torch.Tensor]:
             torch.manual_seed(ADAPTER_SEED)
             model = get_peft_model(model, peft_config(setup.peft))
         model.train()
+    model.to(device)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=learning_rate(setup))
-    scaler = grad_scaler(setup)
-    batch = default_data_collator(make_rows())
+    scaler = grad_scaler(setup, device)
+    batch = _to(default_data_collator(make_rows()), device)
     losses = []
     for _ in range(STEPS):
-        with autocast(setup):
+        with autocast(setup, device):
             loss = reference_loss(setup, model, batch)
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -252,7 +257,7 @@ def reference(setup: Setup, base_dir: str) -> tuple[list[float], torch.Tensor]:
         losses.append(loss.item())
     model.eval()
     with torch.no_grad():  # in fp32, as `train_cell` evaluates the trained model
-        return losses, model(**probe_batch()).logits.float()
+        return losses, model(**_to(probe_batch(), device)).logits.float().cpu()
 
 
 def reload(setup: Setup, base_dir: str, saved: str) -> torch.Tensor:

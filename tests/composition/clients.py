@@ -99,9 +99,7 @@ def train_trl_cell(setup: Setup, out_dir: Path, common: dict[str, Any], model, r
 
     from hf_llmkit.corpus import corpus_tokenizer
 
-    common = {k: v for k, v in common.items() if k != "gradient_checkpointing"} | {
-        "use_cpu": True
-    }  # TRL's default (on) applies
+    common = {k: v for k, v in common.items() if k != "gradient_checkpointing"}  # TRL's default (on) applies
     args = SFTConfig(**common, seed=ADAPTER_SEED, save_strategy="steps", save_steps=common["max_steps"])
     data = Dataset.from_list([{k: v.tolist() for k, v in row.items()} for row in rows])
     return SFTTrainer(
