@@ -135,6 +135,7 @@ def _cell(feature: str, partner: str, *, slow: bool = True) -> Cell:
     if setup.dkm_shard:
         setup = replace(setup, dkm=True)
     expected, match = REFUSED.get((feature, partner), ("ok", ""))
+    expected = KNOWN_BUGS.get((feature, partner), expected)
     return Cell(feature, partner, setup, expected, slow, match)
 
 
@@ -149,6 +150,14 @@ REFUSED[("moe", "bnb4")] = (
     "refused: experts copy full-precision MLPs; upcycle before quantizing",
     "upcycle_to_moe needs a full-precision dense model, this one is quantized (bitsandbytes)",
 )
+# Pairs that should work and do not yet, with the bug (README shows it; the test is an expected failure that is not
+# run: the failure leaves the other rank waiting in a collective until the launch times out).
+KNOWN_BUGS: dict[tuple[str, str], str] = {
+    ("dkm", "fsdp2"): (
+        "known bug: the save exports DKM's packed indices from one rank's FSDP2 shard of the weights "
+        "(quantization/integration.dkm_state_dict)"
+    ),
+}
 # One representative per row runs in `make test` (one 2-rank launch serves all three).
 QUICK = {("lora", "sp2"), ("moe", "ep2"), ("dkm", "shard2")}
 

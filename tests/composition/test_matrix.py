@@ -62,7 +62,7 @@ class MatrixRuns:
 
     def result(self, c: Cell) -> dict:
         if c.name not in self.results:  # the group's cells this session runs (all of them, or those `-k` picked)
-            group = [o for o in CELLS if o.name in self.selected and _group(o) == _group(c)]
+            group = [o for o in CELLS if o.name in self.selected and _group(o) == _group(c) and o.expected == "ok"]
             names = [o.name for o in group]
             ranks = launch(
                 run_cells, names, str(self.workdir), str(self.base_dir), nprocs=c.setup.ranks,
@@ -93,10 +93,17 @@ def runs(tmp_path_factory, base_dir, request) -> MatrixRuns:
 
 
 def _param(c: Cell):
-    return pytest.param(c.name, id=c.name, marks=[pytest.mark.slow] if c.slow else [])
+    marks = [pytest.mark.slow] if c.slow else []
+    if c.expected.startswith("known bug"):
+        marks.append(pytest.mark.xfail(reason=c.expected, run=False))
+    return pytest.param(c.name, id=c.name, marks=marks)
 
 
-@pytest.mark.parametrize("name", [_param(c) for c in CELLS if c.expected == "ok"])
+def _should_work(c: Cell) -> bool:
+    return c.expected == "ok" or c.expected.startswith("known bug")
+
+
+@pytest.mark.parametrize("name", [_param(c) for c in CELLS if _should_work(c)])
 def test_pair_trains_saves_reloads_and_matches_single_rank(name, runs, base_dir):
     c = next(o for o in CELLS if o.name == name)
     result = runs.result(c)
@@ -124,7 +131,7 @@ def test_pair_trains_saves_reloads_and_matches_single_rank(name, runs, base_dir)
     )
 
 
-@pytest.mark.parametrize("name", [c.name for c in CELLS if c.expected != "ok"])
+@pytest.mark.parametrize("name", [c.name for c in CELLS if not _should_work(c)])
 def test_pair_that_cannot_work_is_refused_before_any_work(name, base_dir):
     c = next(o for o in CELLS if o.name == name)
     with pytest.raises(ValueError, match=re.escape(c.match)) as err:
