@@ -14,7 +14,7 @@ def test_the_router_logits_hook_is_still_there_with_its_parameters():
     install = _router_hook_installer()
     assert install is not None, (
         f"transformers {transformers.__version__} (checked against {CHECKED_AGAINST}) no longer has "
-        "utils.output_capturing.install_output_capuring_hook: update hf_llmkit.compat.transformers.record_router_logits"
+        "utils.output_capturing.install_output_capuring_hook: update compat.transformers.record_router_logits"
     )
     assert list(inspect.signature(install).parameters)[:3] == ["module", "key", "index"]
     from transformers.models.mixtral.modeling_mixtral import MixtralPreTrainedModel

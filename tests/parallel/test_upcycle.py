@@ -123,7 +123,8 @@ def test_a_quantized_model_is_refused_upcycle_first():
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_router_logits_and_load_balancing_loss_equal_the_native_moe_model(name, tmp_path):
     """`output_router_logits=True` (what TRL's SFTTrainer turns on for MoE configs) collects every MoELayer's router
-    logits, so the model's load-balancing loss is the one transformers' own MoE model computes from the same weights."""
+    logits, so the model's load-balancing loss is the one transformers' own MoE model computes from the same
+    weights."""
     moe = upcycle_to_moe(dense_models()[name], num_experts=4, top_k=2)
     for layer in moe_layers(moe):
         layer.gate.weight.add_(torch.randn_like(layer.gate.weight))  # a router that prefers some experts
