@@ -48,6 +48,13 @@ resume bit for bit without the user knowing the callback; transformers has no pu
 `past_key_values` to `cache` (the old name is deprecated until 5.40). `cache_keyword(model)` is the name the
 installed transformers takes, so code and tests that pass a cache work on both sides of the rename.
 
+**Router logits.** `output_router_logits=True` (and TRL's `SFTTrainer`, which turns it on for every model whose
+config has `router_aux_loss_coef`) collects each MoE layer's router logits through forward hooks that transformers
+installs on the modules of its own router classes (`_can_record_outputs`); an `MoELayer` router inside a Mixtral /
+Qwen2-MoE model is not of those classes, so nothing was collected and the load-balancing loss failed on an empty
+tuple. `record_router_logits` installs the same hook (`utils.output_capturing.install_output_capuring_hook`, inactive
+unless a forward asks for router logits) on our router.
+
 `tests/compat/test_transformers*.py` fail when any of these is gone or changed its parameters.
 """
 
@@ -92,6 +99,7 @@ __all__ = [
     "missing_quantizer_internals",
     "missing_trainer_internals",
     "model_eager_attention",
+    "record_router_logits",
 ]
 
 
@@ -179,3 +187,23 @@ def cache_keyword(model: Any) -> str:
     """The keyword `model`'s forward takes its KV cache by: `"cache"` from transformers 5.24, else
     `"past_key_values"`."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+# --- router logits -----------------------------------------------------------------------------------------------
+
+
+def _router_hook_installer() -> Callable[..., Any] | None:
+    from transformers.utils import output_capturing
+
+    return getattr(output_capturing, "install_output_capuring_hook", None)
+
+
+def record_router_logits(router: Any) -> bool:
+    """Let transformers collect `router`'s logits (the first element of its output) as `router_logits`, like its
+    own router modules' (so `output_router_logits=True` and its load-balancing loss see them). False when the
+    installed transformers has no such hook (`tests/compat/test_transformers_router_logits.py` fails then)."""
+    install = _router_hook_installer()
+    if install is None:
+        return False
+    install(router, "router_logits", 0)
+    return True
