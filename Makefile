@@ -5,6 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,deepspeed,bnb,bench
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hf_llmkit-installed
@@ -36,11 +37,11 @@ test-all: install  # also the cells marked slow (composition matrix, every kill-
 test-gpu: install  # the tests marked gpu, on a CUDA machine
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
-bench: install
-	@set -e; for script in benchmarks/[!_]*.py; do \
-		case $$script in */adapterhub_peer.py) continue;; esac; \
-		echo "== $$script"; $(PY) $$script; \
-	done  # _*.py are shared modules; adapterhub_peer.py is run by peft_methods.py in its own environment
+bench: install  # every benchmark script (those with a __main__ block); `make bench BENCH_ARGS=--quick`: smoke tests
+	@set -e; for script in $$(grep -l '^if __name__ == "__main__":' benchmarks/[!_]*.py); do \
+		case $$script in */adapterhub_peer.py|*/ci_time.py|*/report.py) continue;; esac; \
+		echo "== $$script"; $(PY) $$script $(BENCH_ARGS); \
+	done  # _*.py, dkm_* sections: modules; adapterhub_peer.py: run by peft_methods.py; ci_time.py, report.py: see benchmarks/README.md
 
 lint: install
 	$(PY) -m ruff check .
