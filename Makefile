@@ -9,8 +9,10 @@ BENCH_ARGS ?=
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hf_llmkit-installed
+LOWEST_VENV ?= .venv-lowest
+LOWEST_PY := $(LOWEST_VENV)/bin/python
 
-.PHONY: install quickstart test test-all test-gpu bench lint format clean
+.PHONY: install quickstart test test-fast test-lowest test-gpu bench lint format clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,13 +28,22 @@ install: $(STAMP)
 quickstart: install
 	$(PY) examples/run_clm.py
 
-test: install
+test: install  # the whole suite: what CI runs (tests marked gpu skip with their reason without a CUDA device)
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-all: install  # also the cells marked slow (composition matrix, every kill-and-resume case)
+test-fast: install  # for your own loops: without the cells marked slow
 	$(PY) -m ruff check .
-	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# One test file per capability (.ci/capabilities) against the lowest torch, transformers, peft and accelerate that
+# pyproject.toml declares, in a virtual environment of their own; CI runs it after `make test`.
+test-lowest:
+	$(PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_PY) -m pip install "$$($(PYTHON) .ci/lowest_versions.py torch)"
+	$(LOWEST_PY) -m pip install -e ".[dev,deepspeed,bnb]" $$($(PYTHON) .ci/lowest_versions.py transformers peft accelerate)
+	$(LOWEST_PY) -m pip list 2>/dev/null | grep -iE "^(torch|transformers|peft|accelerate) "
+	$(LOWEST_PY) -m pytest -m "not slow" $(PYTEST_ARGS) $$(grep -v '^#' .ci/capabilities)
 
 test-gpu: install  # the tests marked gpu, on a CUDA machine
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
@@ -52,4 +63,4 @@ format: install
 	$(PY) -m ruff format .
 
 clean:
-	rm -rf outputs .pytest_cache .ruff_cache *.egg-info
+	rm -rf outputs .pytest_cache .ruff_cache *.egg-info $(LOWEST_VENV)

@@ -100,7 +100,7 @@ class Case:
     marker: str  # in the name of every adapter parameter
     identity_at_init: bool = True
     mergeable: bool = False
-    slow: bool = False  # a variant proven cheaper elsewhere: `make test-all` runs it, `make test` does not
+    slow: bool = False  # a variant proven cheaper elsewhere: `make test` (CI) runs it, `make test-fast` does not
 
 
 def _bottleneck(**kw):
