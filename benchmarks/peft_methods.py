@@ -267,7 +267,7 @@ def main() -> None:
     if args.quality_steps > 0:
         shape = dict(seq=32, batch_size=2, held_out_blocks=8) if args.quick else dict(seq=64, batch_size=8)
         quality = quality_run(args.quality_steps, device=device, **shape)
-        report["quality"] = quality
+        report["quality"], report["quality_steps"] = quality, args.quality_steps
         lines += [
             f"\n### Quality: MiniLM masked-LM perplexity on a held-out corpus slice after {args.quality_steps} "
             "steps (lower is better)\n",

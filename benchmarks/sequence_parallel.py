@@ -21,9 +21,10 @@ longest sequence is the largest multiple of 64 * sp tokens whose peak stays with
 (at most x4 a step) from the probe length, then closing the bracket with affine interpolation and bisection
 (`_longest_search`), never above the length at which the embedding output alone fills the budget.
 
-The losses of all variants at the first probe length are compared (they agree to fp32 rounding). Gradients are
-not: DeepSpeed's `TiledFusedLogitsLoss` computes the LM head's weight gradient inside its forward, so a scale applied
-to its output afterwards (the token mean here, gradient accumulation, fp16 loss scaling) reaches the hidden states'
+The losses of all variants at the first probe length are compared (they agree to fp32 rounding), and at sp = 1 the
+norm of each variant's LM-head weight gradient against the plain model's. DeepSpeed's ALST differs:
+its `TiledFusedLogitsLoss` computes the LM head's weight gradient inside its forward, so a scale applied to its
+output afterwards (the token mean here, gradient accumulation, fp16 loss scaling) reaches the hidden states'
 gradient but not the head's -- ours (checkpointed chunks) gives the untiled gradients.
 
 Step time: every variant at `--time-seq` tokens, in interleaved rounds with the order rotated each round
@@ -139,6 +140,7 @@ def _ours(switches: str, group) -> callable:
             else:
                 loss = F.cross_entropy(model(**inputs).logits[0].float(), targets[0], ignore_index=IGNORE_INDEX)
         loss.backward()
+        _note_head_grad(f"hf_llmkit {switches}", model)
         model.zero_grad(set_to_none=True)
         return loss.item()
 
@@ -166,10 +168,21 @@ def _deepspeed(switches: str, group, world: int) -> callable:
         else:
             loss = sequence_parallel_loss(engine(**inputs).logits, targets, group=group)
         engine.backward(loss) if engine is not None else loss.backward()
+        _note_head_grad(f"deepspeed {switches}", module)
         module.zero_grad(set_to_none=True)
         return loss.item()
 
     return step
+
+
+_HEAD_GRADS: dict[str, float] = {}  # variant -> norm of its LM head's weight gradient, noted while "on"
+_NOTE = {"on": False}
+
+
+def _note_head_grad(name: str, model: torch.nn.Module) -> None:
+    grad = model.lm_head.weight.grad
+    if _NOTE["on"]:
+        _HEAD_GRADS[name] = grad.float().norm().item() if grad is not None else float("nan")
 
 
 def _max_over_ranks(values: list[float]) -> list[float]:
@@ -212,7 +225,12 @@ def bench_rank(config: dict) -> dict:
         except Exception as err:  # the peer's own failure here is a result, reported in the table
             errors[f"deepspeed {name}"] = f"{type(err).__name__}: {err}"
     probe = config["probe"] * world
+    _NOTE["on"] = True  # the first step of each variant: its loss and its LM head's weight gradient
     losses = {name: _max_over_ranks([step(_batch(probe, sp_rank, world))])[0] for name, step in steps.items()}
+    _NOTE["on"] = False
+    # sp = 1 only: on more ranks each rank's gradient is a partial sum, which DeepSpeed's engine reduces and ours
+    # leaves to DDP, so the norms would not compare
+    head_grads = {name: _HEAD_GRADS[name] / _HEAD_GRADS["hf_llmkit plain"] for name in steps} if world == 1 else {}
     memory = {}
     for name, step in steps.items() if config["memory"] else ():
         found = _longest(step, config["budget"], sp_rank, world, probe)
@@ -224,6 +242,7 @@ def bench_rank(config: dict) -> dict:
     seconds = {name: _max_over_ranks(ts) for name, ts in timings.seconds.items()}  # the slowest rank, per round
     return {
         "losses": losses,
+        "head_grad_vs_plain": head_grads,
         "memory": memory,
         "seconds": seconds,
         "machine": [timings.before, timings.after],
@@ -247,6 +266,9 @@ def report(results: dict) -> None:
         loss = run["losses"]
         spread = max(loss.values()) - min(loss.values())
         print(f"sp={sp}: losses of all variants at {config['probe'] * int(sp)} tokens agree within {spread:.2e}")
+        ratios = ", ".join(f"{name} {r:.3g}" for name, r in run["head_grad_vs_plain"].items())
+        if ratios:
+            print(f"sp={sp}: LM-head weight-gradient norm / the plain model's: {ratios}")
         for name, err in run["errors"].items():
             print(f"sp={sp}: {name} cannot run: {err[:300]}")
 

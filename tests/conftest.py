@@ -52,6 +52,20 @@ def hermetic_cache(tmp_path_factory):
         os.environ["HF_LLMKIT_CACHE"] = previous
 
 
+@pytest.fixture(scope="session", autouse=True)
+def hermetic_bench_results(tmp_path_factory):
+    """Benchmarks the suite runs (quick modes, the docs' `python benchmarks/...` commands) write their results to a
+    per-session folder, never over the committed benchmarks/results/ the docs are generated from."""
+    folder = tmp_path_factory.mktemp("bench_results")
+    previous = os.environ.get("HF_LLMKIT_BENCH_RESULTS")
+    os.environ["HF_LLMKIT_BENCH_RESULTS"] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop("HF_LLMKIT_BENCH_RESULTS", None)
+    else:
+        os.environ["HF_LLMKIT_BENCH_RESULTS"] = previous
+
+
 def load_example(name: str):
     """Import `examples/<name>.py` as a module (the examples folder is not a package)."""
     path = EXAMPLES / f"{name}.py"

@@ -1,7 +1,8 @@
 """Every benchmark script's `--quick` mode runs to completion on CPU (`--device cpu`, the same code that runs on
-CUDA with `--device cuda`) and writes its JSON with the run's date, machine and load; results go to a temporary
-folder ($HF_LLMKIT_BENCH_RESULTS). The scripts are the ones `make bench` runs: files in benchmarks/ not starting
-with `_` that have a `__main__` block, except the three in NOT_RUN_ALONE.
+CUDA with `--device cuda`) and writes its JSON with the run's date, machine and load, from which every docs
+fragment of that script renders (benchmarks/report.py); results go to a temporary folder
+($HF_LLMKIT_BENCH_RESULTS). The scripts are the ones `make bench` runs: files in benchmarks/ not starting with `_`
+that have a `__main__` block, except the three in NOT_RUN_ALONE.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import report  # noqa: E402
+
 NOT_RUN_ALONE = {
     "adapterhub_peer.py": "peft_methods.py runs it inside the AdapterHub virtual environment, with a JSON spec",
     "ci_time.py": "a fresh-clone CI run: ~25 minutes of every core, run alone (no --quick, no --device)",
@@ -63,3 +68,7 @@ def test_quick_mode_runs_to_completion_on_cpu(tmp_path, script, written):
     assert recorded["command"] == f"python benchmarks/{script} --quick --device cpu"
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", recorded["date"])
     assert recorded["machine"]["cores"] and recorded["load_1min"]["max"] >= 0
+    # every docs fragment made from this script's results renders from what the script writes today
+    for name, fragment in report.FRAGMENTS.items():
+        if fragment.files == (written[: -len(".json")],):
+            assert "_Measured " in report.render(name, results=tmp_path), name
