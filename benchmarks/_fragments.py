@@ -188,7 +188,7 @@ def moe_layers(results: dict) -> str:
         ratio = lambda d: f"{d['min']:.2f} / {d['median']:.2f}"  # noqa: E731
         best_name = best + " (one call)" * bool(dropless[best].get("single_call"))
         rows.append(
-            [str(r["experts"]), str(r["tokens"]), str(r["threads"]),
+            [str(r["experts"]), f"{r['tokens']:,}", str(r["threads"]),
              f"{summary[OURS]['ratio_min']:.2f} / {summary[OURS]['ratio_median']:.2f}",
              f"{summary[TRAFFIC]['ratio_min']:.2f} / {summary[TRAFFIC]['ratio_median']:.2f}",
              ratio(r["ours_vs_even"]), ratio(dropless[best]), best_name, ratio(capacity) if capacity else "-"]
@@ -214,7 +214,7 @@ def moe_summary(results: dict) -> str:
         if few
         else f"- ours / floor: {span(list(ours.values()))};",
         f"- faster than every dropless peer at the median in {len(wins)} of {len(layers)} configurations;",
-        f"- ours / E dense MLPs on even rows: {span(even)} (what routing, sorting and scatter-back cost);",
+        f"- ours / E dense MLPs on even rows: {span(even)} (above 1: what routing, sorting and scatter-back cost);",
         f"- the weight traffic alone at {max_experts(layers)} experts: {span(traffic)} of the floor;",
         f"- outputs and input gradients against Mixtral eager on the same input: max |diff| "
         f"{max(max(d['output'], d['grad_input']) for d in diffs):.1e}."

@@ -8,8 +8,9 @@ interleaved rounds with the order rotated; after one untimed run that builds the
 Reported: the process wall time and the Trainer's `train_runtime`, min / median, and the per-round ratio to the
 peer; torch threads and the load before and after.
 
-    python benchmarks/quickstart.py              # 2 rounds (about 10 minutes on 2 cores)
-    python benchmarks/quickstart.py --rounds 3 --steps 300
+    python benchmarks/quickstart.py              # 2 rounds: 4 quickstarts and a short first run (about 10 minutes
+                                                 # on 2 idle cores; over an hour on 2 cores loaded 5x)
+    python benchmarks/quickstart.py --rounds 1   # the bounded run for a loaded machine: one quickstart of each
     python benchmarks/quickstart.py --quick          # 1 round of 5 steps, 16 eval blocks, no untimed first run
     python benchmarks/quickstart.py --device cuda    # the default when a GPU is present (both variants)
 """

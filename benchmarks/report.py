@@ -10,8 +10,8 @@ machine and load of its run) through a marked region:
 `FRAGMENTS` (benchmarks/_fragments.py) maps each fragment name to the results files it reads and a function that
 renders markdown from them; every fragment ends with a line naming the date, command, machine and load of its
 run(s). To add numbers to a page, write the two marker lines there and run `--write`. Outside the regions, code
-blocks and code spans, README.md and docs/*.md may carry no measurement-looking number (`lint`; a phrase that is
-not a measurement, such as a tolerance, goes into `ALLOWED` with its reason).
+blocks and code spans, no page may carry a measurement-looking number (`lint`; a phrase that is not a measurement,
+such as a tolerance a test asserts, goes into `ALLOWED` with its reason; a setting or target goes into a code span).
 
     python benchmarks/report.py --write    # rewrite every region from the results files
     python benchmarks/report.py --check    # exit 1 naming every stale region and every number typed by hand
@@ -46,8 +46,8 @@ ANY_MARKER = re.compile(r"^<!-- (?:results:|end results)", re.M)  # at a line st
 
 # A number that looks measured: a ratio (12.4x), a time (514 s, 3.2 ms, 2 min, 7:13), a size (192 MiB, 1.6 GB), a
 # percentage (7%), a decimal (0.877, 1.05) or a power of ten (5e-7). A version after its package's name
-# (transformers 5.23) is not one. Outside generated regions and code, README.md and docs/*.md may carry no such
-# number unless ALLOWED names the phrase and why it is not a measurement.
+# (transformers 5.23) is not one. Outside generated regions and code, no page may carry such a number unless
+# ALLOWED names the phrase and why it is not a measurement.
 NUMBER = r"\d[\d,]*(?:\.\d+)?"
 MEASUREMENT = re.compile(
     rf"(?<![\w.])(?:{NUMBER}x(?![\w])"
@@ -111,11 +111,21 @@ def load(files: tuple[str, ...], results: Path = RESULTS) -> dict[str, dict]:
 
 
 def render(name: str, results: Path = RESULTS) -> str:
-    """The region body of fragment `name`: a blank line, its markdown, a blank line."""
+    """The region body of fragment `name`: a blank line, its markdown, a blank line. While a results file it
+    reads is not committed, the body says so and how to make it (`NOT_MEASURED`), never a number."""
     if name not in FRAGMENTS:
         raise KeyError(f"fragment {name!r} is not registered in benchmarks/_fragments.py (known: {sorted(FRAGMENTS)})")
     fragment: Fragment = FRAGMENTS[name]
+    missing = [file for file in fragment.files if not (results / f"{file}.json").exists()]
+    if missing:
+        return "\n" + NOT_MEASURED.format(files=", ".join(f"`benchmarks/results/{f}.json`" for f in missing)) + "\n\n"
     return "\n" + fragment.render(load(fragment.files, results)).strip("\n") + "\n\n"
+
+
+NOT_MEASURED = (
+    "_Not measured yet: {files} is not committed. Run the benchmark that writes it (benchmarks/README.md), then "
+    "`python benchmarks/report.py --write`._"
+)
 
 
 def update(page: Path, text: str | None = None, results: Path = RESULTS) -> tuple[str, list[str]]:
@@ -135,16 +145,20 @@ def lint(page: Path, text: str | None = None) -> list[str]:
     """'page:line: number in "line"' for each measurement-looking number outside generated regions, code blocks,
     code spans, comments and the ALLOWED phrases."""
     text = page.read_text() if text is None else text
-    blank = lambda m: re.sub(r"[^\n]", " ", m[0])  # noqa: E731  (keeps line numbers and columns)
     for region in reversed(regions(page, text)):
-        text = text[: region.start] + blank(re.match(r"(?s).*", region.body)) + text[region.end :]
-    text = VERSION.sub(blank, HIDDEN.sub(blank, text))
+        text = text[: region.start] + _blank(region.body) + text[region.end :]
+    text = VERSION.sub(lambda m: _blank(m[0]), HIDDEN.sub(lambda m: _blank(m[0]), text))
     for phrase in ALLOWED:
-        text = text.replace(phrase, " " * len(phrase))
+        text = text.replace(phrase, _blank(phrase))
     found = []
     for number, line in enumerate(text.splitlines(), 1):
         found += [f"{page}:{number}: {m[0]!r} in {line.strip()[:100]!r}" for m in MEASUREMENT.finditer(line)]
     return found
+
+
+def _blank(text: str) -> str:
+    """Spaces for every character but newlines: hides text from the lint, keeping line numbers."""
+    return re.sub(r"[^\n]", " ", text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             page.write_text(new)
             print(f"{where}: rewrote {', '.join(stale)}")
         failed += [f"{where}: region {name!r} differs from its results" for name in stale]
-        if page.parent != HERE:  # README.md and docs/*.md: no number typed by hand
-            failed += [f"typed by hand, not generated: {hit}" for hit in lint(page)]
+        failed += [f"typed by hand, not generated: {hit}" for hit in lint(page)]
     if args.check and failed:
         print("\n".join(failed) + "\nregions: run `python benchmarks/report.py --write`", file=sys.stderr)
         return 1
