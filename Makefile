@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,deepspeed,bnb,bench
+EXTRAS ?= dev,deepspeed,bnb,bench,trl
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
@@ -11,6 +11,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hf_llmkit-installed
 LOWEST_VENV ?= .venv-lowest
 LOWEST_PY := $(LOWEST_VENV)/bin/python
+LOWEST_OF := transformers peft accelerate datasets safetensors optimum tokenizers deepspeed bitsandbytes
 
 .PHONY: install quickstart test test-fast test-lowest test-gpu bench lint format clean
 
@@ -36,13 +37,13 @@ test-fast: install  # for your own loops: without the cells marked slow
 	$(PY) -m ruff check .
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# One test file per capability (.ci/capabilities) against the lowest torch, transformers, peft and accelerate that
-# pyproject.toml declares, in a virtual environment of their own; CI runs it after `make test`.
+# One test file per capability (.ci/capabilities) against the lowest versions pyproject.toml declares of torch and
+# of every library in LOWEST_OF, in a virtual environment of their own; CI runs it after `make test`.
 test-lowest:
 	$(PYTHON) -m venv $(LOWEST_VENV)
 	$(LOWEST_PY) -m pip install "$$($(PYTHON) .ci/lowest_versions.py torch)"
-	$(LOWEST_PY) -m pip install -e ".[dev,deepspeed,bnb]" $$($(PYTHON) .ci/lowest_versions.py transformers peft accelerate)
-	$(LOWEST_PY) -m pip list 2>/dev/null | grep -iE "^(torch|transformers|peft|accelerate) "
+	$(LOWEST_PY) -m pip install -e ".[$(EXTRAS)]" $$($(PYTHON) .ci/lowest_versions.py $(LOWEST_OF))
+	$(LOWEST_PY) -m pip list 2>/dev/null | grep -iE "^($$(echo $(LOWEST_OF) | tr ' ' '|')) "
 	$(LOWEST_PY) -m pytest -m "not slow" $(PYTEST_ARGS) $$(grep -v '^#' .ci/capabilities)
 
 test-gpu: install  # the tests marked gpu, on a CUDA machine

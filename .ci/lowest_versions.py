@@ -1,6 +1,6 @@
 """Print `name==version` for the lowest version pyproject.toml declares of each package named on the command line.
 
-    python .ci/lowest_versions.py transformers peft accelerate   # -> transformers==5.19.0 peft==0.21.0 ...
+    python .ci/lowest_versions.py transformers peft accelerate   # -> transformers==5.23.0 peft==0.21.0 ...
 
 CI installs these next to the package to test the lower ends of the ranges it declares (`.ci/run`).
 """
@@ -22,8 +22,7 @@ def lowest(requirements: list[str], name: str) -> str:
             bound = re.search(r">=\s*([0-9][0-9A-Za-z.]*)", match["spec"])
             if bound is None:
                 raise SystemExit(f"{PYPROJECT.name}: {requirement!r} declares no lower bound (>=); add one")
-            version = bound.group(1)
-            return f"{name}=={version}.0" if version.count(".") == 1 else f"{name}=={version}"
+            return f"{name}=={bound.group(1)}"  # declared as a full release (x.y.z): the one CI installs
     raise SystemExit(f"{PYPROJECT.name}: no requirement names {name!r}")
 
 

@@ -148,7 +148,7 @@ def test_the_lint_leaves_regions_code_shapes_versions_and_allowed_phrases_alone(
     page = tmp_path / "page.md"
     page.write_text(
         "Run `--budget-mib 4096` (a flag) with transformers 5.23, peft 0.21.2 and Python 3.11 on 1024x1024 layers,\n"
-        "dp 2 x sp 2, "
+        "| Python | >= 3.11 | transformers >= 5.23.0, < 5.24 |, dp 2 x sp 2, "
         "batch 8 x 128 tokens, a 5% tolerance, 300 steps.\n\n"
         "```\nmake quickstart   # ~2 min\n```\n\n<!-- a comment: 12.4x -->\n" + region("x", "12.4x and 514 s\n")
     )

@@ -33,8 +33,9 @@ TIMEOUT_S = 600
 
 
 def prepare_folder(folder: Path) -> None:
-    """A scratch folder like a fresh clone holding the placeholder inputs the pages name."""
-    for name in ("examples", "benchmarks"):
+    """A scratch folder like a fresh clone (examples/, benchmarks/ and .ci/ linked) holding the placeholder inputs
+    the pages name."""
+    for name in ("examples", "benchmarks", ".ci"):
         (folder / name).symlink_to(REPO / name, target_is_directory=True)
     model = folder / "path" / "to" / "model"
     tiny_llama().save_pretrained(model)
