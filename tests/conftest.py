@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -19,12 +20,24 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
+# One intra-op thread in this process and every process it starts (`hf_llmkit.testing.launch` passes it on): the
+# suite compares outputs bitwise across processes (a fresh interpreter's reload, a launched rank's training against
+# its single-rank reference), and a float reduction split over another number of threads rounds differently. On a
+# shared 2-core machine OpenMP's spinning threads also made small kernels many times slower than one thread.
+os.environ["OMP_NUM_THREADS"] = "1"
+
 # No test may JIT-compile a C++ op (DeepSpeed's CPU Adam or shm collectives): on a fresh 2-core machine a build
 # takes minutes, and one killed half way leaves a lock that hangs every later build. The extensions folder is a
 # plain file, so any build attempt, in this process or a rank it starts, fails at once with this file's name.
 _NO_BUILDS = Path(tempfile.mkdtemp(prefix="hf_llmkit_tests_")) / "jit-op-builds-are-not-allowed-in-tests"
 _NO_BUILDS.write_text("tests/conftest.py: a test tried to JIT-compile a torch / DeepSpeed C++ op\n")
 os.environ["TORCH_EXTENSIONS_DIR"] = str(_NO_BUILDS)
+
+
+def pytest_configure(config):
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -43,13 +56,31 @@ def pytest_collection_modifyitems(config, items):
 def hermetic_cache(tmp_path_factory):
     """Tokenizers and processed datasets built by the suite go to a per-session folder (not the user's cache)."""
     folder = tmp_path_factory.mktemp("hf_llmkit_cache")
-    previous = os.environ.get("HF_LLMKIT_CACHE")
-    os.environ["HF_LLMKIT_CACHE"] = str(folder)
-    yield folder
-    if previous is None:
-        os.environ.pop("HF_LLMKIT_CACHE", None)
-    else:
-        os.environ["HF_LLMKIT_CACHE"] = previous
+    with _environ("HF_LLMKIT_CACHE", str(folder)):
+        yield folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hermetic_bench_results(tmp_path_factory):
+    """Benchmarks the suite runs (quick modes, the docs' `python benchmarks/...` commands) write their results to a
+    per-session folder, never over the committed benchmarks/results/ the docs are generated from."""
+    folder = tmp_path_factory.mktemp("bench_results")
+    with _environ("HF_LLMKIT_BENCH_RESULTS", str(folder)):
+        yield folder
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str):
+    """`os.environ[name] = value` inside the block, the previous value (or none) restored after."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
 
 
 def load_example(name: str):
