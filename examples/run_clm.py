@@ -374,9 +374,13 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     with usage_errors(OSError):  # everything the input decides is checked before training starts
         texts, held_out = check_inputs(args)
         # one run per output folder: a second run into it stops here, before any work (held until the job ends)
-        lock = hold_output_dir(args.training.output_dir, main=args.training.process_index == 0)  # noqa: F841
-        built = build_model(args, load_tokenizer(args.model))
-        train, evaluation = prepare_datasets(args, built, texts, held_out)
+        lock = hold_output_dir(args.training.output_dir, main=args.training.process_index == 0)
+        try:
+            built = build_model(args, load_tokenizer(args.model))
+            train, evaluation = prepare_datasets(args, built, texts, held_out)
+        except BaseException:
+            lock.release(clean=True)  # rejected before any work: no output folder left behind
+            raise
     base_dir = write_adapter_base(args, built)
     built = built._replace(base=None)  # the snapshot is on disk now
     trainer = build_trainer(args, built, train, evaluation)

@@ -12,10 +12,12 @@ with a warning; a folder that cannot be created or written is left to the writab
     handle = hold_output_dir("outputs/run", main=True)   # raises OutputDirInUse when another live run holds it
     ...
     handle.release()                                      # or let the process end
+    handle.release(clean=True)                            # a run rejected before any work: no folder left behind
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -46,6 +48,7 @@ class OutputDirInUse(ResumeError):
 class _Held:
     fd: int
     pid: int  # the process that took it (a forked child does not hold it)
+    created: list[Path]  # the folders taking the lock created, outermost first
     refs: int = 0
 
 
@@ -63,19 +66,27 @@ class OutputDirLock:
     def held(self) -> bool:
         return self.key is not None and self._finalizer is not None and self._finalizer.alive
 
-    def release(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()
+    def release(self, *, clean: bool = False) -> None:
+        """Give this share back; `clean` (a run that stops before any work): the last share also removes the lock
+        file and the folders taking the lock created, when nothing else was written into them."""
+        if self._finalizer is not None and self._finalizer.detach() is not None:
+            _release(self.key, clean=clean)
 
 
-def _release(key: str) -> None:
+def _release(key: str, clean: bool = False) -> None:
     held = _HELD.get(key)
     if held is None or held.pid != os.getpid():
         return
     held.refs -= 1
     if held.refs <= 0:
         del _HELD[key]
+        if clean:
+            with contextlib.suppress(OSError):
+                os.unlink(Path(key) / LOCK_FILE)
         os.close(held.fd)  # drops the flock
+        for folder in reversed(held.created if clean else []):
+            with contextlib.suppress(OSError):  # not empty: something else lives there
+                folder.rmdir()
 
 
 def lock_holder(output_dir: str | os.PathLike) -> dict | None:
@@ -136,10 +147,11 @@ def hold_output_dir(output_dir: str | os.PathLike, *, main: bool = True, device=
             os.close(held.fd)
             held = None
         if held is None:
+            created = [path for path in (*reversed(folder.absolute().parents), folder.absolute()) if not path.exists()]
             fd, problem = _try_lock(folder)
             busy = problem == "busy"
             if fd is not None:
-                held = _HELD[key] = _Held(fd=fd, pid=os.getpid())
+                held = _HELD[key] = _Held(fd=fd, pid=os.getpid(), created=created)
         if held is not None:
             held.refs += 1
         else:

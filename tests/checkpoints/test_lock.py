@@ -89,3 +89,17 @@ def test_the_lock_leaves_unwritable_folders_to_the_writability_checks(tmp_path):
     handle = hold_output_dir(tmp_path / "new" / "out")  # created on the way
     assert handle.held and (tmp_path / "new" / "out" / LOCK_FILE).is_file()
     handle.release()
+    assert (tmp_path / "new" / "out" / LOCK_FILE).is_file()  # the record stays: the folder belongs to the run
+
+
+def test_a_run_rejected_before_any_work_leaves_no_folder_behind(tmp_path):
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "checkpoint-2").mkdir()
+    for folder in (tmp_path / "new" / "out", kept):
+        handle = hold_output_dir(folder)
+        hold_output_dir(folder).release(clean=True)  # another share: the lock stays
+        assert handle.held and (folder / LOCK_FILE).is_file()
+        handle.release(clean=True)
+        assert not handle.held and not (folder / LOCK_FILE).exists()
+    assert list(tmp_path.iterdir()) == [kept] and [p.name for p in kept.iterdir()] == ["checkpoint-2"]
