@@ -2,8 +2,9 @@
 
 `examples/run_clm.py` parses them next to `PeftArguments`, `DKMArguments`, `KbitArguments`, `MoEArguments` and
 `LLMKitTrainingArguments`. Each dataclass titles its `--help` group (`help_group` / `help_groups`), lists the flags
-that only act with a feature switched on (`flag_groups`, see `hf_llmkit.cli.feature_flags`) and checks its values
-in `__post_init__` with a `ValueError` that names the fix.
+that only act with a feature switched on (`flag_groups`, see `hf_llmkit.cli.feature_flags`), declares the bounds of
+its numbers in the field metadata (`ge` / `gt` / `le` / `lt`, checked before any work by `hf_llmkit.cli.checks`)
+and checks the rest in `__post_init__` with a `ValueError` that names the fix.
 """
 
 from __future__ import annotations
@@ -12,19 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from hf_llmkit.cli.feature_flags import FlagGroup
-from hf_llmkit.cli.model_loading import context_length
+from hf_llmkit.cli.model_loading import SIZE_FLAGS, context_length
 
 __all__ = ["SCRATCH_SIZES", "DataArguments", "ModelArguments", "RunArguments", "resolve_block_size"]
 
-SCRATCH_SIZES = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "max_position_embeddings",
-)
+SCRATCH_SIZES = SIZE_FLAGS
 SCRATCH_FLAGS = ("model_type", "config_overrides", *SCRATCH_SIZES)
+_COUNT = {"ge": 1, "bound_hint": "omit it for no limit"}  # bounds of an optional count (hf_llmkit.cli.checks)
 
 
 @dataclass
@@ -70,13 +65,15 @@ class ModelArguments:
         default=None,
         metadata={"help": "From scratch: config changes, e.g. 'rms_norm_eps=1e-5,tie_word_embeddings=true'."},
     )
-    vocab_size: int = field(default=4096, metadata={"help": "From scratch: BPE vocabulary trained on the corpus."})
-    hidden_size: int = field(default=256, metadata={"help": "From scratch: hidden size."})
-    intermediate_size: int = field(default=688, metadata={"help": "From scratch: MLP size."})
-    num_hidden_layers: int = field(default=4, metadata={"help": "From scratch: decoder layers."})
-    num_attention_heads: int = field(default=4, metadata={"help": "From scratch: query heads."})
-    num_key_value_heads: int = field(default=2, metadata={"help": "From scratch: key/value heads (GQA)."})
-    max_position_embeddings: int = field(default=512, metadata={"help": "From scratch: context length."})
+    vocab_size: int = field(
+        default=4096, metadata={"help": "From scratch: BPE vocabulary trained on the corpus.", "ge": 300}
+    )
+    hidden_size: int = field(default=256, metadata={"help": "From scratch: hidden size.", "ge": 1})
+    intermediate_size: int = field(default=688, metadata={"help": "From scratch: MLP size.", "ge": 1})
+    num_hidden_layers: int = field(default=4, metadata={"help": "From scratch: decoder layers.", "ge": 1})
+    num_attention_heads: int = field(default=4, metadata={"help": "From scratch: query heads.", "ge": 1})
+    num_key_value_heads: int = field(default=2, metadata={"help": "From scratch: key/value heads (GQA).", "ge": 1})
+    max_position_embeddings: int = field(default=512, metadata={"help": "From scratch: context length.", "ge": 2})
     torch_dtype: str | None = field(
         default=None,
         metadata={
@@ -117,26 +114,28 @@ class DataArguments:
     dataset_dir: str | None = field(default=None, metadata={"help": "Folder of .txt/.json/.jsonl training files."})
     train_file: str | None = field(default=None, metadata={"help": "One .txt/.json/.jsonl training file."})
     validation_file: str | None = field(default=None, metadata={"help": "A held-out .txt/.json/.jsonl file."})
-    block_size: int | None = field(default=None, metadata={"help": "Tokens per block (default min(128, context))."})
-    validation_split_percentage: float = field(default=5.0, metadata={"help": "Percent of blocks held out."})
+    block_size: int | None = field(
+        default=None, metadata={"help": "Tokens per block (default min(128, context)).", "ge": 2}
+    )
+    validation_split_percentage: float = field(
+        default=5.0,
+        metadata={
+            "help": "Percent of blocks held out.", "gt": 0, "lt": 100,
+            "bound_hint": "e.g. 5 holds out 5 percent of the blocks, or pass --validation_file",
+        },
+    )  # fmt: skip
     data_cache_dir: str | None = field(default=None, metadata={"help": "Cache folder for processed datasets."})
-    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Tokenization processes."})
-    max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many train blocks."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Use at most this many eval blocks."})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Tokenization processes.", **_COUNT})
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Use at most this many train blocks.", **_COUNT}
+    )
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Use at most this many eval blocks.", **_COUNT}
+    )
 
     def __post_init__(self):
         if self.dataset_dir is not None and self.train_file is not None:
             raise ValueError("pass either --dataset_dir or --train_file, not both")
-        if self.block_size is not None and self.block_size < 2:
-            raise ValueError(f"--block_size {self.block_size} is too small; use at least 2 tokens")
-        if not 0 < self.validation_split_percentage < 100:
-            raise ValueError(
-                f"--validation_split_percentage {self.validation_split_percentage} must be between 0 and 100 "
-                "(exclusive); e.g. 5 holds out 5 percent of the blocks, or pass --validation_file"
-            )
-        for name in ("max_train_samples", "max_eval_samples", "preprocessing_num_workers"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"--{name} {getattr(self, name)} must be at least 1 (omit it for no limit)")
 
 
 @dataclass
@@ -175,12 +174,11 @@ class RunArguments:
     log_loss_scale: bool = field(default=True, metadata={"help": "Log the live fp16 loss scale and overflows."})
     warmup_ratio: float | None = field(
         default=None,
-        metadata={"help": "Warm up over this share of the steps (the seed's flag; = --warmup_steps < 1)."},
-    )
-
-    def __post_init__(self):
-        if self.warmup_ratio is not None and not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"--warmup_ratio {self.warmup_ratio} must be in [0, 1); e.g. 0.05 warms up over 5%")
+        metadata={
+            "help": "Warm up over this share of the steps (the seed's flag; = --warmup_steps < 1).",
+            "ge": 0, "lt": 1, "bound_hint": "e.g. 0.05 warms up over 5%",
+        },
+    )  # fmt: skip
 
     def build_callbacks(self, *, peft: bool, fp16: bool) -> list[Any]:
         """The hf_llmkit callbacks these flags switch on (the loss scale exists only in fp16 runs)."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-PEFT_METHODS = ("lora", "bottleneck", "bitfit", "ptuning", "ptuning_v2")
+from hf_llmkit.tuners import PEFT_METHODS as REGISTRY  # the methods and their display names: one registry
+
+PEFT_METHODS = tuple(REGISTRY)
 
 
 @dataclass(frozen=True)
@@ -70,15 +72,7 @@ PARTNER_TITLES = {
     "ep2": "expert parallel 2",
     "shard2": "`shard` on 2 ranks",
 }
-FEATURE_TITLES = {
-    "lora": "LoRA",
-    "bottleneck": "bottleneck",
-    "bitfit": "BitFit",
-    "ptuning": "P-tuning v1",
-    "ptuning_v2": "P-tuning v2",
-    "moe": "MoE",
-    "dkm": "DKM",
-}
+FEATURE_TITLES = {**{name: method.display_name for name, method in REGISTRY.items()}, "moe": "MoE", "dkm": "DKM"}
 
 
 @dataclass(frozen=True)

@@ -167,12 +167,13 @@ def test_heads_not_divisible_by_sequence_parallel_size_on_two_ranks(tmp_path):
     assert "exitcode  : 2" in str(info.value) and not (tmp_path / "o").exists()  # torchrun's report of rank 0
 
 
-def test_divergence_ends_with_one_line_and_its_own_exit_status(run_clm, tmp_path):
-    """Not bad input but not a crash either: a loss that cannot be rolled back ends the run with one line and
-    status 3 (`main` maps `TrainingDivergedError`; the mapping itself is tested in tests/cli/test_errors.py)."""
-    from hf_llmkit.callbacks import TrainingDivergedError
-
+def test_divergence_ends_with_one_line_and_the_exit_status_asked_for(run_clm, tmp_path, monkeypatch, caplog):
+    """Not bad input but not a crash either: a loss that cannot be rolled back ends the run with one logged line
+    and the status `--divergence_exit_code` sets (the mapping itself is tested in tests/cli/test_errors.py)."""
     args = [*RUN, *SIZES, "--max_steps", "6", "--learning_rate", "1e12", "--output_dir", str(tmp_path / "o")]
-    with pytest.raises(TrainingDivergedError, match="non-finite training loss") as info:
-        run_clm.run(args)
-    assert "\n" not in str(info.value) and run_clm.DIVERGED_EXIT_CODE == 3
+    monkeypatch.setattr(sys, "argv", ["run_clm.py", *args, "--divergence_exit_code", "7"])
+    with pytest.raises(SystemExit) as done:
+        run_clm.main()
+    assert done.value.code == 7
+    lines = [r.getMessage() for r in caplog.records if "training diverged" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0] and "non-finite training loss" in lines[0]
