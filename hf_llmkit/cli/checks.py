@@ -133,6 +133,6 @@ def check_training_length(values: Mapping[str, Any]) -> None:
         )
     if values["max_steps"] < 0 and values["num_train_epochs"] <= 0:
         raise ValueError(
-            f"--num_train_epochs {_text(values['num_train_epochs'])} trains nothing (--max_steps -1 trains for that "
+            f"--num_train_epochs {values['num_train_epochs']} trains nothing (--max_steps -1 trains for that "
             "many epochs); pass a positive --num_train_epochs or --max_steps"
         )

@@ -16,16 +16,16 @@ keeps it (`--bottleneck_size`, `--lora_alpha`). Within the chosen method the pre
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from peft import PeftConfig
 
 from hf_llmkit.cli.feature_flags import FlagGroup
 from hf_llmkit.cli.options import Option, arguments_class, config_options, flag_names
-from hf_llmkit.tuners import PEFT_METHODS
+from hf_llmkit.tuners import PEFT_METHODS, PeftMethod
 
-__all__ = ["PeftArguments", "method_options", "method_spellings"]
+__all__ = ["PeftArguments", "peft_arguments"]
 
 # Selection fields shared by the methods: one flag each, given to every config that declares the field.
 SHARED = ("target_modules", "modules_to_save", "exclude_modules", "layers_to_transform", "layers_pattern")
@@ -48,10 +48,11 @@ RECIPE_DEFAULTS = {
 HOST_BOUNDS = {"lora_rank": {"ge": 1}, "lora_alpha": {"gt": 0}, "lora_dropout": {"ge": 0, "lt": 1}}
 
 
-def method_options(name: str) -> list[Option]:
-    """The flags of PEFT method `name` (without the shared selection flags)."""
+def _method_options(method: PeftMethod) -> list[Option]:
+    """The flags of one PEFT method (without the shared selection flags)."""
+    name = method.name
     options = config_options(
-        PEFT_METHODS[name].config_cls, prefix=f"{name}_", skip=(*NOT_OPTIONS, *SHARED), rename=FLAG_NAMES.get(name)
+        method.config_cls, prefix=f"{name}_", skip=(*NOT_OPTIONS, *SHARED), rename=FLAG_NAMES.get(name)
     )
     return [
         dataclasses.replace(
@@ -61,9 +62,9 @@ def method_options(name: str) -> list[Option]:
     ]
 
 
-def _shared_options() -> list[Option]:
+def _shared_options(methods: Mapping[str, PeftMethod]) -> list[Option]:
     declared = {}
-    for method in reversed(PEFT_METHODS.values()):  # hf_llmkit's declarations first (peft's helps name LoRA)
+    for method in reversed(methods.values()):  # hf_llmkit's declarations first (peft's helps name LoRA)
         for option in config_options(method.config_cls, prefix="", skip=NOT_OPTIONS):
             if option.field in SHARED:
                 declared.setdefault(option.field, option)
@@ -83,27 +84,6 @@ def _shared_options() -> list[Option]:
     return options
 
 
-_METHOD_OPTIONS = {name: method_options(name) for name in PEFT_METHODS}
-_SHARED_OPTIONS = _shared_options()
-
-
-def method_spellings(argv: Sequence[str], known: set[str]) -> dict[str, str]:
-    """For the `--peft_method` in `argv`: its flags without the method's prefix, `{"--num_virtual_tokens":
-    "--ptuning_v2_num_virtual_tokens"}` (a spelling that is a flag of its own keeps its meaning)."""
-    method = None
-    for index, token in enumerate(argv):
-        if token == "--peft_method" and index + 1 < len(argv):
-            method = argv[index + 1]
-        elif token.startswith("--peft_method="):
-            method = token.split("=", 1)[1]
-    spellings = {}
-    for option in _METHOD_OPTIONS.get(method, ()):
-        short = option.flag[len(method) + 1 :] if option.flag.startswith(f"{method}_") else None
-        if short and f"--{short}" not in known:
-            spellings[f"--{short}"] = f"--{option.flag}"
-    return spellings
-
-
 def _split_commas(names: list[str] | None) -> list[str] | None:
     """`["q_proj,v_proj", "o_proj"]` -> `["q_proj", "v_proj", "o_proj"]` (the seed recipe's comma form)."""
     if names is None:
@@ -111,73 +91,103 @@ def _split_commas(names: list[str] | None) -> list[str] | None:
     return [part.strip() for name in names for part in name.split(",") if part.strip()]
 
 
-def _post_init(self) -> None:
-    for name in _LISTS_WITH_COMMAS:
-        setattr(self, name, _split_commas(getattr(self, name)))
-    if self.peft_method == "none":
-        for option in _SHARED_OPTIONS:
-            if getattr(self, option.flag) is not None:
-                raise ValueError(f"--{option.flag} needs a --peft_method (e.g. --peft_method lora)")
-        return
-    config_fields = {f.name for f in dataclasses.fields(PEFT_METHODS[self.peft_method].config_cls)}
-    for option in _SHARED_OPTIONS:
-        if getattr(self, option.flag) is not None and option.field not in config_fields:
-            raise ValueError(f"--{option.flag} has no effect with --peft_method {self.peft_method}; drop it")
-    self.build_config()  # the method's own checks, before any work
+class _PeftMethods:
+    """The methods of a `PeftArguments` class (see `peft_arguments`); `self` is an instance of that class."""
+
+    methods: Mapping[str, PeftMethod]
+    method_options: Mapping[str, list[Option]]
+    shared_options: list[Option]
+    help_group = "PEFT"
+
+    @classmethod
+    def flag_spellings(cls, argv: Sequence[str], known: set[str]) -> dict[str, str]:
+        """For the `--peft_method` in `argv`: its flags without the method's prefix, `{"--num_virtual_tokens":
+        "--ptuning_v2_num_virtual_tokens"}` (a spelling that is a flag of its own keeps its meaning)."""
+        method = None
+        for index, token in enumerate(argv):
+            if token == "--peft_method" and index + 1 < len(argv):
+                method = argv[index + 1]
+            elif token.startswith("--peft_method="):
+                method = token.split("=", 1)[1]
+        spellings = {}
+        for option in cls.method_options.get(method, ()):
+            short = option.flag[len(method) + 1 :] if option.flag.startswith(f"{method}_") else None
+            if short and f"--{short}" not in known:
+                spellings[f"--{short}"] = f"--{option.flag}"
+        return spellings
+
+    def __post_init__(self) -> None:
+        for name in _LISTS_WITH_COMMAS:
+            setattr(self, name, _split_commas(getattr(self, name)))
+        if self.peft_method == "none":
+            for option in self.shared_options:
+                if getattr(self, option.flag) is not None:
+                    raise ValueError(f"--{option.flag} needs a --peft_method (e.g. --peft_method lora)")
+            return
+        config_fields = {f.name for f in dataclasses.fields(self.methods[self.peft_method].config_cls)}
+        for option in self.shared_options:
+            if getattr(self, option.flag) is not None and option.field not in config_fields:
+                raise ValueError(f"--{option.flag} has no effect with --peft_method {self.peft_method}; drop it")
+        self.build_config()  # the method's own checks, before any work
+
+    def build_config(self, *, tied_embeddings: bool = False) -> Any | None:
+        """The peft config of the chosen method (None for "none"); the config checks its own values.
+
+        `tied_embeddings`: the model ties its input and output embeddings; an embedding listed in
+        `modules_to_save` then stays tied to the output layer (`ensure_weight_tying`, where the config has it)."""
+        if self.peft_method == "none":
+            return None
+        method = self.methods[self.peft_method]
+        kwargs = {o.field: getattr(self, o.flag) for o in self.method_options[self.peft_method]}
+        config_fields = {f.name for f in dataclasses.fields(method.config_cls)}
+        kwargs.update({o.field: getattr(self, o.flag) for o in self.shared_options if o.field in config_fields})
+        if "ensure_weight_tying" in config_fields:
+            kwargs["ensure_weight_tying"] = tied_embeddings and bool(self.modules_to_save)
+        try:
+            return method.config_cls(task_type="CAUSAL_LM", **kwargs)
+        except ValueError as err:  # the config's message, with its fields written as this command's flags
+            options = [*self.method_options[self.peft_method], *self.shared_options]
+            raise ValueError(flag_names(str(err), method.config_cls, options)) from err
+
+    def describe(self) -> str:
+        """The method as a results table names it ("LoRA (rank 8, alpha 16)", "full fine-tuning")."""
+        if self.peft_method == "none":
+            return "full fine-tuning"
+        return self.methods[self.peft_method].describe(self.build_config())
 
 
-def _build_config(self, *, tied_embeddings: bool = False) -> Any | None:
-    """The peft config of the chosen method (None for "none"); the config checks its own values.
-
-    `tied_embeddings`: the model ties its input and output embeddings; LoRA then keeps an embedding listed in
-    `modules_to_save` tied to the output layer (`ensure_weight_tying`)."""
-    if self.peft_method == "none":
-        return None
-    method = PEFT_METHODS[self.peft_method]
-    kwargs = {o.field: getattr(self, o.flag) for o in _METHOD_OPTIONS[self.peft_method]}
-    config_fields = {f.name for f in dataclasses.fields(method.config_cls)}
-    kwargs.update({o.field: getattr(self, o.flag) for o in _SHARED_OPTIONS if o.field in config_fields})
-    if "ensure_weight_tying" in config_fields:
-        kwargs["ensure_weight_tying"] = tied_embeddings and bool(self.modules_to_save)
-    try:
-        return method.config_cls(task_type="CAUSAL_LM", **kwargs)
-    except ValueError as err:  # the config's message, with its fields written as this command's flags
-        options = [*_METHOD_OPTIONS[self.peft_method], *_SHARED_OPTIONS]
-        raise ValueError(flag_names(str(err), method.config_cls, options)) from err
-
-
-def _describe(self) -> str:
-    """The method as a results table names it ("LoRA (rank 8, alpha 16)", "full fine-tuning")."""
-    if self.peft_method == "none":
-        return "full fine-tuning"
-    return PEFT_METHODS[self.peft_method].describe(self.build_config())
-
-
-def _flag_groups() -> tuple[FlagGroup, ...]:
+def peft_arguments(methods: Mapping[str, PeftMethod] = PEFT_METHODS) -> type:
+    """The `PeftArguments` dataclass of `methods` (default: every registered method): `--peft_method`, the shared
+    selection flags, and each method's flags with its feature-flag group."""
+    method_options = {name: _method_options(method) for name, method in methods.items()}
+    shared = _shared_options(methods)
     groups = [
         FlagGroup(f"--peft_method {name}", tuple(o.flag for o in options), lambda v, n=name: v["peft_method"] == n)
-        for name, options in _METHOD_OPTIONS.items()
+        for name, options in method_options.items()
     ]
-    shared = tuple(o.flag for o in _SHARED_OPTIONS)
-    groups.append(FlagGroup("a --peft_method (e.g. --peft_method lora)", shared, lambda v: v["peft_method"] != "none"))
-    return tuple(groups)
+    groups.append(
+        FlagGroup(
+            "a --peft_method (e.g. --peft_method lora)", tuple(o.flag for o in shared),
+            lambda v: v["peft_method"] != "none",
+        )
+    )  # fmt: skip
+    choice = Option(
+        flag="peft_method", field="peft_method", type=str, default="none", choices=("none", *methods),
+        help="PEFT method ('none' trains all weights); a method's flags start with its name.",
+    )  # fmt: skip
+    return arguments_class(
+        "PeftArguments",
+        [choice, *shared, *(o for options in method_options.values() for o in options)],
+        doc="Which PEFT method to train with, and its options (derived from `hf_llmkit.tuners.PEFT_METHODS`).",
+        module=__name__,
+        namespace={
+            **{k: v for k, v in vars(_PeftMethods).items() if not k.startswith("__") or k == "__post_init__"},
+            "methods": dict(methods),
+            "method_options": method_options,
+            "shared_options": shared,
+            "flag_groups": tuple(groups),
+        },
+    )
 
 
-_METHOD = Option(
-    flag="peft_method", field="peft_method", type=str, default="none", choices=("none", *PEFT_METHODS),
-    help="PEFT method ('none' trains all weights); a method's flags start with its name.",
-)  # fmt: skip
-PeftArguments = arguments_class(
-    "PeftArguments",
-    [_METHOD, *_SHARED_OPTIONS, *(o for options in _METHOD_OPTIONS.values() for o in options)],
-    doc="Which PEFT method to train with, and its options (derived from `hf_llmkit.tuners.PEFT_METHODS`).",
-    module=__name__,
-    namespace={
-        "help_group": "PEFT",
-        "flag_groups": _flag_groups(),
-        "flag_spellings": staticmethod(method_spellings),
-        "__post_init__": _post_init,
-        "build_config": _build_config,
-        "describe": _describe,
-    },
-)
+PeftArguments = peft_arguments()

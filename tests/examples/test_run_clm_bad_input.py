@@ -86,6 +86,8 @@ CASES = [
     ("resume-no-checkpoint", [*SIZES, "--resume_from_checkpoint", "{d}/run"], "(it holds checkpoint-2: pass that)"),
     ("resume-bad-state", [*SIZES, "--resume_from_checkpoint", "{d}/bad_state/checkpoint-2"], "trainer_state.json is"),
     ("config-rejected", [*SIZES, "--config_overrides", "hidden_act=nope"], "cannot build a llama model from this"),
+    ("heads-do-not-divide", [*SIZES, "--hidden_size", "65", "--num_attention_heads", "2", "--num_key_value_heads", "2"],
+     "rejects this llama config (The hidden size (65) is not a multiple of the number of attention heads (2).)"),
     ("config-unknown-key", [*SIZES, "--config_overrides", "hiden_size=8"], "key hiden_size isn't in the original"),
     ("model-type", [*SIZES, "--model_type", "lama"], "--model_type 'lama' is not a transformers causal LM"),
     ("size-for-gpt2", [*SIZES, "--model_type", "gpt2"], "--intermediate_size has no effect for --model_type gpt2"),
