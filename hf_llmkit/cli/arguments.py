@@ -15,11 +15,22 @@ from typing import Any, ClassVar
 from hf_llmkit.cli.feature_flags import FlagGroup
 from hf_llmkit.cli.model_loading import SIZE_FLAGS, context_length
 
-__all__ = ["SCRATCH_SIZES", "DataArguments", "ModelArguments", "RunArguments", "resolve_block_size"]
+__all__ = [
+    "SCRATCH_SIZES", "DataArguments", "InstructionDataArguments", "ModelArguments", "RunArguments",
+    "resolve_block_size",
+]  # fmt: skip
 
 SCRATCH_SIZES = SIZE_FLAGS
 SCRATCH_FLAGS = ("model_type", "config_overrides", *SCRATCH_SIZES)
 _COUNT = {"ge": 1, "bound_hint": "omit it for no limit"}  # bounds of an optional count (hf_llmkit.cli.checks)
+
+
+_SPLIT = FlagGroup(
+    "a split of the training data",
+    ("validation_split_percentage",),
+    lambda v: v["validation_file"] is None,
+    when_off="with --validation_file (that file is the validation set)",
+)
 
 
 @dataclass
@@ -102,14 +113,7 @@ class DataArguments:
     """
 
     help_group: ClassVar[str] = "data"
-    flag_groups: ClassVar[tuple[FlagGroup, ...]] = (
-        FlagGroup(
-            "a split of the training data",
-            ("validation_split_percentage",),
-            lambda v: v["validation_file"] is None,
-            when_off="with --validation_file (that file is the validation set)",
-        ),
-    )
+    flag_groups: ClassVar[tuple[FlagGroup, ...]] = (_SPLIT,)
 
     dataset_dir: str | None = field(default=None, metadata={"help": "Folder of .txt/.json/.jsonl training files."})
     train_file: str | None = field(default=None, metadata={"help": "One .txt/.json/.jsonl training file."})
@@ -136,6 +140,49 @@ class DataArguments:
     def __post_init__(self):
         if self.dataset_dir is not None and self.train_file is not None:
             raise ValueError("pass either --dataset_dir or --train_file, not both")
+
+
+@dataclass
+class InstructionDataArguments:
+    """What a supervised fine-tuning command trains on (`examples/run_sft.py`; `hf_llmkit.sft_data`).
+
+    Args:
+        train_file: A .json (array) or .jsonl file of `{"instruction", "input", "output"}` records ("input" may be
+            left out); default: the embedded instruction set (`hf_llmkit.instruction_corpus`).
+        validation_file: Held-out records to evaluate on (instead of splitting the training records).
+        prompt_template: "alpaca" (Stanford Alpaca's prompt, with and without an input), or a format string with
+            `{instruction}` and `{input}`; the response follows it.
+        max_seq_length: Tokens per example (prompt + response); longer records keep their response when they can.
+        packing: Concatenate consecutive examples into sequences of up to `max_seq_length` tokens (off: one
+            example per sequence, padded per batch).
+        validation_split_percentage: Percent of the records held out for evaluation (at least one record).
+        max_train_samples / max_eval_samples: Truncate the splits (quick runs, tests).
+    """
+
+    help_group: ClassVar[str] = "data"
+    flag_groups: ClassVar[tuple[FlagGroup, ...]] = (_SPLIT,)
+
+    train_file: str | None = field(
+        default=None, metadata={"help": "A .json/.jsonl file of {instruction, input, output} records."}
+    )
+    validation_file: str | None = field(default=None, metadata={"help": "Held-out records (.json/.jsonl)."})
+    prompt_template: str = field(
+        default="alpaca", metadata={"help": "'alpaca', or a format string with {instruction} and {input}."}
+    )
+    max_seq_length: int = field(default=256, metadata={"help": "Tokens per example (prompt + response).", "ge": 2})
+    packing: bool = field(default=False, metadata={"help": "Concatenate examples into max_seq_length sequences."})
+    validation_split_percentage: float = field(
+        default=10.0, metadata={"help": "Percent of records held out.", "gt": 0, "lt": 100}
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many records.", **_COUNT})
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Evaluate on at most this many records.", **_COUNT}
+    )
+
+    def __post_init__(self):
+        from hf_llmkit.sft_data import PromptTemplate
+
+        self.template = PromptTemplate.parse(self.prompt_template)  # a bad template stops here, before any work
 
 
 @dataclass

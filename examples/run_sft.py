@@ -1,0 +1,189 @@
+#!/usr/bin/env python
+"""Supervised fine-tuning of a causal language model on instruction data with the HF Trainer: the second stage.
+
+The seed recipe (Chinese-LLaMA-Alpaca-2) trains in two stages: pre-training (`run_clm.py`) and supervised
+fine-tuning (its `run_clm_sft_with_peft.py`), which this command is. Records `{"instruction", "input", "output"}`
+become a prompt (a template, Stanford Alpaca's by default) and a response; only the response is learned (every
+prompt token has label -100), and each batch is padded (input_ids with the pad token, labels with -100, an
+attention mask over the real tokens). Everything else is `run_clm.py`'s, shared through `hf_llmkit.cli.job`: the
+same flags for the model, PEFT methods, DKM, bitsandbytes, MoE, sequence parallelism, DeepSpeed and fault tolerance,
+the same callbacks, checkpoints, resume and results files. It runs with no arguments:
+
+    python examples/run_sft.py                      # tiny Llama on the embedded instruction set (pydoc_data)
+    python examples/run_sft.py --model_name_or_path outputs/run_clm --peft_method lora   # after pre-training
+    python examples/run_sft.py --train_file data.jsonl --max_seq_length 512 --prompt_template alpaca
+    accelerate launch --multi_gpu --num_processes 2 examples/run_sft.py --peft_method lora \\
+        --deepspeed examples/ds_zero2_no_offload.json
+    python examples/run_sft.py --help               # the options, grouped (--help-all: every TrainingArguments flag)
+
+It ends with the validation loss on response tokens before and after training. Bad input (a record without
+"output", a value that is not a string, a template without {instruction}) stops before any work with one line,
+naming the line of the file, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any
+
+import torch
+
+import hf_llmkit  # noqa: F401  # isort: skip  (first: its filters of upstream noise must precede peft importing bitsandbytes)
+from datasets import Dataset
+from transformers import set_seed
+
+from hf_llmkit.cli import UsageError, job, usage_errors  # noqa: F401 (callers catch run_sft.UsageError)
+from hf_llmkit.cli.arguments import InstructionDataArguments
+from hf_llmkit.cli.job import Args, Model
+from hf_llmkit.cli.model_loading import context_length, load_tokenizer
+from hf_llmkit.cli.output import configure_console
+from hf_llmkit.cli.results import count_parameters, results_table
+from hf_llmkit.data_files import find_data_files
+from hf_llmkit.instruction_corpus import instruction_records
+from hf_llmkit.sft_data import InstructionCollator, pack_examples, read_instruction_records, tokenize_records
+
+logger = logging.getLogger("run_sft")
+
+# What `python examples/run_sft.py` does with no flags (each one can be overridden).
+EMBEDDED_DEFAULTS = dict(
+    output_dir="outputs/run_sft",  # with features on: outputs/run_sft-<features> (see job.default_output_dir)
+    do_train=True,
+    do_eval=True,
+    max_steps=100,
+    per_device_train_batch_size=8,
+    per_device_eval_batch_size=16,
+    learning_rate=1e-3,
+    lr_scheduler_type="cosine",
+    warmup_steps=10,
+    weight_decay=0.01,
+    logging_steps=10,
+    save_steps=50,
+    save_total_limit=2,
+    report_to="none",
+    disable_tqdm=False,
+    dataloader_pin_memory=torch.cuda.is_available(),
+    seed=42,
+    auto_resume=True,
+    ddp_find_unused_parameters=False,
+    remove_unused_columns=False,  # the examples are input_ids + labels; the collator makes the attention mask
+)
+JOB = job.Job(
+    prog="run_sft.py",
+    description=__doc__.split("\n\n")[0],
+    data_type=InstructionDataArguments,
+    defaults=EMBEDDED_DEFAULTS,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    """The run's arguments; bad flags and flags of a feature that is off raise `UsageError`."""
+    return job.parse_args(JOB, argv)
+
+
+def check_inputs(args: Args) -> tuple[list[dict[str, str]], list[dict[str, str]] | None]:
+    """Check every folder and file the run reads or writes; return the training and validation records."""
+    job.check_folders(args)
+    data = args.data
+    if data.train_file is not None:
+        records = read_instruction_records(find_data_files(train_file=data.train_file)[0])
+    else:
+        records = instruction_records()
+    held_out = None
+    if data.validation_file is not None:
+        path = find_data_files(train_file=data.validation_file, flag="--validation_file")[0]
+        held_out = read_instruction_records(path)
+    return records, held_out
+
+
+def _split(records: list, held_out: list | None, percentage: float, seed: int) -> tuple[list, list]:
+    if held_out is not None:
+        return records, held_out
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    count = max(1, round(len(records) * percentage / 100))
+    if count >= len(records):
+        raise ValueError(
+            f"{len(records)} records leave none to train on after holding out {percentage:g} percent; "
+            "add records, lower --validation_split_percentage or pass --validation_file"
+        )
+    return [records[i] for i in sorted(order[count:])], [records[i] for i in sorted(order[:count])]
+
+
+def _template_ids(built: Model) -> tuple[list[int], list[int]]:
+    """P-tuning v1: the token ids its template puts before and after each example (never learned)."""
+    if built.template is None:
+        return [], []
+    template = built.template
+    if len(template.fields) != 1:
+        raise ValueError(f"--ptuning_template {template.template!r} needs exactly one field around the example")
+    before, after = template.format(**{template.fields[0]: "\0"}).split("\0")
+    encode = lambda text: built.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []  # noqa: E731
+    return encode(before), encode(after)
+
+
+def prepare_datasets(args: Args, built: Model, records: list, held_out: list | None) -> tuple[Any, Any]:
+    """Tokenized examples for training and evaluation: labels -100 on every prompt token."""
+    data, training = args.data, args.training
+    context = context_length(built.model.config)
+    if context is not None and data.max_seq_length > context:
+        raise ValueError(
+            f"--max_seq_length {data.max_seq_length} is larger than the model's context ({context} positions); "
+            f"pass --max_seq_length {context} or less"
+        )
+    train_records, eval_records = _split(records, held_out, data.validation_split_percentage, training.seed)
+    wrap = _template_ids(built)
+    splits = []
+    for name, chosen, limit in (("train", train_records, data.max_train_samples),
+                                ("validation", eval_records, data.max_eval_samples)):  # fmt: skip
+        examples, report = tokenize_records(
+            chosen, built.tokenizer, template=data.template, max_seq_length=data.max_seq_length, wrap=wrap
+        )
+        if report.describe(data.max_seq_length) and training.should_log:
+            logger.warning("%s: %s", name, report.describe(data.max_seq_length))
+        if report.empty_response:  # nothing to learn: a batch of only these would have no loss at all
+            logger.warning("%s: %d records have an empty output and were left out", name, len(report.empty_response))
+            empty = set(report.empty_response)
+            examples = [example for i, example in enumerate(examples) if i not in empty]
+        if not examples:
+            raise ValueError(f"the {name} records have no output to learn; add records with a non-empty 'output'")
+        if data.packing:
+            examples = pack_examples(examples, data.max_seq_length)
+        examples = examples[:limit] if limit is not None else examples
+        splits.append(Dataset.from_list(examples))
+    logger.info("examples of up to %d tokens: %d train, %d validation", data.max_seq_length, *map(len, splits))
+    return tuple(splits)
+
+
+def run(argv: list[str] | None = None) -> dict[str, Any]:
+    """The job; returns its results (also written to output_dir as *_results.json)."""
+    start = time.perf_counter()
+    args = parse_args(argv)
+    configure_console(main_process=args.training.should_log)
+    set_seed(args.training.seed)
+    with usage_errors(OSError):  # everything the input decides is checked before training starts
+        records, held_out = check_inputs(args)
+        built = job.build_model(args, load_tokenizer(args.model))
+        train, evaluation = prepare_datasets(args, built, records, held_out)
+    base_dir = job.write_adapter_base(args, built)
+    built = built._replace(base=None)  # the snapshot is on disk now
+    collator = InstructionCollator(built.tokenizer.pad_token_id)
+    trainer = job.build_trainer(args, built, train, evaluation, data_collator=collator)
+    total, trainable = count_parameters(built.model)
+    results: dict[str, Any] = {"parameters": total, "trainable_parameters": trainable}
+    results.update(job.train_and_evaluate(args, trainer))
+    results.update(output_dir=args.training.output_dir, wall_time_s=time.perf_counter() - start)
+    results["adapter_base"] = str(base_dir) if base_dir is not None else None
+    if trainer.is_world_process_zero():
+        table = results_table(job.describe_setup(args), results, loss_of="response tokens")
+        print("\n" + table, flush=True)
+    return results
+
+
+def main() -> None:
+    job.main(run, prog="run_sft.py")
+
+
+if __name__ == "__main__":
+    main()
