@@ -45,7 +45,7 @@ def test_a_field_added_to_a_config_is_a_flag_without_a_cli_edit():
 
 def test_every_registered_peft_method_is_a_choice_with_its_config_defaults():
     choices = _fields(PeftArguments)["peft_method"].metadata["choices"]
-    assert choices == ["none", *PEFT_METHODS] and MATRIX_METHODS == tuple(PEFT_METHODS)
+    assert choices == ["none", *PEFT_METHODS] and tuple(PEFT_METHODS) == MATRIX_METHODS
     flags = _fields(PeftArguments)
     for method in PEFT_METHODS.values():
         options = PeftArguments.method_options[method.name]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # The library outside hf_llmkit/cli/: the package itself and the two folders installed as its subpackages.
-FEATURES = [*(REPO / "hf_llmkit").rglob("*.py"), *(REPO / "callbacks").rglob("*.py"), *(REPO / "trainers").rglob("*.py")]
+FEATURES = [path for folder in ("hf_llmkit", "callbacks", "trainers") for path in (REPO / folder).rglob("*.py")]
 
 
 def imported_modules(path: Path) -> set[str]:
