@@ -24,49 +24,24 @@ stops before any work with one line and exit status 2.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
-
-import torch
 
 import hf_llmkit  # noqa: F401  # isort: skip  (first: its filters of upstream noise must precede peft importing bitsandbytes)
 from transformers import default_data_collator as collate
-from transformers import set_seed
 
 from hf_llmkit.cli import UsageError, job, usage_errors  # noqa: F401 (callers catch run_clm.UsageError)
 from hf_llmkit.cli.arguments import DataArguments, ModelArguments, resolve_block_size  # noqa: F401 (benchmarks)
 from hf_llmkit.cli.job import Args, Model
 from hf_llmkit.cli.model_loading import load_model, load_tokenizer  # noqa: F401 (tests build the same model)
-from hf_llmkit.cli.output import configure_console
-from hf_llmkit.cli.results import count_parameters, results_table
 from hf_llmkit.corpus import corpus_texts, default_cache_dir
 from hf_llmkit.data_files import find_data_files, read_file_rows, read_text_rows
 from hf_llmkit.lm_data import build_lm_datasets
 
 logger = logging.getLogger("run_clm")
 
-# What `python examples/run_clm.py` does with no flags (each one can be overridden).
-EMBEDDED_DEFAULTS = dict(
-    output_dir="outputs/run_clm",  # with features on: outputs/run_clm-<features> (see job.default_output_dir)
-    do_train=True,
-    do_eval=True,
-    max_steps=300,
-    per_device_train_batch_size=8,
-    per_device_eval_batch_size=16,
-    learning_rate=1e-3,
-    lr_scheduler_type="cosine",
-    warmup_steps=20,
-    weight_decay=0.01,
-    logging_steps=20,
-    save_steps=100,
-    save_total_limit=2,
-    report_to="none",
-    disable_tqdm=False,
-    dataloader_pin_memory=torch.cuda.is_available(),
-    seed=42,
-    auto_resume=True,
-    ddp_find_unused_parameters=False,  # every trainable weight takes part in each step (MoE experts are fused tensors)
-)
+# What `python examples/run_clm.py` does with no flags, on top of `job.EMBEDDED_DEFAULTS` (each can be overridden;
+# with features on the output folder is outputs/run_clm-<features>, see job.default_output_dir).
+EMBEDDED_DEFAULTS = dict(job.EMBEDDED_DEFAULTS, max_steps=300, warmup_steps=20, logging_steps=20, save_steps=100)
 JOB = job.Job(
     prog="run_clm.py", description=__doc__.split("\n\n")[0], data_type=DataArguments, defaults=EMBEDDED_DEFAULTS
 )
@@ -78,8 +53,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
 
 
 def check_inputs(args: Args) -> tuple[list[str], list[str] | None]:
-    """Check every folder and file the run reads or writes; return the training and validation texts."""
-    job.check_folders(args)
+    """Check and read the data files; return the training and validation texts."""
     data = args.data
     files = find_data_files(dataset_dir=data.dataset_dir, train_file=data.train_file)
     texts = read_text_rows(files) if files else corpus_texts()
@@ -89,9 +63,9 @@ def check_inputs(args: Args) -> tuple[list[str], list[str] | None]:
     return texts, held_out
 
 
-def prepare_datasets(args: Args, built: Model, texts: list[str], held_out: list[str] | None) -> tuple[Any, Any]:
+def prepare_datasets(args: Args, built: Model, inputs: tuple[list[str], list[str] | None]) -> tuple[Any, Any]:
     """Tokenized blocks for training and evaluation (cached; the first process builds them, the others load)."""
-    data, training = args.data, args.training
+    (texts, held_out), data, training = inputs, args.data, args.training
     block_size = resolve_block_size(data, built.model.config)
     with training.main_process_first(desc="tokenize and group"):
         datasets = build_lm_datasets(
@@ -115,27 +89,12 @@ def prepare_datasets(args: Args, built: Model, texts: list[str], held_out: list[
     return train, evaluation
 
 
+STEPS = job.DataSteps(read=check_inputs, prepare=prepare_datasets, collator=lambda built: collate)
+
+
 def run(argv: list[str] | None = None) -> dict[str, Any]:
     """The main job; returns its results (also written to output_dir as *_results.json)."""
-    start = time.perf_counter()
-    args = parse_args(argv)
-    configure_console(main_process=args.training.should_log)
-    set_seed(args.training.seed)
-    with usage_errors(OSError):  # everything the input decides is checked before training starts
-        texts, held_out = check_inputs(args)
-        built = job.build_model(args, load_tokenizer(args.model))
-        train, evaluation = prepare_datasets(args, built, texts, held_out)
-    base_dir = job.write_adapter_base(args, built)
-    built = built._replace(base=None)  # the snapshot is on disk now
-    trainer = job.build_trainer(args, built, train, evaluation, data_collator=collate)
-    total, trainable = count_parameters(built.model)
-    results: dict[str, Any] = {"parameters": total, "trainable_parameters": trainable}
-    results.update(job.train_and_evaluate(args, trainer))
-    results.update(output_dir=args.training.output_dir, wall_time_s=time.perf_counter() - start)
-    results["adapter_base"] = str(base_dir) if base_dir is not None else None
-    if trainer.is_world_process_zero():
-        print("\n" + results_table(job.describe_setup(args), results), flush=True)
-    return results
+    return job.run_job(JOB, STEPS, argv)
 
 
 def main() -> None:

@@ -25,48 +25,29 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from typing import Any
-
-import torch
 
 import hf_llmkit  # noqa: F401  # isort: skip  (first: its filters of upstream noise must precede peft importing bitsandbytes)
 from datasets import Dataset
-from transformers import set_seed
 
 from hf_llmkit.cli import UsageError, job, usage_errors  # noqa: F401 (callers catch run_sft.UsageError)
 from hf_llmkit.cli.arguments import InstructionDataArguments
 from hf_llmkit.cli.job import Args, Model
-from hf_llmkit.cli.model_loading import context_length, load_tokenizer
-from hf_llmkit.cli.output import configure_console
-from hf_llmkit.cli.results import count_parameters, results_table
+from hf_llmkit.cli.model_loading import context_length
 from hf_llmkit.data_files import find_data_files
 from hf_llmkit.instruction_corpus import instruction_records
 from hf_llmkit.sft_data import InstructionCollator, pack_examples, read_instruction_records, tokenize_records
 
 logger = logging.getLogger("run_sft")
 
-# What `python examples/run_sft.py` does with no flags (each one can be overridden).
+# What `python examples/run_sft.py` does with no flags, on top of `job.EMBEDDED_DEFAULTS` (each can be overridden;
+# with features on the output folder is outputs/run_sft-<features>, see job.default_output_dir).
 EMBEDDED_DEFAULTS = dict(
-    output_dir="outputs/run_sft",  # with features on: outputs/run_sft-<features> (see job.default_output_dir)
-    do_train=True,
-    do_eval=True,
+    job.EMBEDDED_DEFAULTS,
     max_steps=100,
-    per_device_train_batch_size=8,
-    per_device_eval_batch_size=16,
-    learning_rate=1e-3,
-    lr_scheduler_type="cosine",
     warmup_steps=10,
-    weight_decay=0.01,
     logging_steps=10,
     save_steps=50,
-    save_total_limit=2,
-    report_to="none",
-    disable_tqdm=False,
-    dataloader_pin_memory=torch.cuda.is_available(),
-    seed=42,
-    auto_resume=True,
-    ddp_find_unused_parameters=False,
     remove_unused_columns=False,  # the examples are input_ids + labels; the collator makes the attention mask
 )
 JOB = job.Job(
@@ -83,8 +64,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
 
 
 def check_inputs(args: Args) -> tuple[list[dict[str, str]], list[dict[str, str]] | None]:
-    """Check every folder and file the run reads or writes; return the training and validation records."""
-    job.check_folders(args)
+    """Check and read the record files; return the training and validation records."""
     data = args.data
     if data.train_file is not None:
         records = read_instruction_records(find_data_files(train_file=data.train_file)[0])
@@ -123,9 +103,9 @@ def _template_ids(built: Model) -> tuple[list[int], list[int]]:
     return encode(before), encode(after)
 
 
-def prepare_datasets(args: Args, built: Model, records: list, held_out: list | None) -> tuple[Any, Any]:
+def prepare_datasets(args: Args, built: Model, inputs: tuple[list, list | None]) -> tuple[Any, Any]:
     """Tokenized examples for training and evaluation: labels -100 on every prompt token."""
-    data, training = args.data, args.training
+    (records, held_out), data, training = inputs, args.data, args.training
     context = context_length(built.model.config)
     if context is not None and data.max_seq_length > context:
         raise ValueError(
@@ -156,29 +136,17 @@ def prepare_datasets(args: Args, built: Model, records: list, held_out: list | N
     return tuple(splits)
 
 
+STEPS = job.DataSteps(
+    read=check_inputs,
+    prepare=prepare_datasets,
+    collator=lambda built: InstructionCollator(built.tokenizer.pad_token_id),
+    loss_of="response tokens",
+)
+
+
 def run(argv: list[str] | None = None) -> dict[str, Any]:
     """The job; returns its results (also written to output_dir as *_results.json)."""
-    start = time.perf_counter()
-    args = parse_args(argv)
-    configure_console(main_process=args.training.should_log)
-    set_seed(args.training.seed)
-    with usage_errors(OSError):  # everything the input decides is checked before training starts
-        records, held_out = check_inputs(args)
-        built = job.build_model(args, load_tokenizer(args.model))
-        train, evaluation = prepare_datasets(args, built, records, held_out)
-    base_dir = job.write_adapter_base(args, built)
-    built = built._replace(base=None)  # the snapshot is on disk now
-    collator = InstructionCollator(built.tokenizer.pad_token_id)
-    trainer = job.build_trainer(args, built, train, evaluation, data_collator=collator)
-    total, trainable = count_parameters(built.model)
-    results: dict[str, Any] = {"parameters": total, "trainable_parameters": trainable}
-    results.update(job.train_and_evaluate(args, trainer))
-    results.update(output_dir=args.training.output_dir, wall_time_s=time.perf_counter() - start)
-    results["adapter_base"] = str(base_dir) if base_dir is not None else None
-    if trainer.is_world_process_zero():
-        table = results_table(job.describe_setup(args), results, loss_of="response tokens")
-        print("\n" + table, flush=True)
-    return results
+    return job.run_job(JOB, STEPS, argv)
 
 
 def main() -> None:

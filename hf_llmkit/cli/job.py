@@ -6,11 +6,9 @@ methods, DKM, bitsandbytes, MoE, callbacks and `LLMKitTrainingArguments`: sequen
 and their checks, the model built as the flags say, the trainer with hf_llmkit's callbacks, evaluation before and
 after training, results files and the results table, and `main()` with its exit statuses.
 
-    JOB = Job(prog="run_clm.py", description=..., data_type=DataArguments, defaults=EMBEDDED_DEFAULTS)
-    args = parse_args(JOB, argv)                 # Args(model, data, peft, dkm, kbit, moe, run, training, given)
-    built = build_model(args, load_tokenizer(args.model))
-    trainer = build_trainer(args, built, train, evaluation, data_collator=collate)
-    results = train_and_evaluate(args, trainer)
+    JOB = Job(prog="run_clm.py", description=..., data_type=DataArguments, defaults={"max_steps": 300, ...})
+    STEPS = DataSteps(read=check_inputs, prepare=prepare_datasets, collator=lambda built: default_data_collator)
+    results = run_job(JOB, STEPS, argv)  # parse, check, build, prepare, train, evaluate, report
 """
 
 from __future__ import annotations
@@ -18,13 +16,15 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from peft import get_peft_model
+from transformers import set_seed
 
 from hf_llmkit import LLMKitTrainingArguments
 from hf_llmkit.cli.arguments import SCRATCH_SIZES, ModelArguments, RunArguments
@@ -39,20 +39,28 @@ from hf_llmkit.cli.folders import (
     check_writable_folder,
 )
 from hf_llmkit.cli.help import HelpLayout
-from hf_llmkit.cli.model_loading import check_scratch_config, load_model, ties_embeddings
+from hf_llmkit.cli.model_loading import check_scratch_config, load_model, load_tokenizer, ties_embeddings
 from hf_llmkit.cli.moe import MoEArguments
-from hf_llmkit.cli.output import keep_tensorboard_in_output_dir
+from hf_llmkit.cli.output import configure_console, keep_tensorboard_in_output_dir
 from hf_llmkit.cli.parser import CommandLineParser
 from hf_llmkit.cli.peft import PeftArguments
 from hf_llmkit.cli.quantization import DKMArguments, KbitArguments
-from hf_llmkit.cli.results import ResumePoint, perplexity, save_results
+from hf_llmkit.cli.results import (
+    ResumePoint,
+    count_parameters,
+    describe_setup,
+    perplexity,
+    results_table,
+    save_results,
+)
 from hf_llmkit.corpus import default_cache_dir
 from hf_llmkit.trainers import LLMKitTrainer
 from hf_llmkit.tuners.ptuning import PTuningTemplate
 
 __all__ = [
-    "Args", "Job", "Model", "adapter_base_dir", "build_model", "build_trainer", "check_combinations",
-    "check_folders", "describe_setup", "main", "parse_args", "train_and_evaluate", "write_adapter_base",
+    "EMBEDDED_DEFAULTS", "Args", "DataSteps", "Job", "Model", "adapter_base_dir", "build_model", "build_trainer",
+    "check_combinations", "check_folders", "main", "parse_args", "run_job", "train_and_evaluate",
+    "write_adapter_base",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -70,11 +78,29 @@ GROUP_ORDER = ("model", "quantization", "DKM quantization", "data", "PEFT", "mix
 SEED_SPELLINGS = {"--gradient_checkpointing": "--activation_checkpointing"}
 CROSS_FLAGS = (FlagGroup("--upcycle_moe true", ("moe_aux_loss_coef", "moe_z_loss_coef"), lambda v: v["upcycle_moe"]),)
 FEATURE_TYPES = (PeftArguments, DKMArguments, KbitArguments, MoEArguments, RunArguments)
+# What the main jobs do with no flags, besides their own length and cadence (each one can be overridden).
+EMBEDDED_DEFAULTS = dict(
+    do_train=True,
+    do_eval=True,
+    per_device_train_batch_size=8,
+    per_device_eval_batch_size=16,
+    learning_rate=1e-3,
+    lr_scheduler_type="cosine",
+    weight_decay=0.01,
+    save_total_limit=2,
+    report_to="none",
+    disable_tqdm=False,
+    dataloader_pin_memory=torch.cuda.is_available(),
+    seed=42,
+    auto_resume=True,
+    ddp_find_unused_parameters=False,  # every trainable weight takes part in each step (MoE experts are fused tensors)
+)
 
 
 @dataclass(frozen=True)
 class Job:
-    """One main job: its name, its data arguments and the defaults it runs with when given no flags."""
+    """One main job: its name, its data arguments and the defaults it runs with when given no flags (on top of
+    `EMBEDDED_DEFAULTS`)."""
 
     prog: str  # "run_clm.py"; the default output folder is outputs/<prog without .py>
     description: str
@@ -152,7 +178,7 @@ def parser_for(job: Job) -> CommandLineParser:
         types, layout=layout, flag_groups=CROSS_FLAGS, prog=job.prog, description=job.description,
         renamed_flags=SEED_SPELLINGS,
     )  # fmt: skip
-    parser.set_defaults(**job.defaults)
+    parser.set_defaults(**{"output_dir": job.output_root, **EMBEDDED_DEFAULTS, **job.defaults})
     return parser
 
 
@@ -330,16 +356,39 @@ def write_adapter_base(args: Args, built: Model) -> Path | None:
     return base_dir
 
 
-def describe_setup(args: Args) -> list[tuple[str, str]]:
-    """The results table's rows that say what was trained."""
-    sp = args.training.sequence_parallel_size
-    return [
-        ("method", args.peft.describe()),
-        ("quantization", args.dkm.describe() or args.kbit.describe() or "none"),
-        ("mixture of experts", args.moe.describe() or "none"),
-        ("sequence parallel", f"{sp} ranks per sequence" if sp > 1 else "off"),
-        ("ranks", str(args.training.world_size)),
-    ]
+class DataSteps(NamedTuple):
+    """What a job does with its data: `read(args)` checks and reads it (before the model is built),
+    `prepare(args, built, data)` tokenizes it into (train, evaluation) datasets, `collator(built)` batches them."""
+
+    read: Callable[[Args], Any]
+    prepare: Callable[[Args, Model, Any], tuple[Any, Any]]
+    collator: Callable[[Model], Any]
+    loss_of: str | None = None  # the results table reports perplexity, or the loss on these tokens
+
+
+def run_job(job: Job, steps: DataSteps, argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse, check every input, build the model, prepare the data, train and evaluate; print the results table
+    and return the results (also written to output_dir as *_results.json)."""
+    start = time.perf_counter()
+    args = parse_args(job, argv)
+    configure_console(main_process=args.training.should_log)
+    set_seed(args.training.seed)
+    with usage_errors(OSError):  # everything the input decides is checked before training starts
+        check_folders(args)
+        data = steps.read(args)
+        built = build_model(args, load_tokenizer(args.model))
+        train, evaluation = steps.prepare(args, built, data)
+    base_dir = write_adapter_base(args, built)
+    built = built._replace(base=None)  # the snapshot is on disk now
+    trainer = build_trainer(args, built, train, evaluation, data_collator=steps.collator(built))
+    total, trainable = count_parameters(built.model)
+    results: dict[str, Any] = {"parameters": total, "trainable_parameters": trainable}
+    results.update(train_and_evaluate(args, trainer))
+    results.update(output_dir=args.training.output_dir, wall_time_s=time.perf_counter() - start)
+    results["adapter_base"] = str(base_dir) if base_dir is not None else None
+    if trainer.is_world_process_zero():
+        print("\n" + results_table(describe_setup(args), results, loss_of=steps.loss_of), flush=True)
+    return results
 
 
 def main(run, *, prog: str) -> None:

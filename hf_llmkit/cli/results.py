@@ -3,7 +3,7 @@
 `save_results(trainer, "train", metrics)` writes `train_results.json` and merges it into `all_results.json`
 (`Trainer.save_metrics`); for "eval" it adds `perplexity` first, as transformers' own `run_clm.py` does.
 `ResumePoint` records the step a run started from (its `resumed_at`). `results_table(setup, results)` is the table
-a run ends with: what was trained (`hf_llmkit.cli.job.describe_setup`: method, quantization, experts, sequence
+a run ends with: what was trained (`describe_setup`: method, quantization, experts, sequence
 parallelism, ranks), parameters counted once per storage, steps, losses, time.
 """
 
@@ -18,6 +18,7 @@ from transformers import TrainerCallback
 __all__ = [
     "ResumePoint",
     "count_parameters",
+    "describe_setup",
     "markdown_table",
     "perplexity",
     "results_table",
@@ -81,6 +82,19 @@ def _logical_numel(param: Any) -> int:
     except ImportError:
         return param.numel()
     return param.numel() * 2 * param.element_size() if isinstance(param, Params4bit) else param.numel()
+
+
+def describe_setup(args: Any) -> list[tuple[str, str]]:
+    """The results table's rows that say what was trained, from a main job's parsed arguments
+    (`hf_llmkit.cli.job.Args`)."""
+    sp = args.training.sequence_parallel_size
+    return [
+        ("method", args.peft.describe()),
+        ("quantization", args.dkm.describe() or args.kbit.describe() or "none"),
+        ("mixture of experts", args.moe.describe() or "none"),
+        ("sequence parallel", f"{sp} ranks per sequence" if sp > 1 else "off"),
+        ("ranks", str(args.training.world_size)),
+    ]
 
 
 def results_table(setup: list[tuple[str, str]], results: dict[str, Any], *, loss_of: str | None = None) -> str:
