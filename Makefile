@@ -8,8 +8,11 @@ PYTEST_ARGS ?=
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hf_llmkit-installed
+LOWEST_VENV ?= .venv-lowest
+LOWEST_PY := $(LOWEST_VENV)/bin/python
+LOWEST_OF := transformers peft accelerate datasets safetensors optimum tokenizers deepspeed bitsandbytes
 
-.PHONY: install quickstart test test-all test-gpu bench lint format clean
+.PHONY: install quickstart test test-fast test-lowest test-gpu bench lint format clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,13 +28,22 @@ install: $(STAMP)
 quickstart: install
 	$(PY) examples/run_clm.py
 
-test: install
+test: install  # the whole suite: what CI runs (tests marked gpu skip with their reason without a CUDA device)
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-all: install  # also the cells marked slow (composition matrix, every kill-and-resume case)
+test-fast: install  # for your own loops: without the cells marked slow
 	$(PY) -m ruff check .
-	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# One test file per capability (.ci/capabilities) against the lowest versions pyproject.toml declares of torch and
+# of every library in LOWEST_OF, in a virtual environment of their own; CI runs it after `make test`.
+test-lowest:
+	$(PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_PY) -m pip install "$$($(PYTHON) .ci/lowest_versions.py torch)"
+	$(LOWEST_PY) -m pip install -e ".[$(EXTRAS)]" $$($(PYTHON) .ci/lowest_versions.py $(LOWEST_OF))
+	$(LOWEST_PY) -m pip list 2>/dev/null | grep -iE "^($$(echo $(LOWEST_OF) | tr ' ' '|')) "
+	$(LOWEST_PY) -m pytest -m "not slow" $(PYTEST_ARGS) $$(grep -v '^#' .ci/capabilities)
 
 test-gpu: install  # the tests marked gpu, on a CUDA machine
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
@@ -51,4 +63,4 @@ format: install
 	$(PY) -m ruff format .
 
 clean:
-	rm -rf outputs .pytest_cache .ruff_cache *.egg-info
+	rm -rf outputs .pytest_cache .ruff_cache *.egg-info $(LOWEST_VENV)

@@ -32,12 +32,19 @@ BASE_TUNER_HOOKS: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "_prepare_adapter_config": (("peft_config", "model_config"), "default target_modules computed from the model"),
     "_prepare_model": (("peft_config", "model"), "fail before injection, naming close module names"),
-    "_check_target_module_exists": (("peft_config", "key"), "BitFit skips matched modules without a bias"),
+    "_check_target_module_exists": (
+        ("peft_config", "key"),
+        "never target what another adapter's modules_to_save wraps; BitFit skips matched modules without a bias",
+    ),
     "_check_merge_allowed": ((), "methods that cannot merge refuse with a message naming unload()"),
     "_check_tied_modules": (("model", "peft_config"), "P-tuning keeps tied embeddings tied without a warning"),
     "_replace_module": (
         ("parent", "child_name", "new_module", "child"),
-        "unloading a wrapped block (an MLP, an attention module) that has no .weight to copy back",
+        "unloading a wrapped block or a modules_to_save wrapper: no .weight to copy back",
+    ),
+    "_add_modules_to_save_to_tie": (
+        ("peft_config", "tied_weight_keys"),
+        "ensure_weight_tying: one trained copy for tied embeddings listed in modules_to_save (as LoRA's)",
     ),
     "_post_injection_hook": (
         ("model", "config", "adapter_name"),

@@ -39,6 +39,10 @@ docstrings say); `from_pretrained` hands the first one `checkpoint_files`, which
   reports on load. A DKM Trainer checkpoint holds two representations of each clustered layer (the training state
   and the packed export); the representation the loaded layer does not use is expected, not unexpected.
 
+**Renamed keywords.** transformers 5.24 renames the KV-cache keyword of every model's forward from
+`past_key_values` to `cache` (the old name is deprecated until 5.40). `cache_keyword(model)` is the name the
+installed transformers takes, so code and tests that pass a cache work on both sides of the rename.
+
 `tests/compat/test_transformers*.py` fail when any of these is gone or changed its parameters.
 """
 
@@ -75,6 +79,7 @@ __all__ = [
     "TRAINER_PRIVATE_HOOKS",
     "TRAINER_PRIVATE_PARAMETERS",
     "ConfigReportingKernel",
+    "cache_keyword",
     "configured_attention",
     "ignore_unexpected_keys",
     "keep_in_fp32_modules",
@@ -154,3 +159,9 @@ def ignore_unexpected_keys(model, patterns: list[str]) -> None:
     """Add regex `patterns` to the keys a load of `model` does not report as unexpected."""
     current = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
     model._keys_to_ignore_on_load_unexpected = current | set(patterns)
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword `model`'s forward takes its KV cache by: `"cache"` from transformers 5.24, else
+    `"past_key_values"`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

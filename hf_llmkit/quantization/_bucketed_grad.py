@@ -18,6 +18,7 @@ import torch
 
 from hf_llmkit.quantization import _bucketed as bk
 from hf_llmkit.quantization._bucketed import Rows, group_sum, per_row, per_row_tau
+from hf_llmkit.quantization._dkm import autocast_off
 from hf_llmkit.quantization._grid import Grid, Located, chunks, evaluate, locate
 from hf_llmkit.quantization._jets import attention_jets, centroid_grad_jets, combine, times_w
 
@@ -151,6 +152,7 @@ class BucketedDKM(torch.autograd.Function):
         return x @ w_c.to(x.dtype).t(), new_cents
 
     @staticmethod
+    @autocast_off
     def backward(ctx, grad, _grad_cents):
         x, weight, *saved = ctx.saved_tensors
         grid, stages, sums_all, tau, table, exact_out = _unflatten(saved, ctx.layout)

@@ -9,12 +9,27 @@ memory); `edkm.py` computes the same thing over the unique weight values.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # Added under the square root of the distance: keeps its gradient finite at a zero distance.
 DIST_EPS = 1e-12
 # Chunk of weight vectors per step of the (non-differentiable) hard assignment; bounds its temporary memory.
 ASSIGN_CHUNK = 1 << 20
+
+
+def autocast_off(backward):
+    """Decorate an autograd Function's `backward` to run with autocast off: a backward called inside
+    `torch.autocast` would otherwise recast its float32 matmuls (the weight gradient) to 16 bits."""
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        device = next((g.device.type for g in grads if isinstance(g, torch.Tensor)), "cpu")
+        with torch.autocast(device, enabled=False):
+            return backward(ctx, *grads)
+
+    return run
 
 
 def to_vectors(weight: torch.Tensor, groups: int, cluster_dim: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.nn import functional as dist_nn
 
-from hf_llmkit.quantization._dkm import DIST_EPS
+from hf_llmkit.quantization._dkm import DIST_EPS, autocast_off
 
 _INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -176,6 +176,7 @@ class PaletteApply(torch.autograd.Function):
         return x @ gather_rows(out_values.to(x.dtype), idx).reshape(weight.shape).t()
 
     @staticmethod
+    @autocast_off
     def backward(ctx, grad):
         x, out_values, jacobian, weight, inverse = ctx.saved_tensors
         mode, groups, d, n_vec = ctx.meta

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hf_llmkit.compat.torch import version_counter
 from hf_llmkit.quantization import _dkm as dkm
 from hf_llmkit.quantization import _edkm as edkm
 from hf_llmkit.quantization._bucketed_grad import BucketedDKM
@@ -74,6 +75,15 @@ def shard_group():
     return _SHARD_GROUP["group"]
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a Linear computes `x @ W^T` in: autocast's lower precision where autocast is on for `x`'s device
+    (as `F.linear` does under `torch.autocast`), else `x`'s own dtype."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
 def check_table(name: str, table: torch.Tensor, shape: tuple[int, ...]) -> None:
     """A lookup table / centroid table must have the layer's shape and only finite values."""
     if tuple(table.shape) != shape:
@@ -121,7 +131,8 @@ class _Clustered:
 
     def hard_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The hard-assigned weight (what evaluation, inference and the saved checkpoint use), cached."""
-        key = (self.weight._version, self.weight.data_ptr(), self.centroids._version, self.centroids.data_ptr(), dtype)
+        w, c = self.weight, self.centroids
+        key = (version_counter(w), w.data_ptr(), version_counter(c), c.data_ptr(), dtype)
         if self._hard_cache is None or self._hard_cache[0] != key:
             w = dkm.lookup(self.centroids, self.hard_indices()).reshape(self.weight.shape).to(dtype)
             self._hard_cache = (key, w)
@@ -149,11 +160,19 @@ class _Clustered:
         return "table"
 
     def _soft(self, x: torch.Tensor | None) -> torch.Tensor:
-        """Soft-clustered `x @ W_c^T` (Linear) or `W_c` (x is None), updating the centroids (DKM keeps them)."""
+        """Soft-clustered `x @ W_c^T` (Linear) or `W_c` (x is None), updating the centroids (DKM keeps them).
+
+        Under autocast the product runs in autocast's dtype, like `F.linear` (`x` is cast, `W_c` follows it), while
+        DKM itself (latent weight, centroids, attention, k-means sums) keeps the weight's and the tables' precision:
+        autocast is off inside, so no engine op is silently recast and forward and backward dtypes agree.
+        """
         s = self.settings
+        if x is not None:
+            x = x.to(compute_dtype(x))
         group = shard_group() if s.shard else None
         marshal = MarshalHooks(offload=True, exclude=() if x is None else (x,)) if s.offload else None
-        with marshal if marshal is not None else contextlib.nullcontext():
+        device = self.weight.device.type
+        with marshal if marshal is not None else contextlib.nullcontext(), torch.autocast(device, enabled=False):
             vec = self._vectors(self.weight)
             std = dkm.group_std(vec)
             engine = self._engine(group)
@@ -238,7 +257,7 @@ class DKMLinear(nn.Linear, _Clustered):
         if self._use_soft():
             y = self._soft(x)
             return y + self.bias.to(y.dtype) if self.bias is not None else y
-        return F.linear(x, self.hard_weight(x.dtype), self.bias)
+        return F.linear(x, self.hard_weight(compute_dtype(x)), self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, bits={self.settings.bits}, groups={self.settings.groups}"

@@ -9,21 +9,38 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Iterator
 
 from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import AuxiliaryTrainingWrapper
 from torch import nn
 
 
-def module_names(model: nn.Module) -> list[str]:
-    """Names of the model's modules, with peft's wrappers seen through (no `.base_layer` internals)."""
-    names, wrapped = [], []
+def visible_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """`model.named_modules()` without the insides of peft's wrappers, which are listed themselves.
+
+    A tuner layer hides its `base_layer` and adapter modules; a `modules_to_save` wrapper (`ModulesToSaveWrapper`,
+    any `AuxiliaryTrainingWrapper`) hides its `original_module` and its per-adapter copies, which are plain modules
+    (no `get_base_layer`) that no adapter may target. Code that picks modules to adapt walks this, not
+    `named_modules()`, so a second adapter never lands inside the first one's wrappers.
+    """
+    wrapped: list[str] = []
     for name, module in model.named_modules():
-        if not name or any(name.startswith(w + ".") for w in wrapped):
+        if any(name.startswith(w + ".") for w in wrapped):
             continue
-        if isinstance(module, BaseTunerLayer):
+        if name and isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
             wrapped.append(name)
-        names.append(name)
-    return names
+        yield name, module
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The module a tuner layer wraps, or `module` itself (a plain module, or a `modules_to_save` wrapper)."""
+    return module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
+
+
+def module_names(model: nn.Module) -> list[str]:
+    """Names of the model's modules, with peft's wrappers seen through (`visible_modules`)."""
+    return [name for name, _ in visible_modules(model) if name]
 
 
 def suffixes(names: list[str], depth: int = 3) -> list[str]:

@@ -24,3 +24,24 @@ def test_every_private_override_is_declared():
     assert overridden == set(TRAINER_PRIVATE_HOOKS), "declare private Trainer overrides in compat.transformers"
     doc = sys.modules[LLMKitTrainer.__module__].__doc__
     assert all(f"`{name}`" in doc for name in TRAINER_PRIVATE_HOOKS)  # listed, with why, where users read
+
+
+def test_cache_keyword_is_the_one_models_take():
+    """A KV cache passed by `cache_keyword` reaches the model: its continuation equals the uncached forward (the
+    keyword is `past_key_values` up to transformers 5.23 and `cache` from 5.24)."""
+    import torch
+    from transformers import DynamicCache
+
+    from hf_llmkit.compat.transformers import cache_keyword
+    from hf_llmkit.testing import tiny_llama
+
+    model, ids = tiny_llama().eval(), torch.tensor([[5, 6, 7, 8, 9]])
+    keyword = cache_keyword(model)
+    assert keyword in ("cache", "past_key_values")
+    with torch.no_grad():
+        full = model(input_ids=ids).logits[:, -1]
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :-1], use_cache=True, **{keyword: cache})
+        assert cache.get_seq_length() == ids.shape[1] - 1  # the model filled the cache it was handed
+        last = model(input_ids=ids[:, -1:], use_cache=True, **{keyword: cache}).logits[:, -1]
+    torch.testing.assert_close(last, full, rtol=1e-5, atol=1e-5)

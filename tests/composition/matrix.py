@@ -2,7 +2,8 @@
 
 One `Cell` per pair. `Setup` says how to build it (the features it switches on); `expected` is "ok" (train, save,
 reload, match the single-rank equivalent) or the one-line reason the library gives when it refuses the pair before
-any work. `slow` cells run in `make test-all` only; one representative per row runs in `make test`.
+any work. `make test` (CI) runs every cell; `make test-fast` leaves out the `slow` ones (one representative per
+row stays).
 README's "Composition" table is generated from `CELLS` (`python -m tests.composition.readme_table`).
 """
 

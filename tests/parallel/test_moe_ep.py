@@ -134,7 +134,7 @@ def ep_worker() -> dict:
     return results
 
 
-# One 4-rank launch (~50 s on 2 cores): `make test-all`. `make test` keeps expert parallelism through the 2-rank
+# One 4-rank launch (~50 s on 2 cores): `make test` (CI); `make test-fast` keeps expert parallelism through the 2-rank
 # Trainer test (tests/parallel/test_moe_ep_trainer.py) and the composition matrix's MoE x expert parallel 2 cell.
 pytestmark = pytest.mark.slow
 

@@ -36,7 +36,7 @@ def test_accelerate_ddp_lora_gradient_checkpointing_replicated_kv(tmp_path):
     check(result, "DistributedDataParallel")
 
 
-# ZeRO-2 (~20 s) also trains in tests/compat/test_deepspeed.py and the composition matrix: `make test-all`.
+# ZeRO-2 (~20 s) also trains in tests/compat/test_deepspeed.py and the composition matrix (slow here).
 @pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_deepspeed_zero_torchrun(tmp_path, stage):
     """ZeRO-2 with our bottleneck adapters; ZeRO-3 (partitioned parameters, gathered at each chunk's call) with

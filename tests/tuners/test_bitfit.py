@@ -43,6 +43,9 @@ def test_gpt2_conv1d_and_layernorm_biases_merge_exactly():
     model = get_peft_model(tiny_model("gpt2"), BitFitConfig(init_weights=False))
     kinds = {type(m.get_base_layer()).__name__ for m in model.modules() if isinstance(m, BitFitLayer)}
     assert kinds == {"Conv1D", "LayerNorm"}  # the tied lm_head (no bias) is left alone
+    for layer in (m for m in model.modules() if isinstance(m, BitFitLayer)):  # Conv1D's weight is [in, out]
+        if type(layer.get_base_layer()).__name__ == "Conv1D":
+            assert (layer.in_features, layer.out_features) == tuple(layer.get_base_layer().weight.shape)
     ids = torch.randint(0, 128, (2, 8))
     with torch.no_grad():
         expected = model(input_ids=ids).logits

@@ -99,6 +99,20 @@ def test_tied_embeddings_stay_tied_without_warnings(tmp_path, recwarn):
         torch.testing.assert_close(reloaded(input_ids=ids).logits, peft_model.eval()(input_ids=ids).logits)
 
 
+def test_ensure_weight_tying_with_a_tied_lm_head_to_save_is_refused_in_one_line():
+    """Tying lm_head's trained copy to the input embedding would train the embedding P-tuning wraps."""
+    config = PTuningConfig(num_virtual_tokens=2, modules_to_save=["lm_head"], ensure_weight_tying=True)
+    with pytest.raises(ValueError, match=r"cannot tie \['lm_head'\].*set ensure_weight_tying=False") as err:
+        get_peft_model(tiny_llama(tie_word_embeddings=True), config)
+    assert "\n" not in str(err.value)
+    config = PTuningConfig(num_virtual_tokens=2, modules_to_save=["lm_head"])
+    with pytest.warns(UserWarning, match="ensure_weight_tying"):  # peft's: lm_head trains as its own copy
+        peft_model = get_peft_model(tiny_llama(tie_word_embeddings=True), config)
+    assert peft_model.base_model.model.lm_head.modules_to_save["default"].weight is not (
+        peft_model.get_input_embeddings().base_layer.weight
+    )
+
+
 def test_virtual_ids_use_the_encoder_and_other_ids_the_frozen_base():
     model = tiny_llama()
     base_rows = model.get_input_embeddings().weight.detach().clone()

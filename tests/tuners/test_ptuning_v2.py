@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from hf_llmkit import PTuningV2Config
-from hf_llmkit.compat.transformers import configured_attention
+from hf_llmkit.compat.transformers import cache_keyword, configured_attention
 from hf_llmkit.testing import tiny_llama, tiny_model
 from hf_llmkit.tuners.ptuning_v2 import PlainPrefix, ProjectedPrefix
 from tests.tuners.support import examples, fresh_logits, quantized_tiny_llama, snapshot, trainer
@@ -64,7 +64,7 @@ def test_prefix_equals_a_kv_cache_prefilled_with_the_prefix(implementation):
         with peft_model.disable_adapter():
             reference = base(
                 input_ids=IDS,
-                past_key_values=cache,
+                **{cache_keyword(base): cache},
                 position_ids=torch.arange(IDS.shape[1]).expand(2, -1),
                 attention_mask=torch.ones(2, 3 + IDS.shape[1], dtype=torch.long),
             ).logits

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # private; without it nothing is reused
+from hf_llmkit.compat.torch import storage_use_count
 
 
 class GradientBuffer:
@@ -32,10 +32,9 @@ class GradientBuffer:
         nbytes = weight.numel() * weight.element_size()
         if (
             storage is not None
-            and _storage_use_count is not None
             and storage.device == weight.device
             and storage.nbytes() == nbytes
-            and _storage_use_count(storage._cdata) == 1  # only this buffer holds it
+            and storage_use_count(storage) == 1  # only this buffer holds it (None: torch cannot tell, never reuse)
         ):
             return weight.new_empty(0).set_(storage, 0, weight.shape)  # no strides given: contiguous ones
         out = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)

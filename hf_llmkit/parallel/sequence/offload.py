@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from hf_llmkit.compat.torch import view_base
+
 _PACKED = tuple[torch.device, torch.Tensor]
 
 
@@ -40,7 +42,7 @@ class offload_saved_activations(saved_tensors_hooks):  # noqa: N801 - a context 
             if (
                 (tensor.device.type == "cpu" and not include_cpu)
                 or isinstance(tensor, torch.nn.Parameter)
-                or isinstance(tensor._base, torch.nn.Parameter)  # a weight's transpose, saved by a matmul
+                or isinstance(view_base(tensor), torch.nn.Parameter)  # a weight's transpose, saved by a matmul
                 or tensor.is_sparse
                 or tensor.numel() * tensor.element_size() < min_bytes
             ):

@@ -86,8 +86,9 @@ class BitFitLayer(nn.Module, BaseTunerLayer):
             if name not in self.bitfit_bias:
                 continue
             delta = self.bitfit_bias[name].detach()
-            if base.bias is None:
-                base.bias = nn.Parameter(torch.zeros_like(delta), requires_grad=False)
+            if base.bias is None:  # in the layer's dtype: the delta may be an fp32 adapter of an fp16 / bf16 base
+                device, dtype = self._device_dtype()
+                base.bias = nn.Parameter(torch.zeros(delta.shape, device=device, dtype=dtype), requires_grad=False)
                 self._created_base_bias = True
             merged = base.bias.data + delta.to(base.bias.dtype)
             if safe_merge and not torch.isfinite(merged).all():

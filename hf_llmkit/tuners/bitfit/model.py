@@ -5,13 +5,12 @@ from __future__ import annotations
 import warnings
 
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from hf_llmkit.tuners.base import LLMKitTuner
 from hf_llmkit.tuners.bitfit.config import BitFitConfig
 from hf_llmkit.tuners.bitfit.layer import BitFitLayer, bias_shape
-from hf_llmkit.tuners.matching import module_names
+from hf_llmkit.tuners.matching import module_names, unwrapped
 
 
 class BitFitModel(LLMKitTuner):
@@ -29,7 +28,7 @@ class BitFitModel(LLMKitTuner):
     tuner_layer_cls = BitFitLayer  # default targets are computed from the model (every eligible module)
 
     def _eligible(self, module: nn.Module, config: BitFitConfig) -> bool:
-        base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
+        base = unwrapped(module)
         if base is self._output_embeddings():
             return False
         return bias_shape(base, add_missing=config.add_missing_biases) is not None
@@ -37,7 +36,7 @@ class BitFitModel(LLMKitTuner):
     def _output_embeddings(self) -> nn.Module | None:
         get = getattr(self.model, "get_output_embeddings", None)
         out = get() if callable(get) else None
-        return out.get_base_layer() if isinstance(out, BaseTunerLayer) else out
+        return None if out is None else unwrapped(out)
 
     def _prepare_adapter_config(self, peft_config: BitFitConfig, model_config: dict) -> BitFitConfig:
         if peft_config.target_modules is None:

@@ -7,8 +7,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
-from peft.config import PeftConfig
-
+from hf_llmkit.tuners.base import SavedModulesConfig
 from hf_llmkit.tuners.registration import LLMKitPeftType
 
 VIRTUAL_TOKEN_FORMAT = "[P{}]"
@@ -53,7 +52,7 @@ def check_template(template: str, num_virtual_tokens: int) -> None:
 
 
 @dataclass
-class PTuningConfig(PeftConfig):
+class PTuningConfig(SavedModulesConfig):
     """Configuration of P-tuning v1: virtual prompt tokens whose embeddings come from a trainable prompt encoder.
 
     The virtual tokens `[P0]..[P{n-1}]` are ordinary token ids in the input (placed by `template`); the wrapped input
@@ -75,7 +74,9 @@ class PTuningConfig(PeftConfig):
         token_dim (`int`, *optional*): Embedding size of the base model; filled in from the embedding layer.
         target_modules (`str` or `list[str]`, *optional*): The input embedding module to wrap; defaults to the model's
             `get_input_embeddings()` module.
-        modules_to_save (`list[str]`, *optional*): Other modules to train and save alongside the adapter.
+
+    `modules_to_save` and `ensure_weight_tying` as in `SavedModulesConfig`, except for the input embedding itself:
+    P-tuning wraps it, so it cannot be trained in full as well.
     """
 
     num_virtual_tokens: int = field(default=10, metadata={"help": "Number of virtual prompt tokens [P0]..[P{n-1}]."})
@@ -106,9 +107,6 @@ class PTuningConfig(PeftConfig):
     target_modules: Union[list[str], str] | None = field(
         default=None,
         metadata={"help": "The input embedding module to wrap; defaults to the model's get_input_embeddings()."},
-    )
-    modules_to_save: list[str] | None = field(
-        default=None, metadata={"help": "Other modules to train and save alongside the adapter."}
     )
 
     def __post_init__(self) -> None:

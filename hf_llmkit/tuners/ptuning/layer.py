@@ -92,6 +92,13 @@ class PTuningEmbedding(UnmergeableLayer, nn.Module, PTuningLayer):
     def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         active = [] if self.disable_adapters else [a for a in self.active_adapters if a in self.ptuning_encoder]
         if not active:
+            stray = input_ids >= self.num_embeddings
+            if stray.any():  # virtual tokens while no P-tuning adapter is on: the base lookup would fail to index
+                raise ValueError(
+                    f"token id {int(input_ids[stray][0])} is a virtual token (past the vocabulary of "
+                    f"{self.num_embeddings}) but no P-tuning adapter is active (disable_adapter(), or another adapter "
+                    "is set); leave the virtual tokens out of the input while the adapter is off, or set_adapter() it"
+                )
             return self.base_layer(input_ids, *args, **kwargs)
         masks = []
         for name in active:

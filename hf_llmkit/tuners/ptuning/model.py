@@ -11,6 +11,7 @@ from peft.tuners.tuners_utils import check_target_module_exists
 from torch import nn
 
 from hf_llmkit.tuners.base import LLMKitTuner
+from hf_llmkit.tuners.matching import visible_modules
 from hf_llmkit.tuners.ptuning.config import PTuningConfig
 from hf_llmkit.tuners.ptuning.layer import PTuningEmbedding
 
@@ -42,18 +43,42 @@ class PTuningModel(LLMKitTuner):
         if peft_config.target_modules is None:
             getter = getattr(self.model, "get_input_embeddings", None)
             embeddings = getter() if callable(getter) else None
-            names = [name for name, module in self.model.named_modules() if module is embeddings and name]
+            names = [name for name, module in visible_modules(self.model) if module is embeddings and name]
             if not names:
-                raise ValueError("could not find the model's input embedding module; set target_modules explicitly")
+                raise ValueError(
+                    f"P-tuning v1 embeds virtual token ids, and {type(self.model).__name__} has no input embedding "
+                    "(get_input_embeddings()); use it with a model that takes token ids, or set target_modules to "
+                    "its nn.Embedding"
+                )
             peft_config.target_modules = {names[0]}
         else:
             # Store full module paths: peft saves the whole base embedding matrix when target_modules literally
             # names `embed_tokens`, and the adapter must hold only the encoder.
             matched = {
                 name
-                for name, _ in self.model.named_modules()
-                if name and ".base_layer" not in name and check_target_module_exists(peft_config, name)
+                for name, _ in visible_modules(self.model)
+                if name and check_target_module_exists(peft_config, name)
             }
             if matched:
                 peft_config.target_modules = matched
+        saved = [
+            (entry, name)
+            for entry in peft_config.modules_to_save or []
+            for name in sorted(peft_config.target_modules)
+            if name == entry or name.endswith("." + entry)
+        ]
+        if saved:
+            entry, name = saved[0]
+            if peft_config.modules_to_tie and entry == name:  # put there by ensure_weight_tying (LLMKitTuner)
+                tied = sorted(peft_config.modules_to_tie)
+                raise ValueError(
+                    f"P-tuning v1 wraps the input embedding {name!r}, so ensure_weight_tying=True cannot tie "
+                    f"{tied} to a trained copy of it; set ensure_weight_tying=False ({tied} then train as their own "
+                    "copy)"
+                )
+            raise ValueError(
+                f"P-tuning v1 wraps the input embedding {name!r} for its virtual tokens, so modules_to_save cannot "
+                f"also train it in full; remove {entry!r} from modules_to_save (other modules, e.g. 'lm_head', may "
+                "stay)"
+            )
         return peft_config

@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
-from peft.config import PeftConfig
-
+from hf_llmkit.tuners.base import SavedModulesConfig
 from hf_llmkit.tuners.registration import LLMKitPeftType
 
 
 @dataclass
-class PTuningV2Config(PeftConfig):
+class PTuningV2Config(SavedModulesConfig):
     """Configuration of P-tuning v2: trainable prefix keys/values prepended to the attention of every layer.
 
     The prefixes enter through a registered `transformers` attention function that wraps the model's own (sdpa,
@@ -29,7 +28,8 @@ class PTuningV2Config(PeftConfig):
         init_std (`float`): Standard deviation of the initial prefixes (plain) or prefix embeddings (projection).
         target_modules (`str` or `list[str]`, *optional*): The attention modules to give prefixes; defaults to every
             module of the model that is a `transformers` attention layer (a `*Attention` module with `layer_idx`).
-        modules_to_save (`list[str]`, *optional*): Other modules to train and save alongside the adapter.
+
+    `modules_to_save` and `ensure_weight_tying` as in `SavedModulesConfig`.
     """
 
     num_virtual_tokens: int = field(default=20, metadata={"help": "Prefix length per layer and key/value head."})
@@ -48,9 +48,6 @@ class PTuningV2Config(PeftConfig):
     target_modules: Union[list[str], str] | None = field(
         default=None,
         metadata={"help": "Attention modules to give prefixes; defaults to every transformers attention layer."},
-    )
-    modules_to_save: list[str] | None = field(
-        default=None, metadata={"help": "Other modules to train and save alongside the adapter."}
     )
 
     def __post_init__(self) -> None:

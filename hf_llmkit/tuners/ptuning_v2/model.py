@@ -15,6 +15,7 @@ from torch import nn
 
 from hf_llmkit.parallel.attention import add_attention_layer, remove_attention_layer
 from hf_llmkit.tuners.base import LLMKitTuner
+from hf_llmkit.tuners.matching import unwrapped, visible_modules
 from hf_llmkit.tuners.ptuning_v2.attention import PrefixAttention
 from hf_llmkit.tuners.ptuning_v2.config import PTuningV2Config
 from hf_llmkit.tuners.ptuning_v2.layer import PTuningV2Attention, PTuningV2Layer
@@ -26,11 +27,10 @@ _PROJECTION_KEYS = ("embedding", "down.weight", "down.bias", "up.weight", "up.bi
 def attention_module_names(model: nn.Module) -> list[str]:
     """Names of the transformers attention layers of `model` (`*Attention` modules that know their `layer_idx`)."""
     names = []
-    for name, module in model.named_modules():
-        if type(module).__name__.endswith("Attention") and hasattr(module, "layer_idx") and hasattr(module, "config"):
-            name = name.removesuffix(".base_layer")  # already wrapped (a second adapter): target the wrapper
-            if name not in names:
-                names.append(name)
+    for name, module in visible_modules(model):  # an attention module already wrapped (a second adapter): the wrapper
+        base = unwrapped(module)
+        if type(base).__name__.endswith("Attention") and hasattr(base, "layer_idx") and hasattr(base, "config"):
+            names.append(name)
     return names
 
 
@@ -54,8 +54,9 @@ class PTuningV2Model(LLMKitTuner):
             names = attention_module_names(self.model)
             if not names:
                 raise ValueError(
-                    "found no transformers attention module (a *Attention module with layer_idx) in the model; set "
-                    "target_modules to the names of its attention modules"
+                    f"P-tuning v2 prepends keys/values inside attention, and {type(self.model).__name__} has no "
+                    "transformers attention module (a *Attention module with layer_idx); use it with a transformers "
+                    "model, or set target_modules to the names of its attention modules"
                 )
             peft_config.target_modules = set(names)
         return peft_config

@@ -1,0 +1,39 @@
+"""torch internals hf_llmkit relies on (checked against torch 2.13.0).
+
+- `torch._C._storage_Use_Count(storage._cdata)`: how many references hold a storage. `GradientBuffer`
+  (hf_llmkit.parallel.moe.grad_buffers) reuses a gradient's memory only when nothing but itself holds it; without
+  this function it never reuses (correct, only slower).
+- `Tensor._base`: the tensor a view was made from. The activation offload (hf_llmkit.parallel.sequence.offload)
+  keeps a weight's transposed view on the device instead of copying it to the host.
+- `Tensor._version`: the in-place modification counter. DKM's hard-weight cache (hf_llmkit.quantization.layers)
+  is keyed by it, so an optimizer step or `load_state_dict` (both in place) invalidates the cache.
+
+Each has no public equivalent in torch 2.13; `tests/compat/test_torch.py` fails when one disappears or changes meaning.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHECKED_AGAINST = "2.13.0"
+
+__all__ = ["CHECKED_AGAINST", "storage_use_count", "version_counter", "view_base"]
+
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int | None:
+    """References to `storage` (tensors and storage objects), or None where this torch cannot tell."""
+    if _STORAGE_USE_COUNT is None:
+        return None
+    return _STORAGE_USE_COUNT(storage._cdata)
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `tensor` is a view of, or None when it owns its memory."""
+    return tensor._base
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """A counter that grows with every in-place change of `tensor` (and of tensors sharing its version counter)."""
+    return tensor._version

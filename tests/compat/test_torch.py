@@ -1,0 +1,34 @@
+"""torch still offers what hf_llmkit.compat.torch relies on, with the meaning it relies on."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_llmkit.compat.torch import CHECKED_AGAINST, storage_use_count, version_counter, view_base
+
+WHERE = f"torch {torch.__version__} (checked against {CHECKED_AGAINST})"
+
+
+def test_storage_use_count_counts_holders():
+    t = torch.empty(4)
+    storage = t.untyped_storage()
+    alone = storage_use_count(storage)
+    assert alone is not None, f"{WHERE}: torch._C._storage_Use_Count is gone; GradientBuffer would never reuse memory"
+    view = t[1:]
+    assert storage_use_count(storage) == alone + 1, f"{WHERE}: a view no longer counts as a holder of its storage"
+    del view
+    assert storage_use_count(storage) == alone
+
+
+def test_view_base_names_the_viewed_tensor():
+    weight = torch.nn.Parameter(torch.ones(2, 3))
+    assert isinstance(view_base(weight.t()), torch.nn.Parameter), f"{WHERE}: Tensor._base no longer names the base"
+    assert view_base(torch.ones(2)) is None
+
+
+def test_version_counter_grows_with_in_place_changes():
+    t = torch.zeros(3)
+    before = version_counter(t)
+    t.add_(1)
+    assert version_counter(t) > before, f"{WHERE}: Tensor._version no longer counts in-place changes"
+    assert version_counter(t + 1) == 0

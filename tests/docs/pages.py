@@ -1,0 +1,91 @@
+"""The documentation as data: its pages, their fenced blocks, and every shell command classified by how it runs.
+
+A page is README.md or a file of docs/. Commands are read from ```bash blocks (comments dropped, `\\` continuation
+lines joined); Python from ```python blocks. Each command gets a kind that says how the test runs it:
+
+- `run_clm`: `python examples/run_clm.py ...` (and `make quickstart`, the Makefile's `$(PY) examples/run_clm.py`), run
+  in this process (an import of torch and transformers per command would cost more than the training);
+- `script`: `python examples/<other>.py ...`, a subprocess;
+- `bench`: `python benchmarks/<name>.py ...`, a subprocess with `--quick` appended;
+- `launcher`: `accelerate launch`, `torchrun`, `deepspeed` on this machine;
+- `machines`: a command for one machine of several (it names `MACHINE0`, the first machine's address): the commands
+  of one block are the machines of one job, started together with `MACHINE0` = 127.0.0.1 (a block with one such
+  command is run on two "machines", as the page says the same command runs on every machine);
+- `run_pt`: `bash examples/run_pt.sh`;
+- `make`: other `make` lines, checked with `make -n` (`make test` is the command running this suite);
+- `shell`: anything else, run by bash in the page's folder.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.conftest import REPO
+
+DOCS = REPO / "docs"
+MACHINE_PLACEHOLDER = "MACHINE0"
+
+
+def pages() -> list[Path]:
+    """README.md and every page under docs/, in a fixed order."""
+    return [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def page_id(page: Path) -> str:
+    return page.relative_to(REPO).as_posix()
+
+
+def blocks(page: Path, language: str) -> list[str]:
+    """The fenced code blocks of `page` in one language, in order."""
+    return re.findall(rf"^```{language}\n(.*?)^```", page.read_text(encoding="utf-8"), flags=re.S | re.M)
+
+
+@dataclass
+class Command:
+    line: str
+    kind: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # leading VAR=value assignments
+    block: int = 0  # index of the bash block it came from
+
+
+def commands(page: Path) -> list[Command]:
+    """Every command of every bash block of `page`, in order."""
+    found = []
+    for index, block in enumerate(blocks(page, "bash")):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = "" if line.lstrip().startswith("#") else line.split(" #")[0].strip()
+            if line:
+                found.append(classify(line, block=index))
+    return found
+
+
+def classify(line: str, *, block: int = 0) -> Command:
+    argv = shlex.split(line)
+    env = {}
+    while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", argv[0]):
+        name, value = argv.pop(0).split("=", 1)
+        env[name] = value
+    head = argv[:2]
+    if MACHINE_PLACEHOLDER in line:
+        kind = "machines"
+    elif head == ["make", "quickstart"]:
+        kind, argv = "run_clm", ["python", "examples/run_clm.py"]
+    elif argv[0] == "make":
+        kind = "make"
+    elif head == ["python", "examples/run_clm.py"]:
+        kind = "run_clm"
+    elif argv[0] == "python" and len(argv) > 1 and argv[1].startswith("examples/"):
+        kind = "script"
+    elif argv[0] == "python" and len(argv) > 1 and argv[1].startswith("benchmarks/"):
+        kind = "bench"
+    elif argv[0] in ("accelerate", "torchrun", "deepspeed"):
+        kind = "launcher"
+    elif head == ["bash", "examples/run_pt.sh"]:
+        kind = "run_pt"
+    else:
+        kind = "shell"
+    return Command(line, kind, argv, env, block)

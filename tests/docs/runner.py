@@ -1,0 +1,204 @@
+"""Runs the commands of one documentation page as a newcomer types them: in order, in one scratch folder.
+
+The folder looks like a fresh clone (examples/ and benchmarks/ linked) and holds the placeholders pages use
+(`path/to/model`, `corpus.txt`, `held_out.txt`). The test adds flags that cap the work -- steps, samples, logging,
+and, for a model built from scratch, tiny sizes -- and never overrides a flag the command typed, except the step
+and sample caps (so a typed `--block_size 16384` runs with 16,384-token blocks). Each command must train (steps run;
+no command resumes another command's checkpoints) or stop with one line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from hf_llmkit.testing import corpus_texts, corpus_tokenizer, free_port, tiny_llama
+from tests.conftest import REPO
+from tests.docs.pages import MACHINE_PLACEHOLDER, Command
+
+# Tiny sizes for a model built from scratch; a size the command types wins.
+SIZES = {"--vocab_size": "512", "--hidden_size": "64", "--intermediate_size": "128", "--num_hidden_layers": "2",
+         "--max_position_embeddings": "64", "--block_size": "32"}  # fmt: skip
+# The caps: always appended, after the command's own flags (the last value of a flag wins).
+CAPS = ["--max_steps", "2", "--save_steps", "2", "--per_device_train_batch_size", "1", "--per_device_eval_batch_size",
+        "2", "--max_train_samples", "16", "--max_eval_samples", "2", "--logging_steps", "1", "--warmup_steps", "0",
+        "--disable_tqdm", "true"]  # fmt: skip
+TIMEOUT_S = 600
+
+
+def prepare_folder(folder: Path) -> None:
+    """A scratch folder like a fresh clone (examples/, benchmarks/ and .ci/ linked) holding the placeholder inputs
+    the pages name."""
+    for name in ("examples", "benchmarks", ".ci"):
+        (folder / name).symlink_to(REPO / name, target_is_directory=True)
+    model = folder / "path" / "to" / "model"
+    tiny_llama().save_pretrained(model)
+    corpus_tokenizer(vocab_size=512).save_pretrained(model)
+    texts = corpus_texts()
+    (folder / "corpus.txt").write_text("\n".join(texts[:400]), encoding="utf-8")
+    (folder / "held_out.txt").write_text("\n".join(texts[-40:]), encoding="utf-8")
+
+
+def capped(args: list[str]) -> list[str]:
+    """A training script's flags with the caps appended and, for a model built from scratch, the tiny sizes the
+    command did not type."""
+    from_scratch = "--model_name_or_path" not in args and not (args and args[0].endswith(".json"))
+    typed = {a.split("=")[0] for a in args if a.startswith("--")}
+    sizes = [x for flag, value in SIZES.items() if flag not in typed for x in (flag, value)]
+    if not from_scratch:
+        sizes = sizes[-2:] if "--block_size" not in typed else []
+    return [*args, *sizes, *CAPS]
+
+
+class PageRun:
+    """The commands of one page, run in order in `folder`; `outcome` maps each command line to what happened."""
+
+    def __init__(self, folder: Path, run_clm, capsys):
+        self.folder, self.run_clm, self.capsys = folder, run_clm, capsys
+        self.outcome: dict[str, str] = {}
+        self.folders: dict[str, str] = {}  # output_dir -> the command that trained there first
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # fmt: skip
+
+    def run(self, commands: list[Command]) -> dict[str, str]:
+        done: set[int] = set()
+        for i, command in enumerate(commands):
+            if i in done:
+                continue
+            if command.kind == "machines":  # the machines of one job: every such command of the block, together
+                job = [j for j, c in enumerate(commands) if c.kind == "machines" and c.block == command.block]
+                done.update(job)
+                self._machines([commands[j] for j in job])
+            else:
+                self.outcome[command.line] = getattr(self, f"_{command.kind}")(command)
+        return self.outcome
+
+    # -- one method per kind ---------------------------------------------------------------------------------
+    def _run_clm(self, command: Command) -> str:
+        args = command.argv[2:]
+        if "--help" in args:
+            with pytest.raises(SystemExit) as done:
+                self.run_clm.run(args)
+            assert done.value.code == 0 and "PEFT" in self.capsys.readouterr().out
+            return "help"
+        try:
+            results = self.run_clm.run(capped(args))
+        except self.run_clm.UsageError as err:
+            assert "\n" not in str(err)
+            return f"stopped: {err}"
+        self._own_folder(command, results["output_dir"], bool(results["resumed_at"]))
+        assert results["global_step"] >= 1, (command.line, results)
+        return "trained"
+
+    def _script(self, command: Command) -> str:
+        script = next(i for i, a in enumerate(command.argv) if a.startswith("examples/") and a.endswith(".py"))
+        argv = [*command.argv[: script + 1], *capped(command.argv[script + 1 :])]
+        return self._trained(command, self._subprocess(argv, command.env))
+
+    def _launcher(self, command: Command) -> str:
+        return self._script(Command(command.line, command.kind, _with_free_port(command.argv), command.env))
+
+    def _run_pt(self, command: Command) -> str:
+        env = {**command.env, "BLOCK_SIZE": "32", "GRAD_ACC": "2", "MASTER_PORT": str(free_port())}
+        argv = ["bash", *command.argv[1:], "--max_steps", "2", "--disable_tqdm", "true"]
+        return self._trained(command, self._subprocess(argv, env))
+
+    def _bench(self, command: Command) -> str:
+        proc = self._subprocess([*command.argv, "--quick"], command.env)
+        wants_cuda = re.search(r"--device[ =]cuda", command.line)
+        import torch
+
+        if wants_cuda and not torch.cuda.is_available():  # the page's GPU command on a CPU machine: one line
+            errors = [line for line in proc.stderr.splitlines() if "error" in line]
+            assert proc.returncode == 2 and len(errors) == 1 and "cuda" in errors[0].lower(), proc.stderr[-3000:]
+            return f"stopped: {errors[0]}"
+        assert proc.returncode == 0, (command.line, proc.stdout[-3000:], proc.stderr[-3000:])
+        return "measured (quick)"
+
+    def _make(self, command: Command) -> str:
+        if command.argv[1:2] == ["test"]:  # the suite running this test: CI runs it (.ci/run)
+            assert "make test" in (REPO / ".ci" / "run").read_text()
+        proc = subprocess.run(["make", "-n", *command.argv[1:]], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, (command.line, proc.stderr)
+        for assignment in command.argv[1:]:  # a variable the page sets reaches the recipe
+            if "=" in assignment:
+                assert assignment.split("=", 1)[1].strip('"') in proc.stdout, (command.line, proc.stdout)
+        return "checked (make -n)"
+
+    def _shell(self, command: Command) -> str:
+        subprocess.run(command.line, shell=True, cwd=self.folder, env=self.env, check=True, timeout=60)
+        return "ran"
+
+    def _machines(self, job: list[Command]) -> None:
+        """Each command of `job` is one machine's; a single command runs on two machines."""
+        port, shared = str(free_port()), self.folder / "shared"
+        machines = job if len(job) > 1 else job * 2
+        argvs = []
+        for command in machines:
+            line = re.sub(rf"{MACHINE_PLACEHOLDER}:\d+", f"127.0.0.1:{port}", command.line)
+            line = line.replace(MACHINE_PLACEHOLDER, "127.0.0.1").replace("/mnt/shared", str(shared))
+            line = re.sub(r"(--(?:main_process|master)_port)[ =]\d+", rf"\1 {port}", line)
+            parsed = _parse(line)
+            script = next(i for i, a in enumerate(parsed.argv) if a.startswith("examples/") and a.endswith(".py"))
+            argvs.append(([*parsed.argv[: script + 1], *capped(parsed.argv[script + 1 :])], parsed.env))
+        procs: list[subprocess.CompletedProcess | None] = [None] * len(argvs)
+
+        def start(i: int) -> None:
+            procs[i] = self._subprocess(*argvs[i])
+
+        threads = [threading.Thread(target=start, args=(i,)) for i in range(len(argvs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for command, proc in zip(machines, procs):  # one machine (global rank 0's) prints the results table
+            assert proc.returncode == 0, (command.line, proc.stdout[-3000:], proc.stderr[-4000:])
+        tables = [proc for proc in procs if re.search(r"^\| steps +\|", proc.stdout, flags=re.M)]
+        assert len(tables) == 1, [proc.stdout[-2000:] for proc in procs]
+        for command in machines:
+            self.outcome[command.line] = self._trained(command, tables[0], own_folder=False)
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    def _subprocess(self, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            argv, cwd=self.folder, env={**self.env, **env}, capture_output=True, text=True, timeout=TIMEOUT_S
+        )
+
+    def _trained(self, command: Command, proc: subprocess.CompletedProcess, *, own_folder: bool = True) -> str:
+        errors = [line for line in proc.stderr.splitlines() if re.search(r"\.py: error: ", line)]
+        if proc.returncode != 0:
+            assert len(errors) == 1, (command.line, proc.stdout[-3000:], proc.stderr[-4000:])
+            return f"stopped: {errors[0]}"
+        steps = re.search(r"^\| steps +\| (\d+)", proc.stdout, flags=re.M)
+        assert steps and int(steps.group(1)) >= 1, (command.line, proc.stdout[-3000:])
+        output_dir = re.search(r"^\| outputs +\| (\S+)", proc.stdout, flags=re.M)
+        if own_folder and output_dir:
+            self._own_folder(command, output_dir.group(1), "resumed at" in proc.stdout)
+        return "trained"
+
+    def _own_folder(self, command: Command, output_dir: str, resumed: bool) -> None:
+        """A command resumes only a run of the same command (the quickstart is `python examples/run_clm.py`)."""
+        same = " ".join(command.argv)
+        earlier = self.folders.setdefault(output_dir, same)
+        assert earlier == same, f"{command.line!r} trains in {output_dir}, the folder of {earlier!r}"
+        assert not resumed or earlier == same
+
+
+def _parse(line: str) -> Command:
+    from tests.docs.pages import classify
+
+    return classify(line)
+
+
+def _with_free_port(argv: list[str]) -> list[str]:
+    """A single-machine launch on a free port (two launches at once must not meet in one rendezvous)."""
+    port = str(free_port())
+    flag = {"accelerate": "--main_process_port", "torchrun": "--master_port", "deepspeed": "--master_port"}[argv[0]]
+    at = 2 if argv[:2] == ["accelerate", "launch"] else 1
+    return [*argv[:at], flag, port, *argv[at:]]
