@@ -107,9 +107,10 @@ def prepare_datasets(args: Args, built: Model, inputs: tuple[list, list | None])
     """Tokenized examples for training and evaluation: labels -100 on every prompt token."""
     (records, held_out), data, training = inputs, args.data, args.training
     context = context_length(built.model.config)
-    if context is not None and data.max_seq_length > context:
+    length = data.max_seq_length or min(256, context or 256)
+    if context is not None and length > context:
         raise ValueError(
-            f"--max_seq_length {data.max_seq_length} is larger than the model's context ({context} positions); "
+            f"--max_seq_length {length} is larger than the model's context ({context} positions); "
             f"pass --max_seq_length {context} or less"
         )
     train_records, eval_records = _split(records, held_out, data.validation_split_percentage, training.seed)
@@ -118,10 +119,10 @@ def prepare_datasets(args: Args, built: Model, inputs: tuple[list, list | None])
     for name, chosen, limit in (("train", train_records, data.max_train_samples),
                                 ("validation", eval_records, data.max_eval_samples)):  # fmt: skip
         examples, report = tokenize_records(
-            chosen, built.tokenizer, template=data.template, max_seq_length=data.max_seq_length, wrap=wrap
+            chosen, built.tokenizer, template=data.template, max_seq_length=length, wrap=wrap
         )
-        if report.describe(data.max_seq_length) and training.should_log:
-            logger.warning("%s: %s", name, report.describe(data.max_seq_length))
+        if report.describe(length) and training.should_log:
+            logger.warning("%s: %s", name, report.describe(length))
         if report.empty_response:  # nothing to learn: a batch of only these would have no loss at all
             logger.warning("%s: %d records have an empty output and were left out", name, len(report.empty_response))
             empty = set(report.empty_response)
@@ -129,10 +130,10 @@ def prepare_datasets(args: Args, built: Model, inputs: tuple[list, list | None])
         if not examples:
             raise ValueError(f"the {name} records have no output to learn; add records with a non-empty 'output'")
         if data.packing:
-            examples = pack_examples(examples, data.max_seq_length)
+            examples = pack_examples(examples, length)
         examples = examples[:limit] if limit is not None else examples
         splits.append(Dataset.from_list(examples))
-    logger.info("examples of up to %d tokens: %d train, %d validation", data.max_seq_length, *map(len, splits))
+    logger.info("examples of up to %d tokens: %d train, %d validation", length, *map(len, splits))
     return tuple(splits)
 
 

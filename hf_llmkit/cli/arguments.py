@@ -152,7 +152,8 @@ class InstructionDataArguments:
         validation_file: Held-out records to evaluate on (instead of splitting the training records).
         prompt_template: "alpaca" (Stanford Alpaca's prompt, with and without an input), or a format string with
             `{instruction}` and `{input}`; the response follows it.
-        max_seq_length: Tokens per example (prompt + response); longer records keep their response when they can.
+        max_seq_length: Tokens per example (prompt + response), default min(256, the model's context); longer
+            records keep their response when they can.
         packing: Concatenate consecutive examples into sequences of up to `max_seq_length` tokens (off: one
             example per sequence, padded per batch).
         validation_split_percentage: Percent of the records held out for evaluation (at least one record).
@@ -169,7 +170,9 @@ class InstructionDataArguments:
     prompt_template: str = field(
         default="alpaca", metadata={"help": "'alpaca', or a format string with {instruction} and {input}."}
     )
-    max_seq_length: int = field(default=256, metadata={"help": "Tokens per example (prompt + response).", "ge": 2})
+    max_seq_length: int | None = field(
+        default=None, metadata={"help": "Tokens per example, prompt + response (default min(256, context)).", "ge": 2}
+    )
     packing: bool = field(default=False, metadata={"help": "Concatenate examples into max_seq_length sequences."})
     validation_split_percentage: float = field(
         default=10.0, metadata={"help": "Percent of records held out.", "gt": 0, "lt": 100}
