@@ -11,7 +11,7 @@ On top of `HfArgumentParser` (one flag per dataclass field):
   that is switched off (`hf_llmkit.cli.feature_flags`) all raise `UsageError`, printed as one line by
   `exit_on_error`.
 - A dataclass may offer spellings that depend on the command line (`flag_spellings(argv, known) -> {old: new}`, e.g.
-  a PEFT method's flags without its prefix).
+  a PEFT method's flags without its prefix), and say what an unknown flag is (`unknown_flag_hint(flag)`).
 - `parse()` also returns the flags the user typed, so a command can derive defaults from them (an output folder
   per feature, say) and tell "left at its default" from "set to its default".
 """
@@ -164,6 +164,10 @@ class CommandLineParser(HfArgumentParser):
         if not token.startswith("-"):
             return f"unexpected argument {token!r}; flags start with -- (e.g. --output_dir {token})"
         name = token.split("=", 1)[0]
+        for dtype in self.dataclass_types:  # a dataclass may know the flag under another spelling
+            hint = dtype.unknown_flag_hint(name) if hasattr(dtype, "unknown_flag_hint") else None
+            if hint:
+                return hint
         close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else "; --help lists the options"
         return f"unknown option {name}{hint}"

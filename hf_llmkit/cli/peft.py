@@ -116,6 +116,15 @@ class _PeftMethods:
                 spellings[f"--{short}"] = f"--{option.flag}"
         return spellings
 
+    @classmethod
+    def unknown_flag_hint(cls, flag: str) -> str | None:
+        """For a method's flag written without its prefix while that method is not chosen: which methods have it."""
+        owners = [n for n, options in cls.method_options.items() if any(o.flag == f"{n}_{flag[2:]}" for o in options)]
+        if not owners:
+            return None
+        methods = " or ".join(owners)
+        return f"{flag} is an option of --peft_method {methods}; add --peft_method {owners[0]} or drop {flag}"
+
     def __post_init__(self) -> None:
         for name in _LISTS_WITH_COMMAS:
             setattr(self, name, _split_commas(getattr(self, name)))

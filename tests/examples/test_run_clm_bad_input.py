@@ -101,6 +101,8 @@ CASES = [
     ("lora-flag-wrong-method", [*SIZES, "--peft_method", "bitfit", "--lora_alpha", "8"], "--lora_alpha has no"),
     ("trainable-off", [*SIZES, "--trainable", "q_proj,v_proj"], "--target_modules has no effect without a --peft"),
     ("ptuning-flag-off", [*SIZES, "--ptuning_template", "[P0] {text}"], "without --peft_method ptuning"),
+    ("method-spelling-off", [*SIZES, "--peft_method", "lora", "--num_virtual_tokens", "8"],
+     "--num_virtual_tokens is an option of --peft_method ptuning or ptuning_v2; add --peft_method ptuning or drop"),
     ("adapter-save-off", [*SIZES, "--no_save_peft_adapter"], "--save_peft_adapter has no effect without a --peft"),
     ("split-with-file", [*SIZES, "--validation_file", "{d}/good.txt", "--validation_split_percentage", "2"], "drop"),
     ("kbits-without-peft", [*SIZES, "--load_in_kbits", "4"], "train an adapter on it with --peft_method"),
