@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,deepspeed,bnb,bench
+EXTRAS ?= dev,deepspeed,bnb,bench,trl
 PYTEST_ARGS ?=
 
 PY := $(VENV)/bin/python

@@ -1,7 +1,7 @@
-"""DKM / eDKM benchmark: ours vs coremltools' `DKMPalettizer` (speed, memory, init), eDKM memory, quality.
+"""DKM / eDKM benchmark: ours vs coremltools' `DKMPalettizer` (speed, memory, init), eDKM memory.
 
     python benchmarks/dkm.py              # every section: a few minutes of (a)-(c) on a quiet 2-core machine, then
-                                          # quality (d) and the quickstart LM (e)
+                                          # the quickstart LM (e)
     python benchmarks/dkm.py --quick      # (a)-(b) on one 256x256 layer, 2 rounds: seconds
     python benchmarks/dkm.py --device cuda  # the default when a GPU is present: every system on the GPU, timings
                                           # synchronized, memory = CUDA's allocator peak (max_memory_allocated)
@@ -18,7 +18,8 @@
 (b) k-means initialisation of the tables: ours on 16M weights; the peer's (its first step minus a later one, with its
     fast `opt1d` init; its default k-means++ takes minutes).
 (c) eDKM techniques (uniquify, shard, marshal) vs naive DKM on LLaMA-7B-shaped bf16 layers: benchmarks/dkm_memory.py.
-(d) Quality on all-MiniLM-L6-v2: benchmarks/dkm_quality.py. (e) The quickstart LM: benchmarks/dkm_quickstart.py.
+(d) Quality per bit against real peers, on MiniLM and a causal LM: benchmarks/dkm_quality.py (its own script and
+    results). (e) The quickstart LM: benchmarks/dkm_quickstart.py.
 
 Writes benchmarks/results/dkm.json and dkm_speed.png / dkm_memory.png beside it; one torch thread; the machine
 load is recorded before and after every measurement and printed under each table. On CUDA, "saved" in (a) becomes
@@ -59,7 +60,7 @@ DKM_ITERS = 3
 def _ours(rows: int, cols: int, bits: int, dtype: torch.dtype, device: torch.device):
     """(step, layer input, init seconds) of our DKM Linear (early stop off: all 3 iterations run, like the peer)."""
     torch.manual_seed(0)
-    settings = DKMSettings(bits=bits, cluster_dim=1, groups=1, dkm_iters=DKM_ITERS, epsilon=1e-12, offload=False)
+    settings = DKMSettings.build(rows, bits=bits, dkm_iters=DKM_ITERS, epsilon=1e-12, offload=False)
     layer = DKMLinear(cols, rows, False, settings, device=device, dtype=dtype)
     torch.nn.init.normal_(layer.weight, std=0.02)
     synchronize(device)
@@ -231,9 +232,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="(a)-(b) only, one 256x256 layer, 2 rounds")
     parser.add_argument("--peer-full", action="store_true", help="run the peer on the whole 4096x4096 layer")
-    parser.add_argument("--only", nargs="*", default=None, choices=["speed", "memory", "quality", "quickstart"])
+    parser.add_argument("--only", nargs="*", default=None, choices=["speed", "memory", "quickstart"])
     parser.add_argument("--naive-rows", type=int, default=64, help="(c): rows of the naive slice (scaled linearly)")
-    parser.add_argument("--finetune-steps", type=int, default=10, help="(d): distillation steps")
     parser.add_argument("--quickstart-model", type=Path, default=None, help="(e): trained run_clm output folder")
     parser.add_argument("--quickstart-train-steps", type=int, default=200, help="(e): steps when training it here")
     parser.add_argument("--quickstart-finetune-steps", type=int, default=30, help="(e): DKM fine-tune steps")
@@ -242,7 +242,7 @@ def main() -> None:
     args = parser.parse_args()
     device = pick_device(args.device)
     torch.set_num_threads(1)  # shared machine: OpenMP spinning under load costs more than a second thread gives
-    sections = set(args.only or (["speed"] if args.quick else ["speed", "memory", "quality", "quickstart"]))
+    sections = set(args.only or (["speed"] if args.quick else ["speed", "memory", "quickstart"]))
     results: dict = {"argv": sys.argv[1:], "device": device.type, "machine_before": machine_state()}
     start = time.perf_counter()
     if "speed" in sections:
@@ -259,12 +259,6 @@ def main() -> None:
 
         results["memory"] = memory_cases(args.naive_rows, device=device.type)
         print_memory(results["memory"])
-    if "quality" in sections:
-        from dkm_quality import print_quality, quality_table
-
-        with tempfile.TemporaryDirectory(prefix="dkm_bench_") as tmp:
-            results["quality"] = quality_table(Path(tmp), args.finetune_steps, device=device.type)
-        print_quality(results["quality"])
     if "quickstart" in sections:
         import dkm_quickstart
 

@@ -75,8 +75,8 @@ def measure_layer(
     rows_used = rows_used or rows
     torch.manual_seed(seed)
     weight = (torch.randn(rows_used, cols) * 0.02).to(getattr(torch, dtype))
-    settings = DKMSettings(
-        bits=bits, cluster_dim=1, groups=1, uniquify=uniquify, shard=shard, offload=False, dkm_iters=dkm_iters
+    settings = DKMSettings.build(
+        rows_used, bits=bits, uniquify=uniquify, shard=shard, offload=False, dkm_iters=dkm_iters
     )
     if device.startswith("cuda") and torch.distributed.is_initialized():
         device = f"cuda:{torch.cuda.current_device()}"  # a launched rank: its own GPU

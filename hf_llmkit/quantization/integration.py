@@ -24,6 +24,7 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 
 from hf_llmkit.compat.transformers import ignore_unexpected_keys
+from hf_llmkit.quantization import engines, steps
 from hf_llmkit.quantization.config import DKMConfig
 from hf_llmkit.quantization.layers import (
     DKMEmbedding,
@@ -92,6 +93,10 @@ def replace_with_dkm_layers(
         settings = DKMSettings.from_config(config, kind, rows)
         device, dtype = module.weight.device, module.weight.dtype
         as_packed = packed.get(name) == "packed" if isinstance(packed, dict) else packed
+        if not as_packed and config.engine != "auto":
+            reason = engines.unsupported(config.engine, dtype, config.cluster_dim, config.shard)
+            if reason is not None:
+                raise ValueError(f"DKMConfig(engine={config.engine!r}) cannot train {name!r}: {reason}.")
         if kind == "linear":
             cls = PalettizedLinear if as_packed else DKMLinear
             new = cls(cols, rows, module.bias is not None, settings, device=device, dtype=dtype)
@@ -151,8 +156,9 @@ def checkpoint_layout(keys: set[str], targets: list[str], prefix: str = "") -> t
             )
         else:
             raise ValueError(f"The DKM checkpoint has no tensors for {target!r} (expected '{target}.weight_packed').")
-        # The representation a layer does not load from is part of the checkpoint, not an unexpected key.
-        patterns.append(rf"(^|\.){re.escape(t)}\.({'|'.join(unused)})$")
+        # The representation a layer does not load from is part of the checkpoint, not an unexpected key; so is the
+        # optimizer step's state (read by a Trainer resume through load_state_dict, see steps.py).
+        patterns.append(rf"(^|\.){re.escape(t)}\.({'|'.join(unused + steps.STEP_NAMES)})$")
     target_set = {norm(t) for t in targets}
     stray = sorted({k.rpartition(".")[0] for k in keys if k.rpartition(".")[2] in PACKED_NAMES + ("centroids",)})
     stray = [k for k in stray if norm(k) not in target_set]
@@ -207,6 +213,8 @@ def dkm_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             prefix = f"{name}." if name else ""
             if not module.keep_training_state:
                 del state[prefix + "weight"], state[prefix + "centroids"]
+            else:
+                state.update(steps.step_state(module, prefix))
             state[prefix + "weight_packed"], state[prefix + "weight_lut"] = module.export()
     return state
 

@@ -18,61 +18,45 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from hf_llmkit.compat.torch import version_counter
 from hf_llmkit.quantization import _dkm as dkm
-from hf_llmkit.quantization import _edkm as edkm
-from hf_llmkit.quantization._bucketed_grad import BucketedDKM
+from hf_llmkit.quantization import engines, steps
 from hf_llmkit.quantization._packing import pack_indices, packed_numel, unpack_indices
+from hf_llmkit.quantization.config import DKMConfig
+from hf_llmkit.quantization.engines.table import make_shard_group
 from hf_llmkit.quantization.marshal import MarshalHooks
 
 logger = logging.getLogger(__name__)
-_SHARD_GROUP: dict[str, object] = {}
 
 
 @dataclass(frozen=True)
 class DKMSettings:
-    """Per-layer clustering settings, derived from a `DKMConfig` and the layer's kind."""
+    """What one DKM layer clusters with: its `DKMConfig` (where every option is declared, once) and what the layer's
+    kind and shape decide, its index bits (embeddings have their own) and number of tables."""
 
+    config: DKMConfig
     bits: int
-    cluster_dim: int
     groups: int
-    kmeans_iters: int = 12
-    kmeans_sample: int = 65536
-    dkm_iters: int = 3
-    temperature: float = 0.02
-    epsilon: float = 1e-4
-    uniquify: bool = True
-    shard: bool = False
-    offload: bool = True
 
     @classmethod
-    def from_config(cls, config, kind: str, rows: int) -> DKMSettings:
-        return cls(
-            bits=config.bits_for(kind),
-            cluster_dim=config.cluster_dim,
-            groups=config.num_groups(rows),
-            kmeans_iters=config.kmeans_iters,
-            kmeans_sample=config.kmeans_sample,
-            dkm_iters=config.dkm_iters,
-            temperature=config.temperature,
-            epsilon=config.epsilon,
-            uniquify=config.uniquify,
-            shard=config.shard,
-            offload=config.offload,
-        )
+    def from_config(cls, config: DKMConfig, kind: str, rows: int) -> DKMSettings:
+        """Settings of a `kind` ("linear" / "embedding") layer with `rows` output channels (embedding rows)."""
+        return cls(config=config, bits=config.bits_for(kind), groups=config.num_groups(rows))
 
+    @classmethod
+    def build(cls, rows: int, *, groups: int = 1, kind: str = "linear", **options) -> DKMSettings:
+        """Settings of a standalone layer with `rows` output channels, `groups` tables (`rows / groups` channels
+        each) and the `DKMConfig` options given (e.g. `DKMSettings.build(64, bits=4, cluster_dim=2)`)."""
+        if groups > 1:
+            options.update(granularity="per_grouped_channel", group_size=rows // groups)
+        return cls.from_config(DKMConfig(**options), kind, rows)
 
-def shard_group():
-    """A process group of all ranks, dedicated to eDKM sharding (kept apart from DDP's gradient buckets)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    if "group" not in _SHARD_GROUP:
-        _SHARD_GROUP["group"] = dist.new_group(ranks=list(range(dist.get_world_size())))
-    return _SHARD_GROUP["group"]
+    @property
+    def cluster_dim(self) -> int:
+        return self.config.cluster_dim
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -102,9 +86,12 @@ class _Clustered:
 
     def _init_table(self, settings: DKMSettings, device) -> None:
         self.settings = settings
+        # eDKM's shard group is made here, as the model is quantized (every rank builds its layers), never lazily
+        self.shard_group = make_shard_group() if settings.config.shard else None
         k = 1 << settings.bits
         self.register_buffer("centroids", torch.zeros(settings.groups, k, settings.cluster_dim, device=device))
         self._hard_cache: tuple | None = None
+        self.dkm_step: steps.Step | None = None
         self.dkm_initialised = False
         self.register_load_state_dict_pre_hook(_accept_checkpoint_tensors)
 
@@ -120,9 +107,9 @@ class _Clustered:
         """k-means initialisation of the table from the (loaded) weight."""
         w = self.weight if weight is None else weight
         s = self.settings
-        self.centroids = dkm.kmeans(self._vectors(w.detach()), 1 << s.bits, s.kmeans_iters, s.kmeans_sample).to(
-            w.device
-        )
+        self.centroids = dkm.kmeans(
+            self._vectors(w.detach()), 1 << s.bits, s.config.kmeans_iters, s.config.kmeans_sample
+        ).to(w.device)
         self.dkm_initialised = True
 
     def hard_indices(self) -> torch.Tensor:
@@ -145,66 +132,23 @@ class _Clustered:
     def _use_soft(self) -> bool:
         return self.training and torch.is_grad_enabled() and self.weight.requires_grad
 
-    def _engine(self, group) -> str:
-        """Which computation of DKM's soft assignment this layer uses (all compute the same function):
-
-        - "naive" (`uniquify=False`): autograd through `[n, K]` attention maps, the reference;
-        - "bucketed" (32-bit scalar weights): `_bucketed.py`, O(|W|) work, float64 tables, nothing weight-sized saved;
-        - "table" (16-bit weights, vectors, sharding): eDKM's unique-value table (`_edkm.py`).
-        """
-        s, w = self.settings, self.weight
-        if not s.uniquify and group is None:
-            return "naive"
-        if w.dtype == torch.float32 and s.cluster_dim == 1 and group is None:
-            return "bucketed"
-        return "table"
-
     def _soft(self, x: torch.Tensor | None) -> torch.Tensor:
         """Soft-clustered `x @ W_c^T` (Linear) or `W_c` (x is None), updating the centroids (DKM keeps them).
 
-        Under autocast the product runs in autocast's dtype, like `F.linear` (`x` is cast, `W_c` follows it), while
-        DKM itself (latent weight, centroids, attention, k-means sums) keeps the weight's and the tables' precision:
-        autocast is off inside, so no engine op is silently recast and forward and backward dtypes agree.
+        The engine (`engines.resolve`) computes DKM's soft assignment. Under autocast the product runs in autocast's
+        dtype, like `F.linear` (`x` is cast, `W_c` follows it), while DKM itself (latent weight, centroids,
+        attention, k-means sums) keeps the weight's and the tables' precision: autocast is off inside, so no engine
+        op is silently recast and forward and backward dtypes agree.
         """
-        s = self.settings
+        cfg = self.settings.config
         if x is not None:
             x = x.to(compute_dtype(x))
-        group = shard_group() if s.shard else None
-        marshal = MarshalHooks(offload=True, exclude=() if x is None else (x,)) if s.offload else None
+        marshal = MarshalHooks(offload=True, exclude=() if x is None else (x,)) if cfg.offload else None
         device = self.weight.device.type
         with marshal if marshal is not None else contextlib.nullcontext(), torch.autocast(device, enabled=False):
-            vec = self._vectors(self.weight)
-            std = dkm.group_std(vec)
-            engine = self._engine(group)
-            if engine == "bucketed" and bool(torch.isfinite(std).all()):
-                result, cents = BucketedDKM.apply(
-                    x,
-                    self.weight,
-                    self.centroids[..., 0].double(),
-                    (s.temperature * std).double(),
-                    (s.epsilon * std).double(),
-                    s.dkm_iters,
-                    s.groups,
-                )
-                cents = cents.unsqueeze(-1)
-            elif engine == "naive":
-                out, cents = dkm.soft_dkm(vec, self.centroids, s.temperature * std, s.dkm_iters, s.epsilon * std)
-                w_c = out.reshape(self.weight.shape).to(x.dtype if x is not None else self.weight.dtype)
-                result = w_c if x is None else x @ w_c.t()
-            else:  # the unique-value table (also for non-finite weights: NaN propagates like in naive DKM)
-                table = edkm.build_table(self.weight, s.groups, s.cluster_dim, s.uniquify)
-                std = edkm.table_std(table)
-                values = edkm.TableValues.apply(
-                    self.weight, table.values, table.counts, table.inverse, table.mode, s.groups, s.cluster_dim
-                )
-                out, jac, cents = edkm.table_dkm(
-                    values, table, self.centroids, s.temperature * std, s.epsilon * std, s.dkm_iters, group
-                )
-                result = edkm.PaletteApply.apply(
-                    x, out, jac, self.weight, table.inverse, table.mode, s.groups, s.cluster_dim
-                )
-        with torch.no_grad():
-            self.centroids.copy_(cents.detach())
+            start = steps.start_of_step(self, self._vectors(self.weight))  # the same for every forward of a step
+            result, cents = engines.soft_cluster(x, self.weight, start, self.settings, self.shard_group)
+        steps.finish_forward(self, cents)
         self.last_marshal = marshal.stats if marshal is not None else None
         return result
 
@@ -213,13 +157,15 @@ def _accept_checkpoint_tensors(module, state_dict, prefix, *_args) -> None:
     """Load-state-dict pre-hook of the DKM layers: take a checkpoint's training state, or rebuild from a compact one.
 
     - `weight` + `centroids` present (a Trainer checkpoint written with `keep_training_state`): they load as they
-      are, bit for bit; the packed copy next to them is dropped.
+      are, bit for bit, with the optimizer step's `step_start` / `step_key` (`steps.py`); the packed copy next to
+      them is dropped.
     - only `weight_packed` + `weight_lut` (a compact checkpoint): the latent weight restarts from the hard-assigned
       weight and the table from the lookup table (a warning says a resumed run will not match bit for bit).
     Tables must be complete and finite; anything else is a ValueError naming the tensor.
     """
     packed = state_dict.pop(prefix + "weight_packed", None)
     lut = state_dict.pop(prefix + "weight_lut", None)
+    steps.take_step_state(module, state_dict, prefix)
     shape = module.table_shape
     if prefix + "centroids" in state_dict:
         check_table(prefix + "centroids", state_dict[prefix + "centroids"], shape)
@@ -324,7 +270,7 @@ class _Packed(nn.Module):
 
 def _check_packed_tensors(module, state_dict, prefix, *_args) -> None:
     """Load-state-dict pre-hook of the packed layers: drop a training checkpoint's extra tensors, check the table."""
-    for extra in ("weight", "centroids"):
+    for extra in ("weight", "centroids", *steps.STEP_NAMES):
         state_dict.pop(prefix + extra, None)
     lut = state_dict.get(prefix + "weight_lut")
     if lut is not None:

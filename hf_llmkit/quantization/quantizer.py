@@ -15,6 +15,7 @@ from transformers.quantizers.quantizers_utils import get_module_from_name
 from hf_llmkit.compat.transformers import keep_in_fp32_modules
 from hf_llmkit.quantization import integration
 from hf_llmkit.quantization.config import DKMConfig
+from hf_llmkit.quantization.training_state import install_default_callback
 
 
 class DKMHfQuantizer(HfQuantizer):
@@ -56,6 +57,8 @@ class DKMHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         integration.verify_loaded(model, self.pre_quantized)
+        if any(isinstance(m, integration.TRAINABLE) for m in model.modules()):
+            install_default_callback()  # Trainer checkpoints of this model then resume bit for bit
         return model
 
     def get_state_dict_and_metadata(self, model):

@@ -4,11 +4,14 @@ A compact DKM checkpoint (packed indices + lookup tables) is all inference needs
 latent weights hold more than their hard assignment. While `keep_training_state` is on, `save_pretrained` also
 writes each DKM layer's latent `weight` and `centroids`, and loading such a checkpoint (the Trainer's resume, or
 `from_pretrained`) restores them exactly. `DKMTrainingStateCallback` turns it on for the length of `Trainer.train()`,
-so every `checkpoint-N` is resumable bit for bit and `trainer.save_model()` afterwards is compact again:
+so every `checkpoint-N` is resumable bit for bit and `trainer.save_model()` afterwards is compact again.
 
-    from hf_llmkit.quantization import DKMTrainingStateCallback
+Nothing to add by hand: quantizing a model into trainable DKM layers (`from_pretrained(...,
+quantization_config=DKMConfig())` or `quantize_model`) makes the callback one of every Trainer's default callbacks
+(`install_default_callback`), so a plain `Trainer`, `LLMKitTrainer` and TRL's `SFTTrainer` all write resumable
+checkpoints of a DKM model:
 
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[DKMTrainingStateCallback()])
+    trainer = Trainer(model=model, args=args, train_dataset=data)
     trainer.train()                      # checkpoints: training state + packed export
     trainer.save_model("out")            # packed indices + lookup tables only
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import TrainerCallback
 
+from hf_llmkit.compat.transformers import add_default_trainer_callback
 from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear
 
 
@@ -34,7 +38,8 @@ class DKMTrainingStateCallback(TrainerCallback):
 
     A run resumed from one of those checkpoints ends bitwise equal to an uninterrupted run; without this callback
     the checkpoints are compact and a resume restarts the latent weights from their hard assignment (a warning says
-    so). A model without DKM layers is left alone.
+    so). A model without DKM layers is left alone. Every Trainer has it by default once a model has been quantized
+    with trainable DKM layers (see the module docstring); passing it explicitly as well is harmless.
     """
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -44,3 +49,9 @@ class DKMTrainingStateCallback(TrainerCallback):
     def on_train_end(self, args, state, control, model=None, **kwargs):
         if model is not None:
             keep_training_state(model, False)
+
+
+def install_default_callback() -> None:
+    """Make `DKMTrainingStateCallback` a default callback of every Trainer built from now on (idempotent; it does
+    nothing for models without DKM layers)."""
+    add_default_trainer_callback(DKMTrainingStateCallback)

@@ -19,6 +19,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 CASES = [
     pytest.param("dkm.py", "dkm.json", id="dkm"),
+    pytest.param("dkm_quality.py", "dkm_quality.json", id="dkm_quality"),  # needs benchmarks/install_peers.sh
     pytest.param("moe.py", "moe.json", id="moe", marks=pytest.mark.slow),
     pytest.param("callbacks.py", "callbacks.json", id="callbacks", marks=pytest.mark.slow),
     pytest.param("peft_methods.py", "peft_methods.json", id="peft_methods", marks=pytest.mark.slow),

@@ -1,9 +1,10 @@
 """Build, train, save and reload one composition cell; the single-rank reference it must match.
 
 `run_cells` runs on every rank of a `hf_llmkit.testing.launch` (one launch serves every cell of a group): each cell
-trains `STEPS` SGD steps of the real `LLMKitTrainer` on the same global batch, records the logged losses and the
-trained model's logits on a probe batch, and saves the model (`trainer.save_model`). The test process then
-`reload`s the save in a fresh model and replays the cell's single-rank equivalent with `reference`.
+trains `STEPS` SGD steps of the real `LLMKitTrainer` (TRL cells: `SFTTrainer`) on the same global batch, records the
+logged losses and the trained model's logits on a probe batch, and saves the model (`trainer.save_model`; TRL cells
+with a PEFT method: the adapter our `SavePeftModelCallback` wrote). The test process then `reload`s the save in a
+fresh model and replays the cell's single-rank equivalent with `reference`, under the same autocast (clients.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,18 @@ from typing import Any
 import torch
 from transformers import default_data_collator
 
+from tests.composition.clients import (
+    ADAPTER_SEED,
+    FSDP_CONFIG,
+    autocast,
+    enable_cpu_fp16,
+    grad_scaler,
+    llmkit_trainer_class,
+    reference_loss,
+    sharded,
+    train_trl_cell,
+    trl_reference_model,
+)
 from tests.composition.matrix import Setup, cell
 
 SEQ, ROWS, STEPS = 16, 4, 4
@@ -67,6 +80,19 @@ def bnb_config():
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
 
 
+def dkm_config(setup: Setup):
+    """3-bit DKM; `setup.dkm_engine` forces an engine (`DKMConfig(engine=...)` where DKM has it, else the settings
+    that select it: "naive" without uniquification, "table" for 2-value vectors)."""
+    from hf_llmkit import DKMConfig
+
+    kwargs: dict[str, Any] = {"bits": 3, "shard": setup.dkm_shard}
+    if setup.dkm_engine and "engine" in DKMConfig.__dataclass_fields__:
+        kwargs["engine"] = setup.dkm_engine
+    elif setup.dkm_engine:
+        kwargs.update({"naive": {"uniquify": False}, "table": {"cluster_dim": 2}}[setup.dkm_engine])
+    return DKMConfig(**kwargs)
+
+
 def build_model(setup: Setup, base_dir: str | os.PathLike, *, with_peft: bool = True):
     """The cell's model, as the main job composes it: load (bnb 4-bit) -> upcycle -> DKM -> PEFT. Deterministic."""
     from transformers import AutoModelForCausalLM
@@ -83,10 +109,9 @@ def build_model(setup: Setup, base_dir: str | os.PathLike, *, with_peft: bool = 
         torch.manual_seed(1)  # the router's initialisation
         model = upcycle_to_moe(model, num_experts=4, top_k=2)
     if setup.dkm:
-        from hf_llmkit import DKMConfig
         from hf_llmkit.quantization import quantize_model
 
-        model = quantize_model(model, DKMConfig(bits=3, shard=setup.dkm_shard))
+        model = quantize_model(model, dkm_config(setup))
     if setup.gc:
         model.config.use_cache = False
     if setup.peft and with_peft:
@@ -94,7 +119,7 @@ def build_model(setup: Setup, base_dir: str | os.PathLike, *, with_peft: bool = 
 
         if setup.bnb4:
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=setup.gc)
-        torch.manual_seed(2)  # the adapter's initialisation
+        torch.manual_seed(ADAPTER_SEED)  # the adapter's initialisation
         model = get_peft_model(model, peft_config(setup.peft))
     return model.train()
 
@@ -116,51 +141,61 @@ def _deepspeed(stage: int) -> dict | None:
     }
 
 
-def train_cell(setup: Setup, out_dir: Path, base_dir: str) -> dict[str, Any]:
-    """Train the cell with `LLMKitTrainer` on this rank; save the model to `out_dir/final`."""
-    from hf_llmkit import LLMKitTrainingArguments
-    from hf_llmkit.trainers import LLMKitTrainer
+def _common_args(setup: Setup, out_dir: Path, device: str) -> dict[str, Any]:
+    """The arguments every cell's Trainer gets (SGD at a constant rate, one batch per step, a log every step)."""
+    return dict(
+        output_dir=str(out_dir), per_device_train_batch_size=ROWS // setup.data_parallel, max_steps=STEPS,
+        learning_rate=learning_rate(setup), optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+        max_grad_norm=0.0, logging_steps=1, report_to=[], train_sampling_strategy="sequential", disable_tqdm=True,
+        dataloader_num_workers=0, gradient_checkpointing=setup.gc,
+        **({setup.precision: True} if setup.precision else {}),
+        **({"use_cpu": True} if device == "cpu" and (setup.precision or setup.fsdp or setup.trl) else {}),
+    )  # fmt: skip
 
-    model = build_model(setup, base_dir)  # before the arguments: a live ZeRO-3 config would partition it
-    args = LLMKitTrainingArguments(
-        output_dir=str(out_dir),
-        per_device_train_batch_size=ROWS // setup.data_parallel,
-        max_steps=STEPS,
-        learning_rate=learning_rate(setup),
-        optim="sgd",
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        train_sampling_strategy="sequential",
-        disable_tqdm=True,
-        seed=0,
-        dataloader_num_workers=0,
-        gradient_checkpointing=setup.gc,
-        sequence_parallel_size=setup.sp,
-        expert_parallel_size=setup.ep,
-        moe_aux_loss_coef=0.0,
-        moe_z_loss_coef=0.0,
-        deepspeed=_deepspeed(setup.zero),
-    )
-    trainer = LLMKitTrainer(
-        model=model, args=args, train_dataset=make_rows() * STEPS, data_collator=default_data_collator
-    )
+
+def train_cell(setup: Setup, out_dir: Path, base_dir: str, device: str = "cpu") -> dict[str, Any]:
+    """Train the cell on this rank (on `device`: "cuda" for tests/gpu); save the model to `out_dir/final`."""
+    from hf_llmkit import LLMKitTrainingArguments
+
+    common = _common_args(setup, out_dir, device)
+    saved = out_dir / "final"
+    if setup.trl:
+        model = build_model(setup, base_dir, with_peft=False)  # SFTTrainer applies the PEFT config itself
+        peft = peft_config(setup.peft) if setup.peft else None
+        trainer = train_trl_cell(setup, out_dir, common, model, make_rows() * STEPS, peft)
+        saved = out_dir / "adapter" if setup.peft else saved  # SavePeftModelCallback's final adapter
+    else:
+        model = build_model(setup, base_dir)  # before the arguments: a live ZeRO-3 config would partition it
+        args = LLMKitTrainingArguments(
+            **common, save_strategy="no", seed=0, sequence_parallel_size=setup.sp, expert_parallel_size=setup.ep,
+            moe_aux_loss_coef=0.0, moe_z_loss_coef=0.0, deepspeed=_deepspeed(setup.zero),
+            **({"fsdp": True, "fsdp_config": FSDP_CONFIG} if setup.fsdp else {}),
+        )  # fmt: skip
+        trainer = llmkit_trainer_class(setup)(
+            model=model, args=args, train_dataset=make_rows() * STEPS, data_collator=default_data_collator
+        )
+    if setup.precision == "fp16":
+        enable_cpu_fp16(trainer.accelerator)
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     logits = None
     if setup.sp == 1:  # under sequence parallelism a forward takes each rank's shard, not the whole probe
-        trainer.model.eval()
+        # The trained weights' outputs in fp32: without the autocast accelerate wrapped the forward in, so a reload
+        # into another implementation (an upcycled MoE saves as native Mixtral) is compared without its roundings.
+        model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False).eval()
         with torch.no_grad():
-            logits = trainer.model(**probe_batch()).logits.float()
-    drift = _rank_drift(trainer.model) if setup.ranks > 1 and setup.zero != 3 else 0.0
-    trainer.save_model(str(out_dir / "final"))
-    engine = type(trainer.model_wrapped).__name__
-    del trainer, model, args
+            logits = model(**_to(probe_batch(), device)).logits.float().cpu()
+    drift = _rank_drift(trainer.model) if setup.ranks > 1 and setup.zero != 3 and not setup.fsdp else 0.0
+    if not setup.trl or not setup.peft:
+        trainer.save_model(str(saved))
+    result = {
+        "losses": losses, "logits": logits, "saved": str(saved), "engine": type(trainer.model_wrapped).__name__,
+        "drift": drift, "sharded": sharded(trainer.model) if setup.fsdp else None,
+        "scale": float(trainer.accelerator.scaler.get_scale()) if trainer.accelerator.scaler is not None else None,
+    }  # fmt: skip
+    del trainer, model
     gc.collect()
-    return {"losses": losses, "logits": logits, "saved": str(out_dir / "final"), "engine": engine, "drift": drift}
+    return result
 
 
 def _rank_drift(model) -> float:
@@ -190,21 +225,39 @@ def run_cells(names: list[str], workdir: str, base_dir: str) -> dict[str, dict]:
     return results
 
 
-def reference(setup: Setup, base_dir: str) -> tuple[list[float], torch.Tensor]:
-    """The single-rank equivalent in this process: the same model, a plain SGD loop on the same batches."""
-    model = build_model(setup.single_rank(), base_dir)
+def _to(batch: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def reference(setup: Setup, base_dir: str, device: str = "cpu") -> tuple[list[float], torch.Tensor]:
+    """The single-rank equivalent in this process: the same model, a plain SGD loop on the same batches, under the
+    same autocast (fp16: with a `GradScaler` of accelerate's settings) and loss (TRL: its fused LM-head loss)."""
+    single = setup.single_rank()
+    model = build_model(single, base_dir, with_peft=not setup.trl)
+    if setup.trl:
+        model = trl_reference_model(model)
+        if setup.peft:
+            from peft import get_peft_model
+
+            torch.manual_seed(ADAPTER_SEED)
+            model = get_peft_model(model, peft_config(setup.peft))
+        model.train()
+    model.to(device)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=learning_rate(setup))
-    batch = default_data_collator(make_rows())
+    scaler = grad_scaler(setup, device)
+    batch = _to(default_data_collator(make_rows()), device)
     losses = []
     for _ in range(STEPS):
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
+        with autocast(setup, device):
+            loss = reference_loss(setup, model, batch)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad()
         losses.append(loss.item())
     model.eval()
-    with torch.no_grad():
-        return losses, model(**probe_batch()).logits.float()
+    with torch.no_grad():  # in fp32, as `train_cell` evaluates the trained model
+        return losses, model(**_to(probe_batch(), device)).logits.float().cpu()
 
 
 def reload(setup: Setup, base_dir: str, saved: str) -> torch.Tensor:

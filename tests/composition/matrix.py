@@ -23,7 +23,9 @@ class Setup:
     peft: a PEFT method of `PEFT_METHODS` (None = train the model itself); moe: upcycle to 4 experts, top-2;
     dkm: DKM 3-bit QAT on the Linear layers; dkm_shard: eDKM's table sharded over the data-parallel ranks;
     bnb4: load the base in bitsandbytes NF4; sp / ep: sequence / expert parallel size; zero: DeepSpeed ZeRO stage
-    (0 = none); gc: gradient checkpointing.
+    (0 = none); gc: gradient checkpointing; dkm_engine: the DKM engine ("" = the one DKM picks itself);
+    precision: "bf16" / "fp16" autocast ("" = fp32); trl: train with TRL's `SFTTrainer` (its defaults: bf16
+    autocast, its fused LM-head loss) and our callbacks instead of `LLMKitTrainer`; fsdp: accelerate FSDP2.
     """
 
     peft: str | None = None
@@ -35,11 +37,20 @@ class Setup:
     ep: int = 1
     zero: int = 0
     gc: bool = False
+    dkm_engine: str = ""
+    precision: str = ""
+    trl: bool = False
+    fsdp: bool = False
 
     @property
     def ranks(self) -> int:
-        """Gloo ranks the cell runs on: 2 for sequence / expert parallelism, a sharded eDKM table and ZeRO."""
-        return 2 if self.sp > 1 or self.ep > 1 or self.dkm_shard or self.zero else 1
+        """Gloo ranks the cell runs on: 2 for sequence / expert parallelism, a sharded eDKM table, ZeRO and FSDP2."""
+        return 2 if self.sp > 1 or self.ep > 1 or self.dkm_shard or self.zero or self.fsdp else 1
+
+    @property
+    def autocast_dtype(self) -> str:
+        """The autocast dtype the cell trains under: its `precision`, TRL's default bf16, or "" (fp32)."""
+        return self.precision or ("bf16" if self.trl else "")
 
     @property
     def data_parallel(self) -> int:
@@ -47,7 +58,7 @@ class Setup:
 
     def single_rank(self) -> Setup:
         """The single-rank equivalent: the same model without the features that only split the work."""
-        return replace(self, sp=1, ep=1, zero=0, gc=False, dkm_shard=False)
+        return replace(self, sp=1, ep=1, zero=0, gc=False, dkm_shard=False, fsdp=False)
 
 
 # Partners by name: how each switches its feature on.
@@ -61,6 +72,10 @@ PARTNERS: dict[str, dict] = {
     "gc": {"gc": True},
     "ep2": {"ep": 2},
     "shard2": {"dkm_shard": True},
+    "bf16": {"precision": "bf16"},
+    "fp16": {"precision": "fp16"},
+    "trl": {"trl": True},
+    "fsdp2": {"fsdp": True},
 }
 PARTNER_TITLES = {
     "sp2": "sequence parallel 2",
@@ -72,8 +87,19 @@ PARTNER_TITLES = {
     "gc": "gradient checkpointing",
     "ep2": "expert parallel 2",
     "shard2": "`shard` on 2 ranks",
+    "bf16": "bf16 autocast",
+    "fp16": "fp16 autocast + GradScaler",
+    "trl": "TRL `SFTTrainer` + our callbacks",
+    "fsdp2": "FSDP2 (2 ranks)",
 }
-FEATURE_TITLES = {**{name: method.display_name for name, method in REGISTRY.items()}, "moe": "MoE", "dkm": "DKM"}
+FEATURE_TITLES = {
+    **{name: method.display_name for name, method in REGISTRY.items()},
+    "moe": "MoE",
+    "dkm": "DKM",
+    "dkm_naive": "DKM, naive engine",
+    "dkm_table": "DKM, table engine",
+    "sp2": "sequence parallel 2",
+}
 
 
 @dataclass(frozen=True)
@@ -95,6 +121,10 @@ class Cell:
 def _feature_setup(feature: str) -> dict:
     if feature in PEFT_METHODS:
         return {"peft": feature}
+    if feature.startswith("dkm_"):  # DKM with one engine forced (the "dkm" row: the engine DKM picks)
+        return {"dkm": True, "dkm_engine": feature[len("dkm_") :]}
+    if feature == "sp2":
+        return {"sp": 2}
     return {feature: True}
 
 
@@ -103,6 +133,7 @@ def _cell(feature: str, partner: str, *, slow: bool = True) -> Cell:
     if setup.dkm_shard:
         setup = replace(setup, dkm=True)
     expected, match = REFUSED.get((feature, partner), ("ok", ""))
+    expected = KNOWN_BUGS.get((feature, partner), expected)
     return Cell(feature, partner, setup, expected, slow, match)
 
 
@@ -117,6 +148,14 @@ REFUSED[("moe", "bnb4")] = (
     "refused: experts copy full-precision MLPs; upcycle before quantizing",
     "upcycle_to_moe needs a full-precision dense model, this one is quantized (bitsandbytes)",
 )
+# Pairs that should work and do not yet, with the bug (README shows it; the test is an expected failure that is not
+# run: the failure leaves the other rank waiting in a collective until the launch times out).
+KNOWN_BUGS: dict[tuple[str, str], str] = {
+    ("dkm", "fsdp2"): (
+        "known bug: the save exports DKM's packed indices from one rank's FSDP2 shard of the weights "
+        "(quantization/integration.dkm_state_dict)"
+    ),
+}
 # One representative per row runs in `make test` (one 2-rank launch serves all three).
 QUICK = {("lora", "sp2"), ("moe", "ep2"), ("dkm", "shard2")}
 
@@ -125,14 +164,20 @@ def _row(feature: str, partners: tuple[str, ...]) -> list[Cell]:
     return [_cell(feature, p, slow=(feature, p) not in QUICK) for p in partners]
 
 
-PEFT_PARTNERS = ("sp2", "moe", "dkm", "zero2", "zero3", "bnb4", "gc")
-MOE_PARTNERS = ("sp2", "ep2", "zero2", "zero3", "dkm", "bnb4")
-DKM_PARTNERS = ("zero2", "zero3", "shard2", "sp2", "bnb4")
+# Where users already train (issue 19): mixed precision, TRL's SFTTrainer, accelerate FSDP2.
+AMP = ("bf16", "fp16")
+CLIENTS = ("trl", "fsdp2")
+PEFT_PARTNERS = ("sp2", "moe", "dkm", "zero2", "zero3", "bnb4", "gc", *AMP, *CLIENTS)
+MOE_PARTNERS = ("sp2", "ep2", "zero2", "zero3", "dkm", "bnb4", *AMP, *CLIENTS)
+DKM_PARTNERS = ("zero2", "zero3", "shard2", "sp2", "bnb4", *AMP, *CLIENTS)
+DKM_ENGINES = ("naive", "table")  # the "dkm" row runs the engine DKM picks for fp32 scalar weights ("bucketed")
 
 CELLS: list[Cell] = [
     *(cell for method in PEFT_METHODS for cell in _row(method, PEFT_PARTNERS)),
     *_row("moe", MOE_PARTNERS),
     *_row("dkm", DKM_PARTNERS),
+    *(cell for engine in DKM_ENGINES for cell in _row(f"dkm_{engine}", AMP)),
+    *_row("sp2", AMP),
 ]
 
 # Fault tolerance x one configuration from each row: the main job (examples/run_clm.py) killed after its first

@@ -26,7 +26,7 @@ def _verdict(expected: str) -> str:
 def table() -> str:
     """The markdown table: a row per feature, a column per partner; ✓, the one-line reason, or blank (not a pair)."""
     features = list(dict.fromkeys(c.feature for c in CELLS))
-    partners = list(dict.fromkeys(c.partner for c in CELLS))
+    partners = [p for p in PARTNER_TITLES if any(c.partner == p for c in CELLS)]  # in the matrix's order
     by_pair = {(c.feature, c.partner): c for c in CELLS}
     lines = ["| | " + " | ".join(PARTNER_TITLES[p] for p in partners) + " |"]
     lines.append("|---" * (len(partners) + 1) + "|")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,29 @@ from tests.composition.cells import build_model, reference, reload, run_cells
 from tests.composition.matrix import CELLS, Cell
 
 TOLERANCE = 1e-5
+
+
+def split_autocast(setup) -> bool:
+    """Whether the cell splits each batch over ranks under autocast (sequence parallelism in bf16 / fp16)."""
+    return bool(setup.autocast_dtype) and setup.sp > 1
+
+
+def tolerances(setup, base_dir: str, ref_losses: list[float], ref_logits: torch.Tensor) -> tuple[float, float]:
+    """How close a cell's losses and outputs must come to its single-rank equivalent's.
+
+    1e-5 (float32 reduction order) for every cell that computes what its reference computes: fp32 cells and
+    single-rank autocast cells (bitwise equal here). A cell that splits each batch over ranks under autocast
+    produces every weight gradient of the autocast dtype as several rounded partial products (one per rank's
+    tokens) instead of one, so each gradient element may differ by a rounding of that dtype every step -- the kind of
+    error autocast itself makes against fp32. Such a cell must then be no further from the single-rank autocast run
+    than that run is from the same training in fp32 (measured here); a lost or double-counted shard moves it
+    much further.
+    """
+    if not split_autocast(setup):
+        return TOLERANCE, TOLERANCE
+    fp32_losses, fp32_logits = reference(replace(setup, precision=""), base_dir)
+    loss_tol = max(abs(a - b) for a, b in zip(ref_losses, fp32_losses))
+    return max(TOLERANCE, loss_tol), max(TOLERANCE, (ref_logits - fp32_logits).abs().max().item())
 
 
 def _group(c: Cell) -> tuple:
@@ -38,7 +62,7 @@ class MatrixRuns:
 
     def result(self, c: Cell) -> dict:
         if c.name not in self.results:  # the group's cells this session runs (all of them, or those `-k` picked)
-            group = [o for o in CELLS if o.name in self.selected and _group(o) == _group(c)]
+            group = [o for o in CELLS if o.name in self.selected and _group(o) == _group(c) and o.expected == "ok"]
             names = [o.name for o in group]
             ranks = launch(
                 run_cells, names, str(self.workdir), str(self.base_dir), nprocs=c.setup.ranks,
@@ -69,10 +93,17 @@ def runs(tmp_path_factory, base_dir, request) -> MatrixRuns:
 
 
 def _param(c: Cell):
-    return pytest.param(c.name, id=c.name, marks=[pytest.mark.slow] if c.slow else [])
+    marks = [pytest.mark.slow] if c.slow else []
+    if c.expected.startswith("known bug"):
+        marks.append(pytest.mark.xfail(reason=c.expected, run=False))
+    return pytest.param(c.name, id=c.name, marks=marks)
 
 
-@pytest.mark.parametrize("name", [_param(c) for c in CELLS if c.expected == "ok"])
+def _should_work(c: Cell) -> bool:
+    return c.expected == "ok" or c.expected.startswith("known bug")
+
+
+@pytest.mark.parametrize("name", [_param(c) for c in CELLS if _should_work(c)])
 def test_pair_trains_saves_reloads_and_matches_single_rank(name, runs, base_dir):
     c = next(o for o in CELLS if o.name == name)
     result = runs.result(c)
@@ -81,17 +112,26 @@ def test_pair_trains_saves_reloads_and_matches_single_rank(name, runs, base_dir)
     assert len(losses) >= 2 and all(math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0], f"the loss did not fall: {losses}"
     assert result["drift"] == 0.0, f"replicated weights differ between ranks by {result['drift']}"
+    if c.setup.fsdp:
+        assert result["sharded"], "FSDP2 did not shard the parameters (accelerate ran DDP instead)"
+    if c.setup.precision == "fp16":
+        assert result["scale"] is not None, "fp16 trained without a GradScaler"
     ref_losses, ref_logits = reference(c.setup, str(base_dir))
-    assert losses == pytest.approx(ref_losses, abs=TOLERANCE), "the losses differ from the single-rank equivalent"
+    loss_tol, logits_tol = tolerances(c.setup, str(base_dir), ref_losses, ref_logits)
+    if loss_tol > TOLERANCE:  # how much of the allowance a split autocast cell uses (`pytest -s` shows it)
+        print(f"{name}: losses within {max(abs(a - b) for a, b in zip(losses, ref_losses)):.2e} of {loss_tol:.2e}")
+    assert losses == pytest.approx(ref_losses, abs=loss_tol), "the losses differ from the single-rank equivalent"
     reloaded = reload(c.setup, str(base_dir), result["saved"])
+    if logits_tol > TOLERANCE:
+        print(f"{name}: outputs within {(reloaded - ref_logits).abs().max().item():.2e} of {logits_tol:.2e}")
     if result["logits"] is not None:
         torch.testing.assert_close(reloaded, result["logits"], atol=TOLERANCE, rtol=0, msg="reload changed outputs")
     torch.testing.assert_close(
-        reloaded, ref_logits, atol=TOLERANCE, rtol=0, msg="the outputs differ from the single-rank equivalent"
+        reloaded, ref_logits, atol=logits_tol, rtol=0, msg="the outputs differ from the single-rank equivalent"
     )
 
 
-@pytest.mark.parametrize("name", [c.name for c in CELLS if c.expected != "ok"])
+@pytest.mark.parametrize("name", [c.name for c in CELLS if not _should_work(c)])
 def test_pair_that_cannot_work_is_refused_before_any_work(name, base_dir):
     c = next(o for o in CELLS if o.name == name)
     with pytest.raises(ValueError, match=re.escape(c.match)) as err:

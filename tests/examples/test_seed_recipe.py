@@ -6,6 +6,7 @@ embed_tokens and lm_head trained in full, gradient checkpointing) and prints not
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -111,3 +112,110 @@ def test_run_pt_sh_runs_the_seed_recipe_on_two_ranks_quietly(tmp_path):
     assert noise == [], noise
     info = [line for line in proc.stderr.splitlines() if " INFO run_clm: blocks of" in line]
     assert len(info) == 1  # per-rank information once, from rank 0
+
+
+SEED_SCRIPT = EXAMPLES / "seed" / "run_clm_pt_with_peft.py"
+PROJECTIONS = "q_proj,v_proj,k_proj,o_proj,gate_proj,down_proj,up_proj"
+
+
+def test_the_seed_script_itself_trains_lora_under_zero2_on_two_ranks(tmp_path):
+    """The seed's own training script (examples/seed/, adapted only where transformers 5 removed an API) with
+    run_pt.sh's flags: torchrun on 2 CPU ranks, DeepSpeed ZeRO-2, LoRA on every projection with embed_tokens and
+    lm_head trained in full, gradient checkpointing, a per-file block cache -- and our SavePeftModelCallback
+    writing an adapter that reloads in this process."""
+    from hf_llmkit.corpus import write_corpus_files
+    from hf_llmkit.testing import launch_script
+
+    model = tmp_path / "pretrained"
+    tiny_llama().save_pretrained(model)
+    corpus_tokenizer(vocab_size=512).save_pretrained(model)
+    files = write_corpus_files(tmp_path / "dataset", files=3)
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    flags = [
+        "--deepspeed",
+        str(EXAMPLES / "ds_zero2_no_offload.json"),
+        "--model_name_or_path",
+        str(model),
+        "--tokenizer_name_or_path",
+        str(model),
+        "--dataset_dir",
+        str(tmp_path / "dataset"),
+        "--data_cache_dir",
+        str(cache),
+        "--validation_split_percentage",
+        "0.001",
+        "--per_device_train_batch_size",
+        "1",
+        "--do_train",
+        "--seed",
+        "4",
+        "--torch_dtype",
+        "float32",
+        "--num_train_epochs",
+        "1",
+        "--lr_scheduler_type",
+        "cosine",
+        "--learning_rate",
+        "2e-4",
+        "--warmup_ratio",
+        "0.05",
+        "--weight_decay",
+        "0.01",
+        "--logging_strategy",
+        "steps",
+        "--logging_steps",
+        "1",
+        "--save_strategy",
+        "steps",
+        "--save_total_limit",
+        "3",
+        "--save_steps",
+        "2",
+        "--gradient_accumulation_steps",
+        "2",
+        "--preprocessing_num_workers",
+        "2",
+        "--block_size",
+        "32",
+        "--output_dir",
+        str(out),
+        "--overwrite_output_dir",
+        "--ddp_timeout",
+        "30000",
+        "--logging_first_step",
+        "True",
+        "--lora_rank",
+        "4",
+        "--lora_alpha",
+        "8",
+        "--trainable",
+        PROJECTIONS,
+        "--lora_dropout",
+        "0.05",
+        "--modules_to_save",
+        "embed_tokens,lm_head",
+        "--load_in_kbits",
+        "16",
+        "--gradient_checkpointing",
+        "--ddp_find_unused_parameters",
+        "False",
+        "--max_steps",
+        "2",
+        "--disable_tqdm",
+        "true",
+    ]  # fmt: skip  (the seed's run_pt.sh, with --fp16 left out: DeepSpeed on CPU has no fp16)
+    launch_script(SEED_SCRIPT, flags, nprocs=2, launcher="torchrun", timeout=600)
+    assert json.loads((out / "train_results.json").read_text())["train_samples"] > 0
+    assert sorted(p.name for p in cache.iterdir() if not p.name.endswith("_text_32")) == sorted(
+        f"{f.stem}_32" for f in files
+    )  # each file's blocks cached on their own, as the seed does
+    for folder in (out / "checkpoint-2" / "pt_lora_model", out / "pt_lora_model"):
+        saved = load_file(folder / "adapter_model.safetensors")
+        assert sum("lora_A" in k for k in saved) == 7 * 2  # 7 projections x 2 layers
+        assert any("embed_tokens" in k for k in saved) and any("lm_head" in k for k in saved)
+    base = AutoModelForCausalLM.from_pretrained(model)
+    ids = torch.randint(3, 500, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = base(ids).logits
+        after = PeftModel.from_pretrained(base, out / "pt_lora_model")(ids).logits
+    assert torch.isfinite(after).all() and not torch.allclose(before, after)

@@ -22,7 +22,7 @@ def dkm_step(*, device: str, uniquify: bool, offload: bool, rows: int = 1024, co
     """One training forward + backward of a bf16 3-bit DKM Linear; (output, weight gradient, peak bytes above the
     start of the step: CUDA's allocator peak on a GPU, None on CPU)."""
     torch.manual_seed(0)
-    settings = DKMSettings(bits=3, cluster_dim=1, groups=1, uniquify=uniquify, offload=offload, epsilon=1e-9)
+    settings = DKMSettings.build(rows, bits=3, uniquify=uniquify, offload=offload, epsilon=1e-9)
     layer = DKMLinear(cols, rows, False, settings, device=device, dtype=torch.bfloat16)
     torch.nn.init.normal_(layer.weight, std=0.02)
     layer.init_centroids()

@@ -213,3 +213,25 @@ def test_shared_expert_equals_transformers_qwen2_moe_block():
 def test_bad_configuration_names_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         MoELayer(H, INTER, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_autocast_runs_the_experts_in_the_autocast_dtype_with_weight_gradients_in_theirs(dtype):
+    """Under autocast the grouped experts compute like an autocast Linear: in the autocast dtype, gradients back in
+    the weights' fp32 (before: `mm(out=)` refused the fp32 output buffer of a bf16 product)."""
+    torch.manual_seed(0)
+    layer = MoELayer(H, INTER, num_experts=E, top_k=2)
+    x = torch.randn(3, 7, H, requires_grad=True)
+    params = [x, layer.gate.weight, layer.experts.gate_up_proj, layer.experts.down_proj]
+    with torch.autocast("cpu", dtype=dtype):
+        ours = layer(x)
+        ref = per_token_reference(layer, x)  # the definition, each product autocast the same way
+    grad_out = torch.randn_like(x)
+    got = torch.autograd.grad(ours, params, grad_out)
+    want = torch.autograd.grad(ref, params, grad_out)
+    assert ours.dtype == dtype and all(g.dtype == torch.float32 for g in got)
+    # the same products in `dtype`, summed in another order: within a few roundings of `dtype`
+    tol = 8 * torch.finfo(dtype).eps
+    torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w.float(), atol=tol * w.abs().max().item(), rtol=tol)

@@ -117,3 +117,26 @@ def test_a_quantized_model_is_refused_upcycle_first():
     quantized = quantize_model(tiny_llama(), DKMConfig(bits=2, kmeans_iters=1))
     with pytest.raises(ValueError, match=r"\(dkm\): upcycle the unquantized model first, then quantize_model"):
         upcycle_to_moe(quantized, num_experts=4, top_k=2)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_router_logits_and_load_balancing_loss_equal_the_native_moe_model(name, tmp_path):
+    """`output_router_logits=True` (what TRL's SFTTrainer turns on for MoE configs) collects every MoELayer's router
+    logits, so the model's load-balancing loss is the one transformers' own MoE model computes from the same
+    weights."""
+    moe = upcycle_to_moe(dense_models()[name], num_experts=4, top_k=2)
+    for layer in moe_layers(moe):
+        layer.gate.weight.add_(torch.randn_like(layer.gate.weight))  # a router that prefers some experts
+    moe.config.router_aux_loss_coef = moe.router_aux_loss_coef = 0.5  # the model reads its copy, made at init
+    ours = moe(IDS, labels=IDS, output_router_logits=True)
+    assert len(ours.router_logits) == 2 and ours.router_logits[0].shape == (IDS.numel(), 4)
+    assert moe(IDS).router_logits is None  # collected only when asked for
+    moe.save_pretrained(tmp_path)
+    native = type(moe).from_pretrained(tmp_path).eval()
+    assert not moe_layers(native)
+    theirs = native(IDS, labels=IDS, output_router_logits=True)
+    for got, want in zip(ours.router_logits, theirs.router_logits):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.aux_loss, theirs.aux_loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-5, rtol=1e-5)

@@ -16,23 +16,21 @@ from hf_llmkit import DKMConfig
 from hf_llmkit.quantization import DKMLinear, DKMSettings, quantize_model
 from hf_llmkit.testing import tiny_llama, tiny_training_args
 
-# engine -> (latent weight dtype, settings that select it)
+# case -> (latent weight dtype, DKMConfig options pinning the engine)
 ENGINES = {
-    "naive": (torch.float32, {"uniquify": False}),
-    "bucketed": (torch.float32, {}),
-    "table": (torch.bfloat16, {}),
-    "table_vectors": (torch.float32, {"cluster_dim": 2}),
+    "naive": (torch.float32, {"engine": "naive"}),
+    "bucketed": (torch.float32, {"engine": "bucketed"}),
+    "table": (torch.bfloat16, {"engine": "table"}),
+    "table_vectors": (torch.float32, {"engine": "table", "cluster_dim": 2}),
 }
 
 
 def _layer(engine: str) -> DKMLinear:
-    dtype, extra = ENGINES[engine]
+    dtype, options = ENGINES[engine]
     torch.manual_seed(0)
-    settings = DKMSettings(bits=3, groups=1, offload=False, **{"cluster_dim": 1, **extra})
-    layer = DKMLinear(64, 32, True, settings, dtype=dtype)
+    layer = DKMLinear(64, 32, True, DKMSettings.build(32, bits=3, offload=False, **options), dtype=dtype)
     torch.nn.init.normal_(layer.weight, std=0.02)
     layer.init_centroids()
-    assert layer._engine(None) == engine.split("_")[0]
     return layer.train()
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hf_llmkit.quantization import _dkm as dkm
-from hf_llmkit.quantization import _edkm as edkm
 from hf_llmkit.quantization._packing import pack_indices, packed_numel, unpack_indices
+from hf_llmkit.quantization.engines import table as edkm
 from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear, DKMSettings
 
 
@@ -44,8 +44,8 @@ def test_kmeans_beats_uniform_grid_and_is_fast():
 
 def _layer(dtype, uniquify, d=1, groups=1, seed=0, rows=64, cols=96, shard=False, offload=False):
     torch.manual_seed(seed)
-    settings = DKMSettings(
-        bits=3, cluster_dim=d, groups=groups, uniquify=uniquify, shard=shard, offload=offload, epsilon=1e-9
+    settings = DKMSettings.build(
+        rows, groups=groups, bits=3, cluster_dim=d, uniquify=uniquify, shard=shard, offload=offload, epsilon=1e-9
     )
     layer = DKMLinear(cols, rows, True, settings, dtype=dtype)
     torch.nn.init.normal_(layer.weight, std=0.02)
@@ -132,7 +132,7 @@ def test_training_moves_weights_toward_centroids():
 
 
 def test_embedding_soft_and_hard():
-    settings = DKMSettings(bits=4, cluster_dim=2, groups=1, offload=False)
+    settings = DKMSettings.build(100, kind="embedding", embedding_bits=4, cluster_dim=2, offload=False)
     emb = DKMEmbedding(100, 16, None, settings)
     emb.init_centroids()
     ids = torch.tensor([[1, 5, 99]])

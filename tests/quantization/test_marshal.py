@@ -10,7 +10,7 @@ from hf_llmkit.quantization.layers import DKMLinear, DKMSettings
 
 def _naive_layer(offload: bool) -> DKMLinear:
     torch.manual_seed(0)
-    settings = DKMSettings(bits=3, cluster_dim=1, groups=1, uniquify=False, offload=offload, epsilon=1e-9)
+    settings = DKMSettings.build(64, bits=3, uniquify=False, offload=offload, epsilon=1e-9)
     layer = DKMLinear(64, 32, False, settings)
     layer.init_centroids()
     return layer.train()

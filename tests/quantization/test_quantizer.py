@@ -245,9 +245,11 @@ def test_quantize_model_built_from_config_saves_and_reloads(tmp_path):
 
 
 def test_trainer_resumes_from_a_compact_checkpoint_with_a_warning(base_dir, tmp_path, caplog):
-    """Without DKMTrainingStateCallback the Trainer's checkpoints are compact; resuming from one still trains (the
-    latent weights restart from the hard assignment) and says it will not match an uninterrupted run."""
+    """With DKMTrainingStateCallback removed the Trainer's checkpoints are compact; resuming from one still trains
+    (the latent weights restart from the hard assignment) and says it will not match an uninterrupted run."""
     import logging
+
+    from hf_llmkit.quantization import DKMTrainingStateCallback
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=DKMConfig(bits=3))
     args = TrainingArguments(
@@ -259,7 +261,9 @@ def test_trainer_resumes_from_a_compact_checkpoint_with_a_warning(base_dir, tmp_
         report_to=[],
         disable_tqdm=True,
     )
-    Trainer(model=model, args=args, train_dataset=_ByteDataset()).train()
+    trainer = Trainer(model=model, args=args, train_dataset=_ByteDataset())
+    trainer.remove_callback(DKMTrainingStateCallback)  # a default callback once a model is DKM-quantized
+    trainer.train()
     with safe_open(tmp_path / "checkpoint-2" / "model.safetensors", framework="pt") as f:
         keys = set(f.keys())
     assert "model.layers.0.self_attn.q_proj.weight_packed" in keys

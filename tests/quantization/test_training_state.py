@@ -1,5 +1,6 @@
-"""DKM Trainer checkpoints resume bit for bit: a run stopped after a checkpoint and resumed in a fresh process ends
-with the same latent weights, tables and saved model as an uninterrupted run; the final model stays compact."""
+"""DKM Trainer checkpoints resume bit for bit: a plain `Trainer` run (no callback added by hand) stopped after a
+checkpoint and resumed in a fresh process ends with the same latent weights, tables and saved model as an
+uninterrupted run; the final model stays compact."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def train(base: str, out: str, mode: str, ids: str) -> None:
         disable_tqdm=True,
         seed=0,
     )
-    callbacks = [DKMTrainingStateCallback()] + ([KillAfterCheckpoint()] if mode == "stop" else [])
+    callbacks = [KillAfterCheckpoint()] if mode == "stop" else []  # DKMTrainingStateCallback is a default one
     trainer = Trainer(model=model, args=args, train_dataset=_Rows(torch.load(ids)), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=f"{out}/checkpoint-{SAVE_EVERY}" if mode == "resume" else None)
     trainer.save_model(f"{out}/final")
@@ -138,6 +139,18 @@ def test_compact_checkpoint_resume_warns_that_it_is_not_bitwise(tmp_path, caplog
     q = fresh.get_submodule(Q_PROJ)
     model.eval()
     assert torch.equal(q.weight.detach(), model.get_submodule(Q_PROJ).hard_weight(torch.float32))
+
+
+def test_quantizing_makes_the_callback_a_default_of_every_trainer(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from hf_llmkit.quantization import quantize_model
+
+    model = quantize_model(tiny_llama(), DKMConfig(bits=2))
+    for trainer_model in (model, tiny_llama()):  # a model without DKM layers gets it too, and it does nothing there
+        trainer = Trainer(model=trainer_model, args=TrainingArguments(str(tmp_path), use_cpu=True, report_to=[]))
+        found = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, DKMTrainingStateCallback)]
+        assert len(found) == 1
 
 
 def test_keep_training_state_switch(tmp_path):

@@ -199,7 +199,15 @@ class FusedExperts(nn.Module):
         gate_up, down = self.gate_up_proj, self.down_proj
         if used != self.num_experts:
             gate_up, down = gate_up.narrow(0, first_expert, used), down.narrow(0, first_expert, used)
-        return GroupedSwiGLU.apply(sorted_tokens, gate_up, down, tuple(counts), self.hidden_act, self._grad_buffers)
+        device, buffers = sorted_tokens.device.type, self._grad_buffers
+        if not torch.is_autocast_enabled(device):
+            return GroupedSwiGLU.apply(sorted_tokens, gate_up, down, tuple(counts), self.hidden_act, buffers)
+        # Under autocast the experts run like autocast runs a Linear: inputs and weights cast to the autocast dtype
+        # (the casts' backward brings the weight gradients back to the weights' dtype), matmuls in that dtype.
+        dtype = torch.get_autocast_dtype(device)
+        args = (sorted_tokens.to(dtype), gate_up.to(dtype), down.to(dtype))
+        with torch.autocast(device, enabled=False):
+            return GroupedSwiGLU.apply(*args, tuple(counts), self.hidden_act, buffers)
 
     def extra_repr(self) -> str:
         return (

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers.activations import ACT2FN
 
+from hf_llmkit.compat.transformers import record_router_logits
 from hf_llmkit.parallel.moe.dispatch import combine, dispatch, rows_to_tokens, slot_positions, tokens_to_rows
 from hf_llmkit.parallel.moe.experts import FusedExperts
 from hf_llmkit.parallel.moe.router import TopKRouter, load_balancing_loss, router_z_loss
@@ -128,6 +129,7 @@ class MoELayer(nn.Module):
         self.gate = TopKRouter(
             hidden_size, num_experts, top_k, normalize_top_k=normalize_top_k, jitter_noise=jitter_noise, **factory
         )
+        record_router_logits(self.gate)  # inside a Mixtral / Qwen2-MoE model: `output_router_logits=True` sees them
         # All E experts are drawn, then this rank keeps its slice: with one seed, EP=P holds the EP=1 weights.
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, hidden_act, **factory)
         self.shared_expert = self.shared_expert_gate = None

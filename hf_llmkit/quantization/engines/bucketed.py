@@ -1,4 +1,4 @@
-"""Backward of the bucketed 32-bit DKM (`_bucketed.py`) and the autograd function that ties both together.
+"""The bucketed engine (32-bit scalar weights, O(|W|) work, `_buckets.py`): its backward and the autograd function.
 
 Reverse mode through DKM's iterations `c_{t+1} = F(sum_i s(w_i; c_t))` and output `o(w_i; c_T)`, with `s = (a, a w)`:
 
@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from hf_llmkit.quantization import _bucketed as bk
-from hf_llmkit.quantization._bucketed import Rows, group_sum, per_row, per_row_tau
+from hf_llmkit.quantization import _dkm as dkm
 from hf_llmkit.quantization._dkm import autocast_off
-from hf_llmkit.quantization._grid import Grid, Located, chunks, evaluate, locate
-from hf_llmkit.quantization._jets import attention_jets, centroid_grad_jets, combine, times_w
+from hf_llmkit.quantization.engines import _buckets as bk
+from hf_llmkit.quantization.engines._buckets import Rows, group_sum, per_row, per_row_tau
+from hf_llmkit.quantization.engines._grid import Grid, Located, chunks, evaluate, locate
+from hf_llmkit.quantization.engines._jets import attention_jets, centroid_grad_jets, combine, times_w
 
 
 def _grad_moments(loc: Located, grid: Grid, g: torch.Tensor, dtype) -> torch.Tensor:
@@ -198,3 +199,13 @@ def _unflatten(saved, layout):
     rest = saved[11:]
     stages = [bk.Stage(rest[3 * i], opt(rest[3 * i + 1]), opt(rest[3 * i + 2])) for i in range(num_stages)]
     return grid, stages, list(rest[3 * num_stages :]), tau, table, opt(exact_out)
+
+
+def run(x, weight, centroids, settings, group=None):
+    """The engine interface (see `engines/__init__.py`): `(x @ W_c^T or W_c, refined centroids)`. Needs finite
+    float32 scalar weights (`cluster_dim=1`) and no sharding; `engines.resolve` checks that before calling it."""
+    cfg, groups = settings.config, settings.groups
+    std = dkm.group_std(dkm.to_vectors(weight, groups, 1))
+    tau, eps = (cfg.temperature * std).double(), (cfg.epsilon * std).double()
+    result, cents = BucketedDKM.apply(x, weight, centroids[..., 0].double(), tau, eps, cfg.dkm_iters, groups)
+    return result, cents.unsqueeze(-1)

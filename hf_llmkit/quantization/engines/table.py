@@ -9,10 +9,14 @@ attention of its slice, the k-means sums are all-reduced and the result is all-g
 Gradients are exact (equal to naive DKM's): the centroid path flows through the table (the member weights of a
 unique value share it equally) and the local path `d(A(w) C)/dw` is applied per weight with the closed-form
 Jacobian of each unique value.
+
+The shard group is made once per process when a model is quantized with `shard=True` (`make_shard_group`, called
+as the DKM layers are built: every rank quantizes, so every rank takes part in `new_group`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +26,31 @@ from torch.distributed.nn import functional as dist_nn
 from hf_llmkit.quantization._dkm import DIST_EPS, autocast_off
 
 _INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SHARD_GROUPS: dict[int, object] = {}  # world size -> the group of all ranks
+
+
+def make_shard_group():
+    """The process group eDKM shards the table over: all ranks, a group of its own (kept apart from DDP's gradient
+    buckets), made once per process; None on a single process.
+
+    Raises a ValueError when the process is one of several (WORLD_SIZE > 1) but torch.distributed is not initialised
+    yet: the group must exist before training, and creating it later (in a forward) deadlocks when ranks differ.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if world > 1:
+            raise ValueError(
+                f"DKMConfig(shard=True) on one of {world} processes, but torch.distributed is not initialised: "
+                "create the TrainingArguments / Accelerator (or call init_process_group) before loading the model, "
+                "or set shard=False."
+            )
+        return None
+    world = dist.get_world_size()
+    if world == 1:
+        return None
+    if world not in _SHARD_GROUPS:
+        _SHARD_GROUPS[world] = dist.new_group(ranks=list(range(world)))
+    return _SHARD_GROUPS[world]
 
 
 @dataclass
@@ -289,3 +318,16 @@ def table_dkm(
         dist.all_gather(jac_parts, torch.nn.functional.pad(jac, (0, 0, 0, 0, 0, pad)).contiguous(), group=group)
         jac = torch.cat(jac_parts)[:rows]
     return out, jac, c.detach()
+
+
+def run(x, weight, centroids, settings, group=None):
+    """The engine interface (see `engines/__init__.py`): `(x @ W_c^T or W_c, refined centroids)`; `group` shards
+    the table across its ranks."""
+    cfg, groups, d = settings.config, settings.groups, settings.cluster_dim
+    table = build_table(weight, groups, d, cfg.uniquify)
+    std = table_std(table)
+    values = TableValues.apply(weight, table.values, table.counts, table.inverse, table.mode, groups, d)
+    out, jac, cents = table_dkm(
+        values, table, centroids, cfg.temperature * std, cfg.epsilon * std, cfg.dkm_iters, group
+    )
+    return PaletteApply.apply(x, out, jac, weight, table.inverse, table.mode, groups, d), cents

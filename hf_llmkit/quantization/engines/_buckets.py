@@ -7,7 +7,7 @@ weight is a smooth function of `w` away from the centroids, so:
 - the k-means sums `sum_i a(w_i)` and `sum_i a(w_i) w_i` are, per bucket, `n f(u) + S1 f'(u) + S2 f''(u) / 2` with the
   bucket's moments `n, S1 = sum r, S2 = sum r^2`: every DKM iteration costs O(buckets x K), not O(|W| x K);
 - the output `A(w) C` and the weight gradient are evaluated per weight from a few per-bucket coefficients (a
-  polynomial in `r`), the centroid gradients from per-bucket moments of the output gradient (`_bucketed_grad.py`);
+  polynomial in `r`), the centroid gradients from per-bucket moments of the output gradient (`bucketed.py`);
 - the Taylor remainder is `O((h / tau)^3)`; the tables are computed in float64 (`_jets.py`), so the result agrees with
   DKM evaluated in float64 to about 1e-7. Only next to a centroid is the attention not smooth (`|w - c|`, and the
   `DIST_EPS` smoothing inside `sqrt`); where a centroid has a neighbour closer than `SAFE_GAP` tau, the buckets
@@ -25,8 +25,17 @@ from dataclasses import dataclass
 import torch
 
 from hf_llmkit.quantization._dkm import DIST_EPS
-from hf_llmkit.quantization._grid import Grid, Located, build_grid, chunks, evaluate, locate, members, rows_near
-from hf_llmkit.quantization._jets import attention_jets, combine
+from hf_llmkit.quantization.engines._grid import (
+    Grid,
+    Located,
+    build_grid,
+    chunks,
+    evaluate,
+    locate,
+    members,
+    rows_near,
+)
+from hf_llmkit.quantization.engines._jets import attention_jets, combine
 
 SAFE_GAP = 20.0  # a centroid whose neighbours are this many tau away has a flat attention (to e^-20) around it
 ROW_CHUNK = 1 << 15  # elements (rows x centroids) per chunk of the table math: [K, rows] temporaries stay in cache

@@ -1,0 +1,157 @@
+"""The methods `dkm_quality.py` compares, each applied to a model in place: ours and real peers from PyPI.
+
+Every function takes a full-precision model (its `nn.Linear` matrices are quantized, the names in `skip` are left
+alone), quantizes it and returns the bits per weight its stored form needs over those matrices, counted from what
+the method keeps (packed indices or integers, lookup tables, scales, zero points). Trained methods get a `train`
+callable (the workload's distillation step, the same batches and budget for every trained method).
+
+Peers (`benchmarks/install_peers.sh` installs them): torchao 0.18 QAT (`IntxFakeQuantizeConfig`), HQQ 0.2.8,
+llmcompressor 0.14 GPTQ, bitsandbytes nf4, coremltools 9 k-means palettization (`PostTrainingPalettizer`) and DKM
+(`DKMPalettizer`). A peer that cannot run here raises; the benchmark records the one-line reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def linears(model: nn.Module, skip: tuple[str, ...]) -> dict[str, nn.Linear]:
+    return {n: m for n, m in model.named_modules() if type(m) is nn.Linear and not n.endswith(skip)}
+
+
+def _numel(layers) -> int:
+    return sum(m.weight.numel() for m in layers.values())
+
+
+# ---- ours --------------------------------------------------------------------------------------------------------
+
+
+def dkm(model, bits: int, skip, train: Callable | None, **options) -> float:
+    """DKM (hf_llmkit): k-means tables, then (with `train`) DKM training; bits of the packed export + fp32 tables."""
+    from hf_llmkit import DKMConfig
+    from hf_llmkit.quantization import DKMLinear, quantize_model
+
+    quantize_model(model, DKMConfig(bits=bits, modules_to_not_convert=list(skip), **options))
+    layers = [m for m in model.modules() if isinstance(m, DKMLinear)]
+    if train is not None:
+        train(model)
+    stored = sum(p.numel() * 8 + t.numel() * 32 for p, t in (m.export() for m in layers))
+    return stored / sum(m.weight.numel() for m in layers)
+
+
+# ---- trained peers -----------------------------------------------------------------------------------------------
+
+
+def torchao_qat(model, bits: int, skip, train: Callable, group_size: int | None = 64) -> float:
+    """torchao QAT: int`bits` symmetric weight-only fake quantization per group of `group_size` inputs (None: one
+    scale per output channel), fp32 scales, then training."""
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
+
+    dtype = getattr(torch, f"int{bits}")
+    if group_size is None:
+        weight_config = IntxFakeQuantizeConfig(dtype, granularity="per_channel", is_symmetric=True)
+    else:
+        weight_config = IntxFakeQuantizeConfig(dtype, group_size=group_size, is_symmetric=True)
+    targets = linears(model, skip)
+    scales = sum(
+        m.weight.shape[0] * (1 if group_size is None else m.weight.shape[1] // group_size) for m in targets.values()
+    )
+    quantize_(model, QATConfig(weight_config=weight_config), filter_fn=lambda m, name: name in targets)
+    train(model)
+    return (_numel(targets) * bits + scales * 32) / _numel(targets)
+
+
+def coreml_dkm(model, bits: int, skip, train: Callable) -> float:
+    """coremltools `DKMPalettizer` (per-tensor LUT), then training; bits of indices + an fp32 LUT per matrix."""
+    from coremltools.optimize.torch.palettization import DKMPalettizer, DKMPalettizerConfig
+
+    targets = linears(model, skip)
+    config = DKMPalettizerConfig.from_dict(
+        {"module_name_configs": {name: {"n_bits": bits, "cluster_dim": 1} for name in targets}}
+    )
+    palettizer = DKMPalettizer(model, config)
+    palettizer.prepare(inplace=True)
+    train(model, step_hook=palettizer.step)
+    palettizer.finalize(inplace=True)
+    return (_numel(targets) * bits + len(targets) * (1 << bits) * 32) / _numel(targets)
+
+
+# ---- post-training peers -----------------------------------------------------------------------------------------
+
+
+def coreml_kmeans(model, bits: int, skip, train=None) -> float:
+    """coremltools `PostTrainingPalettizer`: k-means palettization per tensor, no data."""
+    from coremltools.optimize.torch.palettization import PostTrainingPalettizer, PostTrainingPalettizerConfig
+
+    targets = linears(model, skip)
+    config = PostTrainingPalettizerConfig.from_dict(
+        {"module_name_configs": {name: {"n_bits": bits, "granularity": "per_tensor"} for name in targets}}
+    )
+    PostTrainingPalettizer(model, config).compress(inplace=True)
+    return (_numel(targets) * bits + len(targets) * (1 << bits) * 32) / _numel(targets)
+
+
+def hqq(model, bits: int, skip, train=None, group_size: int = 64) -> float:
+    """HQQ (half-quadratic, data-free), asymmetric per group; bits of the integers + the stored scales and zeros."""
+    from hqq.core.quantize import BaseQuantizeConfig, HQQBackend, HQQLinear
+
+    HQQLinear.set_backend(HQQBackend.PYTORCH)
+    targets = linears(model, skip)
+    stored = 0
+    for lin in targets.values():
+        config = BaseQuantizeConfig(nbits=bits, group_size=group_size, axis=1)
+        q = HQQLinear(lin, quant_config=config, compute_dtype=torch.float32, device="cpu", del_orig=False)
+        meta = q.meta
+        stored += lin.weight.numel() * bits
+        stored += sum(meta[k].numel() * meta[k].element_size() * 8 for k in ("scale", "zero"))
+        with torch.no_grad():
+            lin.weight.copy_(q.dequantize().reshape(lin.weight.shape).to(lin.weight.dtype))
+    return stored / _numel(targets)
+
+
+def gptq(model, bits: int, skip, train=None, *, calibration, group_size: int = 64) -> float:
+    """llmcompressor GPTQ (asymmetric per group, calibrated on the workload's training inputs)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+
+    targets = linears(model, skip)
+    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=False, strategy="group", group_size=group_size)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights)
+    ignore = [name for name, m in model.named_modules() if type(m) is nn.Linear and name not in targets]
+    recipe = GPTQModifier(config_groups={"group": scheme}, ignore=ignore, dampening_frac=0.01)
+    data = Dataset.from_dict({k: [row.tolist() for row in v] for k, v in calibration.items()})
+    n = len(data)
+    oneshot(model=model, dataset=data, recipe=recipe, num_calibration_samples=n, pipeline="basic")
+    stored = 0
+    for lin in targets.values():
+        stored += lin.weight.numel() * bits
+        for name in ("weight_scale", "weight_zero_point"):
+            extra = getattr(lin, name, None)
+            if extra is not None:  # zero points are stored packed at `bits` bits; scales in their dtype
+                stored += extra.numel() * (bits if "zero" in name else extra.element_size() * 8)
+    return stored / _numel(targets)
+
+
+def bnb_nf4(model, bits: int, skip, train=None) -> float:
+    """bitsandbytes nf4 (blocks of 64, fp32 absmax, no double quantization); quantized and dequantized per matrix."""
+    import bitsandbytes.functional as bnbf
+
+    if bits != 4:
+        raise ValueError("nf4 is a 4-bit format")
+    targets = linears(model, skip)
+    stored = 0
+    for lin in targets.values():
+        w = lin.weight.data
+        packed, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4")
+        stored += packed.numel() * 8 + state.absmax.numel() * state.absmax.element_size() * 8
+        lin.weight.data = bnbf.dequantize_4bit(packed, state).to(w.dtype).reshape(w.shape)
+    return stored / _numel(targets)
+
+
+POST_TRAINING = {"coremltools k-means": coreml_kmeans, "HQQ g64": hqq, "GPTQ g64 (llmcompressor)": gptq}

@@ -1,0 +1,71 @@
+"""DKM's soft assignment behind one interface: three engines compute the same function, chosen in one place.
+
+Every engine is a module with
+
+    run(x, weight, centroids, settings, group) -> (x @ W_c^T, or W_c when x is None;  refined centroids [G, K, d])
+
+where `W_c = A(W) C` is DKM's soft-clustered weight after `dkm_iters` differentiable k-means steps, differentiable in
+`weight` and `x`. They differ only in cost (tests/quantization/test_engines.py checks each against naive DKM in
+float64):
+
+- "naive" (`naive.py`): autograd through `[n, K]` attention maps, O(|W| K) memory; the reference.
+- "table" (`table.py`): eDKM's table of unique weight values (16-bit weights hold at most 65,536), optionally
+  sharded across data-parallel ranks; also vectors (`cluster_dim > 1`) and, without uniquification, 32-bit weights.
+- "bucketed" (`bucketed.py`, `_buckets.py`, `_grid.py`, `_jets.py`): 32-bit scalar weights in O(|W|) work, with
+  nothing weight-sized saved for backward.
+
+`DKMConfig(engine=...)` pins one; "auto" (the default) is `resolve`'s rule, the only place an engine is chosen.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_llmkit.quantization.engines import bucketed, naive, table
+
+RUN = {"naive": naive.run, "table": table.run, "bucketed": bucketed.run}
+
+
+def unsupported(engine: str, dtype: torch.dtype, cluster_dim: int, sharded: bool) -> str | None:
+    """Why `engine` cannot cluster such a layer (None when it can); a pinned engine that cannot raises early."""
+    if engine == "naive" and sharded:
+        return "the naive engine does not shard (use engine='table' or shard=False)"
+    if engine == "bucketed":
+        if dtype != torch.float32:
+            return f"the bucketed engine clusters float32 weights, these are {dtype} (use engine='table' or 'auto')"
+        if cluster_dim != 1:
+            return "the bucketed engine clusters scalars (cluster_dim=1; use engine='table' or 'auto' for vectors)"
+        if sharded:
+            return "the bucketed engine does not shard (use engine='table' or shard=False)"
+    return None
+
+
+def resolve(settings, weight: torch.Tensor, group) -> str:
+    """The engine a layer runs: the pinned one, or for "auto":
+
+    - "naive" when `uniquify=False` and nothing is sharded (DKM as written, its memory included);
+    - "bucketed" for float32 scalar weights, unsharded, all finite;
+    - "table" otherwise: 16-bit weights, vectors, sharding, and weights holding NaN/Inf (the bucketed grid needs
+      finite values; the table engine propagates NaN like naive DKM, so a diverged step shows as a NaN loss).
+
+    A pinned engine that cannot run this layer raises a ValueError naming the fix.
+    """
+    cfg = settings.config
+    sharded = group is not None
+    if cfg.engine == "auto":
+        if not cfg.uniquify and not sharded:
+            return "naive"
+        if unsupported("bucketed", weight.dtype, settings.cluster_dim, sharded) is None:
+            return "bucketed" if bool(torch.isfinite(weight).all()) else "table"
+        return "table"
+    reason = unsupported(cfg.engine, weight.dtype, settings.cluster_dim, sharded)
+    if reason is None and cfg.engine == "bucketed" and not bool(torch.isfinite(weight).all()):
+        reason = "the weights hold NaN/Inf and the bucketed grid needs finite values (engine='auto' uses 'table')"
+    if reason is not None:
+        raise ValueError(f"DKMConfig(engine={cfg.engine!r}): {reason}.")
+    return cfg.engine
+
+
+def soft_cluster(x, weight, centroids, settings, group=None):
+    """DKM's soft-clustered `x @ W_c^T` (or `W_c`) and refined centroids, by the engine `resolve` picks."""
+    return RUN[resolve(settings, weight, group)](x, weight, centroids, settings, group)
