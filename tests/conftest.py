@@ -19,12 +19,24 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
+# One intra-op thread in this process and every process it starts (`hf_llmkit.testing.launch` passes it on): the
+# suite compares outputs bitwise across processes (a fresh interpreter's reload, a launched rank's training against
+# its single-rank reference), and a float reduction split over another number of threads rounds differently. On a
+# shared 2-core machine OpenMP's spinning threads also made small kernels many times slower than one thread.
+os.environ["OMP_NUM_THREADS"] = "1"
+
 # No test may JIT-compile a C++ op (DeepSpeed's CPU Adam or shm collectives): on a fresh 2-core machine a build
 # takes minutes, and one killed half way leaves a lock that hangs every later build. The extensions folder is a
 # plain file, so any build attempt, in this process or a rank it starts, fails at once with this file's name.
 _NO_BUILDS = Path(tempfile.mkdtemp(prefix="hf_llmkit_tests_")) / "jit-op-builds-are-not-allowed-in-tests"
 _NO_BUILDS.write_text("tests/conftest.py: a test tried to JIT-compile a torch / DeepSpeed C++ op\n")
 os.environ["TORCH_EXTENSIONS_DIR"] = str(_NO_BUILDS)
+
+
+def pytest_configure(config):
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,7 +12,7 @@ lines joined); Python from ```python blocks. Each command gets a kind that says 
   of one block are the machines of one job, started together with `MACHINE0` = 127.0.0.1 (a block with one such
   command is run on two "machines", as the page says the same command runs on every machine);
 - `run_pt`: `bash examples/run_pt.sh`;
-- `make`: other `make` lines, checked with `make -n` (`make test` is the command running this suite);
+- `make`: other `make` lines, checked with `make -n -B` (`make test` is the command running this suite);
 - `shell`: anything else, run by bash in the page's folder.
 """
 

@@ -126,12 +126,14 @@ class PageRun:
     def _make(self, command: Command) -> str:
         if command.argv[1:2] == ["test"]:  # the suite running this test: CI runs it (.ci/run)
             assert "make test" in (REPO / ".ci" / "run").read_text()
-        proc = subprocess.run(["make", "-n", *command.argv[1:]], cwd=REPO, capture_output=True, text=True, timeout=60)
+        # -B: every recipe as on a fresh clone (the install steps too, where the variables the page sets are used)
+        argv = ["make", "-n", "-B", *command.argv[1:]]
+        proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, (command.line, proc.stderr)
         for assignment in command.argv[1:]:  # a variable the page sets reaches the recipe
             if "=" in assignment:
                 assert assignment.split("=", 1)[1].strip('"') in proc.stdout, (command.line, proc.stdout)
-        return "checked (make -n)"
+        return "checked (make -n -B)"
 
     def _shell(self, command: Command) -> str:
         subprocess.run(command.line, shell=True, cwd=self.folder, env=self.env, check=True, timeout=60)
