@@ -8,6 +8,7 @@ PYTEST_ARGS ?=
 # Two pytest workers, each test file whole on one of them (module fixtures launch a file's cells together); every
 # test and every rank it launches runs one intra-op thread (tests/conftest.py). `make test WORKERS=` runs serially.
 WORKERS ?= -n 2 --dist loadfile
+BENCH_ARGS ?=
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hf_llmkit-installed
@@ -51,11 +52,11 @@ test-lowest:
 test-gpu: install  # the tests marked gpu, on a CUDA machine
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
-bench: install
-	@set -e; for script in benchmarks/[!_]*.py; do \
-		case $$script in */adapterhub_peer.py) continue;; esac; \
-		echo "== $$script"; $(PY) $$script; \
-	done  # _*.py are shared modules; adapterhub_peer.py is run by peft_methods.py in its own environment
+bench: install  # every benchmark script (those with a __main__ block); `make bench BENCH_ARGS=--quick`: smoke tests
+	@set -e; for script in $$(grep -l '^if __name__ == "__main__":' benchmarks/[!_]*.py); do \
+		case $$script in */adapterhub_peer.py|*/ci_time.py|*/report.py) continue;; esac; \
+		echo "== $$script"; $(PY) $$script $(BENCH_ARGS); \
+	done  # _*.py, dkm_* sections: modules; adapterhub_peer.py: run by peft_methods.py; ci_time.py, report.py: see benchmarks/README.md
 
 lint: install
 	$(PY) -m ruff check .
