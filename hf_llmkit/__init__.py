@@ -2,11 +2,11 @@
 
 Importing this package registers every plugin (PEFT methods with peft, the DKM quantization method with
 transformers) exactly once; importing it again, or importing peft/transformers before or after, is safe.
-It also drops a few upstream console messages nobody can act on (`hf_llmkit.cli.output`), before peft,
+It also drops a few upstream console messages nobody can act on (`hf_llmkit.noise`), before peft,
 bitsandbytes and DeepSpeed are imported.
 """
 
-from hf_llmkit.cli.output import silence_known_noise
+from hf_llmkit.noise import silence_known_noise
 
 silence_known_noise()
 

@@ -96,13 +96,20 @@ class LLMKitTrainingArguments(TrainingArguments):
             `activation_checkpointing` (`gradient_checkpointing`). A no-op on CPU-only machines.
     """
 
-    # `--help` of a command built on `hf_llmkit.cli.CommandLineParser` lists these fields under these titles; a field
-    # added here and not listed appears under "more options".
+    # `--help` of a command built on `hf_llmkit.cli.CommandLineParser` lists these fields under these titles (a test
+    # checks that every field added here is listed).
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
-        "fault tolerance": ("auto_resume", "resume_verify_checksums", "save_retries", "save_retry_delay"),
-        "mixture of experts": ("moe_aux_loss_coef", "moe_z_loss_coef"),
+        "fault tolerance": (
+            "auto_resume", "resume_verify_checksums", "save_retries", "save_retry_delay", "preemption_exit_code",
+            "divergence_exit_code",
+        ),
+        "mixture of experts": ("moe_aux_loss_coef", "moe_z_loss_coef", "expert_parallel_size"),
         "sequence parallel": ("sequence_parallel_size",),
-    }
+        "long sequences": (
+            "tiled_loss", "tiled_loss_chunk_size", "tiled_mlp", "tiled_mlp_chunk_size",
+            "offload_activation_checkpoints",
+        ),
+    }  # fmt: skip
 
     auto_resume: bool = field(
         default=False,

@@ -4,15 +4,19 @@
 - `parser`: `CommandLineParser` (`HfArgumentParser` with JSON flag files, one-line errors, feature-flag checks);
   `help`: its grouped `--help` / `--help-all`.
 - `feature_flags`: `FlagGroup`: a feature's flags are an error while the feature is off.
-- `arguments`: `ModelArguments`, `DataArguments`, `RunArguments` of a causal-LM training command.
+- `options`: flags derived from the declarations they configure (config dataclasses, function signatures).
+- `checks`: every number checked before any work (NaN, infinity, declared bounds, a run that trains nothing).
+- `arguments`: `ModelArguments`, `DataArguments`, `RunArguments` of a causal-LM training command; `peft`
+  (`PeftArguments`, from `hf_llmkit.tuners.PEFT_METHODS`), `quantization` (`DKMArguments` from `DKMConfig`,
+  `KbitArguments`), `moe` (`MoEArguments`, from `upcycle_to_moe`).
+- `job`: what the main jobs (`run_clm.py`, `run_sft.py`) share: parsing, model, trainer, results, `main()`.
 - `folders`: output / cache / model / tokenizer / checkpoint folder checks made before any work.
 - `model_loading`: the tokenizer and model to train (pretrained folder, or `--model_type` from a config).
 - `output`: quiet, rank-0 console output (narrow filters for known upstream noise).
 - `results`: perplexity, results files as transformers' run_clm writes them, the results table.
 
-The user's data files are checked by `hf_llmkit.data_files`; the PEFT, DKM / bitsandbytes and MoE arguments live
-with their features (`hf_llmkit.tuners.arguments`, `hf_llmkit.quantization.arguments`,
-`hf_llmkit.parallel.moe.arguments`).
+The user's data files are checked by `hf_llmkit.data_files`. This package depends on the features; no feature
+imports it (tests/cli/test_import_direction.py).
 """
 
 from hf_llmkit.cli.errors import USAGE_EXIT_CODE, UsageError, exit_on_error, one_line, usage_errors

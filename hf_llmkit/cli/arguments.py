@@ -2,8 +2,9 @@
 
 `examples/run_clm.py` parses them next to `PeftArguments`, `DKMArguments`, `KbitArguments`, `MoEArguments` and
 `LLMKitTrainingArguments`. Each dataclass titles its `--help` group (`help_group` / `help_groups`), lists the flags
-that only act with a feature switched on (`flag_groups`, see `hf_llmkit.cli.feature_flags`) and checks its values
-in `__post_init__` with a `ValueError` that names the fix.
+that only act with a feature switched on (`flag_groups`, see `hf_llmkit.cli.feature_flags`), declares the bounds of
+its numbers in the field metadata (`ge` / `gt` / `le` / `lt`, checked before any work by `hf_llmkit.cli.checks`)
+and checks the rest in `__post_init__` with a `ValueError` that names the fix.
 """
 
 from __future__ import annotations
@@ -12,19 +13,24 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from hf_llmkit.cli.feature_flags import FlagGroup
-from hf_llmkit.cli.model_loading import context_length
+from hf_llmkit.cli.model_loading import SIZE_FLAGS, context_length
 
-__all__ = ["SCRATCH_SIZES", "DataArguments", "ModelArguments", "RunArguments", "resolve_block_size"]
+__all__ = [
+    "SCRATCH_SIZES", "DataArguments", "InstructionDataArguments", "ModelArguments", "RunArguments",
+    "resolve_block_size",
+]  # fmt: skip
 
-SCRATCH_SIZES = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "max_position_embeddings",
-)
+SCRATCH_SIZES = SIZE_FLAGS
 SCRATCH_FLAGS = ("model_type", "config_overrides", *SCRATCH_SIZES)
+_COUNT = {"ge": 1, "bound_hint": "omit it for no limit"}  # bounds of an optional count (hf_llmkit.cli.checks)
+
+
+_SPLIT = FlagGroup(
+    "a split of the training data",
+    ("validation_split_percentage",),
+    lambda v: v["validation_file"] is None,
+    when_off="with --validation_file (that file is the validation set)",
+)
 
 
 @dataclass
@@ -70,13 +76,15 @@ class ModelArguments:
         default=None,
         metadata={"help": "From scratch: config changes, e.g. 'rms_norm_eps=1e-5,tie_word_embeddings=true'."},
     )
-    vocab_size: int = field(default=4096, metadata={"help": "From scratch: BPE vocabulary trained on the corpus."})
-    hidden_size: int = field(default=256, metadata={"help": "From scratch: hidden size."})
-    intermediate_size: int = field(default=688, metadata={"help": "From scratch: MLP size."})
-    num_hidden_layers: int = field(default=4, metadata={"help": "From scratch: decoder layers."})
-    num_attention_heads: int = field(default=4, metadata={"help": "From scratch: query heads."})
-    num_key_value_heads: int = field(default=2, metadata={"help": "From scratch: key/value heads (GQA)."})
-    max_position_embeddings: int = field(default=512, metadata={"help": "From scratch: context length."})
+    vocab_size: int = field(
+        default=4096, metadata={"help": "From scratch: BPE vocabulary trained on the corpus.", "ge": 300}
+    )
+    hidden_size: int = field(default=256, metadata={"help": "From scratch: hidden size.", "ge": 1})
+    intermediate_size: int = field(default=688, metadata={"help": "From scratch: MLP size.", "ge": 1})
+    num_hidden_layers: int = field(default=4, metadata={"help": "From scratch: decoder layers.", "ge": 1})
+    num_attention_heads: int = field(default=4, metadata={"help": "From scratch: query heads.", "ge": 1})
+    num_key_value_heads: int = field(default=2, metadata={"help": "From scratch: key/value heads (GQA).", "ge": 1})
+    max_position_embeddings: int = field(default=512, metadata={"help": "From scratch: context length.", "ge": 2})
     torch_dtype: str | None = field(
         default=None,
         metadata={
@@ -105,38 +113,79 @@ class DataArguments:
     """
 
     help_group: ClassVar[str] = "data"
-    flag_groups: ClassVar[tuple[FlagGroup, ...]] = (
-        FlagGroup(
-            "a split of the training data",
-            ("validation_split_percentage",),
-            lambda v: v["validation_file"] is None,
-            when_off="with --validation_file (that file is the validation set)",
-        ),
-    )
+    flag_groups: ClassVar[tuple[FlagGroup, ...]] = (_SPLIT,)
 
     dataset_dir: str | None = field(default=None, metadata={"help": "Folder of .txt/.json/.jsonl training files."})
     train_file: str | None = field(default=None, metadata={"help": "One .txt/.json/.jsonl training file."})
     validation_file: str | None = field(default=None, metadata={"help": "A held-out .txt/.json/.jsonl file."})
-    block_size: int | None = field(default=None, metadata={"help": "Tokens per block (default min(128, context))."})
-    validation_split_percentage: float = field(default=5.0, metadata={"help": "Percent of blocks held out."})
+    block_size: int | None = field(
+        default=None, metadata={"help": "Tokens per block (default min(128, context)).", "ge": 2}
+    )
+    validation_split_percentage: float = field(
+        default=5.0,
+        metadata={
+            "help": "Percent of blocks held out.", "gt": 0, "lt": 100,
+            "bound_hint": "e.g. 5 holds out 5 percent of the blocks, or pass --validation_file",
+        },
+    )  # fmt: skip
     data_cache_dir: str | None = field(default=None, metadata={"help": "Cache folder for processed datasets."})
-    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Tokenization processes."})
-    max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many train blocks."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Use at most this many eval blocks."})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Tokenization processes.", **_COUNT})
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Use at most this many train blocks.", **_COUNT}
+    )
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Use at most this many eval blocks.", **_COUNT}
+    )
 
     def __post_init__(self):
         if self.dataset_dir is not None and self.train_file is not None:
             raise ValueError("pass either --dataset_dir or --train_file, not both")
-        if self.block_size is not None and self.block_size < 2:
-            raise ValueError(f"--block_size {self.block_size} is too small; use at least 2 tokens")
-        if not 0 < self.validation_split_percentage < 100:
-            raise ValueError(
-                f"--validation_split_percentage {self.validation_split_percentage} must be between 0 and 100 "
-                "(exclusive); e.g. 5 holds out 5 percent of the blocks, or pass --validation_file"
-            )
-        for name in ("max_train_samples", "max_eval_samples", "preprocessing_num_workers"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"--{name} {getattr(self, name)} must be at least 1 (omit it for no limit)")
+
+
+@dataclass
+class InstructionDataArguments:
+    """What a supervised fine-tuning command trains on (`examples/run_sft.py`; `hf_llmkit.sft_data`).
+
+    Args:
+        train_file: A .json (array) or .jsonl file of `{"instruction", "input", "output"}` records ("input" may be
+            left out); default: the embedded instruction set (`hf_llmkit.instruction_corpus`).
+        validation_file: Held-out records to evaluate on (instead of splitting the training records).
+        prompt_template: "alpaca" (Stanford Alpaca's prompt, with and without an input), or a format string with
+            `{instruction}` and `{input}`; the response follows it.
+        max_seq_length: Tokens per example (prompt + response), default min(256, the model's context); longer
+            records keep their response when they can.
+        packing: Concatenate consecutive examples into sequences of up to `max_seq_length` tokens (off: one
+            example per sequence, padded per batch).
+        validation_split_percentage: Percent of the records held out for evaluation (at least one record).
+        max_train_samples / max_eval_samples: Truncate the splits (quick runs, tests).
+    """
+
+    help_group: ClassVar[str] = "data"
+    flag_groups: ClassVar[tuple[FlagGroup, ...]] = (_SPLIT,)
+
+    train_file: str | None = field(
+        default=None, metadata={"help": "A .json/.jsonl file of {instruction, input, output} records."}
+    )
+    validation_file: str | None = field(default=None, metadata={"help": "Held-out records (.json/.jsonl)."})
+    prompt_template: str = field(
+        default="alpaca", metadata={"help": "'alpaca', or a format string with {instruction} and {input}."}
+    )
+    max_seq_length: int | None = field(
+        default=None, metadata={"help": "Tokens per example, prompt + response (default min(256, context)).", "ge": 2}
+    )
+    packing: bool = field(default=False, metadata={"help": "Concatenate examples into max_seq_length sequences."})
+    validation_split_percentage: float = field(
+        default=10.0, metadata={"help": "Percent of records held out.", "gt": 0, "lt": 100}
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many records.", **_COUNT})
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Evaluate on at most this many records.", **_COUNT}
+    )
+
+    def __post_init__(self):
+        from hf_llmkit.sft_data import PromptTemplate
+
+        self.template = PromptTemplate.parse(self.prompt_template)  # a bad template stops here, before any work
 
 
 @dataclass
@@ -175,12 +224,11 @@ class RunArguments:
     log_loss_scale: bool = field(default=True, metadata={"help": "Log the live fp16 loss scale and overflows."})
     warmup_ratio: float | None = field(
         default=None,
-        metadata={"help": "Warm up over this share of the steps (the seed's flag; = --warmup_steps < 1)."},
-    )
-
-    def __post_init__(self):
-        if self.warmup_ratio is not None and not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"--warmup_ratio {self.warmup_ratio} must be in [0, 1); e.g. 0.05 warms up over 5%")
+        metadata={
+            "help": "Warm up over this share of the steps (the seed's flag; = --warmup_steps < 1).",
+            "ge": 0, "lt": 1, "bound_hint": "e.g. 0.05 warms up over 5%",
+        },
+    )  # fmt: skip
 
     def build_callbacks(self, *, peft: bool, fp16: bool) -> list[Any]:
         """The hf_llmkit callbacks these flags switch on (the loss scale exists only in fp16 runs)."""

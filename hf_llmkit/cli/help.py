@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import re
 import shutil
 import textwrap
 from dataclasses import dataclass
@@ -118,8 +119,21 @@ def _default_text(value: Any) -> str | None:
     return str(value)
 
 
+_LONG_HELP = 200  # characters; a longer help (a config's documentation paragraph) shows its first sentence
+
+
+def _short(text: str) -> str:
+    """Help text for a terminal: HTML tags and markdown link targets dropped, a long paragraph cut to its first
+    sentence (the declaration keeps the whole)."""
+    text = re.sub(r"\[([^\]]+)\]\([^)]*\)", r"\1", re.sub(r"<[^>]+>", "", text))
+    if len(text) > _LONG_HELP:
+        first = re.match(r"(.+?[.!?])\s+(?=[A-Z`])", text)
+        text = first.group(1) if first else text
+    return text
+
+
 def _help_text(action: argparse.Action) -> str:
-    text = " ".join((action.help or "").split())
+    text = _short(" ".join((action.help or "").split()))
     dash = "--" + action.dest.replace("_", "-")
     aliases = [o for o in action.option_strings if o not in (_primary(action), dash) and o.startswith("--")]
     if aliases:

@@ -5,7 +5,9 @@
   bitsandbytes), or a new model of any transformers causal-LM architecture built from `causal_lm_config`
   (`AutoConfig` + `AutoModelForCausalLM.from_config`, like transformers' `run_clm.py --model_type`).
 
-Errors from a config transformers rejects are re-raised as `ValueError` naming the flag to change.
+Whatever transformers (or huggingface_hub's strict config validation) raises while it turns the user's values into
+a config or a model is the user's input being rejected, whatever its class (`StrictDataclassClassValidationError`
+is no `ValueError`; a new release may add others): it is re-raised as a `ValueError` naming the flags to change.
 """
 
 from __future__ import annotations
@@ -19,13 +21,23 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from hf_llmkit.corpus import corpus_tokenizer
 
-__all__ = ["causal_lm_config", "context_length", "load_model", "load_tokenizer", "ties_embeddings"]
-
-_BUILD_ERRORS = (ValueError, TypeError, KeyError, AttributeError, RuntimeError, IndexError)
+__all__ = [
+    "SIZE_FLAGS", "causal_lm_config", "check_scratch_config", "context_length", "load_model", "load_tokenizer",
+    "ties_embeddings",
+]  # fmt: skip
+# The model sizes a from-scratch model takes from the command line (where its architecture has them).
+SIZE_FLAGS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "max_position_embeddings",
+)  # fmt: skip
 
 
 def _describe(err: BaseException) -> str:
-    return str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+    """The host's reason in one line: the innermost cause (huggingface_hub wraps the validator's ValueError)."""
+    while err.__cause__ is not None and str(err.__cause__):
+        err = err.__cause__
+    text = " ".join(str(err).split())
+    return text if isinstance(err, ValueError) else f"{type(err).__name__}: {text}"
 
 
 def load_tokenizer(model_args: Any):
@@ -48,10 +60,12 @@ def causal_lm_config(
     sizes: Mapping[str, int],
     overrides: str | None = None,
     required: Iterable[str] = (),
+    vocab_size: int | None = None,
 ) -> PretrainedConfig:
     """A new config of `model_type` with the tokenizer's vocabulary, `sizes` where the architecture has them, and
     `overrides` (`"key=value,key=value"`) applied last. A name in `required` (a size the user typed) that the
-    architecture does not have raises `ValueError`, as does any config transformers rejects."""
+    architecture does not have raises `ValueError`, as does any config transformers rejects. Without a tokenizer
+    (checking the flags before any work) `vocab_size` stands in for its vocabulary."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
@@ -64,17 +78,31 @@ def causal_lm_config(
             raise ValueError(f"--{name} has no effect for --model_type {model_type} (its config has no {name})")
     kwargs = {name: value for name, value in sizes.items() if hasattr(defaults, name)}
     special = {f"{t}_token_id": getattr(tokenizer, f"{t}_token_id", None) for t in ("pad", "bos", "eos")}
+    vocab = len(tokenizer) if tokenizer is not None else vocab_size
     try:
-        config = AutoConfig.for_model(
-            model_type, vocab_size=len(tokenizer), tie_word_embeddings=False, **special, **kwargs
-        )
+        config = AutoConfig.for_model(model_type, vocab_size=vocab, tie_word_embeddings=False, **special, **kwargs)
         if overrides:
             config.update_from_string(overrides)
-    except _BUILD_ERRORS as err:
+    except Exception as err:  # noqa: BLE001 - any rejection of the user's values (see the module docstring)
         raise ValueError(
-            f"transformers rejects this {model_type} config ({_describe(err)}); fix --config_overrides"
+            f"transformers rejects this {model_type} config ({_describe(err)}); fix the size flags or "
+            "--config_overrides"
         ) from None
     return config
+
+
+def _scratch_sizes(model_args: Any) -> dict[str, int]:
+    return {name: getattr(model_args, name) for name in SIZE_FLAGS}
+
+
+def check_scratch_config(model_args: Any, *, required: Iterable[str] = ()) -> None:
+    """For a model built from scratch: the config its flags describe, built before any work (the `--vocab_size`
+    standing in for the tokenizer's), so sizes and overrides transformers rejects stop the command at once."""
+    if model_args.model_name_or_path is None:
+        causal_lm_config(
+            model_args.model_type, tokenizer=None, vocab_size=model_args.vocab_size, sizes=_scratch_sizes(model_args),
+            overrides=model_args.config_overrides, required=required,
+        )  # fmt: skip
 
 
 def context_length(config: Any) -> int | None:
@@ -107,15 +135,14 @@ def load_model(model_args: Any, tokenizer: Any, *, quantization_config: Any = No
     if model_args.attn_implementation:
         kwargs["attn_implementation"] = model_args.attn_implementation
     if model_args.model_name_or_path is None:
-        sizes = {name: getattr(model_args, name) for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings")}  # fmt: skip
         config = causal_lm_config(
-            model_args.model_type, tokenizer=tokenizer, sizes=sizes, overrides=model_args.config_overrides,
+            model_args.model_type, tokenizer=tokenizer, sizes=_scratch_sizes(model_args),
+            overrides=model_args.config_overrides,
             required=required,
         )  # fmt: skip
         try:
             model = AutoModelForCausalLM.from_config(config, **kwargs)
-        except _BUILD_ERRORS as err:
+        except Exception as err:  # noqa: BLE001 - any rejection of the user's values (see the module docstring)
             raise ValueError(
                 f"transformers cannot build a {config.model_type} model from this config ({_describe(err)}); "
                 "fix --config_overrides or the size flags"

@@ -7,8 +7,11 @@ On top of `HfArgumentParser` (one flag per dataclass field):
 - `command.py args.json` reads the flags from a JSON object (`{"max_steps": 10, "peft_method": "lora"}`); flags
   after the file override it.
 - Bad input never prints a usage block or a traceback: unknown flags (with a "did you mean"), invalid values,
-  `__post_init__` checks and flags of a feature that is switched off (`hf_llmkit.cli.feature_flags`) all raise
-  `UsageError`, printed as one line by `exit_on_error`.
+  NaN, infinite or out-of-bounds numbers (`hf_llmkit.cli.checks`), `__post_init__` checks and flags of a feature
+  that is switched off (`hf_llmkit.cli.feature_flags`) all raise `UsageError`, printed as one line by
+  `exit_on_error`.
+- A dataclass may offer spellings that depend on the command line (`flag_spellings(argv, known) -> {old: new}`, e.g.
+  a PEFT method's flags without its prefix), and say what an unknown flag is (`unknown_flag_hint(flag)`).
 - `parse()` also returns the flags the user typed, so a command can derive defaults from them (an output folder
   per feature, say) and tell "left at its default" from "set to its default".
 """
@@ -27,9 +30,11 @@ from typing import Any
 
 from transformers import HfArgumentParser
 
+from hf_llmkit.cli.checks import check_numbers
 from hf_llmkit.cli.errors import UsageError, one_line, usage_errors
 from hf_llmkit.cli.feature_flags import FlagGroup, check_feature_flags
 from hf_llmkit.cli.help import HelpLayout, format_help
+from hf_llmkit.cli.options import BOUND_KEYS
 
 __all__ = ["CommandLineParser", "json_file_to_argv"]
 
@@ -79,6 +84,8 @@ class CommandLineParser(HfArgumentParser):
             self.flag_groups.extend(getattr(dtype, "flag_groups", ()))
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        for key in BOUND_KEYS:  # field metadata that hf_llmkit.cli.checks reads, not argparse
+            kwargs.pop(key, None)
         action = super().add_argument(*args, **kwargs)
         self.flag_actions.append(action)
         return action
@@ -107,7 +114,7 @@ class CommandLineParser(HfArgumentParser):
         argv = list(sys.argv[1:] if argv is None else argv)
         if argv and argv[0].endswith(".json") and not argv[0].startswith("-"):
             argv = json_file_to_argv(argv[0]) + argv[1:]
-        argv = [self._rename(token) for token in argv]
+        argv = self._respell(argv)
         namespace, rest = self.parse_known_args(argv)
         if rest:
             raise UsageError(self._unknown_message(rest))
@@ -117,6 +124,7 @@ class CommandLineParser(HfArgumentParser):
             values.update({k: v for k, v in derived_defaults(dict(values), given).items() if k not in given})
         with usage_errors():
             check_feature_flags(self.flag_groups, values, given)  # before __post_init__: the flag is the news
+            check_numbers(self.dataclass_types, values, {name: self.get_default(name) for name in values})
             for check in prechecks:
                 check(values)
             parsed = tuple(self._build(dtype, values) for dtype in self.dataclass_types)
@@ -133,9 +141,18 @@ class CommandLineParser(HfArgumentParser):
                     given.add(dest)
         return given
 
-    def _rename(self, token: str) -> str:
-        name, sep, value = token.partition("=")
-        return self.renamed_flags.get(name, name) + sep + value if token.startswith("--") else token
+    def _respell(self, argv: list[str]) -> list[str]:
+        """Old and command-dependent spellings replaced by the flags they stand for."""
+        renamed = dict(self.renamed_flags)
+        known = {option for action in self.flag_actions for option in action.option_strings}
+        for dtype in self.dataclass_types:
+            if hasattr(dtype, "flag_spellings"):
+                renamed.update(dtype.flag_spellings(argv, known))
+        out = []
+        for token in argv:
+            name, sep, value = token.partition("=")
+            out.append(renamed.get(name, name) + sep + value if token.startswith("--") else token)
+        return out
 
     def _build(self, dtype: type, values: dict[str, Any]) -> Any:
         names = {f.name for f in dataclasses.fields(dtype) if f.init}
@@ -147,6 +164,10 @@ class CommandLineParser(HfArgumentParser):
         if not token.startswith("-"):
             return f"unexpected argument {token!r}; flags start with -- (e.g. --output_dir {token})"
         name = token.split("=", 1)[0]
+        for dtype in self.dataclass_types:  # a dataclass may know the flag under another spelling
+            hint = dtype.unknown_flag_hint(name) if hasattr(dtype, "unknown_flag_hint") else None
+            if hint:
+                return hint
         close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else "; --help lists the options"
         return f"unknown option {name}{hint}"

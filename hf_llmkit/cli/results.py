@@ -2,9 +2,9 @@
 
 `save_results(trainer, "train", metrics)` writes `train_results.json` and merges it into `all_results.json`
 (`Trainer.save_metrics`); for "eval" it adds `perplexity` first, as transformers' own `run_clm.py` does.
-`ResumePoint` records the step a run started from (its `resumed_at`). `results_table(describe_setup(...), results)`
-is the table a run ends with: what was trained (method,
-quantization, experts, sequence parallelism, ranks), parameters counted once per storage, steps, losses, time.
+`ResumePoint` records the step a run started from (its `resumed_at`). `results_table(setup, results)` is the table
+a run ends with: what was trained (`describe_setup`: method, quantization, experts, sequence
+parallelism, ranks), parameters counted once per storage, steps, losses, time.
 """
 
 from __future__ import annotations
@@ -84,40 +84,35 @@ def _logical_numel(param: Any) -> int:
     return param.numel() * 2 * param.element_size() if isinstance(param, Params4bit) else param.numel()
 
 
-def describe_setup(*, peft: Any, dkm: Any, kbit: Any, moe: Any, training: Any) -> list[tuple[str, str]]:
-    """The table rows that say what was trained, from `PeftArguments`, `DKMArguments`, `KbitArguments`,
-    `MoEArguments` and `LLMKitTrainingArguments`."""
-    method = {
-        "none": "full fine-tuning",
-        "lora": f"LoRA (rank {peft.lora_rank}, alpha {peft.lora_alpha:g})",
-        "bottleneck": f"bottleneck adapters ({peft.bottleneck_placement})",
-        "bitfit": "BitFit",
-        "ptuning": f"P-tuning v1 ({peft.num_virtual_tokens} virtual tokens)",
-        "ptuning_v2": f"P-tuning v2 ({peft.num_virtual_tokens} prefix tokens per layer)",
-    }[peft.peft_method]
-    quantization = "none"
-    if dkm.quantization == "dkm":
-        quantization = f"DKM {dkm.dkm_bits}-bit ({dkm.dkm_granularity})"
-    elif kbit.load_in_kbits != 16:
-        quantization = f"bitsandbytes {kbit.load_in_kbits}-bit base"
-    experts = f"{moe.moe_num_experts} experts, top-{moe.moe_top_k} (upcycled)" if moe.upcycle_moe else "none"
-    sp = training.sequence_parallel_size
+def describe_setup(args: Any) -> list[tuple[str, str]]:
+    """The results table's rows that say what was trained, from a main job's parsed arguments
+    (`hf_llmkit.cli.job.Args`)."""
+    sp = args.training.sequence_parallel_size
     return [
-        ("method", method),
-        ("quantization", quantization),
-        ("mixture of experts", experts),
+        ("method", args.peft.describe()),
+        ("quantization", args.dkm.describe() or args.kbit.describe() or "none"),
+        ("mixture of experts", args.moe.describe() or "none"),
         ("sequence parallel", f"{sp} ranks per sequence" if sp > 1 else "off"),
-        ("ranks", str(training.world_size)),
+        ("ranks", str(args.training.world_size)),
     ]
 
 
-def results_table(setup: list[tuple[str, str]], results: dict[str, Any]) -> str:
-    """The markdown table a run ends with: `setup` rows, then the results of `train_and_evaluate`."""
+def results_table(setup: list[tuple[str, str]], results: dict[str, Any], *, loss_of: str | None = None) -> str:
+    """The markdown table a run ends with: `setup` rows, then the results of `train_and_evaluate`; evaluation as
+    perplexity, or with `loss_of` as the loss on those tokens ("response tokens")."""
 
     def fmt(key: str, spec: str = ".3f") -> str:
         value = results.get(key)
         return "-" if value is None else format(value, spec)
 
+    evaluation = [
+        ("eval perplexity before", fmt("eval_perplexity_before", ".2f")),
+        ("eval perplexity after", fmt("eval_perplexity", ".2f")),
+    ]
+    losses = [
+        (f"eval loss before ({loss_of})", fmt("eval_loss_before")),
+        (f"eval loss after ({loss_of})", fmt("eval_loss")),
+    ]
     steps = str(results.get("global_step", "-"))
     if results.get("resumed_at") and results["resumed_at"] == results.get("global_step"):
         steps += " (this run had finished: nothing left to train; --overwrite_output_dir true starts over)"
@@ -129,8 +124,7 @@ def results_table(setup: list[tuple[str, str]], results: dict[str, Any]) -> str:
         ("steps", steps),
         *([("resumed from", str(results["resumed_from"]))] if results.get("resumed_from") else []),
         ("train loss", fmt("train_loss")),
-        ("eval perplexity before", fmt("eval_perplexity_before", ".2f")),
-        ("eval perplexity after", fmt("eval_perplexity", ".2f")),
+        *(evaluation if loss_of is None else losses),
         ("wall time", f"{results['wall_time_s']:.1f} s"),
         ("outputs", results["output_dir"]),
     ]

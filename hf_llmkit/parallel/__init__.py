@@ -11,7 +11,6 @@ from hf_llmkit.parallel.groups import (
     new_sequence_parallel_groups,
 )
 from hf_llmkit.parallel.moe import (
-    MoEArguments,
     MoEAux,
     MoELayer,
     TopKRouter,
@@ -39,7 +38,6 @@ from hf_llmkit.parallel.sequence import (
 
 __all__ = [
     "ExpertParallelGroups",
-    "MoEArguments",
     "MoEAux",
     "MoELayer",
     "SequenceParallelCollator",

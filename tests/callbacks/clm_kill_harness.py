@@ -3,6 +3,7 @@ scheduler does), re-run the same command, and compare every final artifact with 
 
     python tests/callbacks/clm_kill_harness.py WORKDIR [--ranks 2] [--signal SIGTERM] -- <run_clm flags>
     python tests/callbacks/clm_kill_harness.py WORKDIR --cases cases.json   # {"name": {"flags": [...], ...}}
+    python tests/callbacks/clm_kill_harness.py WORKDIR --example run_sft --cases cases.json   # another main job
 
 Prints one JSON line (one result, or name -> result). It imports run_clm (torch, transformers, peft, datasets) once
 and forks every run from that warm process, like `kill_harness.py`; with `--ranks 2` each run is two forked ranks
@@ -59,7 +60,7 @@ def _child(run_clm, argv: list[str], rank: int, world: int, port: int, log: Path
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(port),
             )
-        sys.argv = ["run_clm.py", *argv]
+        sys.argv = [f"{run_clm.__name__.removeprefix('example_')}.py", *argv]
         run_clm.main()
     except SystemExit as err:
         code = err.code if isinstance(err.code, int) else 1
@@ -197,8 +198,9 @@ def main() -> None:
     parser.add_argument("--signal", default="SIGKILL", choices=["SIGKILL", "SIGTERM"])
     parser.add_argument("--cases", type=Path, help="JSON: name -> {flags, ranks, signal}; run them all")
     parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--example", default="run_clm", choices=["run_clm", "run_sft"], help="the main job to run")
     ns = parser.parse_args(sys.argv[1:split])
-    run_clm = load_example("run_clm")
+    run_clm = load_example(ns.example)
     if ns.cases is None:
         signum = getattr(signal, ns.signal)
         result = run_case(

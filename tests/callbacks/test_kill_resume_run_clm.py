@@ -49,11 +49,11 @@ SLOW = {
 }
 
 
-def _harness(workdir: Path, cases: dict) -> dict:
+def _harness(workdir: Path, cases: dict, *, example: str = "run_clm", tiny: list[str] = TINY) -> dict:
     spec = workdir / "cases.json"
-    spec.write_text(json.dumps({name: {**case, "flags": [*TINY, *case["flags"]]} for name, case in cases.items()}))
+    spec.write_text(json.dumps({name: {**case, "flags": [*tiny, *case["flags"]]} for name, case in cases.items()}))
     proc = subprocess.run(
-        [sys.executable, str(HARNESS), str(workdir), "--cases", str(spec)],
+        [sys.executable, str(HARNESS), str(workdir), "--cases", str(spec), "--example", example],
         capture_output=True,
         text=True,
         timeout=300 + 150 * len(cases),

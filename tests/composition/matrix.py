@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-PEFT_METHODS = ("lora", "bottleneck", "bitfit", "ptuning", "ptuning_v2")
+from hf_llmkit.tuners import PEFT_METHODS as REGISTRY  # the methods and their display names: one registry
+
+PEFT_METHODS = tuple(REGISTRY)
 
 
 @dataclass(frozen=True)
@@ -91,11 +93,7 @@ PARTNER_TITLES = {
     "fsdp2": "FSDP2 (2 ranks)",
 }
 FEATURE_TITLES = {
-    "lora": "LoRA",
-    "bottleneck": "bottleneck",
-    "bitfit": "BitFit",
-    "ptuning": "P-tuning v1",
-    "ptuning_v2": "P-tuning v2",
+    **{name: method.display_name for name, method in REGISTRY.items()},
     "moe": "MoE",
     "dkm": "DKM",
     "dkm_naive": "DKM, naive engine",

@@ -45,14 +45,16 @@ def prepare_folder(folder: Path) -> None:
     (folder / "held_out.txt").write_text("\n".join(texts[-40:]), encoding="utf-8")
 
 
-def capped(args: list[str]) -> list[str]:
+def capped(args: list[str], script: str = "examples/run_clm.py") -> list[str]:
     """A training script's flags with the caps appended and, for a model built from scratch, the tiny sizes the
-    command did not type."""
+    command did not type (run_sft.py's examples are `--max_seq_length` long, run_clm.py's blocks `--block_size`)."""
     from_scratch = "--model_name_or_path" not in args and not (args and args[0].endswith(".json"))
     typed = {a.split("=")[0] for a in args if a.startswith("--")}
-    sizes = [x for flag, value in SIZES.items() if flag not in typed for x in (flag, value)]
+    length = "--max_seq_length" if script.endswith("run_sft.py") else "--block_size"
+    tiny = {**{k: v for k, v in SIZES.items() if k != "--block_size"}, length: SIZES["--block_size"]}
+    sizes = [x for flag, value in tiny.items() if flag not in typed for x in (flag, value)]
     if not from_scratch:
-        sizes = sizes[-2:] if "--block_size" not in typed else []
+        sizes = sizes[-2:] if length not in typed else []
     return [*args, *sizes, *CAPS]
 
 
@@ -98,7 +100,7 @@ class PageRun:
 
     def _script(self, command: Command) -> str:
         script = next(i for i, a in enumerate(command.argv) if a.startswith("examples/") and a.endswith(".py"))
-        argv = [*command.argv[: script + 1], *capped(command.argv[script + 1 :])]
+        argv = [*command.argv[: script + 1], *capped(command.argv[script + 1 :], command.argv[script])]
         return self._trained(command, self._subprocess(argv, command.env))
 
     def _launcher(self, command: Command) -> str:
@@ -148,7 +150,9 @@ class PageRun:
             line = re.sub(r"(--(?:main_process|master)_port)[ =]\d+", rf"\1 {port}", line)
             parsed = _parse(line)
             script = next(i for i, a in enumerate(parsed.argv) if a.startswith("examples/") and a.endswith(".py"))
-            argvs.append(([*parsed.argv[: script + 1], *capped(parsed.argv[script + 1 :])], parsed.env))
+            argvs.append(
+                ([*parsed.argv[: script + 1], *capped(parsed.argv[script + 1 :], parsed.argv[script])], parsed.env)
+            )
         procs: list[subprocess.CompletedProcess | None] = [None] * len(argvs)
 
         def start(i: int) -> None:

@@ -86,6 +86,8 @@ CASES = [
     ("resume-no-checkpoint", [*SIZES, "--resume_from_checkpoint", "{d}/run"], "(it holds checkpoint-2: pass that)"),
     ("resume-bad-state", [*SIZES, "--resume_from_checkpoint", "{d}/bad_state/checkpoint-2"], "trainer_state.json is"),
     ("config-rejected", [*SIZES, "--config_overrides", "hidden_act=nope"], "cannot build a llama model from this"),
+    ("heads-do-not-divide", [*SIZES, "--hidden_size", "65", "--num_attention_heads", "2", "--num_key_value_heads",
+     "2"], "rejects this llama config (The hidden size (65) is not a multiple of the number of attention heads (2).)"),
     ("config-unknown-key", [*SIZES, "--config_overrides", "hiden_size=8"], "key hiden_size isn't in the original"),
     ("model-type", [*SIZES, "--model_type", "lama"], "--model_type 'lama' is not a transformers causal LM"),
     ("size-for-gpt2", [*SIZES, "--model_type", "gpt2"], "--intermediate_size has no effect for --model_type gpt2"),
@@ -99,6 +101,8 @@ CASES = [
     ("lora-flag-wrong-method", [*SIZES, "--peft_method", "bitfit", "--lora_alpha", "8"], "--lora_alpha has no"),
     ("trainable-off", [*SIZES, "--trainable", "q_proj,v_proj"], "--target_modules has no effect without a --peft"),
     ("ptuning-flag-off", [*SIZES, "--ptuning_template", "[P0] {text}"], "without --peft_method ptuning"),
+    ("method-spelling-off", [*SIZES, "--peft_method", "lora", "--num_virtual_tokens", "8"],
+     "--num_virtual_tokens is an option of --peft_method ptuning or ptuning_v2; add --peft_method ptuning or drop"),
     ("adapter-save-off", [*SIZES, "--no_save_peft_adapter"], "--save_peft_adapter has no effect without a --peft"),
     ("split-with-file", [*SIZES, "--validation_file", "{d}/good.txt", "--validation_split_percentage", "2"], "drop"),
     ("kbits-without-peft", [*SIZES, "--load_in_kbits", "4"], "train an adapter on it with --peft_method"),
@@ -167,12 +171,13 @@ def test_heads_not_divisible_by_sequence_parallel_size_on_two_ranks(tmp_path):
     assert "exitcode  : 2" in str(info.value) and not (tmp_path / "o").exists()  # torchrun's report of rank 0
 
 
-def test_divergence_ends_with_one_line_and_its_own_exit_status(run_clm, tmp_path):
-    """Not bad input but not a crash either: a loss that cannot be rolled back ends the run with one line and
-    status 3 (`main` maps `TrainingDivergedError`; the mapping itself is tested in tests/cli/test_errors.py)."""
-    from hf_llmkit.callbacks import TrainingDivergedError
-
+def test_divergence_ends_with_one_line_and_the_exit_status_asked_for(run_clm, tmp_path, monkeypatch, caplog):
+    """Not bad input but not a crash either: a loss that cannot be rolled back ends the run with one logged line
+    and the status `--divergence_exit_code` sets (the mapping itself is tested in tests/cli/test_errors.py)."""
     args = [*RUN, *SIZES, "--max_steps", "6", "--learning_rate", "1e12", "--output_dir", str(tmp_path / "o")]
-    with pytest.raises(TrainingDivergedError, match="non-finite training loss") as info:
-        run_clm.run(args)
-    assert "\n" not in str(info.value) and run_clm.DIVERGED_EXIT_CODE == 3
+    monkeypatch.setattr(sys, "argv", ["run_clm.py", *args, "--divergence_exit_code", "7"])
+    with pytest.raises(SystemExit) as done:
+        run_clm.main()
+    assert done.value.code == 7
+    lines = [r.getMessage() for r in caplog.records if "training diverged" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0] and "non-finite training loss" in lines[0]

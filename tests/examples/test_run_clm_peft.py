@@ -7,7 +7,7 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from hf_llmkit.tuners.arguments import PeftArguments
+from hf_llmkit.cli.peft import PeftArguments
 
 TINY = [
     "--vocab_size", "512", "--hidden_size", "64", "--intermediate_size", "128", "--num_hidden_layers", "2",
@@ -58,9 +58,9 @@ def test_adapter_reloads_onto_the_saved_base(run_clm, tmp_path):
 
 
 def test_arguments_validate():
-    with pytest.raises(ValueError, match="need a --peft_method"):
+    with pytest.raises(ValueError, match="--modules_to_save needs a --peft_method"):
         PeftArguments(modules_to_save=["lm_head"])
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="either --bottleneck_size or --bottleneck_reduction_factor, not both"):
         PeftArguments(peft_method="bottleneck", bottleneck_size=8, bottleneck_reduction_factor=4)
     assert PeftArguments().build_config() is None
     assert PeftArguments(peft_method="bitfit").build_config().add_missing_biases

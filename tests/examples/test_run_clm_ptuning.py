@@ -17,7 +17,7 @@ from tests.examples.test_run_clm_peft import TINY  # the same tiny model, data a
         (["--peft_method", "ptuning", "--num_virtual_tokens", "3", "--ptuning_template", "[P0][P1] {text} [P2]"],
          ".ptuning_encoder."),
         (["--peft_method", "ptuning_v2", "--num_virtual_tokens", "4", "--prefix_projection", "true",
-          "--ptuning_encoder_hidden_size", "16"], ".ptuning_v2_prefix."),
+          "--encoder_hidden_size", "16"], ".ptuning_v2_prefix."),
     ],
     ids=["ptuning", "ptuning_v2"],
 )  # fmt: skip

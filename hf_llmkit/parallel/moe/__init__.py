@@ -1,13 +1,11 @@
 """Mixture of experts: `MoELayer` (routing, fused experts, expert parallelism) and dense-to-MoE upcycling."""
 
-from hf_llmkit.parallel.moe.arguments import MoEArguments
 from hf_llmkit.parallel.moe.expert_parallel import apply_expert_parallel
 from hf_llmkit.parallel.moe.layer import MoEAux, MoELayer, moe_layers
 from hf_llmkit.parallel.moe.router import TopKRouter, load_balancing_loss, router_z_loss
 from hf_llmkit.parallel.moe.upcycle import supported_architectures, upcycle_to_moe, use_moe_layers
 
 __all__ = [
-    "MoEArguments",
     "MoEAux",
     "MoELayer",
     "TopKRouter",

@@ -8,7 +8,13 @@ from hf_llmkit.tuners.ptuning.template import PTuningTemplate, build_ptuning_tem
 from hf_llmkit.tuners.registration import register_tuner
 from hf_llmkit.tuners.strict_loading import enforce_strict_loading
 
-register_tuner(name="ptuning", config_cls=PTuningConfig, model_cls=enforce_strict_loading(PTuningModel))
+register_tuner(
+    name="ptuning",
+    config_cls=PTuningConfig,
+    model_cls=enforce_strict_loading(PTuningModel),
+    display_name="P-tuning v1",
+    summary="{num_virtual_tokens} virtual tokens",
+)
 
 __all__ = [
     "PTuningConfig",

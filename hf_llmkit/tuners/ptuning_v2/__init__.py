@@ -8,7 +8,13 @@ from hf_llmkit.tuners.ptuning_v2.prefix import PlainPrefix, ProjectedPrefix
 from hf_llmkit.tuners.registration import register_tuner
 from hf_llmkit.tuners.strict_loading import enforce_strict_loading
 
-register_tuner(name="ptuning_v2", config_cls=PTuningV2Config, model_cls=enforce_strict_loading(PTuningV2Model))
+register_tuner(
+    name="ptuning_v2",
+    config_cls=PTuningV2Config,
+    model_cls=enforce_strict_loading(PTuningV2Model),
+    display_name="P-tuning v2",
+    summary="{num_virtual_tokens} prefix tokens per layer",
+)
 
 __all__ = [
     "PTuningV2Attention",

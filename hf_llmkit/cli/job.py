@@ -1,0 +1,410 @@
+"""What hf_llmkit's main jobs share (`examples/run_clm.py`, `examples/run_sft.py`): flags, model, trainer, results.
+
+A job differs from the others only in its data: its data arguments dataclass, how it reads and tokenizes the data,
+its collator and the metric it reports. Everything else is here, once: the flags of every feature (model, PEFT
+methods, DKM, bitsandbytes, MoE, callbacks and `LLMKitTrainingArguments`: sequence parallelism, fault tolerance)
+and their checks, the model built as the flags say, the trainer with hf_llmkit's callbacks, evaluation before and
+after training, results files and the results table, and `main()` with its exit statuses.
+
+    JOB = Job(prog="run_clm.py", description=..., data_type=DataArguments, defaults={"max_steps": 300, ...})
+    STEPS = DataSteps(read=check_inputs, prepare=prepare_datasets, collator=lambda built: default_data_collator)
+    results = run_job(JOB, STEPS, argv)  # parse, check, build, prepare, train, evaluate, report
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from peft import get_peft_model
+from transformers import set_seed
+
+from hf_llmkit import LLMKitTrainingArguments
+from hf_llmkit.checkpoints.lock import hold_output_dir
+from hf_llmkit.cli.arguments import SCRATCH_SIZES, ModelArguments, RunArguments
+from hf_llmkit.cli.checks import check_training_length
+from hf_llmkit.cli.errors import UsageError, exit_on_error, usage_errors
+from hf_llmkit.cli.feature_flags import FlagGroup
+from hf_llmkit.cli.folders import (
+    check_checkpoint_folder,
+    check_json_file,
+    check_model_folder,
+    check_tokenizer_folder,
+    check_writable_folder,
+)
+from hf_llmkit.cli.help import HelpLayout
+from hf_llmkit.cli.model_loading import check_scratch_config, load_model, load_tokenizer, ties_embeddings
+from hf_llmkit.cli.moe import MoEArguments
+from hf_llmkit.cli.output import configure_console, keep_tensorboard_in_output_dir
+from hf_llmkit.cli.parser import CommandLineParser
+from hf_llmkit.cli.peft import PeftArguments
+from hf_llmkit.cli.quantization import DKMArguments, KbitArguments
+from hf_llmkit.cli.results import (
+    ResumePoint,
+    count_parameters,
+    describe_setup,
+    perplexity,
+    results_table,
+    save_results,
+)
+from hf_llmkit.corpus import default_cache_dir
+from hf_llmkit.trainers import LLMKitTrainer
+from hf_llmkit.tuners.ptuning import PTuningTemplate
+
+__all__ = [
+    "EMBEDDED_DEFAULTS", "Args", "DataSteps", "Job", "Model", "adapter_base_dir", "build_model", "build_trainer",
+    "check_combinations", "check_folders", "main", "parse_args", "run_job", "train_and_evaluate",
+    "write_adapter_base",
+]  # fmt: skip
+
+logger = logging.getLogger(__name__)
+
+TRAINING_FLAGS = (
+    "output_dir", "max_steps", "num_train_epochs", "per_device_train_batch_size", "per_device_eval_batch_size",
+    "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay",
+    "logging_steps", "save_steps", "save_total_limit", "eval_strategy", "eval_steps", "seed", "fp16", "bf16",
+    "activation_checkpointing", "deepspeed", "ddp_find_unused_parameters", "resume_from_checkpoint", "report_to",
+    "do_train", "do_eval",
+)  # fmt: skip
+GROUP_ORDER = ("model", "quantization", "DKM quantization", "data", "PEFT", "mixture of experts",
+               "sequence parallel", "long sequences", "fault tolerance", "training")  # fmt: skip
+# The seed recipe's spellings that transformers 5 deprecated: same meaning, no deprecation warning.
+SEED_SPELLINGS = {"--gradient_checkpointing": "--activation_checkpointing"}
+CROSS_FLAGS = (FlagGroup("--upcycle_moe true", ("moe_aux_loss_coef", "moe_z_loss_coef"), lambda v: v["upcycle_moe"]),)
+FEATURE_TYPES = (PeftArguments, DKMArguments, KbitArguments, MoEArguments, RunArguments)
+# What the main jobs do with no flags, besides their own length and cadence (each one can be overridden).
+EMBEDDED_DEFAULTS = dict(
+    do_train=True,
+    do_eval=True,
+    per_device_train_batch_size=8,
+    per_device_eval_batch_size=16,
+    learning_rate=1e-3,
+    lr_scheduler_type="cosine",
+    weight_decay=0.01,
+    save_total_limit=2,
+    report_to="none",
+    disable_tqdm=False,
+    dataloader_pin_memory=torch.cuda.is_available(),
+    seed=42,
+    auto_resume=True,
+    ddp_find_unused_parameters=False,  # every trainable weight takes part in each step (MoE experts are fused tensors)
+)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One main job: its name, its data arguments and the defaults it runs with when given no flags (on top of
+    `EMBEDDED_DEFAULTS`)."""
+
+    prog: str  # "run_clm.py"; the default output folder is outputs/<prog without .py>
+    description: str
+    data_type: type
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_root(self) -> str:
+        return f"outputs/{Path(self.prog).stem}"
+
+
+class Args(NamedTuple):
+    """Every parsed argument of one run, and the flags the user typed."""
+
+    model: ModelArguments
+    data: Any
+    peft: Any
+    dkm: Any
+    kbit: KbitArguments
+    moe: Any
+    run: RunArguments
+    training: LLMKitTrainingArguments
+    given: frozenset[str] = frozenset()
+
+
+def default_output_dir(root: str, values: Mapping[str, Any]) -> str:
+    """`root`, plus one suffix per switched-on feature, so different runs never share a folder."""
+    parts = []
+    if values["model_name_or_path"]:
+        parts.append(Path(values["model_name_or_path"]).name)
+    if values["peft_method"] != "none":
+        parts.append(values["peft_method"])
+    if values["quantization"]:
+        parts.append(values["quantization"])
+    if values["load_in_kbits"] != 16:
+        parts.append(f"{values['load_in_kbits']}bit")
+    if values["upcycle_moe"]:
+        parts.append("moe")
+    if values["sequence_parallel_size"] > 1:
+        parts.append(f"sp{values['sequence_parallel_size']}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        parts.append(f"{world}ranks")
+    return "-".join([root, *parts])
+
+
+def _derived_defaults(job: Job):
+    def derive(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
+        """Defaults that follow from what was typed (a typed flag always wins)."""
+        if "warmup_ratio" in given and "warmup_steps" in given:
+            raise UsageError("pass --warmup_ratio or --warmup_steps, not both (a --warmup_steps below 1 is a ratio)")
+        derived = {
+            "output_dir": default_output_dir(job.output_root, values),
+            "auto_resume": not values["overwrite_output_dir"],
+        }
+        if "num_train_epochs" in given:
+            derived["max_steps"] = -1  # the epochs decide the length, not the embedded default number of steps
+        if values["warmup_ratio"] is not None:
+            derived["warmup_steps"] = values["warmup_ratio"]
+        return derived
+
+    return derive
+
+
+def _check_deepspeed_file(values: Mapping[str, Any]) -> None:
+    if isinstance(values["deepspeed"], str) and not values["deepspeed"].lstrip().startswith("{"):
+        check_json_file(values["deepspeed"], flag="--deepspeed")
+
+
+def parser_for(job: Job) -> CommandLineParser:
+    """The job's command-line parser (grouped `--help`, JSON flag files, one-line errors)."""
+    layout = HelpLayout(order=GROUP_ORDER, training_title="training", training_flags=TRAINING_FLAGS)
+    types = [ModelArguments, job.data_type, *FEATURE_TYPES, LLMKitTrainingArguments]
+    parser = CommandLineParser(
+        types, layout=layout, flag_groups=CROSS_FLAGS, prog=job.prog, description=job.description,
+        renamed_flags=SEED_SPELLINGS,
+    )  # fmt: skip
+    parser.set_defaults(**{"output_dir": job.output_root, **EMBEDDED_DEFAULTS, **job.defaults})
+    return parser
+
+
+def parse_args(job: Job, argv: list[str] | None = None) -> Args:
+    """The run's arguments; bad flags, bad numbers and flags of a feature that is off raise `UsageError`."""
+    parsed, given = parser_for(job).parse(
+        argv, derived_defaults=_derived_defaults(job), prechecks=[_check_deepspeed_file, check_training_length]
+    )
+    model, data, *features, training = parsed
+    args = Args(model, data, *features, training, given=frozenset(given))
+    with usage_errors():
+        check_combinations(args)
+        check_scratch_config(args.model, required=[name for name in SCRATCH_SIZES if name in given])
+    return args
+
+
+def check_combinations(args: Args) -> None:
+    """Features that cannot work together stop here, before any work."""
+    if args.kbit.load_in_kbits != 16:
+        if args.peft.peft_method == "none":
+            raise ValueError(
+                f"--load_in_kbits {args.kbit.load_in_kbits} freezes the quantized base: train an adapter on it "
+                "with --peft_method (e.g. lora), or drop --load_in_kbits"
+            )
+        if args.dkm.quantization is not None:
+            raise ValueError("--load_in_kbits 4/8 and --quantization dkm both quantize the weights; choose one")
+        if args.moe.upcycle_moe:
+            raise ValueError(
+                "--upcycle_moe copies full-precision MLP weights into experts, --load_in_kbits 4/8 loads them "
+                "quantized; drop one"
+            )
+        if args.model.model_name_or_path is None:
+            raise ValueError("--load_in_kbits 4/8 quantizes a pretrained model: add --model_name_or_path")
+
+
+def check_folders(args: Args) -> None:
+    """Check every folder the run reads or writes besides its data (model, tokenizer, checkpoint, cache, output)."""
+    model, training = args.model, args.training
+    if model.model_name_or_path is not None:
+        check_model_folder(model.model_name_or_path)
+    if model.tokenizer_name_or_path is not None:
+        check_tokenizer_folder(model.tokenizer_name_or_path)
+    if training.resume_from_checkpoint is not None:
+        check_checkpoint_folder(training.resume_from_checkpoint)
+    cache_dir = getattr(args.data, "data_cache_dir", None)
+    cache_flag = "--data_cache_dir" if cache_dir else "the hf_llmkit cache ($HF_LLMKIT_CACHE)"
+    check_writable_folder(cache_dir or default_cache_dir(), flag=cache_flag)
+    check_writable_folder(training.output_dir, flag="--output_dir")
+
+
+class Model(NamedTuple):
+    """The model to train and what the run needs to know about how it was built."""
+
+    model: Any
+    tokenizer: Any
+    template: Any = None  # P-tuning v1: places each sample in the template
+    base: Any = None  # from-scratch PEFT runs: (base model, tokenizer) the adapter trains on (write_adapter_base)
+
+
+def adapter_base_dir(args: Args) -> Path | None:
+    """output_dir/base for a PEFT run on a model built from scratch (the base exists nowhere else), else None."""
+    if args.peft.peft_method == "none" or args.model.model_name_or_path is not None:
+        return None
+    return Path(args.training.output_dir) / "base"
+
+
+def build_model(args: Args, tokenizer) -> Model:
+    """Load or build the model, then quantize, upcycle and wrap it in the PEFT adapter, as the flags say."""
+    model_args = args.model
+    quantization = args.dkm.build_config()
+    if quantization is None and args.kbit.load_in_kbits != 16:
+        compute = getattr(torch, model_args.torch_dtype) if model_args.torch_dtype not in (None, "auto") else None
+        quantization = args.kbit.build_config(
+            compute_dtype=compute or torch.float32, skip_modules=args.peft.modules_to_save
+        )
+    required = [name for name in SCRATCH_SIZES if name in args.given]
+    # Experts are copies of full-precision MLPs: with --upcycle_moe, DKM clusters the upcycled model.
+    dkm_after_upcycle = args.dkm.quantization is not None and args.moe.upcycle_moe
+    loaded_with = None if dkm_after_upcycle else quantization
+    model = load_model(model_args, tokenizer, quantization_config=loaded_with, required=required)
+    model = args.moe.apply(model)  # --upcycle_moe: dense -> Mixtral / Qwen2-MoE experts
+    if dkm_after_upcycle:
+        from hf_llmkit.quantization import quantize_model
+
+        model = quantize_model(model, quantization)
+    if args.training.sequence_parallel_size > 1:
+        from hf_llmkit.parallel.sequence.ulysses import kv_replication
+
+        heads = model.config.num_attention_heads  # the heads must split over the ranks of a sequence
+        kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
+        kv_replication(heads, kv_heads, args.training.sequence_parallel_size)
+    peft_config = args.peft.build_config(tied_embeddings=ties_embeddings(model))
+    if peft_config is None:
+        return Model(model, tokenizer)
+    base_dir = adapter_base_dir(args)
+    base = None
+    if base_dir is not None:  # the adapter's config points at the base saved next to it
+        model.name_or_path = str(base_dir.resolve())
+        base = (copy.deepcopy(model), copy.deepcopy(tokenizer))
+    # P-tuning v1: the virtual tokens [P0].. join the tokenizer (saved with the adapter) before injection
+    template = PTuningTemplate(tokenizer, peft_config) if args.peft.peft_method == "ptuning" else None
+    if args.kbit.load_in_kbits != 16:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=args.training.activation_checkpointing
+        )
+    model = get_peft_model(model, peft_config)
+    return Model(model, tokenizer, template, base)
+
+
+def build_trainer(args: Args, built: Model, train, evaluation, *, data_collator) -> LLMKitTrainer:
+    """`LLMKitTrainer` with the callbacks the flags switch on (and `ResumePoint`, for the results)."""
+    run, training = args.run, args.training
+    callbacks = [ResumePoint(), *run.build_callbacks(peft=args.peft.peft_method != "none", fp16=training.fp16)]
+    if args.dkm.quantization is not None:  # checkpoints keep DKM's latent weights: a resume continues bit for bit
+        from hf_llmkit.quantization import DKMTrainingStateCallback
+
+        callbacks.append(DKMTrainingStateCallback())
+    trainer = LLMKitTrainer(
+        model=built.model,
+        args=training,
+        train_dataset=train if training.do_train else None,
+        eval_dataset=evaluation if training.do_eval else None,
+        processing_class=built.tokenizer,
+        data_collator=data_collator,
+        callbacks=callbacks,
+    )
+    keep_tensorboard_in_output_dir(trainer)
+    return trainer
+
+
+def _resuming(training: LLMKitTrainingArguments) -> bool:
+    """Whether `train()` will resume: an explicit checkpoint, or auto-resume with a checkpoint in output_dir."""
+    if training.resume_from_checkpoint is not None:
+        return True
+    return training.auto_resume and any(path.is_dir() for path in Path(training.output_dir).glob("checkpoint-*"))
+
+
+def train_and_evaluate(args: Args, trainer: LLMKitTrainer) -> dict[str, Any]:
+    """Evaluate before (new runs), train (resuming when output_dir holds this run's checkpoint), evaluate after;
+    writes train_results.json, eval_results.json and all_results.json as transformers' run_clm does."""
+    training, results = args.training, {}
+    # DeepSpeed builds its engine in train(): ZeRO-1/2 cannot evaluate before it (transformers refuses)
+    if training.do_eval and not _resuming(training) and not training.deepspeed:
+        results["eval_loss_before"] = trainer.evaluate()["eval_loss"]
+        results["eval_perplexity_before"] = perplexity(results["eval_loss_before"])
+    if training.do_train:
+        outcome = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+        trainer.save_model()
+        metrics = save_results(trainer, "train", {**outcome.metrics, "train_samples": len(trainer.train_dataset)})
+        trainer.save_state()
+        start = next(cb.step for cb in trainer.callback_handler.callbacks if isinstance(cb, ResumePoint))
+        results.update(train_loss=metrics["train_loss"], global_step=trainer.state.global_step, resumed_at=start)
+        results["resumed_from"] = trainer.resumed_from
+    if training.do_eval:
+        metrics = trainer.evaluate()
+        metrics = save_results(trainer, "eval", {**metrics, "eval_samples": len(trainer.eval_dataset)})
+        results.update(eval_loss=metrics["eval_loss"], eval_perplexity=metrics["perplexity"])
+    return results
+
+
+def write_adapter_base(args: Args, built: Model) -> Path | None:
+    """Save the base model + tokenizer the adapter trains on to output_dir/base (a new run; a resumed one has it),
+    so `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"), out / "adapter")` reproduces
+    the evaluated model. Written before training: peft's adapter saves read the base's config."""
+    base_dir = adapter_base_dir(args)
+    if base_dir is None:
+        return None
+    with args.training.main_process_first(desc="adapter base"):
+        if args.training.should_save and not (_resuming(args.training) and (base_dir / "config.json").is_file()):
+            base_model, base_tokenizer = built.base
+            base_model.save_pretrained(base_dir)
+            base_tokenizer.save_pretrained(base_dir)
+    return base_dir
+
+
+class DataSteps(NamedTuple):
+    """What a job does with its data: `read(args)` checks and reads it (before the model is built),
+    `prepare(args, built, data)` tokenizes it into (train, evaluation) datasets, `collator(built)` batches them."""
+
+    read: Callable[[Args], Any]
+    prepare: Callable[[Args, Model, Any], tuple[Any, Any]]
+    collator: Callable[[Model], Any]
+    loss_of: str | None = None  # the results table reports perplexity, or the loss on these tokens
+
+
+def run_job(job: Job, steps: DataSteps, argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse, check every input, build the model, prepare the data, train and evaluate; print the results table
+    and return the results (also written to output_dir as *_results.json)."""
+    start = time.perf_counter()
+    args = parse_args(job, argv)
+    configure_console(main_process=args.training.should_log)
+    set_seed(args.training.seed)
+    with usage_errors(OSError):  # everything the input decides is checked before training starts
+        check_folders(args)
+        data = steps.read(args)
+        # one run per output folder: a second run into it stops here, before any work (held until the job ends)
+        lock = hold_output_dir(args.training.output_dir, main=args.training.process_index == 0)
+        try:
+            built = build_model(args, load_tokenizer(args.model))
+            train, evaluation = steps.prepare(args, built, data)
+        except BaseException:
+            lock.release(clean=True)  # rejected before any work: no output folder left behind
+            raise
+    base_dir = write_adapter_base(args, built)
+    built = built._replace(base=None)  # the snapshot is on disk now
+    trainer = build_trainer(args, built, train, evaluation, data_collator=steps.collator(built))
+    total, trainable = count_parameters(built.model)
+    results: dict[str, Any] = {"parameters": total, "trainable_parameters": trainable}
+    results.update(train_and_evaluate(args, trainer))
+    results.update(output_dir=args.training.output_dir, wall_time_s=time.perf_counter() - start)
+    results["adapter_base"] = str(base_dir) if base_dir is not None else None
+    if trainer.is_world_process_zero():
+        print("\n" + results_table(describe_setup(args), results, loss_of=steps.loss_of), flush=True)
+    return results
+
+
+def main(run, *, prog: str) -> None:
+    """Run `run()` as a command: bad input ends in one line and exit status 2; a run-ending error (diverged,
+    preempted) ends with the exit status its arguments set (`--divergence_exit_code`, `--preemption_exit_code`)."""
+    try:
+        exit_on_error(run, prog=prog)
+    finally:
+        # Tear the process groups down before interpreter exit: gloo groups (the sequence-parallel ones too)
+        # destroyed during finalisation can abort the process ("terminate called without an active exception").
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -1,0 +1,138 @@
+"""examples/run_sft.py, supervised fine-tuning: only response tokens are learned, long records keep their response,
+bad records are named by line, and the run trains, evaluates on response tokens and saves like run_clm.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_llmkit.corpus import corpus_tokenizer
+from hf_llmkit.sft_data import (
+    ALPACA,
+    IGNORE_INDEX,
+    InstructionCollator,
+    PromptTemplate,
+    pack_examples,
+    tokenize_record,
+    tokenize_records,
+)
+from hf_llmkit.testing import tiny_llama
+from tests.conftest import load_example
+
+SHORT = "Q: {instruction} {input}\nA: "
+# A tiny model and a short prompt, so a few steps take a second or two on 2 cores.
+TINY = [
+    "--vocab_size", "512", "--hidden_size", "64", "--intermediate_size", "128", "--num_hidden_layers", "2",
+    "--max_position_embeddings", "128", "--max_seq_length", "128", "--prompt_template", SHORT,
+    "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8", "--max_train_samples", "32",
+    "--max_eval_samples", "8", "--logging_steps", "1", "--disable_tqdm", "true", "--warmup_steps", "0",
+]  # fmt: skip
+RECORD = {"instruction": "Name the statement that raises AssertionError.", "input": "", "output": "assert"}
+EMPTY = {"instruction": "Say nothing at all, please, and do it with a rather long prompt.", "input": "x", "output": ""}
+
+
+@pytest.fixture(scope="module")
+def run_sft():
+    return load_example("run_sft")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return corpus_tokenizer(vocab_size=512)
+
+
+def _loss_and_grads(model, batch):
+    model.zero_grad()
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_prompt_tokens_never_reach_the_loss(tokenizer):
+    """Labels are -100 on exactly the prompt; a record whose response is empty adds nothing to loss or gradients."""
+    example, cut = tokenize_record(RECORD, tokenizer, template=ALPACA, max_seq_length=512)
+    prompt = [tokenizer.bos_token_id, *tokenizer(ALPACA.prompt(RECORD), add_special_tokens=False)["input_ids"]]
+    assert cut is None and example["input_ids"][: len(prompt)] == prompt
+    assert example["labels"] == [IGNORE_INDEX] * len(prompt) + example["input_ids"][len(prompt) :]
+    assert example["labels"][-1] == tokenizer.eos_token_id  # the response ends with the end of text
+    empty, _ = tokenize_record(EMPTY, tokenizer, template=ALPACA, max_seq_length=512)
+    assert set(empty["labels"]) == {IGNORE_INDEX} and len(empty["input_ids"]) > len(example["input_ids"])
+
+    collate = InstructionCollator(tokenizer.pad_token_id)
+    both = collate([example, empty])
+    assert both["input_ids"][0, len(example["input_ids"]) :].eq(tokenizer.pad_token_id).all()
+    assert both["labels"][0, len(example["input_ids"]) :].eq(IGNORE_INDEX).all()
+    assert both["attention_mask"].sum(1).tolist() == [len(example["input_ids"]), len(empty["input_ids"])]
+    torch.manual_seed(0)
+    model = tiny_llama(vocab_size=len(tokenizer))
+    alone_loss, alone_grads = _loss_and_grads(model, collate([example]))
+    both_loss, both_grads = _loss_and_grads(model, both)
+    torch.testing.assert_close(both_loss, alone_loss)
+    for name, grad in alone_grads.items():
+        torch.testing.assert_close(both_grads[name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_truncation_keeps_the_response_when_it_can_and_counts_the_rest(tokenizer):
+    short = {"instruction": "word " * 60, "input": "", "output": "assert"}  # long prompt, short response
+    long = {"instruction": "Why?", "input": "", "output": "because " * 60}  # the response alone overflows
+    template = PromptTemplate.parse(SHORT)
+    examples, report = tokenize_records([RECORD, short, long], tokenizer, template=template, max_seq_length=40)
+    assert [len(e["input_ids"]) for e in examples[1:]] == [40, 40]
+    whole, _ = tokenize_record(short, tokenizer, template=template, max_seq_length=4096)
+    learned = [label for label in whole["labels"] if label != IGNORE_INDEX]
+    assert [label for label in examples[1]["labels"] if label != IGNORE_INDEX] == learned  # response kept whole
+    assert examples[1]["input_ids"][0] == tokenizer.bos_token_id
+    assert (
+        examples[1]["input_ids"][-len(learned) - 3 : -len(learned)]
+        == whole["input_ids"][-len(learned) - 3 : -len(learned)]
+    )
+    assert 0 < sum(label != IGNORE_INDEX for label in examples[2]["labels"]) < 61  # lost the end of its response
+    assert (report.records, report.prompt_cut, report.response_cut) == (3, 1, 1)
+    line = report.describe(40)
+    assert "2 of 3 records are longer than --max_seq_length 40: 1 kept their whole response" in line
+    assert "1 lost the end of their response" in line
+
+
+def test_packing_concatenates_whole_examples_and_keeps_their_labels(tokenizer):
+    examples, _ = tokenize_records([RECORD] * 5, tokenizer, template=ALPACA, max_seq_length=512)
+    size = len(examples[0]["input_ids"])
+    packs = pack_examples(examples, 2 * size + 1)
+    assert [len(p["input_ids"]) for p in packs] == [2 * size, 2 * size, size]
+    assert packs[0]["labels"] == examples[0]["labels"] * 2
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ('{"instruction": "a", "output": "b"}\n\n{"instruction": "c", "input": "d"}\n', "line 3 has no 'output'"),
+        ('[\n{"instruction": "a", "output": "b"},\n{"instruction": "c",\n"output": 7}]', "line 3: 'output' is int"),
+        ('{"instruction": "a", "output": "b"}\n["not", "an", "object"]\n', "line 2 is a JSON list"),
+        ('{"instruction": "a", "output": "b"}\n{"instruction": oops}\n', "line 2 is not valid JSON"),
+        ('{"instruction": null, "output": "b"}\n', "line 1: 'instruction' is null, not a string"),
+    ],
+    ids=["missing-key", "not-a-string", "not-an-object", "malformed", "null"],
+)  # fmt: skip
+def test_a_bad_record_is_named_by_its_line_before_any_work(run_sft, tmp_path, content, expected):
+    data = tmp_path / ("data.json" if content.startswith("[") else "data.jsonl")
+    data.write_text(content)
+    with pytest.raises(run_sft.UsageError, match=expected) as info:
+        run_sft.run([*TINY, "--train_file", str(data), "--output_dir", str(tmp_path / "out")])
+    assert "\n" not in str(info.value) and str(data) in str(info.value) and not (tmp_path / "out").exists()
+
+
+def test_a_template_without_the_instruction_is_refused(run_sft, tmp_path):
+    with pytest.raises(run_sft.UsageError, match=r"has no \{instruction\} field"):
+        run_sft.parse_args(["--prompt_template", "Q: {input}", "--output_dir", str(tmp_path)])
+    assert PromptTemplate.parse("alpaca") is ALPACA
+
+
+def test_trains_on_the_embedded_set_and_reports_the_response_loss(run_sft, tmp_path, capsys):
+    results = run_sft.run([*TINY, "--output_dir", str(tmp_path), "--max_steps", "4", "--learning_rate", "3e-3"])
+    assert results["global_step"] == 4 and results["eval_loss"] < results["eval_loss_before"]
+    table = capsys.readouterr().out
+    assert "| eval loss after (response tokens) " in table and f"{results['eval_loss']:.3f}" in table
+    assert json.loads((tmp_path / "eval_results.json").read_text())["eval_loss"] == pytest.approx(results["eval_loss"])
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config.hidden_size == 64
