@@ -1,7 +1,7 @@
 """One run per output folder, with two real processes (issue 21, section 1): while one process holds the folder, the
-main job into it stops before any work with one line naming the holder, a Trainer with `FaultToleranceCallback`
-and `LLMKitTrainer` are refused too, and the checkpoint the holder is writing stays untouched; once the holder is
-killed (-9), its stale lock is taken over without a word."""
+main jobs (run_clm.py, run_sft.py) into it stop before any work with one line naming the holder, a Trainer with
+`FaultToleranceCallback` and `LLMKitTrainer` are refused too, and the checkpoint the holder is writing stays
+untouched; once the holder is killed (-9), its stale lock is taken over without a word."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from hf_llmkit.callbacks import FaultToleranceCallback
 from hf_llmkit.checkpoints.lock import OutputDirInUse, hold_output_dir, lock_holder
 from hf_llmkit.checkpoints.names import LOCK_FILE, WRITING_MARKER
 from tests.callbacks.support import make_trainer
-from tests.conftest import REPO
+from tests.conftest import REPO, load_example
 from tests.examples.test_run_clm import TINY
+from tests.examples.test_run_sft import TINY as SFT_TINY
 
 HOLDER = """
 import sys
@@ -60,6 +61,10 @@ def test_a_second_run_into_a_held_folder_stops_before_any_work_and_a_dead_holder
     assert f"host {socket.gethostname()}, pid {holder.pid}, started 20" in line, line
     assert "let that run finish or stop it, or pass another --output_dir" in line
     assert sorted(hermetic_cache.rglob("lm-blocks-*")) == blocks_before  # nothing tokenized
+    run_sft = load_example("run_sft")  # the other main job: the same flow (hf_llmkit.cli.job.run_job)
+    with pytest.raises(run_sft.UsageError, match=f"pid {holder.pid}") as error:
+        run_sft.run([*SFT_TINY, "--max_steps", "2", "--output_dir", str(tmp_path)])
+    assert isinstance(error.value.__cause__, OutputDirInUse)
     # In this process: a Trainer with the callback is refused when built, LLMKitTrainer when it trains.
     with pytest.raises(OutputDirInUse, match=f"pid {holder.pid}"):
         make_trainer(tmp_path, plain=True, callbacks=[FaultToleranceCallback()])
