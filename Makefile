@@ -5,6 +5,10 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,deepspeed,bnb,bench,trl
 PYTEST_ARGS ?=
+# Two pytest workers, each test file whole on one of them (module fixtures launch a file's cells together); every
+# test and every rank it launches runs one intra-op thread (tests/conftest.py). `make test WORKERS=` runs serially.
+WORKERS ?= -n 2 --dist loadfile
+BENCH_ARGS ?=
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hf_llmkit-installed
@@ -30,11 +34,11 @@ quickstart: install
 
 test: install  # the whole suite: what CI runs (tests marked gpu skip with their reason without a CUDA device)
 	$(PY) -m ruff check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(WORKERS) $(PYTEST_ARGS)
 
 test-fast: install  # for your own loops: without the cells marked slow
 	$(PY) -m ruff check .
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(WORKERS) $(PYTEST_ARGS)
 
 # One test file per capability (.ci/capabilities) against the lowest versions pyproject.toml declares of torch and
 # of every library in LOWEST_OF, in a virtual environment of their own; CI runs it after `make test`.
@@ -43,16 +47,16 @@ test-lowest:
 	$(LOWEST_PY) -m pip install "$$($(PYTHON) .ci/lowest_versions.py torch)"
 	$(LOWEST_PY) -m pip install -e ".[$(EXTRAS)]" $$($(PYTHON) .ci/lowest_versions.py $(LOWEST_OF))
 	$(LOWEST_PY) -m pip list 2>/dev/null | grep -iE "^($$(echo $(LOWEST_OF) | tr ' ' '|')) "
-	$(LOWEST_PY) -m pytest -m "not slow" $(PYTEST_ARGS) $$(grep -v '^#' .ci/capabilities)
+	$(LOWEST_PY) -m pytest -m "not slow" $(WORKERS) $(PYTEST_ARGS) $$(grep -v '^#' .ci/capabilities)
 
 test-gpu: install  # the tests marked gpu, on a CUDA machine
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
-bench: install
-	@set -e; for script in benchmarks/[!_]*.py; do \
-		case $$script in */adapterhub_peer.py) continue;; esac; \
-		echo "== $$script"; $(PY) $$script; \
-	done  # _*.py are shared modules; adapterhub_peer.py is run by peft_methods.py in its own environment
+bench: install  # every benchmark script (those with a __main__ block); `make bench BENCH_ARGS=--quick`: smoke tests
+	@set -e; for script in $$(grep -l '^if __name__ == "__main__":' benchmarks/[!_]*.py); do \
+		case $$script in */adapterhub_peer.py|*/ci_time.py|*/report.py) continue;; esac; \
+		echo "== $$script"; $(PY) $$script $(BENCH_ARGS); \
+	done  # _*.py, dkm_* sections: modules; adapterhub_peer.py: run by peft_methods.py; ci_time.py, report.py: see benchmarks/README.md
 
 lint: install
 	$(PY) -m ruff check .

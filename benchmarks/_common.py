@@ -1,5 +1,6 @@
 """One measuring method for every benchmark: warm-up, interleaved rounds in rotated order, min and median of
-per-round ratios, threads and machine load recorded, a markdown table, JSON and a PNG plot in `benchmarks/results/`.
+per-round ratios, threads and machine load recorded, a markdown table, JSON and a PNG plot in `benchmarks/results/`
+(committed: `benchmarks/report.py` renders the docs' numbers from those files).
 
 Times on a shared machine drift with the load, so a benchmark compares variants *within* each round (all variants
 run back to back, the order rotated each round so none always runs first or last) and reports the min and the
@@ -11,6 +12,7 @@ exceeded the number of cores says so under its table.
     bench = Bench(rounds=7, warmup=1)
     timings = bench.run({"ours": step_ours, "peer": step_peer}, baseline="peer")
     print(timings.table(title="step time"))
+    write_results("name", {"timings": timings.to_json()})   # + `recorded`: date, command, machine, load over the run
 
 Devices: every benchmark takes `--device {cpu,cuda}` (`add_device_argument`; default cuda when available) and gets a
 `torch.device` from `pick_device`. On CUDA, timings synchronize (`Bench(sync=synchronizer(device))`, or
@@ -24,9 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
+import platform
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -123,6 +128,77 @@ def machine_state() -> dict[str, Any]:
         "load_1min": round(os.getloadavg()[0], 2),
         "time": time.strftime("%Y-%m-%d %H:%M"),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux `/proc/cpuinfo`; `platform.processor()` elsewhere), or None."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+class LoadSampler:
+    """The 1-minute load average every `interval` seconds on a daemon thread, from import to exit: a run's load
+    is its maximum and mean over the whole run, not two snapshots. Started at import in the process that runs a
+    benchmark script (not in the ranks a benchmark spawns, nor in tests that import this module)."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self.started = time.strftime("%Y-%m-%d %H:%M")
+        self.samples = [os.getloadavg()[0]]
+        threading.Thread(target=self._run, name="load-sampler", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            self.samples.append(os.getloadavg()[0])
+
+
+def _running_a_benchmark() -> bool:
+    """This process runs a script of benchmarks/ itself (not a test importing this module, not a spawned rank)."""
+    script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
+    return multiprocessing.parent_process() is None and script is not None and script.parent == HERE
+
+
+HERE = Path(__file__).resolve().parent
+_SAMPLER = LoadSampler() if _running_a_benchmark() else None
+
+
+def run_record() -> dict[str, Any]:
+    """What a results file says about its run: finish date, start, command, machine (cores, CPU, torch threads,
+    GPU, torch version) and the 1-minute load average (start, end, max, mean of the samples) with `loaded`: the
+    load exceeded the core count at some point (timings less reliable; memory and quality do not depend on it)."""
+    import torch
+
+    samples = [*(_SAMPLER.samples if _SAMPLER else []), os.getloadavg()[0]]  # without a sampler: the load now
+    cores = os.cpu_count() or 1
+    script = Path(sys.argv[0])
+    name = f"benchmarks/{script.name}" if script.suffix == ".py" else script.name
+    command = " ".join(["python", name, *sys.argv[1:]])
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "started": _SAMPLER.started if _SAMPLER else None,
+        "command": command,
+        "machine": {
+            "cores": cores,
+            "cpu": cpu_model(),
+            "torch_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "torch": torch.__version__,
+        },
+        "load_1min": {
+            "start": round(samples[0], 2),
+            "end": round(samples[-1], 2),
+            "max": round(max(samples), 2),
+            "mean": round(statistics.fmean(samples), 2),
+            "samples": len(samples),
+        },
+        "loaded": max(samples) > cores,
     }
 
 
@@ -230,11 +306,12 @@ def markdown_table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def write_results(name: str, data: dict[str, Any]) -> Path:
-    """`benchmarks/results/<name>.json` (the folder is git-ignored; `$HF_LLMKIT_BENCH_RESULTS` moves it)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(data, indent=2, default=str))
+def write_results(name: str, data: dict[str, Any], *, path: str | Path | None = None) -> Path:
+    """`benchmarks/results/<name>.json` (committed; `$HF_LLMKIT_BENCH_RESULTS` moves the folder, `path` the file),
+    with `recorded`: the date, command, machine and the load over the whole run (`run_record`)."""
+    path = Path(path) if path is not None else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**data, "recorded": run_record()}, indent=2, default=str) + "\n")
     return path
 
 

@@ -10,7 +10,7 @@ steps on the embedded corpus and is scored by masked-LM perplexity on a held-out
 
     python benchmarks/peft_methods.py                      # ~3 minutes on 2 idle CPU cores
     python benchmarks/peft_methods.py --adapters-python /path/to/venv/bin/python   # or $HF_LLMKIT_ADAPTERS_PYTHON
-    python benchmarks/peft_methods.py --quick               # batch 2 x 32 tokens, 2 rounds, 1 quality step
+    python benchmarks/peft_methods.py --quick               # batch 2 x 32 tokens, 2 rounds, 1 quality step: smoke test
     python benchmarks/peft_methods.py --device cuda         # the default when a GPU is present (both processes)
 
 The AdapterHub venv: `python3 -m venv VENV && VENV/bin/pip install adapters 'transformers==4.57.*' torch`.
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import sys
@@ -29,7 +28,15 @@ import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS, Bench, add_device_argument, load_note, pick_device, synchronize  # sibling modules
+from _common import (  # sibling modules
+    RESULTS,
+    Bench,
+    add_device_argument,
+    load_note,
+    pick_device,
+    synchronize,
+    write_results,
+)
 from _peft_workloads import (
     LLAMA_SHAPE,
     adapt_batch,
@@ -56,7 +63,9 @@ def time_runners(runners: dict, rounds: int, device: torch.device, warmup: int =
     return times, load_note(timings.before, timings.after)
 
 
-def quality_run(steps: int, seq: int, batch_size: int, device: torch.device) -> dict[str, float | str]:
+def quality_run(
+    steps: int, seq: int, batch_size: int, device: torch.device, held_out_blocks: int = 64
+) -> dict[str, float | str]:
     """MiniLM masked-LM: fit the new MLM head once (frozen encoder), then each method trains `steps` steps."""
     from peft import get_peft_model
     from transformers import AutoTokenizer
@@ -64,7 +73,8 @@ def quality_run(steps: int, seq: int, batch_size: int, device: torch.device) -> 
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     texts = corpus_texts()
     cut = int(0.9 * len(texts))
-    train, held_out = token_blocks(tokenizer, texts[:cut], seq), token_blocks(tokenizer, texts[cut:], seq)[:64]
+    train = token_blocks(tokenizer, texts[:cut], seq)
+    held_out = token_blocks(tokenizer, texts[cut:], seq)[:held_out_blocks]
     eval_batch = {k: v.to(device) for k, v in make_batch("bert", held_out, tokenizer.mask_token_id, seed=1).items()}
 
     def perplexity(model) -> float:
@@ -185,7 +195,9 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: robust on a shared machine)")
     parser.add_argument("--out", default=str(RESULTS / "peft_methods.json"))
-    parser.add_argument("--quick", action="store_true", help="batch 2 x 32 tokens, 2 rounds, 1 quality step")
+    parser.add_argument(
+        "--quick", action="store_true", help="batch 2 x 32 tokens, 2 rounds, 1 quality step on 8 held-out blocks"
+    )
     add_device_argument(parser)
     args = parser.parse_args()
     device = pick_device(args.device)
@@ -253,8 +265,9 @@ def main() -> None:
         }
         del runners
     if args.quality_steps > 0:
-        quality = quality_run(args.quality_steps, seq=64, batch_size=8, device=device)
-        report["quality"] = quality
+        shape = dict(seq=32, batch_size=2, held_out_blocks=8) if args.quick else dict(seq=64, batch_size=8)
+        quality = quality_run(args.quality_steps, device=device, **shape)
+        report["quality"], report["quality_steps"] = quality, args.quality_steps
         lines += [
             f"\n### Quality: MiniLM masked-LM perplexity on a held-out corpus slice after {args.quality_steps} "
             "steps (lower is better)\n",
@@ -265,9 +278,7 @@ def main() -> None:
     report["runtime_s"] = time.perf_counter() - started
     lines.append(f"\nruntime: {report['runtime_s']:.0f} s")
     print("\n".join(lines))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    print(f"wrote {write_results('peft_methods', report, path=args.out)}")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ interleaved rounds with the order rotated; after one untimed run that builds the
 Reported: the process wall time and the Trainer's `train_runtime`, min / median, and the per-round ratio to the
 peer; torch threads and the load before and after.
 
-    python benchmarks/quickstart.py              # 2 rounds (about 10 minutes on 2 cores)
-    python benchmarks/quickstart.py --rounds 3 --steps 300
-    python benchmarks/quickstart.py --quick          # 1 round of 5 steps, 16 eval blocks: a smoke test
+    python benchmarks/quickstart.py              # 2 rounds: 4 quickstarts and a short first run (about 10 minutes
+                                                 # on 2 idle cores; over an hour on 2 cores loaded 5x)
+    python benchmarks/quickstart.py --rounds 1   # the bounded run for a loaded machine: one quickstart of each
+    python benchmarks/quickstart.py --quick          # 1 round of 5 steps, 16 eval blocks, no untimed first run
     python benchmarks/quickstart.py --device cuda    # the default when a GPU is present (both variants)
 """
 
@@ -101,7 +102,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--peer-run", help=argparse.SUPPRESS)
     parser.add_argument("--eval-blocks", type=int, default=None, help="evaluate on this many validation blocks")
-    parser.add_argument("--quick", action="store_true", help="1 round of 5 steps, 16 eval blocks")
+    parser.add_argument("--quick", action="store_true", help="1 round of 5 steps, 16 eval blocks, no untimed run")
     add_device_argument(parser)
     options = parser.parse_args()
     device = pick_device(options.device).type
@@ -110,8 +111,8 @@ def main() -> None:
     if options.peer_run:
         return peer(options.peer_run, options.steps, device, options.eval_blocks)
     names = ["run_clm (make quickstart)", "plain Trainer (peer)"]
-    # untimed: builds the tokenizer and the data cache, as the first quickstart does
-    run_variant(names[0], 1, device, options.eval_blocks)
+    if not options.quick:  # untimed: builds the tokenizer and the data cache, as the first quickstart does
+        run_variant(names[0], 1, device, options.eval_blocks)
     before = machine_state()
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for index in range(options.rounds):

@@ -17,19 +17,20 @@ as logits and their gradients, recomputation, collective buffers -- counted unti
 the largest peak. Gradients count as they are allocated (set to None before each step, as `Trainer` does);
 parameters do not, nor a kernel's internal scratch buffers or allocator caching: it is the CPU counterpart of
 CUDA's `max_memory_allocated` minus the parameters (and an optimizer's state, not involved here). The
-longest sequence is the largest multiple of 64 * sp tokens whose peak stays within `--budget-mib`: predicted from
-the peaks at two lengths (memory is affine in the length: sdpa's flash kernel), then confirmed by running the
-prediction and the next step (bisecting when the prediction is off).
+longest sequence is the largest multiple of 64 * sp tokens whose peak stays within `--budget-mib`: found by growing
+(at most x4 a step) from the probe length, then closing the bracket with affine interpolation and bisection
+(`_longest_search`), never above the length at which the embedding output alone fills the budget.
 
-The losses of all variants at the first probe length are compared (they agree to fp32 rounding). Gradients are
-not: DeepSpeed's `TiledFusedLogitsLoss` computes the LM head's weight gradient inside its forward, so a scale applied
-to its output afterwards (the token mean here, gradient accumulation, fp16 loss scaling) reaches the hidden states'
+The losses of all variants at the first probe length are compared (they agree to fp32 rounding), and at sp = 1 the
+norm of each variant's LM-head weight gradient against the plain model's. DeepSpeed's ALST differs:
+its `TiledFusedLogitsLoss` computes the LM head's weight gradient inside its forward, so a scale applied to its
+output afterwards (the token mean here, gradient accumulation, fp16 loss scaling) reaches the hidden states'
 gradient but not the head's -- ours (checkpointed chunks) gives the untiled gradients.
 
 Step time: every variant at `--time-seq` tokens, in interleaved rounds with the order rotated each round
 (`_common.Bench`), each round's time the slowest rank's; min and median of per-round ratios.
 
-    python benchmarks/sequence_parallel.py --quick     # sp 1 and 2, 8 MiB, 256 tokens timed, 2 rounds: a smoke test
+    python benchmarks/sequence_parallel.py --quick     # sp 2, 8 MiB, 256 tokens timed, 2 rounds: a smoke test
     python benchmarks/sequence_parallel.py             # sp 1, 2, 4, 32 MiB: about 30 minutes
     python benchmarks/sequence_parallel.py --device cuda --budget-mib 4096   # one GPU per rank, over NCCL
 
@@ -68,6 +69,7 @@ from _common import (  # noqa: E402
     synchronizer,
     write_results,
 )
+from _longest_search import Longest, longest_within  # noqa: E402
 
 from hf_llmkit.parallel import new_sequence_parallel_groups, shard_sequence_batch  # noqa: E402
 from hf_llmkit.parallel.sequence import (  # noqa: E402
@@ -138,6 +140,7 @@ def _ours(switches: str, group) -> callable:
             else:
                 loss = F.cross_entropy(model(**inputs).logits[0].float(), targets[0], ignore_index=IGNORE_INDEX)
         loss.backward()
+        _note_head_grad(f"hf_llmkit {switches}", model)
         model.zero_grad(set_to_none=True)
         return loss.item()
 
@@ -165,10 +168,21 @@ def _deepspeed(switches: str, group, world: int) -> callable:
         else:
             loss = sequence_parallel_loss(engine(**inputs).logits, targets, group=group)
         engine.backward(loss) if engine is not None else loss.backward()
+        _note_head_grad(f"deepspeed {switches}", module)
         module.zero_grad(set_to_none=True)
         return loss.item()
 
     return step
+
+
+_HEAD_GRADS: dict[str, float] = {}  # variant -> norm of its LM head's weight gradient, noted while "on"
+_NOTE = {"on": False}
+
+
+def _note_head_grad(name: str, model: torch.nn.Module) -> None:
+    grad = model.lm_head.weight.grad
+    if _NOTE["on"]:
+        _HEAD_GRADS[name] = grad.float().norm().item() if grad is not None else float("nan")
 
 
 def _max_over_ranks(values: list[float]) -> list[float]:
@@ -186,32 +200,12 @@ def _peak(step, seq: int, sp_rank: int, sp_size: int) -> int:
     return int(_max_over_ranks([mem.peak_bytes])[0])
 
 
-def _longest(step, budget: int, sp_rank: int, sp_size: int, probe: int) -> tuple[int, int]:
-    """(longest multiple of 64 * sp tokens whose peak fits `budget`, steps run): an affine prediction from two
-    probes, confirmed by running it and the next length, searched outward then bisected when it is off."""
-    unit = 64 * sp_size
-    m1, m2 = _peak(step, probe, sp_rank, sp_size), _peak(step, 2 * probe, sp_rank, sp_size)
-    runs = 2
-    per_token = max((m2 - m1) / probe, 1e-9)
-    seq = max(unit, int((probe + (budget - m1) / per_token) // unit * unit))
-    low, high, stride = None, None, unit
-    while low is None or high is None or high - low > unit:
-        runs += 1
-        if _peak(step, seq, sp_rank, sp_size) <= budget:
-            low = seq
-        else:
-            high = seq
-        if low is not None and high is not None:
-            seq = max(low + unit, (low + high) // 2 // unit * unit)
-            if seq >= high:
-                break
-        elif low is not None:
-            seq, stride = low + stride, stride * 2
-        else:
-            seq, stride = high - stride, stride * 2
-            if seq < unit:
-                return 0, runs
-    return low, runs
+def _longest(step, budget: int, sp_rank: int, sp_size: int, probe: int) -> Longest:
+    """The longest multiple of 64 * sp tokens whose peak fits `budget` (`_longest_search`), searched up to the
+    length at which one [tokens per rank, hidden] fp32 activation alone (the embedding output) fills the budget."""
+    cap = sp_size * budget // (MODEL["hidden_size"] * 4)
+    peak_of = partial(_peak, step, sp_rank=sp_rank, sp_size=sp_size)
+    return longest_within(peak_of, budget, unit=64 * sp_size, start=probe, cap=cap)
 
 
 def bench_rank(config: dict) -> dict:
@@ -231,17 +225,24 @@ def bench_rank(config: dict) -> dict:
         except Exception as err:  # the peer's own failure here is a result, reported in the table
             errors[f"deepspeed {name}"] = f"{type(err).__name__}: {err}"
     probe = config["probe"] * world
+    _NOTE["on"] = True  # the first step of each variant: its loss and its LM head's weight gradient
     losses = {name: _max_over_ranks([step(_batch(probe, sp_rank, world))])[0] for name, step in steps.items()}
+    _NOTE["on"] = False
+    # sp = 1 only: on more ranks each rank's gradient is a partial sum, which DeepSpeed's engine reduces and ours
+    # leaves to DDP, so the norms would not compare
+    head_grads = {name: _HEAD_GRADS[name] / _HEAD_GRADS["hf_llmkit plain"] for name in steps} if world == 1 else {}
     memory = {}
     for name, step in steps.items() if config["memory"] else ():
-        longest, runs = _longest(step, config["budget"], sp_rank, world, probe)
-        memory[name] = {"max_seq": longest, "runs": runs, "peak_at_probe": _peak(step, probe, sp_rank, world)}
+        found = _longest(step, config["budget"], sp_rank, world, probe)
+        peak = found.peaks.get(probe) or _peak(step, probe, sp_rank, world)
+        memory[name] = {"max_seq": found.length, "capped": found.capped, "runs": found.runs, "peak_at_probe": peak}
     batch = _batch(config["time_seq"], sp_rank, world)
     variants = {name: partial(step, batch) for name, step in steps.items()}
     timings = Bench(rounds=config["rounds"], warmup=1, sync=synchronizer(_device())).run(variants)
     seconds = {name: _max_over_ranks(ts) for name, ts in timings.seconds.items()}  # the slowest rank, per round
     return {
         "losses": losses,
+        "head_grad_vs_plain": head_grads,
         "memory": memory,
         "seconds": seconds,
         "machine": [timings.before, timings.after],
@@ -258,25 +259,29 @@ def _ratio(seconds: dict, a: str, b: str) -> str:
 
 def report(results: dict) -> None:
     runs, config = results["runs"], results["config"]
-    if config["memory"] and "1" in runs:
+    if config["memory"]:
         report_memory(runs, config)
     report_time(runs, config)
     for sp, run in runs.items():
         loss = run["losses"]
         spread = max(loss.values()) - min(loss.values())
         print(f"sp={sp}: losses of all variants at {config['probe'] * int(sp)} tokens agree within {spread:.2e}")
+        ratios = ", ".join(f"{name} {r:.3g}" for name, r in run["head_grad_vs_plain"].items())
+        if ratios:
+            print(f"sp={sp}: LM-head weight-gradient norm / the plain model's: {ratios}")
         for name, err in run["errors"].items():
             print(f"sp={sp}: {name} cannot run: {err[:300]}")
 
 
 def report_memory(runs: dict, config: dict) -> None:
-    base = runs["1"]["memory"]["hf_llmkit plain"]["max_seq"]
+    base = runs["1"]["memory"]["hf_llmkit plain"]["max_seq"] if "1" in runs else None  # --sp without 1: no ratio
     rows = [["variant", *[f"sp={sp} longest" for sp in runs], *[f"sp={sp} x plain sp=1" for sp in runs]]]
     names = list(dict.fromkeys(name for run in runs.values() for name in run["memory"]))
     for name in names:
-        got = [runs[sp]["memory"].get(name, {}).get("max_seq") for sp in runs]
-        ratios = [f"{v / base:.2f}x" if v and base else "-" for v in got]  # base 0: plain sp=1 never fit
-        rows.append([name, *[str(v) if v else "-" for v in got], *ratios])
+        got = [runs[sp]["memory"].get(name, {}) for sp in runs]
+        cells = [(">=" * bool(g.get("capped")) + str(g["max_seq"])) if g.get("max_seq") else "-" for g in got]
+        ratios = [f"{g['max_seq'] / base:.2f}x" if g.get("max_seq") and base else "-" for g in got]  # base 0: none fit
+        rows.append([name, *cells, *ratios])
     print(f"\n## Longest sequence within {config['budget_mib']:g} MiB of peak tensor memory per rank\n")
     print(markdown_table(rows))
     print(
@@ -311,14 +316,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--time-only", action="store_true", help="skip the longest-sequence search")
-    parser.add_argument("--quick", action="store_true", help="sp 1 and 2, 8 MiB, 256 tokens timed, 2 rounds")
+    parser.add_argument("--quick", action="store_true", help="sp 2, 8 MiB, 256 tokens timed, 2 rounds")
     add_device_argument(parser)
     args = parser.parse_args()
     device = pick_device(args.device)
     if args.budget_mib is None:
         args.budget_mib = 4096.0 if device.type == "cuda" else 32.0
     if args.quick:
-        args.sp, args.budget_mib, args.probe, args.time_seq, args.rounds = [1, 2], 8.0, 64, 256, 2
+        args.sp, args.budget_mib, args.probe, args.time_seq, args.rounds = [2], 8.0, 64, 256, 2
     if device.type == "cuda" and any(sp > torch.cuda.device_count() for sp in args.sp):
         print(f"--device cuda: one GPU per rank; sp > {torch.cuda.device_count()} left out", file=sys.stderr)
         args.sp = [sp for sp in args.sp if sp <= torch.cuda.device_count()]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -55,13 +56,31 @@ def pytest_collection_modifyitems(config, items):
 def hermetic_cache(tmp_path_factory):
     """Tokenizers and processed datasets built by the suite go to a per-session folder (not the user's cache)."""
     folder = tmp_path_factory.mktemp("hf_llmkit_cache")
-    previous = os.environ.get("HF_LLMKIT_CACHE")
-    os.environ["HF_LLMKIT_CACHE"] = str(folder)
-    yield folder
-    if previous is None:
-        os.environ.pop("HF_LLMKIT_CACHE", None)
-    else:
-        os.environ["HF_LLMKIT_CACHE"] = previous
+    with _environ("HF_LLMKIT_CACHE", str(folder)):
+        yield folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hermetic_bench_results(tmp_path_factory):
+    """Benchmarks the suite runs (quick modes, the docs' `python benchmarks/...` commands) write their results to a
+    per-session folder, never over the committed benchmarks/results/ the docs are generated from."""
+    folder = tmp_path_factory.mktemp("bench_results")
+    with _environ("HF_LLMKIT_BENCH_RESULTS", str(folder)):
+        yield folder
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str):
+    """`os.environ[name] = value` inside the block, the previous value (or none) restored after."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
 
 
 def load_example(name: str):

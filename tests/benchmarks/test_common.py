@@ -4,6 +4,8 @@ the peak-memory meter, and `Bench` calling its sync around each timing."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +72,28 @@ def test_machine_state_names_the_gpu_when_there_is_one():
     state = _common.machine_state()
     assert state["gpu"] == (None if NO_CUDA else torch.cuda.get_device_name())
     assert "GPU" not in _common.load_note(state, state) or not NO_CUDA
+
+
+def test_results_carry_date_command_machine_and_the_load_over_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["benchmarks/moe.py", "--quick"])
+    path = _common.write_results("x", {"value": 1}, path=tmp_path / "sub" / "x.json")
+    data = json.loads(path.read_text())
+    recorded = data.pop("recorded")
+    assert data == {"value": 1}
+    assert recorded["command"] == "python benchmarks/moe.py --quick"
+    assert len(recorded["date"]) == len("2026-01-01 00:00")
+    assert recorded["machine"]["cores"] == os.cpu_count() and recorded["machine"]["torch"] == torch.__version__
+    load = recorded["load_1min"]
+    assert load["samples"] >= 1 and min(load["start"], load["end"]) <= load["mean"] <= load["max"]
+    assert recorded["loaded"] == (load["max"] > os.cpu_count())
+
+
+def test_a_benchmark_script_samples_the_load_over_its_run_and_a_test_importing_the_module_does_not():
+    assert _common._SAMPLER is None  # imported by pytest: no thread
+    code = (  # a process running a script of benchmarks/, as `python benchmarks/moe.py` does
+        f"import sys; sys.argv[0] = {str(BENCHMARKS / 'any.py')!r}; sys.path.insert(0, {str(BENCHMARKS)!r})\n"
+        "import json, _common; print(json.dumps(_common.run_record()))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    recorded = json.loads(proc.stdout)
+    assert recorded["started"] and recorded["load_1min"]["samples"] >= 2  # at import, (every 10 s,) at the end

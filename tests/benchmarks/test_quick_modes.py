@@ -1,14 +1,15 @@
 """Every benchmark script's `--quick` mode runs to completion on CPU (`--device cpu`, the same code that runs on
-CUDA with `--device cuda`) and writes its JSON; results go to a temporary folder ($HF_LLMKIT_BENCH_RESULTS).
-
-dkm.py stays in `make test` as the representative (seconds); the others take tens of seconds to minutes on 2 busy
-cores and are marked slow (`make test-all`).
+CUDA with `--device cuda`) and writes its JSON with the run's date, machine and load, from which every docs
+fragment of that script renders (benchmarks/report.py); results go to a temporary folder
+($HF_LLMKIT_BENCH_RESULTS). The scripts are the ones `make bench` runs: files in benchmarks/ not starting with `_`
+that have a `__main__` block, except the three in NOT_RUN_ALONE.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,19 +17,47 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
 
-CASES = [
-    pytest.param("dkm.py", "dkm.json", id="dkm"),
-    pytest.param("dkm_quality.py", "dkm_quality.json", id="dkm_quality"),  # needs benchmarks/install_peers.sh
-    pytest.param("moe.py", "moe.json", id="moe", marks=pytest.mark.slow),
-    pytest.param("callbacks.py", "callbacks.json", id="callbacks", marks=pytest.mark.slow),
-    pytest.param("peft_methods.py", "peft_methods.json", id="peft_methods", marks=pytest.mark.slow),
-    pytest.param("quickstart.py", "quickstart.json", id="quickstart", marks=pytest.mark.slow),
-    pytest.param("sequence_parallel.py", "sequence_parallel.json", id="sequence_parallel", marks=pytest.mark.slow),
-]
+import report  # noqa: E402
+
+NOT_RUN_ALONE = {
+    "adapterhub_peer.py": "peft_methods.py runs it inside the AdapterHub virtual environment, with a JSON spec",
+    "ci_time.py": "a fresh-clone CI run: ~25 minutes of every core, run alone (no --quick, no --device)",
+    "report.py": "not a measurement: renders the docs' regions from the results files",
+}
+
+# dkm.py and dkm_quality.py take seconds; the others tens of seconds to minutes on 2 busy cores (marked slow: `make
+# test` runs them, `make test-fast` does not)
+CASES = {
+    "dkm.py": ("dkm.json", ()),
+    "dkm_quality.py": ("dkm_quality.json", ()),  # the peers: benchmarks/install_peers.sh
+    "moe.py": ("moe.json", pytest.mark.slow),
+    "callbacks.py": ("callbacks.json", pytest.mark.slow),
+    "peft_methods.py": ("peft_methods.json", pytest.mark.slow),
+    "quickstart.py": ("quickstart.json", pytest.mark.slow),
+    "sequence_parallel.py": ("sequence_parallel.json", pytest.mark.slow),
+}
 
 
-@pytest.mark.parametrize(("script", "written"), CASES)
+def entry_points() -> set[str]:
+    """The benchmark scripts, found as `make bench` finds them."""
+    scripts = {p.name for p in BENCHMARKS.glob("[!_]*.py") if '\nif __name__ == "__main__":' in p.read_text()}
+    return scripts - set(NOT_RUN_ALONE)
+
+
+def test_every_benchmark_script_has_a_quick_mode_case_and_make_bench_finds_them_the_same_way():
+    assert entry_points() == set(CASES)
+    makefile = (BENCHMARKS.parent / "Makefile").read_text()
+    recipe = makefile[makefile.index("\nbench:") :].split("\n\n")[0]
+    assert "grep -l '^if __name__ == \"__main__\":' benchmarks/[!_]*.py" in recipe
+    assert all(name in recipe for name in NOT_RUN_ALONE)
+
+
+@pytest.mark.parametrize(
+    ("script", "written"),
+    [pytest.param(script, written, id=script[:-3], marks=marks) for script, (written, marks) in CASES.items()],
+)
 def test_quick_mode_runs_to_completion_on_cpu(tmp_path, script, written):
     env = dict(os.environ, HF_LLMKIT_BENCH_RESULTS=str(tmp_path), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(
@@ -40,4 +69,12 @@ def test_quick_mode_runs_to_completion_on_cpu(tmp_path, script, written):
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert json.loads((tmp_path / written).read_text())
+    data = json.loads((tmp_path / written).read_text())
+    recorded = data["recorded"]
+    assert recorded["command"] == f"python benchmarks/{script} --quick --device cpu"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", recorded["date"])
+    assert recorded["machine"]["cores"] and recorded["load_1min"]["max"] >= 0
+    # every docs fragment made from this script's results renders from what the script writes today
+    for name, fragment in report.FRAGMENTS.items():
+        if fragment.files == (written[: -len(".json")],):
+            assert "_Measured " in report.render(name, results=tmp_path), name

@@ -1,12 +1,15 @@
 """The composition matrix's mixed-precision and TRL cells on CUDA, where accelerate itself makes the fp16
 `GradScaler` and the autocast (the CPU matrix gives a CPU accelerator a real `torch.amp.GradScaler("cpu")`,
 tests/composition/clients.py): each single-rank bf16 / fp16 / TRL cell trains on the GPU, matches the same autocast
-loop on the GPU, and its save reloads (on CPU, in fp32) with the trained model's outputs.
+loop on the GPU, and its save reloads (on CPU, in fp32) with the trained model's outputs. Both run under
+`torch.use_deterministic_algorithms`: CUDA's atomic float adds (DKM's table engine sums its gradients per table entry)
+otherwise make two equal runs differ by more than the 1e-5 the cells are held to.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -15,6 +18,16 @@ from tests.composition.cells import reference, reload, train_cell
 from tests.composition.matrix import CELLS
 
 pytestmark = pytest.mark.gpu
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS' deterministic mode (read before it starts)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
 
 CUDA_CELLS = [c for c in CELLS if (c.setup.precision or c.setup.trl) and c.setup.ranks == 1 and c.expected == "ok"]
 

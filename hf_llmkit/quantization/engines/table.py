@@ -220,8 +220,11 @@ class PaletteApply(torch.autograd.Function):
             grad_wc = grad.float()
         gv = grad_wc.reshape(-1, d)  # [N, d]
         if d == 1:
-            grad_out = torch.bincount(idx, weights=gv[:, 0], minlength=out_values.shape[0]).unsqueeze(1)
-            grad_out = grad_out.to(out_values.dtype)
+            if gv.is_cuda and torch.are_deterministic_algorithms_enabled():  # CUDA's weighted bincount adds atomically
+                sums = gv.new_zeros(out_values.shape[0]).index_add_(0, idx, gv[:, 0])
+            else:
+                sums = torch.bincount(idx, weights=gv[:, 0], minlength=out_values.shape[0])
+            grad_out = sums.unsqueeze(1).to(out_values.dtype)
             grad_w = jacobian[:, 0, 0].index_select(0, idx) * gv[:, 0]
         else:
             grad_out = torch.zeros_like(out_values).index_add_(0, idx, gv)

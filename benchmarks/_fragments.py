@@ -1,0 +1,397 @@
+"""The fragments `benchmarks/report.py` writes into the docs: name -> (results files, render function).
+
+A render function gets {results file name: its JSON} and returns markdown; `measured(...)` is the closing line of
+every fragment (the date, command, machine and load that the results file recorded, and "LOADED MACHINE" when the
+load exceeded the core count during the run). Register a new fragment with `@fragment("name", "results_file")`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from _common import markdown_table
+
+
+@dataclass(frozen=True)
+class Fragment:
+    files: tuple[str, ...]
+    render: Callable[[dict[str, dict]], str]
+
+
+FRAGMENTS: dict[str, Fragment] = {}
+
+
+def fragment(name: str, *files: str) -> Callable:
+    def register(render: Callable[[dict[str, dict]], str]) -> Callable:
+        if name in FRAGMENTS:
+            raise ValueError(f"fragment {name!r} is registered twice")
+        FRAGMENTS[name] = Fragment(files, render)
+        return render
+
+    return register
+
+
+def measured(data: dict, threads: str | None = None) -> str:
+    """`_Measured <date> by <command>: <machine>; <load>._` from a results file's `recorded` block."""
+    rec, load = data["recorded"], data["recorded"]["load_1min"]
+    machine = rec["machine"]
+    cpu = f" ({machine['cpu']})" if machine.get("cpu") else ""
+    gpu = f"GPU {machine['gpu']}" if machine.get("gpu") else "no GPU"
+    took = ""
+    if rec.get("started"):
+        minutes = (datetime.fromisoformat(rec["date"]) - datetime.fromisoformat(rec["started"])).total_seconds() / 60
+        took = f" (a run of {max(round(minutes), 1)} min)"
+    line = (
+        f"_Measured {rec['date']}{took} by `{rec['command']}`: {machine['cores']} cores{cpu}, {gpu}, torch "
+        f"{machine['torch']}{', ' + threads if threads else ''}; 1-minute load average {load['start']:.1f} at the "
+        f"start, {load['mean']:.1f} on average, {load['max']:.1f} at most"
+    )
+    if rec["loaded"]:
+        line += " — LOADED MACHINE: the load exceeded the core count, timings are less reliable"
+    return line + "._"
+
+
+def pair(values: list[float], digits: int = 2) -> str:
+    """'min / median' of a list."""
+    return f"{min(values):.{digits}f} / {statistics.median(values):.{digits}f}"
+
+
+def minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{round(seconds % 60):02d}"
+
+
+# -- CI and the quickstart ---------------------------------------------------------------------------------------
+
+
+@fragment("ci", "ci")
+def ci(results: dict) -> str:
+    run = results["ci"]
+    pytest = run["pytest"] or {"counts": {}, "seconds": 0.0}
+    counts = ", ".join(f"{n} {kind}" for kind, n in pytest["counts"].items())
+    status = "passed" if run["passed"] else f"FAILED (exit code {run['returncode']})"
+    return (
+        f"CI from a fresh clone (`bash .ci/run` at {run['commit'][:7]}: a new virtual environment, empty caches) "
+        f"{status} in {run['total_s'] / 60:.1f} minutes: install {run['install_s']} s, ruff {run['ruff_s']} s, "
+        f"pytest {minutes(pytest['seconds'])} ({counts}).\n\n" + measured(run)
+    )
+
+
+@fragment("quickstart", "quickstart")
+def quickstart(results: dict) -> str:
+    data = results["quickstart"]
+    rows = [["variant", "process wall s (min / median)", "train s (min / median)", "train time x plain Trainer"]]
+    for name, got in data["summary"].items():
+        rows.append([name, pair(got["wall_s"], 1), pair(got["train_s"], 1), pair(got["train_ratio_to_peer"], 3)])
+    rounds = len(next(iter(data["summary"].values()))["wall_s"])
+    head = f"{data['steps']} steps, {rounds} round(s), each variant a fresh process, order rotated each round.\n\n"
+    return head + markdown_table(rows) + "\n\n" + measured(data, f"{data['before']['torch_threads']} torch threads")
+
+
+@fragment("quickstart_time", "quickstart")
+def quickstart_time(results: dict) -> str:
+    data = results["quickstart"]
+    ours = data["summary"]["run_clm (make quickstart)"]
+    return (
+        f"`make quickstart` (environment installed) runs for {statistics.median(ours['wall_s']):.0f} s, "
+        f"{statistics.median(ours['train_s']):.0f} s of it training {data['steps']} steps, "
+        f"{pair(ours['train_ratio_to_peer'])} (min / median) times the training time of the same run on the plain "
+        f"transformers `Trainer`.\n\n" + measured(data)
+    )
+
+
+# -- sequence parallelism ---------------------------------------------------------------------------------------
+
+
+SP_PEERS = {"hf_llmkit plain": "deepspeed ulysses", "hf_llmkit alst": "deepspeed alst"}
+
+
+def _sp_threads(data: dict) -> str:
+    return f"{data['config']['threads']} torch thread(s) per rank"
+
+
+@fragment("sp_memory", "sequence_parallel")
+def sp_memory(results: dict) -> str:
+    data = results["sequence_parallel"]
+    runs, config = data["runs"], data["config"]
+    base = runs.get("1", {}).get("memory", {}).get("hf_llmkit plain", {}).get("max_seq")
+    names = list(dict.fromkeys(name for run in runs.values() for name in run["memory"]))
+    rows = [["variant", *[f"sp={sp}" for sp in runs], f"sp={max(runs, key=int)} x plain sp=1"]]
+    for name in names:
+        got = [runs[sp]["memory"].get(name, {}) for sp in runs]
+        cells = [(">=" * bool(g.get("capped")) + str(g["max_seq"])) if g.get("max_seq") else "-" for g in got]
+        last = got[-1].get("max_seq")
+        rows.append([name, *cells, f"{last / base:.1f}x" if last and base else "-"])
+    head = (
+        f"Longest trainable sequence (tokens) within {config['budget_mib']:g} MiB of peak tensor memory per rank "
+        f"({config['device']}; tiles of {config['chunk']} positions):\n\n"
+    )
+    spreads = {sp: max(run["losses"].values()) - min(run["losses"].values()) for sp, run in runs.items()}
+    agree = ", ".join(f"{spreads[sp]:.0e} (sp={sp}, {config['probe'] * int(sp)} tokens)" for sp in runs)
+    agree = "exactly" if not any(spreads.values()) else f"within {agree}"
+    tail = f"\n\nThe losses of all variants at the first probe length agree {agree}."
+    grads = runs.get("1", {}).get("head_grad_vs_plain")
+    if grads:  # measured at sp = 1
+        ours = [r for name, r in grads.items() if name.startswith("hf_llmkit")]
+        peers = "; ".join(f"{name} {r:.3g}" for name, r in grads.items() if not name.startswith("hf_llmkit"))
+        tail += (
+            f" At sp=1 the LM head's weight-gradient norm against the plain model's (token-mean loss, "
+            f"{config['probe']} tokens): every hf_llmkit variant {min(ours):.3f}-{max(ours):.3f}; {peers}."
+        )
+    return head + markdown_table(rows) + tail + "\n\n" + measured(data, _sp_threads(data))
+
+
+@fragment("sp_time", "sequence_parallel")
+def sp_time(results: dict) -> str:
+    data = results["sequence_parallel"]
+    rows = [["sp", "variant", "median s", "x plain (min / median)", "x DeepSpeed, same switches (min / median)"]]
+    medians: dict[str, list[float]] = {}  # variant -> median ratio to plain at each sp
+    for sp, run in data["runs"].items():
+        seconds = run["seconds"]
+        for name, times in seconds.items():
+            peer = SP_PEERS.get(name)
+            vs_peer = [a / b for a, b in zip(times, seconds[peer])] if peer in seconds else None
+            vs_plain = [a / b for a, b in zip(times, seconds["hf_llmkit plain"])]
+            medians.setdefault(name, []).append(statistics.median(vs_plain))
+            if vs_peer:
+                medians.setdefault(f"{name} / {peer}", []).append(statistics.median(vs_peer))
+            peer_cell = pair(vs_peer) if vs_peer else ""
+            rows.append([sp, name, f"{statistics.median(times):.3f}", pair(vs_plain), peer_cell])
+    span = lambda key: f"{min(medians[key]):.2f}-{max(medians[key]):.2f}" if key in medians else "-"  # noqa: E731
+    summary = (
+        f"Medians over sp = {', '.join(data['runs'])}: ALST costs {span('hf_llmkit alst')}x the plain step, "
+        f"checkpointing alone {span('hf_llmkit ckpt')}x, tiling alone {span('hf_llmkit tiled')}x; ours / DeepSpeed "
+        f"with the same switches: plain / Ulysses {span('hf_llmkit plain / deepspeed ulysses')}, ALST "
+        f"{span('hf_llmkit alst / deepspeed alst')}."
+    )
+    head = f"One forward + backward at {data['config']['time_seq']} tokens, slowest rank per round:\n\n"
+    return head + markdown_table(rows) + "\n\n" + summary + "\n\n" + measured(data, _sp_threads(data))
+
+
+# -- MoE ----------------------------------------------------------------------------------------------------------
+
+FLOOR, OURS, TRAFFIC = "dense MLP x2 (floor)", "hf_llmkit MoELayer dropless", "E experts' weight traffic only"
+
+
+@fragment("moe_layers", "moe")
+def moe_layers(results: dict) -> str:
+    data = results["moe"]
+    rows = [["experts", "tokens", "threads", "ours / floor", "weight traffic / floor", "ours / E even",
+             "ours / best dropless peer", "best dropless peer", "ours / DeepSpeed capacity 1.0"]]  # fmt: skip
+    for r in data["layers"]:
+        summary = r["timings"]["summary"]
+        dropless = {p: v for p, v in r["ours_vs_peers"].items() if "capacity" not in p}
+        best = max(dropless, key=lambda p: dropless[p]["median"])  # the closest competitor
+        capacity = r["ours_vs_peers"].get("DeepSpeed MoE capacity 1.0")
+        ratio = lambda d: f"{d['min']:.2f} / {d['median']:.2f}"  # noqa: E731
+        best_name = best + " (one call)" * bool(dropless[best].get("single_call"))
+        rows.append(
+            [str(r["experts"]), f"{r['tokens']:,}", str(r["threads"]),
+             f"{summary[OURS]['ratio_min']:.2f} / {summary[OURS]['ratio_median']:.2f}",
+             f"{summary[TRAFFIC]['ratio_min']:.2f} / {summary[TRAFFIC]['ratio_median']:.2f}",
+             ratio(r["ours_vs_even"]), ratio(dropless[best]), best_name, ratio(capacity) if capacity else "-"]
+        )  # fmt: skip
+    head = "One forward + backward, H 256, I 1,024, top-2, fp32; ratios are min / median of per-round ratios.\n\n"
+    return head + markdown_table(rows) + "\n\n" + measured(data, "torch threads as in the table")
+
+
+@fragment("moe_summary", "moe")
+def moe_summary(results: dict) -> str:
+    """What the layer table says, as sentences computed from it (medians of per-round ratios)."""
+    layers = results["moe"]["layers"]
+    ours = {id(r): r["timings"]["summary"][OURS]["ratio_median"] for r in layers}
+    span = lambda values: f"{min(values):.2f}-{max(values):.2f}"  # noqa: E731
+    few = [ours[id(r)] for r in layers if r["experts"] <= 16 and r["tokens"] >= 2048]
+    wins = [r for r in layers if all(v["median"] < 1 for p, v in r["ours_vs_peers"].items() if "capacity" not in p)]
+    even = [r["ours_vs_even"]["median"] for r in layers]
+    traffic = [r["timings"]["summary"][TRAFFIC]["ratio_median"] for r in layers if r["experts"] == max_experts(layers)]
+    diffs = [d for r in layers for d in r["diffs"].values()]
+    lines = [
+        f"- ours / floor: {span(list(ours.values()))} over the {len(layers)} configurations, {span(few)} with at most "
+        "16 experts and 2,048 tokens or more;"
+        if few
+        else f"- ours / floor: {span(list(ours.values()))};",
+        f"- faster than every dropless peer at the median in {len(wins)} of {len(layers)} configurations;",
+        f"- ours / E dense MLPs on even rows: {span(even)} (above 1: what routing, sorting and scatter-back cost);",
+        f"- the weight traffic alone at {max_experts(layers)} experts: {span(traffic)} of the floor;",
+        f"- outputs and input gradients against Mixtral eager on the same input: max |diff| "
+        f"{max(max(d['output'], d['grad_input']) for d in diffs):.1e}."
+        if diffs
+        else "",
+    ]
+    return "\n".join(line for line in lines if line) + "\n\n" + measured(results["moe"])
+
+
+def max_experts(layers: list[dict]) -> int:
+    return max(r["experts"] for r in layers)
+
+
+@fragment("moe_upcycling", "moe")
+def moe_upcycling(results: dict) -> str:
+    data = results["moe"]
+    if not data["upcycled_training"]:
+        return "(the upcycling part did not run: `--train-steps 0`)\n\n" + measured(data)
+    rows = [["moe_aux_loss_coef", "final LM loss", "max/min expert load (last window)", "per window"]]
+    for t in data["upcycled_training"]:
+        windows = ", ".join(f"{v:.2f}" for v in t["ratio_per_window"])
+        loss, balance = f"{t['final_lm_loss']:.3f}", f"{t['load_max_min_ratio']:.2f}"
+        rows.append([str(t["moe_aux_loss_coef"]), loss, balance, windows])
+    steps = data["config"]["train_steps"]
+    head = f"Upcycled tiny Llama (8 experts, top-2), {steps} `LLMKitTrainer` steps on the embedded corpus:\n\n"
+    return head + markdown_table(rows) + "\n\n" + measured(data)
+
+
+# -- PEFT ---------------------------------------------------------------------------------------------------------
+
+
+def _peft_threads(data: dict) -> str:
+    device = data["device"]  # "cpu x<n> threads" or "cuda"
+    return f"{device.split('x')[1].split()[0]} torch thread(s)" if device.startswith("cpu x") else device
+
+
+PEFT_OURS = ("bottleneck houlsby", "bottleneck pfeiffer", "bottleneck parallel", "bitfit", "ptuning v1", "ptuning v2")
+TARGETS = ("vs_lora", "vs_adapters", "vs_adapters_full_ft_ratio")
+
+
+def _bold(method: str) -> str:
+    return f"**{method}**" if method in PEFT_OURS else method
+
+
+def _peft_workload(data: dict, kind: str) -> str:
+    w = data["workloads"][kind]
+    methods = w["methods"]
+    full, lora = methods["full fine-tuning"]["step_ms"], methods.get("peft LoRA r=8 (attention)", {}).get("step_ms")
+    rows = [["method", "trainable", "trainable %", "step ms", "x full FT", "x LoRA", "memory MiB"]]
+    for name, m in methods.items():
+        step, vs_lora = m["step_ms"], f"{m['step_ms'] / lora:.2f}" if lora else "-"
+        share, memory = f"{100 * m['trainable'] / m['total']:.3f}", f"{m['memory_mib']:.1f}"
+        rows.append([_bold(name), f"{m['trainable']:,}", share, f"{step:.1f}", f"{step / full:.2f}", vs_lora, memory])
+    peers = w.get("adapterhub", {})
+    peer_full = peers.get("full fine-tuning", {}).get("step_ms")
+    versions = data["adapterhub"].get("versions", {})
+    for name, peer in peers.items():
+        if name.startswith("adapters ") and peer_full:
+            label = f"{name} (AdapterHub {versions.get('adapters', '?')}, own process)"
+            step, vs_full = f"{peer['step_ms']:.1f}", f"{peer['step_ms'] / peer_full:.2f}"
+            rows.append([label, f"{peer['trainable']:,}", "-", step, vs_full, "-", "-"])
+    for name, why in w["skipped"].items():
+        rows.append([name, f"n/a: {why}", "", "", "", "", ""])
+    shapes = data["shapes"]
+    head = f"{w['title']}: batch {shapes['batch']} x {shapes['seq']} tokens, fastest of interleaved steps.\n\n"
+    return head + markdown_table(rows) + "\n\n" + measured(data, _peft_threads(data))
+
+
+@fragment("peft_llama", "peft_methods")
+def peft_llama(results: dict) -> str:
+    return _peft_workload(results["peft_methods"], "llama")
+
+
+@fragment("peft_minilm", "peft_methods")
+def peft_minilm(results: dict) -> str:
+    return _peft_workload(results["peft_methods"], "bert")
+
+
+@fragment("peft_vs_full", "peft_methods")
+def peft_vs_full(results: dict) -> str:
+    """Step time / full fine-tuning per method, both workloads side by side (AdapterHub: its own process's ratio)."""
+    data = results["peft_methods"]
+    kinds = list(data["workloads"])
+    ratios: dict[str, dict[str, float]] = {}
+    for kind, w in data["workloads"].items():
+        full = w["methods"]["full fine-tuning"]["step_ms"]
+        for name, m in w["methods"].items():
+            ratios.setdefault(name, {})[kind] = m["step_ms"] / full
+        peer_full = w.get("adapterhub", {}).get("full fine-tuning", {}).get("step_ms")
+        for name, peer in w.get("adapterhub", {}).items():
+            if name.startswith("adapters ") and peer_full:
+                label = f"AdapterHub {name.removeprefix('adapters ')} (own process)"
+                ratios.setdefault(label, {})[kind] = peer["step_ms"] / peer_full
+    rows = [["method", *[f"{data['workloads'][k]['title'].split(' (')[0]}: step / full FT" for k in kinds]]]
+    for name, by_kind in ratios.items():
+        if name != "full fine-tuning":
+            rows.append([_bold(name), *[f"{by_kind[k]:.2f}" if k in by_kind else "-" for k in kinds]])
+    return markdown_table(rows) + "\n\n" + measured(data, _peft_threads(data))
+
+
+@fragment("peft_targets", "peft_methods")
+def peft_targets(results: dict) -> str:
+    data = results["peft_methods"]
+    rows = [["workload", "bottleneck", "step x LoRA", "calibrated step x AdapterHub", "step/full FT x AdapterHub's"]]
+    for w in data["workloads"].values():
+        for placement, t in w["targets"].items():
+            cells = [f"{t[key]:.2f}" if t.get(key) is not None else "-" for key in TARGETS]
+            rows.append([w["title"].split(" (")[0], placement, *cells])
+    note = data["adapterhub"].get("error")
+    tail = f"\n\nAdapterHub could not run: {note}" if note else ""
+    return markdown_table(rows) + tail + "\n\n" + measured(data, _peft_threads(data))
+
+
+@fragment("peft_quality", "peft_methods")
+def peft_quality(results: dict) -> str:
+    data = results["peft_methods"]
+    rows = [["method", "held-out perplexity"]]
+    for name, value in data["quality"].items():
+        rows.append([_bold(name), f"{value:.2f}" if isinstance(value, float) else value])
+    steps = data.get("quality_steps")
+    head = (
+        f"all-MiniLM-L6-v2 masked LM after {f'{steps} training steps' if steps else 'a short training'} on the "
+        "embedded corpus, each method from the same fitted head (lower is better):\n\n"
+    )
+    return head + markdown_table(rows) + "\n\n" + measured(data, _peft_threads(data))
+
+
+# -- callbacks ----------------------------------------------------------------------------------------------------
+
+
+@fragment("callbacks_overhead", "callbacks")
+def callbacks_overhead(results: dict) -> str:
+    data = results["callbacks"]
+    rows = [["callback", "fastest step ms", "callback us per step", "overhead %"]]
+    for name, row in data["overhead"]["callbacks"].items():
+        cost = f"{row['callback_us_per_step']:.1f}"
+        rows.append([name, f"{row['step_ms']:.1f}", cost, f"{row['overhead_pct']:.3f}"])
+    e2e = data["overhead"]["end_to_end"]
+    tail = (
+        f"\n\nEnd to end, interleaved runs (fastest step, median of rounds): no callbacks {e2e['none_ms']:.1f} ms, "
+        f"all three {e2e['all_three_ms']:.1f} ms, ratio {e2e['ratio']:.3f}."
+    )
+    threads = f"{data['machine'][0]['torch_threads']} torch threads"
+    return markdown_table(rows) + tail + "\n\n" + measured(data, threads)
+
+
+@fragment("callbacks_checkpoint", "callbacks")
+def callbacks_checkpoint(results: dict) -> str:
+    data = results["callbacks"]
+    ckpt = data["checkpoint"]
+    rows = [["save", "median s", "x plain Trainer save"]]
+    for name, row in ckpt["rows"].items():
+        rows.append([name, f"{row['seconds']:.3f}", f"{row['ratio_vs_peer']:.2f}"])
+    head = f"A {ckpt['checkpoint_mb']:.1f} MiB checkpoint (model, optimizer, scheduler, RNG), median of saves:\n\n"
+    return head + markdown_table(rows) + "\n\n" + measured(data)
+
+
+# -- DKM ----------------------------------------------------------------------------------------------------------
+
+
+@fragment("dkm_speed", "dkm")
+def dkm_speed(results: dict) -> str:
+    """Section (a) + (b) of benchmarks/dkm.py: one training step of one Linear against coremltools' DKMPalettizer."""
+    data = results["dkm"]
+    rows = [["layer", "bits", "coremltools s/step", "ours fp32: speed-up", "fp32 saved MiB: peer / ours",
+             "ours bf16: speed-up", "init s: ours fp32 / coremltools"]]  # fmt: skip
+    for r in data["speed"]:
+        sliced = f" ({r['peer_rows']}-row slice)" if r["scale"] != 1 else ""
+        peer = f"{statistics.median(r['peer_seconds']):.3g}{sliced}"
+        speed = lambda o: f"{o['speedup_min']:.1f}x / {o['speedup_median']:.1f}x"  # noqa: E731
+        fp32 = r["fp32"]
+        saved = f"{r['peer_saved'] / 2**20:,.0f} / {fp32['saved'] / 2**20:,.2f} ({fp32['memory_ratio']:,.0f}x)"
+        init = f"{r['fp32']['init']:.2f} / {r['peer_init']:.1f}"
+        rows.append([r["layer"], str(r["bits"]), peer, speed(r["fp32"]), saved, speed(r["bf16"]), init])
+    head = (
+        "One training step (forward and backward of the clustering, 16 tokens, 3 iterations) against coremltools' "
+        "`DKMPalettizer`; speed-ups are min / median of per-round ratios; a peer that ran on a slice of rows is "
+        "scaled to the whole layer (its tensors are all row-shaped); its init is on the rows it ran.\n\n"
+    )
+    return head + markdown_table(rows) + "\n\n" + measured(data, "1 torch thread")
