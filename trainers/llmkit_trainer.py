@@ -10,7 +10,10 @@ runs at these points; each is listed with its reason and checked against the ins
   retry transient I/O errors, one line on a full disk, the run record (hf_llmkit.trainers.checkpoint_writes);
 - `_load_from_checkpoint`: resume exactly the PEFT model's own adapters, and MoE hub-layout experts;
 - `_load_best_model`: verify the best checkpoint before loading it; MoE experts;
-- `_clip_grad_norm`: under expert parallelism (DDP) the norm must cover every rank's experts, not the local ones.
+- `_clip_grad_norm`: under expert parallelism (DDP) the norm must cover every rank's experts, not the local ones;
+- `_save`: the only place that holds the full state dict `save_model` gathered on every rank (FSDP2, ZeRO-3) while
+  the main process writes; a DKM model packs its indices from it (`save_pretrained` asks its quantizer for the
+  state dict to write and drops the one it was given; the model's own tensors are shards there).
 """
 
 from __future__ import annotations
@@ -141,6 +144,12 @@ class LLMKitTrainer(Trainer):
             return self._write_model(output_dir, True)
         target = output_dir if output_dir is not None else self.args.output_dir
         save_final_model(self, lambda: self._write_model(output_dir, False), target)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        from hf_llmkit.quantization.quantizer import exporting_from
+
+        with exporting_from(self.accelerator.unwrap_model(self.model), state_dict):  # DKM: pack the gathered weights
+            return super()._save(output_dir, state_dict=state_dict)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Resuming loads an MoE model's hub-layout experts through `from_pretrained`'s conversion, and a PEFT

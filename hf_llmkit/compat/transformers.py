@@ -1,6 +1,6 @@
 """transformers internals hf_llmkit relies on (checked against transformers 5.23.0), in three groups.
 
-**The Trainer.** `LLMKitTrainer` overrides four private `Trainer` methods; each is needed because no public hook runs
+**The Trainer.** `LLMKitTrainer` overrides five private `Trainer` methods; each is needed because no public hook runs
 at that point:
 
 - `_save_checkpoint(model, trial)`: the only place that runs before a checkpoint's first byte and after its last.
@@ -11,6 +11,9 @@ at that point:
   (the Trainer loads every adapter subfolder as one more adapter) and the hub-layout experts of MoE models.
 - `_load_best_model()`: the best checkpoint is verified before it is loaded, and MoE experts are converted.
 - `_clip_grad_norm(model)`: under expert parallelism (DDP) the clipping norm covers the experts of every rank.
+- `_save(output_dir, state_dict)`: the full state dict `save_model` gathered on every rank (FSDP2, ZeRO-3) reaches
+  the main process's write only here; a DKM model packs its indices from it (`save_pretrained` asks the quantizer
+  for the state dict to write and does not pass on the one it was given).
 
 Expert parallelism also calls `Trainer._save(output_dir, state_dict)` to write the gathered full model the way a
 normal save would (safetensors, config, tokenizer, training arguments). It also relies on `_save_checkpoint`
@@ -73,6 +76,7 @@ TRAINER_PRIVATE_HOOKS: dict[str, tuple[str, ...]] = {
     "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
     "_load_best_model": (),
     "_clip_grad_norm": ("model",),
+    "_save": ("output_dir", "state_dict"),
 }
 # Private Trainer methods hf_llmkit calls -> the parameters it passes.
 TRAINER_PRIVATE_CALLS: dict[str, tuple[str, ...]] = {"_save": ("output_dir", "state_dict")}

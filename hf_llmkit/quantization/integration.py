@@ -8,7 +8,8 @@
 - `DKMInitTables`: the load op that runs the k-means of each trainable layer as its weight arrives.
 - `verify_loaded`: after loading, tables are finite and packed tensors have the config's shapes.
 - `dkm_state_dict`: what `save_pretrained` writes: packed indices + lookup tables (compact), plus the latent weights
-  and centroids of layers whose `keep_training_state` is set (Trainer checkpoints, see `training_state.py`).
+  and centroids of layers whose `keep_training_state` is set (Trainer checkpoints, see `training_state.py`); under
+  FSDP2 / ZeRO-3, packed from the full state dict the Trainer gathered on every rank.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 
@@ -204,18 +206,35 @@ def verify_loaded(model: nn.Module, pre_quantized: bool) -> None:
                 module.init_centroids()  # a weight that was not in the checkpoint (freshly initialised)
 
 
-def dkm_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def dkm_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The state dict `save_pretrained` writes: packed indices + lookup tables for every DKM layer, plus the latent
-    weight and centroids of the layers that keep their training state."""
-    state = model.state_dict()
+    weight and centroids of the layers that keep their training state.
+
+    `full_state`: the model's full state dict as a Trainer gathered it on every rank for the save (FSDP2, ZeRO-3:
+    each rank holds only a shard of the weights, see `DKMHfQuantizer.exporting_from`); the layers are packed from its
+    full weights, on the process that writes. Without it the model's own state dict is used, which must then hold
+    full tensors: a sharded one (`DTensor`) is refused before any work, as only one rank writes and a gather there
+    would wait for the others forever.
+    """
+    state = dict(full_state) if full_state is not None else model.state_dict()
+    sharded = next((key for key, value in state.items() if isinstance(value, DTensor)), None)
+    if sharded is not None:
+        raise ValueError(
+            f"Cannot save the DKM model: {sharded!r} is a shard of an FSDP2 (DTensor) parameter and DKM packs its "
+            "indices from full weights. Save with hf_llmkit's LLMKitTrainer.save_model (it packs the full state dict "
+            "every rank gathers), or pass that full state dict to save_pretrained inside "
+            "model.hf_quantizer.exporting_from(full_state_dict)."
+        )
     for name, module in model.named_modules():
         if isinstance(module, TRAINABLE):
             prefix = f"{name}." if name else ""
+            weight = state.get(prefix + "weight", module.weight)
+            centroids = state.get(prefix + "centroids", module.centroids)
             if not module.keep_training_state:
-                del state[prefix + "weight"], state[prefix + "centroids"]
+                state.pop(prefix + "weight", None), state.pop(prefix + "centroids", None)
             else:
                 state.update(steps.step_state(module, prefix))
-            state[prefix + "weight_packed"], state[prefix + "weight_lut"] = module.export()
+            state[prefix + "weight_packed"], state[prefix + "weight_lut"] = module.export(weight, centroids)
     return state
 
 

@@ -112,9 +112,12 @@ class _Clustered:
         ).to(w.device)
         self.dkm_initialised = True
 
-    def hard_indices(self) -> torch.Tensor:
-        """Nearest-centroid index of every weight vector, `[G, n]`."""
-        return dkm.hard_assign(self._vectors(self.weight.detach()), self.centroids)
+    def hard_indices(self, weight: torch.Tensor | None = None, centroids: torch.Tensor | None = None) -> torch.Tensor:
+        """Nearest-centroid index of every weight vector, `[G, n]` (of the layer's own weight and table, or of the
+        full `weight` / `centroids` given, e.g. gathered from FSDP2 shards)."""
+        w = self.weight if weight is None else weight
+        c = self.centroids if centroids is None else centroids.to(w.device)
+        return dkm.hard_assign(self._vectors(w.detach()), c)
 
     def hard_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The hard-assigned weight (what evaluation, inference and the saved checkpoint use), cached."""
@@ -125,9 +128,14 @@ class _Clustered:
             self._hard_cache = (key, w)
         return self._hard_cache[1]
 
-    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(`weight_packed`, `weight_lut`) of the hard assignment, as a compact checkpoint stores them."""
-        return pack_indices(self.hard_indices(), self.settings.bits), self.centroids.detach().float().clone()
+    def export(
+        self, weight: torch.Tensor | None = None, centroids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`weight_packed`, `weight_lut`) of the hard assignment, as a compact checkpoint stores them (of the full
+        `weight` / `centroids` given instead of the layer's own, see `hard_indices`)."""
+        table = self.centroids if centroids is None else centroids
+        packed = pack_indices(self.hard_indices(weight, table), self.settings.bits)
+        return packed, table.detach().float().clone()
 
     def _use_soft(self) -> bool:
         return self.training and torch.is_grad_enabled() and self.weight.requires_grad

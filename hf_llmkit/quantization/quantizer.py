@@ -5,9 +5,16 @@ while the model is on the meta device, and each layer's k-means runs as its weig
 writes packed indices + lookup tables (and the training state during Trainer runs). Reloading a DKM checkpoint
 builds, per layer, what the checkpoint holds: packed inference layers, or trainable layers for a Trainer checkpoint's
 training state; the tensor names are checked against the config before any weight is read.
+
+A sharded model (FSDP2, ZeRO-3) packs from the full state dict the Trainer gathers on every rank before its main
+process writes: `exporting_from` hands it to the save (`LLMKitTrainer._save` does; transformers' `save_pretrained`
+only asks the quantizer for the state dict to write, it does not pass on the one it was given).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
@@ -27,6 +34,17 @@ class DKMHfQuantizer(HfQuantizer):
     def __init__(self, quantization_config: DKMConfig, **kwargs):
         super().__init__(quantization_config, **kwargs)
         self.modules_to_not_convert: list[str] = []
+        self._full_state: dict | None = None
+
+    @contextlib.contextmanager
+    def exporting_from(self, full_state: dict | None) -> Iterator[None]:
+        """While inside, `save_pretrained` packs the DKM layers from `full_state` (the model's full state dict,
+        gathered from its shards on every rank) instead of the model's own, possibly sharded, tensors."""
+        previous, self._full_state = self._full_state, full_state
+        try:
+            yield
+        finally:
+            self._full_state = previous
 
     @property
     def quantized_element_size(self) -> float:
@@ -62,7 +80,7 @@ class DKMHfQuantizer(HfQuantizer):
         return model
 
     def get_state_dict_and_metadata(self, model):
-        return integration.dkm_state_dict(model), {}
+        return integration.dkm_state_dict(model, self._full_state), {}
 
     def is_serializable(self) -> bool:
         return True
@@ -87,3 +105,13 @@ def quantize_model(model, config: DKMConfig):
     quantizer.postprocess_model(model)
     model.hf_quantizer = quantizer
     return model
+
+
+def exporting_from(model, full_state: dict | None):
+    """`DKMHfQuantizer.exporting_from(full_state)` of a DKM model, for a save of the full state dict a Trainer
+    gathered (FSDP2, ZeRO-3); a null context for any other model or when none was gathered (None, or the empty
+    placeholder the Trainer writes and deletes when ZeRO-3 cannot gather)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if not full_state or not isinstance(quantizer, DKMHfQuantizer):
+        return contextlib.nullcontext()
+    return quantizer.exporting_from(full_state)

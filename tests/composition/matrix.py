@@ -150,12 +150,7 @@ REFUSED[("moe", "bnb4")] = (
 )
 # Pairs that should work and do not yet, with the bug (README shows it; the test is an expected failure that is not
 # run: the failure leaves the other rank waiting in a collective until the launch times out).
-KNOWN_BUGS: dict[tuple[str, str], str] = {
-    ("dkm", "fsdp2"): (
-        "known bug: the save exports DKM's packed indices from one rank's FSDP2 shard of the weights "
-        "(quantization/integration.dkm_state_dict)"
-    ),
-}
+KNOWN_BUGS: dict[tuple[str, str], str] = {}
 # One representative per row runs in `make test` (one 2-rank launch serves all three).
 QUICK = {("lora", "sp2"), ("moe", "ep2"), ("dkm", "shard2")}
 

@@ -9,6 +9,10 @@
   assignment changes by ~(centroid gap / tau) per unit of weight, so SGD at a large step size makes tiny gradient
   rounding differences grow every step (tiny Llama, 4 steps: 9e-7 at lr 0.05, 3e-3 at lr 0.3; plain fine-tuning
   7e-9). DDP shows exactly the same differences; FSDP2 adds none.
+- Saving under FSDP2: only the main process writes, and its weights are shards. Packing them there alone is refused
+  in one line (a gather on one rank would wait for the others forever); packed from the full state dict every rank
+  gathers, the compact checkpoint equals, bit for bit, the one process's (the Trainer path end to end:
+  tests/composition, cell dkm-x-fsdp2).
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ def shard_matches_unsharded() -> list[dict[str, float]]:
     got = _step(True, True, torch.float32, 2, amp=True)  # under bf16 autocast: the product in bf16, DKM in fp32
     out.append({"y": rel(got[0], ref[0]), "grad": rel(got[1], ref[1]), "centroids": rel(got[2], ref[2])})
     out.append({"sharded_world": dist.get_world_size(make_shard_group())})
-    return out, {mode: _train(mode) for mode in ("fsdp2", "ddp")}
+    trained = {mode: _train(mode) for mode in ("fsdp2", "ddp")}
+    return out, {mode: state for mode, (state, _) in trained.items()}, trained["fsdp2"][1]
 
 
 def _rows() -> torch.Tensor:
@@ -103,12 +108,30 @@ def _train(mode: str) -> dict[str, torch.Tensor]:
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
-    return _state(model)
+    return _state(model), (_save_sharded(model) if mode == "fsdp2" else None)
+
+
+def _save_sharded(model) -> tuple[str, dict[str, torch.Tensor] | None]:
+    """(the refusal to pack this rank's shards alone, what the main process packs from the gathered full state)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from hf_llmkit.quantization.integration import dkm_state_dict
+
+    with pytest.raises(ValueError) as refusal:
+        dkm_state_dict(model)  # what `save_pretrained` alone would write
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # as accelerate's FSDP2 save (every rank)
+    full = get_model_state_dict(model, options=options)
+    with model.hf_quantizer.exporting_from(full):
+        packed = model.hf_quantizer.get_state_dict_and_metadata(model)[0] if dist.get_rank() == 0 else None
+    return str(refusal.value), packed
 
 
 @pytest.fixture(scope="module")
-def accumulated() -> dict[str, torch.Tensor]:
-    """One process, the same two half-batches per step, accumulated (what the 2 ranks average)."""
+def accumulated() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One process, the same two half-batches per step, accumulated (what the 2 ranks average): its parameters and
+    centroids, and the compact state dict `save_pretrained` writes of it."""
+    from hf_llmkit.quantization.integration import dkm_state_dict
+
     model = _dkm_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for _ in range(STEPS):
@@ -116,7 +139,7 @@ def accumulated() -> dict[str, torch.Tensor]:
             (model(input_ids=ids, labels=ids).loss / 2).backward()
         opt.step()
         opt.zero_grad()
-    return _state(model)
+    return _state(model), dkm_state_dict(model)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +148,7 @@ def ranks():
 
 
 def test_sharded_table_equals_unsharded_on_two_ranks(ranks):
-    for rank, (per_case, _) in enumerate(ranks):
+    for rank, (per_case, _, _) in enumerate(ranks):
         assert per_case[-1]["sharded_world"] == 2
         for (_, dtype_name, _), diffs in zip(CASES + [(True, "autocast", 2)], per_case):
             tol = {"float32": 1e-4, "bfloat16": 1e-2, "autocast": 2e-2}[dtype_name]
@@ -136,8 +159,8 @@ def test_sharded_table_equals_unsharded_on_two_ranks(ranks):
 
 @pytest.mark.parametrize("mode", ["fsdp2", "ddp"])
 def test_fsdp2_and_ddp_keep_dkm_replicated_and_equal_to_accumulation(ranks, accumulated, mode):
-    (_, rank0), (_, rank1) = ranks
-    reference = accumulated
+    (_, rank0, _), (_, rank1, _) = ranks
+    reference = accumulated[0]
     assert rank0[mode].keys() == reference.keys() and any(k.endswith("centroids") for k in reference)
     for name, expected in reference.items():
         assert torch.equal(rank0[mode][name], rank1[mode][name]), name  # replicated: nothing per shard or per rank
@@ -146,3 +169,14 @@ def test_fsdp2_and_ddp_keep_dkm_replicated_and_equal_to_accumulation(ranks, accu
         reference["model.layers.0.mlp.up_proj.weight"],
         tiny_llama(seed=0).state_dict()["model.layers.0.mlp.up_proj.weight"],
     )  # it trained
+
+
+def test_fsdp2_save_packs_the_gathered_weights_as_one_process_does(ranks, accumulated):
+    (_, _, (refusal, packed)), (_, _, (other_refusal, _)) = ranks
+    for message in (refusal, other_refusal):  # a shard alone: one line naming the way that works, no hang
+        assert "\n" not in message and "FSDP2" in message and "LLMKitTrainer.save_model" in message, message
+    compact = accumulated[1]
+    assert packed.keys() == compact.keys() and any(k.endswith("weight_packed") for k in compact)
+    assert not any(k.endswith("centroids") for k in compact)  # compact: no training state
+    for name, expected in compact.items():
+        assert torch.equal(packed[name], expected), name
