@@ -98,7 +98,8 @@ def test_model_type_and_config_overrides_build_any_causal_lm(run_clm, tmp_path, 
         assert results["parameters"] == results["trainable_parameters"] == everything - 512 * 64  # lm_head once
 
 
-def test_help_lists_our_options_in_groups(run_clm, capsys):
+def test_help_lists_our_options_in_groups(run_clm, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "110")  # the width a pipe gets (a pytest worker may see its own terminal's)
     with pytest.raises(SystemExit) as done:
         run_clm.run(["--help"])
     text = capsys.readouterr().out
