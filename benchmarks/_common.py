@@ -43,6 +43,14 @@ if TYPE_CHECKING:
 
 # $HF_LLMKIT_BENCH_RESULTS moves the output (tests run the scripts' --quick modes into a temporary folder)
 RESULTS = Path(os.environ.get("HF_LLMKIT_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def recorded_path(path: str | os.PathLike) -> str:
+    """A path as a committed results file records it: relative to the repository, else its name alone (never an
+    absolute path of the machine that ran the benchmark)."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else resolved.name
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:

@@ -45,6 +45,7 @@ from _common import (
     markdown_table,
     pick_device,
     plot_lines,
+    recorded_path,
     synchronize,
     synchronizer,
     write_results,
@@ -253,7 +254,7 @@ def main() -> None:
         ]
         print_speed(results["speed"])
         print_init(results["speed"])
-        results["plots"] = [str(p) for p in plot(results["speed"]) if p is not None]
+        results["plots"] = [recorded_path(p) for p in plot(results["speed"]) if p is not None]
     if "memory" in sections:
         from dkm_memory import memory_cases, print_memory
 
@@ -267,7 +268,7 @@ def main() -> None:
             rows = dkm_quickstart.perplexity_table(
                 Path(tmp), model_dir, args.quickstart_finetune_steps, args.quickstart_eval_blocks, device=device.type
             )
-        results["quickstart"] = {"model": str(model_dir), "rows": rows}
+        results["quickstart"] = {"model": recorded_path(model_dir), "rows": rows}
         dkm_quickstart.print_table(rows)
     results["machine_after"] = machine_state()
     results["seconds"] = time.perf_counter() - start

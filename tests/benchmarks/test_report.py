@@ -51,6 +51,28 @@ def test_every_fragment_used_is_registered_and_its_results_carry_date_machine_an
             assert recorded["command"].startswith("python benchmarks/"), file
 
 
+def _strings(value):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+def test_no_committed_results_file_records_an_absolute_path():
+    for file in sorted(report.RESULTS.glob("*.json")):
+        absolute = [s for s in _strings(json.loads(file.read_text())) if s.startswith("/") or s[1:3] == ":\\"]
+        assert not absolute, f"{file.name} records paths of the machine that ran it: {absolute[:3]}"
+    sys.path.insert(0, str(BENCHMARKS))
+    from _common import REPO, recorded_path
+
+    assert recorded_path(REPO / "benchmarks" / "results" / "x.png") == "benchmarks/results/x.png"
+    assert recorded_path("/elsewhere/model") == "model"
+
+
 def test_every_registered_fragment_whose_results_exist_renders_a_table_or_sentence_and_its_provenance():
     for name, fragment in FRAGMENTS.items():
         if all((report.RESULTS / f"{file}.json").exists() for file in fragment.files):
