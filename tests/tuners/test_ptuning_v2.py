@@ -228,6 +228,18 @@ def test_save_projection_false_writes_only_folded_prefixes_and_fold_keeps_output
         torch.testing.assert_close(peft_model(input_ids=IDS).logits, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_under_autocast_the_saved_folded_prefix_gives_the_trained_models_outputs(tmp_path):
+    """The MLP runs outside autocast, as the folding at save runs: under bf16 autocast the reloaded adapter equals
+    the trained one bit for bit (inside autocast the MLP's bf16 output differed by a bf16 step in most logits)."""
+    peft_model = _model(prefix_projection=True, save_projection=False).eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = peft_model(input_ids=IDS).logits
+    peft_model.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(tiny_llama(), tmp_path).eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(reloaded(input_ids=IDS).logits, expected, rtol=0, atol=0)
+
+
 def test_multiple_adapters_disable_unload_and_merge_refusal(capsys):
     model = tiny_llama()
     with torch.no_grad():

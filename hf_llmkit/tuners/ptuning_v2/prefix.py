@@ -51,9 +51,12 @@ class ProjectedPrefix(nn.Module):
         self.up = nn.Linear(hidden, 2 * kv_heads * head_dim)
 
     def forward(self) -> torch.Tensor:
-        # Call the Linear modules (not F.linear on their weights) so ZeRO-3 gathers them.
-        hidden = torch.tanh(self.down(self.embedding))  # [N, H]
-        flat = self.up(hidden)  # [N, 2 * KVH * D]
+        # Call the Linear modules (not F.linear on their weights) so ZeRO-3 gathers them. Outside autocast, in the
+        # weights' precision, as `fold` / `fold_state` compute the prefix a save writes: the saved adapter then gives
+        # the trained model's outputs under autocast too (the attention casts the prefix to the keys' dtype).
+        with torch.autocast(self.embedding.device.type, enabled=False):
+            hidden = torch.tanh(self.down(self.embedding))  # [N, H]
+            flat = self.up(hidden)  # [N, 2 * KVH * D]
         return flat.view(flat.shape[0], 2, self.kv_heads, self.head_dim).permute(1, 2, 0, 3)  # [2, KVH, N, D]
 
     @torch.no_grad()
