@@ -7,7 +7,7 @@ from tests.composition.readme_table import BEGIN, END, README, section, table
 
 def test_readme_table_matches_the_matrix():
     text = README.read_text(encoding="utf-8")
-    assert BEGIN in text and END in text, "README.md lost its composition table markers"
+    assert BEGIN in text and END in text, "docs/composition.md lost its composition table markers"
     stale = "README's composition table is stale: run python -m tests.composition.readme_table --write"
     assert section(text) == text, stale
 

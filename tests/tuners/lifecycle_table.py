@@ -10,11 +10,10 @@ call the battery makes; tests/tuners/test_lifecycle_table.py fails when the page
 
 from __future__ import annotations
 
-import argparse
-import re
 import warnings
 from pathlib import Path
 
+from tests.docs.generated_table import replace_between, run
 from tests.tuners.lifecycle_cases import FAMILIES, METHODS, NO_CHECKPOINTING, Case, make_model
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "peft.md"
@@ -100,19 +99,11 @@ def table() -> str:
 
 def section(text: str) -> str:
     """`text` with the table between the markers replaced by the generated one."""
-    pattern = re.compile(re.escape(BEGIN) + r"\n.*?" + re.escape(END), flags=re.S)
-    if not pattern.search(text):
-        raise ValueError(f"{DOC.name} has no lifecycle table markers ({BEGIN!r} ... {END!r})")
-    return pattern.sub(lambda _: f"{BEGIN}\n{table()}\n{END}", text)
+    return replace_between(text, BEGIN, END, table(), "docs/peft.md")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", action="store_true", help="update docs/peft.md instead of printing the table")
-    if parser.parse_args().write:
-        DOC.write_text(section(DOC.read_text(encoding="utf-8")), encoding="utf-8")
-    else:
-        print(table())
+    run(__doc__.split("\n\n")[0], DOC, table, section)
 
 
 if __name__ == "__main__":
