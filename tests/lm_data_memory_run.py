@@ -3,7 +3,9 @@ blocks (with a cache folder, as the main job does) and print the peak resident m
 
     python tests/lm_data_memory_run.py WORKDIR SIZE_MB
 
-`ru_maxrss` is the process's high-water mark: read once after the imports and the tokenizer, once after the build.
+`ru_maxrss` is the process's high-water mark of resident memory: its own (anonymous) memory and the pages of the files
+it maps (data read through a memory map stays resident, and counts). Read once after the imports and the tokenizer,
+once after the build.
 """
 
 from __future__ import annotations

@@ -91,33 +91,47 @@ def test_a_full_or_unusable_cache_folder_is_one_line_naming_it_and_the_fix(tmp_p
         build_lm_datasets(tokenizer=_tokenizer(), block_size=4, files=[corpus], cache_dir=tmp_path / ("c" * 300))
 
 
+SMALL_MB, LARGE_MB = 8, 48  # the smaller one already past the first groups (where the memory levels off)
+
+
 @pytest.fixture(scope="module")
 def big_single_line(tmp_path_factory):
-    """Two runs of tests/lm_data_memory_run.py at once on a single-line file of 4 MB: one to the end (its peak
-    memory), one killed while it writes into its cache folder."""
+    """tests/lm_data_memory_run.py in three fresh interpreters at once: on single-line files of SMALL_MB and of
+    LARGE_MB megabytes to the end (their peak memory), and one killed while it writes into its cache folder."""
     work = tmp_path_factory.mktemp("big")
-    command = [sys.executable, str(MEMORY_RUN)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    measured = subprocess.Popen([*command, str(work / "measured"), "4"], stdout=subprocess.PIPE, text=True, env=env)
-    killed = subprocess.Popen([*command, str(work / "killed"), "4"], stdout=subprocess.DEVNULL, env=env)
+
+    def start(name: str, size_mb: int, out) -> subprocess.Popen:
+        command = [sys.executable, str(MEMORY_RUN), str(work / name), str(size_mb)]
+        return subprocess.Popen(command, stdout=out, text=True, env=env)
+
+    measured = {size: start(f"measured-{size}", size, subprocess.PIPE) for size in (SMALL_MB, LARGE_MB)}
+    killed = start("killed", SMALL_MB, subprocess.DEVNULL)
     cache = work / "killed" / "cache"
     deadline = time.monotonic() + 240
     while not list(cache.glob("*.tmp-*")) and killed.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
-    out, _ = measured.communicate(timeout=400)
-    assert measured.returncode == 0
-    return json.loads(out.strip().splitlines()[-1]), cache
+    results = {}
+    for size, process in measured.items():
+        out, _ = process.communicate(timeout=400)
+        assert process.returncode == 0
+        results[size] = json.loads(out.strip().splitlines()[-1])
+    return results, cache
 
 
 def test_a_large_single_line_file_tokenizes_in_bounded_memory(big_single_line):
-    result, _ = big_single_line
-    # The whole line at once took about 650 MB more (a 160-byte-per-character tokenizer buffer, the text and its
-    # rows in memory twice). Streamed in pieces, the process's own (anonymous) memory is bounded by one group of
-    # GROUP_TOKENS tokens: sampled, +69 / +142 / +174 / +180 MB at 4 / 32 / 64 / 128 MB of text. The pages of the
-    # Arrow files datasets memory-maps still count in RSS and grow with the data (+15 / +103 / +195 / +401 MB).
-    assert result["blocks"] > 7000 and result["added_mb"] < 200, result
+    results, _ = big_single_line
+    small, large = results[SMALL_MB], results[LARGE_MB]
+    assert small["blocks"] > 14000 and large["blocks"] > 5 * small["blocks"], results
+    # The peak resident memory the build added (ru_maxrss: the process's own memory and the mapped pages of files).
+    # The whole line at once took about 650 MB more at 4 MB. Streamed in pieces and blocks but then read through a
+    # memory map (to split and save it), it grew by about 3.7 MB per MB of text (68 MB at 8 MB, 217 MB at 48 MB),
+    # over 3 GB at 1 GB. Now nothing grows with the data: what a group of GROUP_TOKENS tokens needs, and an allocator
+    # high-water mark that levels off.
+    assert large["added_mb"] < 200, results
+    assert large["added_mb"] - small["added_mb"] < LARGE_MB - SMALL_MB, results  # under 1 MB per MB of text
 
 
 def test_a_killed_cache_write_leaves_nothing_after_the_next_build(big_single_line, tmp_path):
