@@ -1,8 +1,9 @@
 """The tokenized data cache follows everything that decides the blocks: the files' content (an edit that keeps size
 and mtime is never served stale; the same bytes under another path reuse the cached blocks), the split seed and the
-held-out text (issue 11, section 5; issue 21, section 3). Tokenization streams (a large single-line file in bounded
-memory), a killed cache write leaves nothing behind after the next build, and a cache folder that cannot be written
-is one line naming it and the fix."""
+held-out text (issue 11, section 5; issue 21, section 3). The split is a seeded, uniform choice of blocks, the same
+bits from every build. Tokenization streams (peak memory, mapped pages included, does not grow with a large
+single-line file), a killed cache write leaves nothing behind after the next build, and a cache folder that cannot be
+written is one line naming it and the fix."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from hf_llmkit.data_files import TextFiles
-from hf_llmkit.lm_data import build_lm_datasets
+from hf_llmkit.lm_data import build_lm_datasets, validation_block_count
 
 MEMORY_RUN = Path(__file__).with_name("lm_data_memory_run.py")
 
@@ -69,6 +70,37 @@ def test_cache_key_covers_the_split_seed_and_the_held_out_text(tmp_path):
     held.write_text("w5 w4 w3 w2 w1\n")
     assert validation(seed=42, validation_texts=TextFiles([held])) == [(7, 6, 5, 4)]
     assert len(list(cache.iterdir())) == 4
+
+
+def test_the_split_is_a_seeded_uniform_choice_in_text_order_the_same_bits_from_every_build(tmp_path):
+    """3,000 rows of one distinct word each: 3,000 distinct blocks, in 3 record batches of different sizes."""
+    vocab = {"[UNK]": 0, "[EOS]": 1, **{f"w{i}": i + 2 for i in range(3000)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", eos_token="[EOS]")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"w{i}\n" for i in range(3000)))
+
+    def split(seed: int, cache=None) -> tuple[list[int], list[int]]:
+        data = build_lm_datasets(tokenizer=tokenizer, block_size=2, files=[corpus], cache_dir=cache, seed=seed)
+        return tuple([row[0] - 2 for row in data[name]["input_ids"]] for name in ("train", "validation"))
+
+    train, held = split(7, tmp_path / "a")
+    assert len(held) == validation_block_count(3000, 5.0) == 150 and sorted(train + held) == list(range(3000))
+    assert train == sorted(train) and held == sorted(held)  # both in the text's order
+    assert split(7, tmp_path / "b") == split(7) == (train, held)  # another empty cache, no cache: the same split
+    (entry_a,), (entry_b,) = (tmp_path / "a").iterdir(), (tmp_path / "b").iterdir()
+    assert entry_a.name == entry_b.name and sorted(p.name for p in entry_a.iterdir()) == [
+        "train.arrow",
+        "validation.arrow",
+    ]
+    assert all((entry_a / f).read_bytes() == (entry_b / f).read_bytes() for f in ("train.arrow", "validation.arrow"))
+    # every block equally likely held out, across the batches: 20 seeds x 150 blocks, 1,000 expected per third (sd 25)
+    thirds = [0, 0, 0]
+    for seed in range(20):
+        for index in split(seed)[1]:
+            thirds[index // 1000] += 1
+    assert all(880 < count < 1120 for count in thirds), thirds
 
 
 def test_a_full_or_unusable_cache_folder_is_one_line_naming_it_and_the_fix(tmp_path):
