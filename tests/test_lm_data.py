@@ -20,6 +20,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from hf_llmkit import lm_data
 from hf_llmkit.data_files import TextFiles
 from hf_llmkit.lm_data import build_lm_datasets, validation_block_count
 
@@ -101,6 +102,25 @@ def test_the_split_is_a_seeded_uniform_choice_in_text_order_the_same_bits_from_e
         for index in split(seed)[1]:
             thirds[index // 1000] += 1
     assert all(880 < count < 1120 for count in thirds), thirds
+
+
+@pytest.mark.parametrize("cap", [7, 1 << 20])
+def test_the_blocks_are_the_recipes_whatever_the_group_token_cap(tmp_path, monkeypatch, cap):
+    """The recipe's blocks: each row's tokens and an end-of-text token, concatenated 2,000 rows at a time, cut into
+    blocks, each group's tail dropped; a row over PIECE_CHARS characters (tokenized in pieces) and a group over
+    GROUP_TOKENS tokens (cut a part at a time) give the same blocks."""
+    rows = [" ".join(f"w{(i * j) % 10}" for j in range(1 + i % 13)) for i in range(2500)]
+    rows[1234] = "w3 w4 " * 15000  # 90,000 characters: in pieces
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(rows) + "\n")
+    tokenizer, block = _tokenizer(), 5
+    expected = []
+    for start in range(0, len(rows), 2000):
+        ids = [i for row in rows[start : start + 2000] for i in [*tokenizer(row)["input_ids"], 1]]
+        expected += [tuple(ids[i : i + block]) for i in range(0, len(ids) // block * block, block)]
+    monkeypatch.setattr(lm_data, "GROUP_TOKENS", cap)
+    data = build_lm_datasets(tokenizer=tokenizer, block_size=block, files=[corpus], validation_texts=["w1 " * 9])
+    assert [tuple(row) for row in data["train"]["input_ids"]] == expected
 
 
 def test_a_full_or_unusable_cache_folder_is_one_line_naming_it_and_the_fix(tmp_path):
