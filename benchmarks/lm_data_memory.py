@@ -39,11 +39,13 @@ def _peak_mb() -> float:
 
 
 def child(size_mb: float, workdir: Path) -> dict:
-    """One measurement, in this (fresh) process."""
+    """One measurement, in this (fresh) process; the cache folder is workdir/cache. (tests/test_lm_data.py runs it
+    too: `python benchmarks/lm_data_memory.py --child SIZE_MB WORKDIR` prints the result as one JSON line.)"""
     from hf_llmkit.corpus import corpus_texts, corpus_tokenizer
     from hf_llmkit.data_files import TextFiles
     from hf_llmkit.lm_data import build_lm_datasets
 
+    workdir.mkdir(parents=True, exist_ok=True)
     path, text = workdir / "one-line.txt", " ".join(corpus_texts()).replace("\n", " ").encode()
     with open(path, "wb") as handle:
         left = int(size_mb * (1 << 20))

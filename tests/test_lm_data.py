@@ -24,7 +24,7 @@ from hf_llmkit import lm_data
 from hf_llmkit.data_files import TextFiles
 from hf_llmkit.lm_data import build_lm_datasets, validation_block_count
 
-MEMORY_RUN = Path(__file__).with_name("lm_data_memory_run.py")
+MEMORY_RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "lm_data_memory.py"  # its --child mode
 
 
 def _tokenizer() -> PreTrainedTokenizerFast:
@@ -148,13 +148,14 @@ SMALL_MB, LARGE_MB = 8, 48  # the smaller one already past the first groups (whe
 
 @pytest.fixture(scope="module")
 def big_single_line(tmp_path_factory):
-    """tests/lm_data_memory_run.py in three fresh interpreters at once: on single-line files of SMALL_MB and of
-    LARGE_MB megabytes to the end (their peak memory), and one killed while it writes into its cache folder."""
+    """One measurement of benchmarks/lm_data_memory.py (--child) in each of three fresh interpreters at once: on
+    single-line files of SMALL_MB and of LARGE_MB megabytes to the end (their peak memory), and one killed while it
+    writes into its cache folder."""
     work = tmp_path_factory.mktemp("big")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def start(name: str, size_mb: int, out) -> subprocess.Popen:
-        command = [sys.executable, str(MEMORY_RUN), str(work / name), str(size_mb)]
+        command = [sys.executable, str(MEMORY_RUN), "--child", str(size_mb), str(work / name)]
         return subprocess.Popen(command, stdout=out, text=True, env=env)
 
     measured = {size: start(f"measured-{size}", size, subprocess.PIPE) for size in (SMALL_MB, LARGE_MB)}
