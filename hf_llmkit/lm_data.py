@@ -31,7 +31,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +48,12 @@ __all__ = ["build_lm_datasets", "validation_block_count"]
 
 GROUP_ROWS = 2000  # rows concatenated before cutting blocks (the recipe's map batch size)
 GROUP_TOKENS = 1 << 20  # a group of more tokens is cut into blocks this many at a time (the same blocks)
-_WRITE_BLOCKS = 1024  # blocks per Arrow record batch
+_READ_TOKENS = (
+    1 << 17
+)  # tokens per Arrow record batch of the file of all blocks, which the split reads a batch at a time
+# tokens per record batch of the split files: opening a memory-mapped Arrow file reads every batch's header, and the
+# kernel maps the pages around each read (fault-around, 64 KiB) into the process: fewer batches, fewer such pages
+_WRITE_TOKENS = 1 << 20
 _SPLITS = ("train", "validation")  # a cache entry: one Arrow stream file of blocks per split, <split>.arrow
 _MAX_SPLIT_BLOCKS = 10**9  # numpy's hypergeometric sampler takes populations under this
 _TOKENIZE_ROWS, _TOKENIZE_CHARS = 1000, 1 << 18  # one tokenizer call: at most this many rows / characters
@@ -171,28 +176,54 @@ def _with_end(pieces: Iterator[tuple[str, bool]]) -> Iterator[tuple[str, bool] |
     yield None
 
 
-def _write_blocks(pieces: Iterator[tuple[str, bool]], tokenizer, block_size: int, path: Path, what: str) -> int:
-    """Append every block of the texts to the Arrow stream file `path`; returns how many."""
-    count, step = 0, block_size * _WRITE_BLOCKS
+def _record_batch(blocks: np.ndarray) -> pa.RecordBatch:
+    """The record batch of a 2-D array of token ids, one block a row (labels = input ids)."""
+    flat = np.ascontiguousarray(blocks, dtype=np.int64).ravel()
+    offsets = pa.array(np.arange(0, flat.size + 1, blocks.shape[1], dtype=np.int32))
+    columns = [
+        pa.ListArray.from_arrays(offsets, pa.array(flat.astype(np.int32))),
+        pa.ListArray.from_arrays(offsets, pa.array(np.ones(flat.size, dtype=np.int8))),
+        pa.ListArray.from_arrays(offsets, pa.array(flat)),
+    ]
+    return pa.record_batch(columns, schema=_SCHEMA)
+
+
+@contextlib.contextmanager
+def _block_writer(path: Path, rows: int) -> Iterator[Callable[[np.ndarray], None]]:
+    """`write(blocks)` (a 2-D array of token ids, one block a row) for the Arrow stream file `path`: written in record
+    batches of `rows` blocks (the last one fewer), so neither a large array nor many small ones make a batch."""
+    pending: list[np.ndarray] = []
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, _SCHEMA) as writer:
+
+        def flush() -> None:
+            if pending:
+                blocks = np.concatenate(pending) if len(pending) > 1 else pending[0]
+                pending.clear()
+                writer.write_batch(_record_batch(blocks))
+
+        def write(blocks: np.ndarray) -> None:
+            for start in range(0, len(blocks), rows):
+                pending.append(blocks[start : start + rows])
+                if sum(map(len, pending)) >= rows:
+                    flush()
+
+        yield write
+        flush()
+
+
+def _write_blocks(pieces: Iterator[tuple[str, bool]], tokenizer, block_size: int, path: Path, what: str, rows: int):
+    """Write every block of the texts to the Arrow stream file `path`, `rows` blocks a batch; returns how many."""
+    count = 0
+    with _block_writer(path, rows) as write:
         for ids in _groups(pieces, tokenizer, tokenizer.eos_token_id, block_size):
-            for start in range(0, len(ids), step):
-                blocks = ids[start : start + step].reshape(-1, block_size)
-                offsets = pa.array(np.arange(0, blocks.size + 1, block_size, dtype=np.int32))
-                flat = blocks.ravel()
-                columns = [
-                    pa.ListArray.from_arrays(offsets, pa.array(flat.astype(np.int32))),
-                    pa.ListArray.from_arrays(offsets, pa.array(np.ones(blocks.size, dtype=np.int8))),
-                    pa.ListArray.from_arrays(offsets, pa.array(flat)),
-                ]
-                writer.write_batch(pa.record_batch(columns, schema=_SCHEMA))
-                count += len(blocks)
+            write(ids.reshape(-1, block_size))
+            count += len(ids) // block_size
     if count == 0:
         raise ValueError(f"the {what} text gives 0 blocks of {block_size} tokens; add text or lower --block_size")
     return count
 
 
-def _split_blocks(source: Path, out: Path, blocks: int, held: int, seed: int) -> None:
+def _split_blocks(source: Path, out: Path, block_size: int, blocks: int, held: int, seed: int) -> None:
     """Write `held` of the `blocks` blocks of the Arrow file `source`, a uniformly random choice made with `seed`,
     to out/validation.arrow and the others to out/train.arrow, both in `source`'s order.
 
@@ -204,33 +235,33 @@ def _split_blocks(source: Path, out: Path, blocks: int, held: int, seed: int) ->
             f"the data gives {blocks} blocks, too many to split by a percentage; "
             "pass --validation_file (a held-out text) or a larger --block_size"
         )
-    rng, left = np.random.default_rng(seed), blocks
+    rng, left, rows = np.random.default_rng(seed), blocks, max(1, _WRITE_TOKENS // block_size)
     with contextlib.ExitStack() as stack:
         reader = pa.ipc.open_stream(stack.enter_context(pa.OSFile(str(source), "rb")))
-        train, validation = (
-            stack.enter_context(pa.ipc.new_stream(stack.enter_context(pa.OSFile(str(out / f"{split}.arrow"), "wb")),
-                                                  _SCHEMA))
-            for split in _SPLITS
-        )  # fmt: skip
+        train, validation = (stack.enter_context(_block_writer(out / f"{name}.arrow", rows)) for name in _SPLITS)
         for batch in reader:
-            size = batch.num_rows
-            take = int(rng.hypergeometric(size, left - size, held)) if left > size else held
-            chosen = np.zeros(size, dtype=bool)
-            chosen[rng.choice(size, take, replace=False)] = True
-            train.write_batch(batch.filter(pa.array(~chosen)))
-            validation.write_batch(batch.filter(pa.array(chosen)))
-            left, held = left - size, held - take
+            ids = batch.column("labels").flatten().to_numpy().reshape(-1, block_size)
+            take = int(rng.hypergeometric(len(ids), left - len(ids), held)) if left > len(ids) else held
+            chosen = np.zeros(len(ids), dtype=bool)
+            chosen[rng.choice(len(ids), take, replace=False)] = True
+            train(ids[~chosen])
+            validation(ids[chosen])
+            left, held = left - len(ids), held - take
 
 
 def _build(out: Path, *, tokenizer, block_size, files, texts, validation_texts, percentage, seed) -> None:
     """Write the blocks of both splits into the folder `out` (`_SPLITS`)."""
     if validation_texts is not None:
-        _write_blocks(_pieces(files, texts), tokenizer, block_size, out / "train.arrow", "training")
-        _write_blocks(_pieces((), validation_texts), tokenizer, block_size, out / "validation.arrow", "validation")
+        rows = max(1, _WRITE_TOKENS // block_size)
+        _write_blocks(_pieces(files, texts), tokenizer, block_size, out / "train.arrow", "training", rows)
+        _write_blocks(
+            _pieces((), validation_texts), tokenizer, block_size, out / "validation.arrow", "validation", rows
+        )
         return
     every = out / "blocks.arrow"
-    blocks = _write_blocks(_pieces(files, texts), tokenizer, block_size, every, "training")
-    _split_blocks(every, out, blocks, validation_block_count(blocks, percentage), seed)
+    rows = max(1, _READ_TOKENS // block_size)
+    blocks = _write_blocks(_pieces(files, texts), tokenizer, block_size, every, "training", rows)
+    _split_blocks(every, out, block_size, blocks, validation_block_count(blocks, percentage), seed)
     every.unlink()
 
 
