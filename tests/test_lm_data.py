@@ -93,11 +93,9 @@ def test_the_split_is_a_seeded_uniform_choice_in_text_order_the_same_bits_from_e
     assert train == sorted(train) and held == sorted(held)  # both in the text's order
     assert split(7, tmp_path / "b") == split(7) == (train, held)  # another empty cache, no cache: the same split
     (entry_a,), (entry_b,) = (tmp_path / "a").iterdir(), (tmp_path / "b").iterdir()
-    assert entry_a.name == entry_b.name and sorted(p.name for p in entry_a.iterdir()) == [
-        "train.arrow",
-        "validation.arrow",
-    ]
-    assert all((entry_a / f).read_bytes() == (entry_b / f).read_bytes() for f in ("train.arrow", "validation.arrow"))
+    files = ["train.arrow", "validation.arrow"]
+    assert entry_a.name == entry_b.name and sorted(p.name for p in entry_a.iterdir()) == files
+    assert all((entry_a / f).read_bytes() == (entry_b / f).read_bytes() for f in files)
     # every block equally likely held out, across the batches: 20 seeds x 150 blocks, 1,000 expected per third (sd 25)
     thirds = [0, 0, 0]
     for seed in range(20):
@@ -182,9 +180,9 @@ def test_a_large_single_line_file_tokenizes_in_bounded_memory(big_single_line):
     assert small["blocks"] > 14000 and large["blocks"] > 5 * small["blocks"], results
     # The peak resident memory the build added (ru_maxrss: the process's own memory and the mapped pages of files).
     # The whole line at once took about 650 MB more at 4 MB. Streamed in pieces and blocks but then read through a
-    # memory map (to split and save it), it grew by about 3.7 MB per MB of text (68 MB at 8 MB, 217 MB at 48 MB),
-    # over 3 GB at 1 GB. Now nothing grows with the data: what a group of GROUP_TOKENS tokens needs, and an allocator
-    # high-water mark that levels off.
+    # memory map (to split and save it), it grew by 3 to 4 MB per MB of text (60 MB at 8 MB, 221 MB at 56 MB: over
+    # 3 GB at 1 GB). Now nothing grows with the data (about 85 and 100 MB here; 113 MB at 1 GB): what a group of
+    # GROUP_TOKENS tokens and a record batch of the split need, and an allocator high-water mark that levels off.
     assert large["added_mb"] < 200, results
     assert large["added_mb"] - small["added_mb"] < LARGE_MB - SMALL_MB, results  # under 1 MB per MB of text
 
