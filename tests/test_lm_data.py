@@ -181,7 +181,7 @@ def test_a_large_single_line_file_tokenizes_in_bounded_memory(big_single_line):
     # The peak resident memory the build added (ru_maxrss: the process's own memory and the mapped pages of files).
     # The whole line at once took about 650 MB more at 4 MB. Streamed in pieces and blocks but then read through a
     # memory map (to split and save it), it grew by 3 to 4 MB per MB of text (60 MB at 8 MB, 221 MB at 56 MB: over
-    # 3 GB at 1 GB). Now nothing grows with the data (about 85 and 100 MB here; 113 MB at 1 GB): what a group of
+    # 3 GB at 1 GB). Now nothing grows with the data (about 85 and 100 MB here; 110 MB at 1 GB): what a group of
     # GROUP_TOKENS tokens and a record batch of the split need, and an allocator high-water mark that levels off.
     assert large["added_mb"] < 200, results
     assert large["added_mb"] - small["added_mb"] < LARGE_MB - SMALL_MB, results  # under 1 MB per MB of text
