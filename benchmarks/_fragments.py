@@ -102,6 +102,20 @@ def quickstart_time(results: dict) -> str:
     )
 
 
+@fragment("lm_data_memory", "lm_data_memory")
+def lm_data_memory(results: dict) -> str:
+    data = results["lm_data_memory"]
+    runs = [
+        f"{r['size_mb']:g} MB in {r['seconds']:.0f} s at a peak resident memory of {r['peak_rss_mb']:.0f} MB, "
+        f"{r['added_mb']:.0f} MB over the imports and the tokenizer"
+        for r in data["runs"]
+    ]
+    return (
+        f"A text of one line, tokenized into blocks of {data['block_size']} tokens with a cache folder (a fresh "
+        f"process per size): {'; '.join(runs)}.\n\n" + measured(data)
+    )
+
+
 # -- sequence parallelism ---------------------------------------------------------------------------------------
 
 

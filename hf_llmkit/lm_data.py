@@ -7,34 +7,40 @@ held-out validation text). Rows are grouped 2,000 at a time, as the recipe's `da
 
 Memory does not grow with the data: the rows are streamed (`hf_llmkit.data_files.TextFiles`; a row longer than
 `PIECE_CHARS` characters is tokenized in pieces), tokenized a bounded batch at a time, and the blocks are written to
-an Arrow file as they come; with a `cache_dir` the result stays memory-mapped from disk.
+an Arrow file as they come (a group of huge rows `GROUP_TOKENS` tokens at a time: the same blocks). The split then
+streams that file one record batch at a time through plain reads into the two split files, and the result is
+memory-mapped from them: nothing reads the data through a memory map while building, and opening them maps a few
+pages per record batch of `_WRITE_TOKENS` tokens, so neither the process's own memory nor its mapped pages grow with
+the file (but for those few pages: about 64 KiB per million tokens). The validation blocks are a seeded, uniformly
+random choice of the blocks; both splits keep the order of the text (the Trainer shuffles the training blocks).
 
-The result is cached (`save_to_disk`) under a key of everything that decides the blocks: the sources' content (sha256
-of each file's bytes, or of the texts), the whole tokenizer (its serialized vocabulary, merges, normalizer and
-pre-tokenizer, and the end-of-text token), the block size, and either the validation text's content or the split
-percentage with its seed. So a second run (or the other ranks) reuses it and nothing else is ever served from it.
-`max_train_samples` / `max_eval_samples` select from the loaded splits afterwards. A write killed half way leaves a
-temporary folder that the next build in the same cache folder removes (`hf_llmkit.cache_folder`).
+The result is cached under a key of everything that decides the blocks: the sources' content (sha256 of each file's
+bytes, or of the texts), the whole tokenizer (its serialized vocabulary, merges, normalizer and pre-tokenizer, and the
+end-of-text token), the block size, and either the validation text's content or the split percentage with its seed.
+So a second run (or the other ranks) reuses it and nothing else is ever served from it. A cache entry is a folder of
+two Arrow files (`train.arrow`, `validation.arrow`), published whole by a rename. `max_train_samples` /
+`max_eval_samples` select from the loaded splits afterwards. A write killed half way leaves a temporary folder that
+the next build in the same cache folder removes (`hf_llmkit.cache_folder`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import math
 import os
-import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from datasets import Dataset, DatasetDict, load_from_disk
+from datasets import Dataset, DatasetDict, NamedSplit
 from transformers import PreTrainedTokenizerBase
 
-from hf_llmkit.cache_folder import publish_once, remove_stale_temporaries, temporary_sibling
+from hf_llmkit.cache_folder import publish_once, remove_stale_temporaries
 from hf_llmkit.checkpoints.names import path_too_long, shown_path
 from hf_llmkit.checkpoints.retries import describe_write_error, write_errno
 from hf_llmkit.data_files import TextFiles, split_long_text
@@ -42,8 +48,15 @@ from hf_llmkit.data_files import TextFiles, split_long_text
 __all__ = ["build_lm_datasets", "validation_block_count"]
 
 GROUP_ROWS = 2000  # rows concatenated before cutting blocks (the recipe's map batch size)
-GROUP_TOKENS = 1 << 22  # ... or fewer, when huge rows would make a group hold more tokens than this
-_WRITE_BLOCKS = 1024  # blocks per Arrow record batch
+GROUP_TOKENS = 1 << 20  # a group of more tokens is cut into blocks this many at a time (the same blocks)
+_READ_TOKENS = (
+    1 << 17
+)  # tokens per Arrow record batch of the file of all blocks, which the split reads a batch at a time
+# tokens per record batch of the split files: opening a memory-mapped Arrow file reads every batch's header, and the
+# kernel maps the pages around each read (fault-around, 64 KiB) into the process: fewer batches, fewer such pages
+_WRITE_TOKENS = 1 << 20
+_SPLITS = ("train", "validation")  # a cache entry: one Arrow stream file of blocks per split, <split>.arrow
+_MAX_SPLIT_BLOCKS = 10**9  # numpy's hypergeometric sampler takes populations under this
 _TOKENIZE_ROWS, _TOKENIZE_CHARS = 1000, 1 << 18  # one tokenizer call: at most this many rows / characters
 _CACHE_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.ENAMETOOLONG}
 # the types `datasets.map` gives these columns (its optimized integer types for token ids and masks)
@@ -83,7 +96,7 @@ def _source_digest(files: Sequence[Path], texts: Iterable[str] | None) -> bytes:
 
 def _cache_key(sources: bytes, tokenizer, block_size: int, split: str) -> str:
     digest = hashlib.sha256(sources + _tokenizer_digest(tokenizer))
-    digest.update(f"{block_size}:{split}:v3".encode())
+    digest.update(f"{block_size}:{split}:v4".encode())
     return digest.hexdigest()[:16]
 
 
@@ -109,26 +122,38 @@ def _pieces(files: Sequence[Path], texts: Iterable[str] | None) -> Iterator[tupl
 
 
 class _Grouper:
-    """Concatenates tokenized rows; a group closes after `GROUP_ROWS` rows (or `GROUP_TOKENS` tokens)."""
+    """Concatenates tokenized rows into whole blocks. `GROUP_ROWS` rows make a group, whose tail (under one block)
+    is dropped, as the recipe does; a group that reaches `GROUP_TOKENS` tokens hands out its whole blocks so far and
+    keeps its tail, so memory is bounded and the blocks are those of the whole group."""
 
-    def __init__(self):
+    def __init__(self, block_size: int):
+        self.block_size = block_size
         self.parts: list[np.ndarray] = []
         self.rows = self.tokens = 0
 
     def add(self, ids: np.ndarray, ends_row: bool) -> np.ndarray | None:
         self.parts.append(ids)
         self.rows, self.tokens = self.rows + ends_row, self.tokens + len(ids)
-        return self.close() if self.rows >= GROUP_ROWS or self.tokens >= GROUP_TOKENS else None
+        if self.rows >= GROUP_ROWS:
+            return self.close()
+        return self._whole_blocks() if self.tokens >= GROUP_TOKENS else None
+
+    def _whole_blocks(self) -> np.ndarray:
+        ids = np.concatenate(self.parts)
+        usable = len(ids) // self.block_size * self.block_size
+        self.parts = [ids[usable:].copy()]  # a copy: the group's array is not kept alive by its tail
+        self.tokens = len(ids) - usable
+        return ids[:usable]
 
     def close(self) -> np.ndarray | None:
-        group = np.concatenate(self.parts) if self.parts else None
+        blocks = self._whole_blocks() if self.parts else None
         self.parts, self.rows, self.tokens = [], 0, 0
-        return group
+        return blocks
 
 
-def _groups(pieces: Iterator[tuple[str, bool]], tokenizer, eos: int | None) -> Iterator[np.ndarray]:
-    """The token ids of each group of rows, one array per group; tokenized a bounded batch at a time."""
-    grouper, batch, chars = _Grouper(), [], 0
+def _groups(pieces: Iterator[tuple[str, bool]], tokenizer, eos: int | None, block_size: int) -> Iterator[np.ndarray]:
+    """Token ids, whole blocks of them (`_Grouper`), one array at a time; tokenized a bounded batch at a time."""
+    grouper, batch, chars = _Grouper(block_size), [], 0
     for piece in _with_end(pieces):
         if piece is not None:
             batch.append(piece)
@@ -152,38 +177,102 @@ def _with_end(pieces: Iterator[tuple[str, bool]]) -> Iterator[tuple[str, bool] |
     yield None
 
 
-def _write_blocks(pieces: Iterator[tuple[str, bool]], tokenizer, block_size: int, path: Path, what: str) -> int:
-    """Cut every group into blocks (its tail, under one block, dropped) and append them to the Arrow file `path`."""
-    count = 0
+def _record_batch(blocks: np.ndarray) -> pa.RecordBatch:
+    """The record batch of a 2-D array of token ids, one block a row (labels = input ids)."""
+    flat = np.ascontiguousarray(blocks, dtype=np.int64).ravel()
+    offsets = pa.array(np.arange(0, flat.size + 1, blocks.shape[1], dtype=np.int32))
+    columns = [
+        pa.ListArray.from_arrays(offsets, pa.array(flat.astype(np.int32))),
+        pa.ListArray.from_arrays(offsets, pa.array(np.ones(flat.size, dtype=np.int8))),
+        pa.ListArray.from_arrays(offsets, pa.array(flat)),
+    ]
+    return pa.record_batch(columns, schema=_SCHEMA)
+
+
+@contextlib.contextmanager
+def _block_writer(path: Path, rows: int) -> Iterator[Callable[[np.ndarray], None]]:
+    """`write(blocks)` (a 2-D array of token ids, one block a row) for the Arrow stream file `path`: written in record
+    batches of `rows` blocks (the last one fewer), so neither a large array nor many small ones make a batch."""
+    pending: list[np.ndarray] = []
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, _SCHEMA) as writer:
-        for ids in _groups(pieces, tokenizer, tokenizer.eos_token_id):
-            usable = len(ids) // block_size * block_size
-            for start in range(0, usable, block_size * _WRITE_BLOCKS):
-                blocks = ids[start : min(usable, start + block_size * _WRITE_BLOCKS)].reshape(-1, block_size)
-                offsets = pa.array(np.arange(0, blocks.size + 1, block_size, dtype=np.int32))
-                flat = blocks.ravel()
-                columns = [
-                    pa.ListArray.from_arrays(offsets, pa.array(flat.astype(np.int32))),
-                    pa.ListArray.from_arrays(offsets, pa.array(np.ones(blocks.size, dtype=np.int8))),
-                    pa.ListArray.from_arrays(offsets, pa.array(flat)),
-                ]
-                writer.write_batch(pa.record_batch(columns, schema=_SCHEMA))
-                count += len(blocks)
+
+        def flush() -> None:
+            if pending:
+                blocks = np.concatenate(pending) if len(pending) > 1 else pending[0]
+                pending.clear()
+                writer.write_batch(_record_batch(blocks))
+
+        def write(blocks: np.ndarray) -> None:
+            for start in range(0, len(blocks), rows):
+                pending.append(blocks[start : start + rows])
+                if sum(map(len, pending)) >= rows:
+                    flush()
+
+        yield write
+        flush()
+
+
+def _write_blocks(pieces: Iterator[tuple[str, bool]], tokenizer, block_size: int, path: Path, what: str, rows: int):
+    """Write every block of the texts to the Arrow stream file `path`, `rows` blocks a batch; returns how many."""
+    count = 0
+    with _block_writer(path, rows) as write:
+        for ids in _groups(pieces, tokenizer, tokenizer.eos_token_id, block_size):
+            write(ids.reshape(-1, block_size))
+            count += len(ids) // block_size
     if count == 0:
         raise ValueError(f"the {what} text gives 0 blocks of {block_size} tokens; add text or lower --block_size")
     return count
 
 
-def _build(work: Path, *, tokenizer, block_size, files, texts, validation_texts, percentage, seed, in_memory):
-    train_file, held_file = work / "train.arrow", work / "validation.arrow"
-    blocks = _write_blocks(_pieces(files, texts), tokenizer, block_size, train_file, "training")
-    train = Dataset.from_file(str(train_file), in_memory=in_memory)
+def _split_blocks(source: Path, out: Path, block_size: int, blocks: int, held: int, seed: int) -> None:
+    """Write `held` of the `blocks` blocks of the Arrow file `source`, a uniformly random choice made with `seed`,
+    to out/validation.arrow and the others to out/train.arrow, both in `source`'s order.
+
+    One record batch at a time, read with plain reads (pages read through a memory map would stay in the process's
+    resident memory): how many of a batch's blocks are held out is drawn from the hypergeometric distribution of
+    the blocks left, then which ones; together, exactly `held` blocks, every choice of them equally likely."""
+    if blocks >= _MAX_SPLIT_BLOCKS:
+        raise ValueError(
+            f"the data gives {blocks} blocks, too many to split by a percentage; "
+            "pass --validation_file (a held-out text) or a larger --block_size"
+        )
+    rng, left, rows = np.random.default_rng(seed), blocks, max(1, _WRITE_TOKENS // block_size)
+    with contextlib.ExitStack() as stack:
+        reader = pa.ipc.open_stream(stack.enter_context(pa.OSFile(str(source), "rb")))
+        train, validation = (stack.enter_context(_block_writer(out / f"{name}.arrow", rows)) for name in _SPLITS)
+        for batch in reader:
+            ids = batch.column("labels").flatten().to_numpy().reshape(-1, block_size)
+            take = int(rng.hypergeometric(len(ids), left - len(ids), held)) if left > len(ids) else held
+            chosen = np.zeros(len(ids), dtype=bool)
+            chosen[rng.choice(len(ids), take, replace=False)] = True
+            train(ids[~chosen])
+            validation(ids[chosen])
+            left, held = left - len(ids), held - take
+
+
+def _build(out: Path, *, tokenizer, block_size, files, texts, validation_texts, percentage, seed) -> None:
+    """Write the blocks of both splits into the folder `out` (`_SPLITS`)."""
     if validation_texts is not None:
-        _write_blocks(_pieces((), validation_texts), tokenizer, block_size, held_file, "validation")
-        return DatasetDict(train=train, validation=Dataset.from_file(str(held_file), in_memory=in_memory))
-    count = validation_block_count(blocks, percentage)
-    splits = train.train_test_split(test_size=count, seed=seed, shuffle=True, keep_in_memory=in_memory)
-    return DatasetDict(train=splits["train"], validation=splits["test"])
+        rows = max(1, _WRITE_TOKENS // block_size)
+        _write_blocks(_pieces(files, texts), tokenizer, block_size, out / "train.arrow", "training", rows)
+        _write_blocks(
+            _pieces((), validation_texts), tokenizer, block_size, out / "validation.arrow", "validation", rows
+        )
+        return
+    every = out / "blocks.arrow"
+    rows = max(1, _READ_TOKENS // block_size)
+    blocks = _write_blocks(_pieces(files, texts), tokenizer, block_size, every, "training", rows)
+    _split_blocks(every, out, block_size, blocks, validation_block_count(blocks, percentage), seed)
+    every.unlink()
+
+
+def _load(folder: Path, in_memory: bool) -> DatasetDict:
+    return DatasetDict(
+        {
+            split: Dataset.from_file(str(folder / f"{split}.arrow"), split=NamedSplit(split), in_memory=in_memory)
+            for split in _SPLITS
+        }
+    )
 
 
 def build_lm_datasets(
@@ -218,29 +307,28 @@ def build_lm_datasets(
     )  # fmt: skip
     if cache_dir is None:
         with tempfile.TemporaryDirectory(prefix="hf_llmkit_blocks_") as work:
-            return _build(Path(work), in_memory=True, **build)
+            _build(Path(work), **build)
+            return _load(Path(work), in_memory=True)
     cache = Path(cache_dir)
     too_long = path_too_long(cache)
     if too_long:
         raise ValueError(f"the cache folder {shown_path(cache)} {too_long}; pass --data_cache_dir with a shorter path")
     target = cache / f"lm-blocks-{_cache_key(_source_digest(files, texts), tokenizer, block_size, split)}"
-    if (target / "dataset_dict.json").is_file():
-        return load_from_disk(str(target))
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(cache)  # what killed builds left behind
-        work = temporary_sibling(target, "work")
-        work.mkdir()
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir()
+        _build(tmp, **build)
+
+    if not all((target / f"{name}.arrow").is_file() for name in _SPLITS):  # an entry is published whole
         try:
-            result = _build(work, in_memory=False, **build)
-            publish_once(target, lambda tmp: result.save_to_disk(str(tmp)))
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    except OSError as err:
-        if write_errno(err) not in _CACHE_WRITE_ERRORS:
-            raise
-        raise ValueError(
-            f"cannot write the tokenized data into the cache folder {cache}: {describe_write_error(err, cache)}; "
-            "free space there, or pass --data_cache_dir on another disk (or with a shorter path)"
-        ) from err
-    return load_from_disk(str(target))
+            cache.mkdir(parents=True, exist_ok=True)
+            remove_stale_temporaries(cache)  # what killed builds left behind
+            publish_once(target, write)
+        except OSError as err:
+            if write_errno(err) not in _CACHE_WRITE_ERRORS:
+                raise
+            raise ValueError(
+                f"cannot write the tokenized data into the cache folder {cache}: {describe_write_error(err, cache)}; "
+                "free space there, or pass --data_cache_dir on another disk (or with a shorter path)"
+            ) from err
+    return _load(target, in_memory=False)

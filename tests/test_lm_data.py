@@ -1,8 +1,9 @@
 """The tokenized data cache follows everything that decides the blocks: the files' content (an edit that keeps size
 and mtime is never served stale; the same bytes under another path reuse the cached blocks), the split seed and the
-held-out text (issue 11, section 5; issue 21, section 3). Tokenization streams (a large single-line file in bounded
-memory), a killed cache write leaves nothing behind after the next build, and a cache folder that cannot be written
-is one line naming it and the fix."""
+held-out text (issue 11, section 5; issue 21, section 3). The split is a seeded, uniform choice of blocks, the same
+bits from every build. Tokenization streams (peak memory, mapped pages included, does not grow with a large
+single-line file), a killed cache write leaves nothing behind after the next build, and a cache folder that cannot be
+written is one line naming it and the fix."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from hf_llmkit import lm_data
 from hf_llmkit.data_files import TextFiles
-from hf_llmkit.lm_data import build_lm_datasets
+from hf_llmkit.lm_data import build_lm_datasets, validation_block_count
 
-MEMORY_RUN = Path(__file__).with_name("lm_data_memory_run.py")
+MEMORY_RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "lm_data_memory.py"  # its --child mode
 
 
 def _tokenizer() -> PreTrainedTokenizerFast:
@@ -71,6 +73,56 @@ def test_cache_key_covers_the_split_seed_and_the_held_out_text(tmp_path):
     assert len(list(cache.iterdir())) == 4
 
 
+def test_the_split_is_a_seeded_uniform_choice_in_text_order_the_same_bits_from_every_build(tmp_path, monkeypatch):
+    """3,000 rows of one distinct word each: 3,000 distinct blocks, read by the split in record batches of 1,024 and
+    1,976 blocks."""
+    monkeypatch.setattr(lm_data, "_READ_TOKENS", 2048)  # 1,024 blocks of 2 tokens
+    vocab = {"[UNK]": 0, "[EOS]": 1, **{f"w{i}": i + 2 for i in range(3000)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", eos_token="[EOS]")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"w{i}\n" for i in range(3000)))
+
+    def split(seed: int, cache=None) -> tuple[list[int], list[int]]:
+        data = build_lm_datasets(tokenizer=tokenizer, block_size=2, files=[corpus], cache_dir=cache, seed=seed)
+        return tuple([row[0] - 2 for row in data[name]["input_ids"]] for name in ("train", "validation"))
+
+    train, held = split(7, tmp_path / "a")
+    assert len(held) == validation_block_count(3000, 5.0) == 150 and sorted(train + held) == list(range(3000))
+    assert train == sorted(train) and held == sorted(held)  # both in the text's order
+    assert split(7, tmp_path / "b") == split(7) == (train, held)  # another empty cache, no cache: the same split
+    (entry_a,), (entry_b,) = (tmp_path / "a").iterdir(), (tmp_path / "b").iterdir()
+    files = ["train.arrow", "validation.arrow"]
+    assert entry_a.name == entry_b.name and sorted(p.name for p in entry_a.iterdir()) == files
+    assert all((entry_a / f).read_bytes() == (entry_b / f).read_bytes() for f in files)
+    # every block equally likely held out, across the batches: 20 seeds x 150 blocks, 1,000 expected per third (sd 25)
+    thirds = [0, 0, 0]
+    for seed in range(20):
+        for index in split(seed)[1]:
+            thirds[index // 1000] += 1
+    assert all(880 < count < 1120 for count in thirds), thirds
+
+
+@pytest.mark.parametrize("cap", [7, 1 << 20])
+def test_the_blocks_are_the_recipes_whatever_the_group_token_cap(tmp_path, monkeypatch, cap):
+    """The recipe's blocks: each row's tokens and an end-of-text token, concatenated 2,000 rows at a time, cut into
+    blocks, each group's tail dropped; a row over PIECE_CHARS characters (tokenized in pieces) and a group over
+    GROUP_TOKENS tokens (cut a part at a time) give the same blocks."""
+    rows = [" ".join(f"w{(i * j) % 10}" for j in range(1 + i % 13)) for i in range(2500)]
+    rows[1234] = "w3 w4 " * 15000  # 90,000 characters: in pieces
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(rows) + "\n")
+    tokenizer, block = _tokenizer(), 5
+    expected = []
+    for start in range(0, len(rows), 2000):
+        ids = [i for row in rows[start : start + 2000] for i in [*tokenizer(row)["input_ids"], 1]]
+        expected += [tuple(ids[i : i + block]) for i in range(0, len(ids) // block * block, block)]
+    monkeypatch.setattr(lm_data, "GROUP_TOKENS", cap)
+    data = build_lm_datasets(tokenizer=tokenizer, block_size=block, files=[corpus], validation_texts=["w1 " * 9])
+    assert [tuple(row) for row in data["train"]["input_ids"]] == expected
+
+
 def test_a_full_or_unusable_cache_folder_is_one_line_naming_it_and_the_fix(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("w1 w2 w3 w4 w5 w6 w7\n" * 2000)
@@ -91,33 +143,48 @@ def test_a_full_or_unusable_cache_folder_is_one_line_naming_it_and_the_fix(tmp_p
         build_lm_datasets(tokenizer=_tokenizer(), block_size=4, files=[corpus], cache_dir=tmp_path / ("c" * 300))
 
 
+SMALL_MB, LARGE_MB = 8, 56  # the smaller one already past the first groups (where the memory levels off)
+
+
 @pytest.fixture(scope="module")
 def big_single_line(tmp_path_factory):
-    """Two runs of tests/lm_data_memory_run.py at once on a single-line file of 4 MB: one to the end (its peak
-    memory), one killed while it writes into its cache folder."""
+    """One measurement of benchmarks/lm_data_memory.py (--child) in each of three fresh interpreters at once: on
+    single-line files of SMALL_MB and of LARGE_MB megabytes to the end (their peak memory), and one killed while it
+    writes into its cache folder."""
     work = tmp_path_factory.mktemp("big")
-    command = [sys.executable, str(MEMORY_RUN)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    measured = subprocess.Popen([*command, str(work / "measured"), "4"], stdout=subprocess.PIPE, text=True, env=env)
-    killed = subprocess.Popen([*command, str(work / "killed"), "4"], stdout=subprocess.DEVNULL, env=env)
+
+    def start(name: str, size_mb: int, out) -> subprocess.Popen:
+        command = [sys.executable, str(MEMORY_RUN), "--child", str(size_mb), str(work / name)]
+        return subprocess.Popen(command, stdout=out, text=True, env=env)
+
+    measured = {size: start(f"measured-{size}", size, subprocess.PIPE) for size in (SMALL_MB, LARGE_MB)}
+    killed = start("killed", SMALL_MB, subprocess.DEVNULL)
     cache = work / "killed" / "cache"
     deadline = time.monotonic() + 240
     while not list(cache.glob("*.tmp-*")) and killed.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
-    out, _ = measured.communicate(timeout=400)
-    assert measured.returncode == 0
-    return json.loads(out.strip().splitlines()[-1]), cache
+    results = {}
+    for size, process in measured.items():
+        out, _ = process.communicate(timeout=400)
+        assert process.returncode == 0
+        results[size] = json.loads(out.strip().splitlines()[-1])
+    return results, cache
 
 
 def test_a_large_single_line_file_tokenizes_in_bounded_memory(big_single_line):
-    result, _ = big_single_line
-    # The whole line at once took about 650 MB more (a 160-byte-per-character tokenizer buffer, the text and its
-    # rows in memory twice). Streamed in pieces, the process's own (anonymous) memory is bounded by one group of
-    # GROUP_TOKENS tokens: sampled, +69 / +142 / +174 / +180 MB at 4 / 32 / 64 / 128 MB of text. The pages of the
-    # Arrow files datasets memory-maps still count in RSS and grow with the data (+15 / +103 / +195 / +401 MB).
-    assert result["blocks"] > 7000 and result["added_mb"] < 200, result
+    results, _ = big_single_line
+    small, large = results[SMALL_MB], results[LARGE_MB]
+    assert small["blocks"] > 14000 and large["blocks"] > 5 * small["blocks"], results
+    # The peak resident memory the build added (ru_maxrss: the process's own memory and the mapped pages of files).
+    # The whole line at once took about 650 MB more at 4 MB. Streamed in pieces and blocks but then read through a
+    # memory map (to split and save it), it grew by 3 to 4 MB per MB of text (60 MB at 8 MB, 221 MB at 56 MB: over
+    # 3 GB at 1 GB). Now nothing grows with the data (about 85 and 100 MB here; 110 MB at 1 GB): what a group of
+    # GROUP_TOKENS tokens and a record batch of the split need, and an allocator high-water mark that levels off.
+    assert large["added_mb"] < 200, results
+    assert large["added_mb"] - small["added_mb"] < LARGE_MB - SMALL_MB, results  # under 1 MB per MB of text
 
 
 def test_a_killed_cache_write_leaves_nothing_after_the_next_build(big_single_line, tmp_path):

@@ -27,11 +27,12 @@ NOT_RUN_ALONE = {
     "report.py": "not a measurement: renders the docs' regions from the results files",
 }
 
-# dkm.py and dkm_quality.py take seconds; the others tens of seconds to minutes on 2 busy cores (marked slow: `make
-# test` runs them, `make test-fast` does not)
+# dkm.py, dkm_quality.py and lm_data_memory.py take seconds; the others tens of seconds to minutes on 2 busy cores
+# (marked slow: `make test` runs them, `make test-fast` does not)
 CASES = {
     "dkm.py": ("dkm.json", ()),
     "dkm_quality.py": ("dkm_quality.json", ()),  # the peers: benchmarks/install_peers.sh
+    "lm_data_memory.py": ("lm_data_memory.json", ()),  # one 8 MB line
     "moe.py": ("moe.json", pytest.mark.slow),
     "callbacks.py": ("callbacks.json", pytest.mark.slow),
     "peft_methods.py": ("peft_methods.json", pytest.mark.slow),

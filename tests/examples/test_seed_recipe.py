@@ -72,7 +72,7 @@ def test_dataset_dir_of_many_files_with_seed_data_flags(run_clm, tmp_path):
              "--output_dir", str(tmp_path / "out")]  # fmt: skip
     results = run_clm.run([*TINY, *flags])  # TINY's --max_steps 2 is typed: it wins over the epoch
     assert len(files) == 6 and results["global_step"] == 2
-    assert any((tmp_path / "cache").glob("lm-blocks-*/dataset_dict.json"))  # processed once, cached there
+    assert any((tmp_path / "cache").glob("lm-blocks-*/train.arrow"))  # processed once, cached there
     evaluated = (tmp_path / "out" / "eval_results.json").read_text()
     assert '"eval_samples": 1' in evaluated  # 0.001 percent of the blocks: at least one block
 
