@@ -2,8 +2,12 @@
 
 Every function takes a full-precision model (its `nn.Linear` matrices are quantized, the names in `skip` are left
 alone), quantizes it and returns the bits per weight its stored form needs over those matrices, counted from what
-the method keeps (packed indices or integers, lookup tables, scales, zero points). Trained methods get a `train`
-callable (the workload's distillation step, the same batches and budget for every trained method).
+the method keeps (packed indices or integers, lookup tables, scales, zero points). The count leans towards the
+peers: their scales and zero points count 16 bits each (what their deployed formats store: bf16/fp16 scales,
+zero points at `bits` bits where the format packs them), while our lookup tables count 32 bits, as our checkpoints
+store them. bitsandbytes nf4 keeps an fp32 absmax per block of 64 (no double quantization): 4.5 bits. Trained
+methods get a `train` callable (the workload's distillation step, the same batches and budget for every trained
+method).
 
 Peers (`benchmarks/install_peers.sh` installs them): torchao 0.18 QAT (`IntxFakeQuantizeConfig`), HQQ 0.2.8,
 llmcompressor 0.14 GPTQ, bitsandbytes nf4, coremltools 9 k-means palettization (`PostTrainingPalettizer`) and DKM
@@ -24,6 +28,9 @@ def linears(model: nn.Module, skip: tuple[str, ...]) -> dict[str, nn.Linear]:
 
 def _numel(layers) -> int:
     return sum(m.weight.numel() for m in layers.values())
+
+
+SCALE_BITS = 16  # a peer's scale or zero point, as its deployed format stores it (bf16 / fp16)
 
 
 # ---- ours --------------------------------------------------------------------------------------------------------
@@ -47,7 +54,7 @@ def dkm(model, bits: int, skip, train: Callable | None, **options) -> float:
 
 def torchao_qat(model, bits: int, skip, train: Callable, group_size: int | None = 64) -> float:
     """torchao QAT: int`bits` symmetric weight-only fake quantization per group of `group_size` inputs (None: one
-    scale per output channel), fp32 scales, then training."""
+    scale per output channel), then training; a 16-bit scale per group."""
     from torchao.quantization import quantize_
     from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
 
@@ -62,7 +69,7 @@ def torchao_qat(model, bits: int, skip, train: Callable, group_size: int | None 
     )
     quantize_(model, QATConfig(weight_config=weight_config), filter_fn=lambda m, name: name in targets)
     train(model)
-    return (_numel(targets) * bits + scales * 32) / _numel(targets)
+    return (_numel(targets) * bits + scales * SCALE_BITS) / _numel(targets)
 
 
 def coreml_dkm(model, bits: int, skip, train: Callable) -> float:
@@ -105,9 +112,7 @@ def hqq(model, bits: int, skip, train=None, group_size: int = 64) -> float:
     for lin in targets.values():
         config = BaseQuantizeConfig(nbits=bits, group_size=group_size, axis=1)
         q = HQQLinear(lin, quant_config=config, compute_dtype=torch.float32, device="cpu", del_orig=False)
-        meta = q.meta
-        stored += lin.weight.numel() * bits
-        stored += sum(meta[k].numel() * meta[k].element_size() * 8 for k in ("scale", "zero"))
+        stored += lin.weight.numel() * bits + sum(q.meta[k].numel() * SCALE_BITS for k in ("scale", "zero"))
         with torch.no_grad():
             lin.weight.copy_(q.dequantize().reshape(lin.weight.shape).to(lin.weight.dtype))
     return stored / _numel(targets)
@@ -133,8 +138,8 @@ def gptq(model, bits: int, skip, train=None, *, calibration, group_size: int = 6
         stored += lin.weight.numel() * bits
         for name in ("weight_scale", "weight_zero_point"):
             extra = getattr(lin, name, None)
-            if extra is not None:  # zero points are stored packed at `bits` bits; scales in their dtype
-                stored += extra.numel() * (bits if "zero" in name else extra.element_size() * 8)
+            if extra is not None:  # zero points are stored packed at `bits` bits; scales at 16 bits
+                stored += extra.numel() * (bits if "zero" in name else SCALE_BITS)
     return stored / _numel(targets)
 
 

@@ -94,7 +94,7 @@ class MiniLM:
 
 LM_SIZES = {  # run_clm.py flags of each size (vocabulary: 4,096 BPE tokens trained on the corpus)
     "24m": ["--hidden_size", "512", "--intermediate_size", "1376", "--num_hidden_layers", "6"],  # ~24M parameters
-    "5m": [],  # run_clm's defaults: hidden 256, 4 layers, ~5M parameters
+    "5m": ["--intermediate_size", "768"],  # run_clm's other defaults (hidden 256, 4 layers): ~5M parameters
 }
 
 
@@ -176,6 +176,27 @@ class CausalLM:
             target = F.log_softmax(self.teacher(input_ids=batch).logits.float(), -1)
         logits = model(input_ids=batch).logits.float()
         return F.kl_div(F.log_softmax(logits, -1), target, log_target=True, reduction="batchmean") / batch.shape[1]
+
+    def main_job(self, bits: int, steps: int, lr: float, out_dir: Path):
+        """DKM through the main job: `run_clm.py --quantization dkm` fine-tunes the pretrained model `steps` steps on
+        its own language-modelling loss (no teacher) with the distillation runs' batch size, optimizer settings and
+        learning rate, and saves the compact model; returns (the saved model reloaded, its bits per weight, flags)."""
+        from transformers import AutoModelForCausalLM
+
+        from hf_llmkit.quantization.layers import PalettizedLinear
+
+        flags = [
+            "--model_name_or_path", str(self.model_dir), "--quantization", "dkm", "--dkm_bits", str(bits),
+            "--max_steps", str(steps), "--learning_rate", str(lr), "--weight_decay", "0", "--lr_scheduler_type",
+            "constant", "--warmup_steps", "0", "--per_device_train_batch_size", "8", "--save_strategy", "no",
+            "--disable_tqdm", "true", "--report_to", "none", "--output_dir", str(out_dir), "--overwrite_output_dir",
+        ]  # fmt: skip
+        _run_clm().run(flags)
+        model = AutoModelForCausalLM.from_pretrained(out_dir)
+        layers = [m for m in model.modules() if isinstance(m, PalettizedLinear)]
+        stored = sum(m.weight_packed.numel() * 8 + m.weight_lut.numel() * 32 for m in layers)
+        shown = [f if not f.startswith(str(out_dir)) and f != str(self.model_dir) else "<dir>" for f in flags]
+        return model, stored / sum(m.in_features * m.out_features for m in layers), shown
 
     def calibration(self, n: int = 16) -> dict[str, torch.Tensor]:
         ids = self.train[:n, :128]

@@ -409,3 +409,76 @@ def dkm_speed(results: dict) -> str:
         "scaled to the whole layer (its tensors are all row-shaped); its init is on the rows it ran.\n\n"
     )
     return head + markdown_table(rows) + "\n\n" + measured(data, "1 torch thread")
+
+
+def _dkm_verdict(name: str, metrics: list[str], rows: list[dict]) -> list[str]:
+    """Per index width: our best trained DKM row against the best peer storing no more bits per weight, and against
+    the best peer of the same index width (whatever its scales cost), metric by metric."""
+    lines = []
+    for bits in (3, 4):
+        same = [r for r in rows if r.get("bits") == bits and "error" not in r]
+        ours = [r for r in same if "(ours)" in r["method"] and r.get("trained")]
+        if not ours:
+            continue
+        parts = []
+        for m in metrics:
+            lower = m in ("ppl", "worst_block_ratio")
+            pick = min if lower else max
+            best = pick(ours, key=lambda r: r[m])
+            cheap = [r for r in rows if "(ours)" not in r["method"] and "error" not in r and r.get("bits") != 32
+                     and r["bpw"] <= best["bpw"] + 0.01]  # fmt: skip
+            wide = [r for r in same if "(ours)" not in r["method"]]
+            said = []
+            for label, group in (("at no more bits", cheap), (f"any {bits}-bit peer", wide)):
+                if group:
+                    peer = pick(group, key=lambda r: r[m])
+                    ahead = best[m] < peer[m] if lower else best[m] > peer[m]
+                    said.append(f"{label} {peer[m]:.4g} ({peer['method']}, {peer['bpw']:.2f}) "
+                                f"{'behind us' if ahead else 'ahead of us'}")  # fmt: skip
+            parts.append(f"{m} {best[m]:.4g}: " + ", ".join(said))
+        lines.append(f"- {name}, DKM {bits}-bit: " + "; ".join(parts))
+    return lines
+
+
+@fragment("dkm_quality", "dkm_quality")
+def dkm_quality(results: dict) -> str:
+    """benchmarks/dkm_quality.py: quality per bit against real peers on two workloads, and the step-time ratio."""
+    data = results["dkm_quality"]
+    out, verdict = [], []
+    for name, w in data["workloads"].items():
+        metrics = list(w["metrics"])
+        rows = [["method", "bits/weight", *metrics, "compute s", "peak MiB"]]
+        for r in w["rows"]:
+            method = f"**{r['method']}**" if "(ours)" in r["method"] else r["method"]
+            if "error" in r:
+                rows.append([method, "-", *(["-"] * len(metrics)), "-", f"did not run: {r['error'][:80]}"])
+                continue
+            values = [f"{r[m]:.2f}" if m == "ppl" else f"{r[m]:.4f}" for m in metrics]
+            rows.append([method, f"{r['bpw']:.2f}", *values, f"{r.get('seconds', 0):.0f}",
+                         f"{r['peak_mb']:.0f}" if "peak_mb" in r else "-"])  # fmt: skip
+        where = f", recipe `{w['recipe']}`" if "recipe" in w else ""
+        when = w.get("measured")
+        when = f"\n\nThese rows: {when['date']}, `{when['command']}`." if when else ""
+        out.append(f"**{name}**{where}:\n\n" + markdown_table(rows) + when)
+        jobs = [r["command"] for r in w["rows"] if "command" in r and "error" not in r]
+        if jobs:
+            out.append("The `run_clm.py` rows ran the main job on the pretrained checkpoint and reloaded what it "
+                       f"saved:\n`{jobs[0]}` (and `--dkm_bits 4`).")  # fmt: skip
+        verdict += _dkm_verdict(name, metrics, w["rows"])
+    head = (
+        f"Every trained method: the same {data['steps']} AdamW steps (learning rate {data['lr']:g}) of distillation "
+        "from the fp32 model on the same batches. Bits per weight over the quantized matrices, tables, scales and "
+        "zero points included (peers' scales and zeros at 16 bits, our tables at 32).\n\n"
+    )
+    text = head + "\n\n".join(out)
+    if verdict:
+        text += "\n\nOur best trained DKM row against the best peer (bits per weight in brackets):\n\n"
+        text += "\n".join(verdict)
+    steps = data.get("step_times")
+    if steps:
+        rows = [["one MiniLM training step", "min s", "median s", "x plain fp32 (min / median)"]]
+        for label, s in steps["summary"].items():
+            ratio = f"{s['ratio_min']:.2f} / {s['ratio_median']:.2f}" if "ratio_min" in s else "-"
+            rows.append([label, f"{s['min_s']:.3f}", f"{s['median_s']:.3f}", ratio])
+        text += "\n\n" + markdown_table(rows)
+    return text + "\n\n" + measured(data)

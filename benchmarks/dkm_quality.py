@@ -5,8 +5,9 @@
     python benchmarks/dkm_quality.py --quick  # one MiniLM matrix, 1 step, no GPTQ, no step timing: seconds
 
 Workloads (`_dkm_workloads.py`): all-MiniLM-L6-v2 (embedding cosine to fp32, mean / worst sentence, Spearman of
-pairwise similarities) and a ~24M-parameter Llama pretrained here by `examples/run_clm.py` (held-out perplexity,
-worst block's perplexity ratio to fp32). Methods (`_dkm_peers.py`), every Linear but the head quantized:
+pairwise similarities) and a Llama pretrained here by `examples/run_clm.py` (held-out perplexity, worst block's
+perplexity ratio to fp32; `--lm-size 5m`, the default, has ~5M parameters, `24m` ~24M). Methods (`_dkm_peers.py`),
+every Linear but the head quantized:
 - trained, the same distillation batches, steps and optimizer each: DKM (ours, `DKMConfig(bits)`), torchao 0.18 QAT
   (`IntxFakeQuantizeConfig` int3/int4, symmetric, group 64), coremltools `DKMPalettizer` (with `--coreml-dkm`: it
   takes minutes per step here, benchmarks/dkm.py measures it);
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import _dkm_peers as peers
 import torch
-from _common import Bench, PeakMemory, load_note, machine_state, markdown_table, write_results
+from _common import Bench, PeakMemory, load_note, machine_state, markdown_table, recorded_path, write_results
 from _dkm_workloads import CausalLM, MiniLM, lm_recipe, make_trainer
 
 LM_DIR = Path.home() / ".cache" / "hf_llmkit" / "dkm_quality_lm"  # + "_<size>"
@@ -72,6 +73,14 @@ def methods(bits: int, args) -> dict[str, tuple]:
     return out
 
 
+def provenance() -> dict:
+    """When and by which command a workload's rows were measured (a later `--only` run keeps the others' own)."""
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": " ".join(["python benchmarks/dkm_quality.py", *sys.argv[1:]]),
+    }
+
+
 def run_workload(workload, args) -> list[dict]:
     train = make_trainer(workload, args.steps, args.lr)
     rows = [{"method": "fp32 (reference)", "bits": 32, "bpw": 32.0, **workload.evaluate(workload.teacher)}]
@@ -96,7 +105,24 @@ def run_workload(workload, args) -> list[dict]:
             shown = {k: round(v, 4) for k, v in row.items() if isinstance(v, float)}
             print(f"  {workload.name}: {name}: {shown} {row.get('error', '')}", file=sys.stderr, flush=True)
             del model
+    if hasattr(workload, "main_job") and not args.quick:
+        rows += [main_job_row(workload, bits, args) for bits in (3, 4)]
     return rows
+
+
+def main_job_row(workload, bits: int, args) -> dict:
+    """DKM as users run it: `run_clm.py --quantization dkm` on the pretrained checkpoint, its saved model reloaded."""
+    import tempfile
+
+    row = {"method": f"DKM {bits}-bit by run_clm.py, LM loss, no teacher (ours)", "bits": bits, "trained": True}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="dkm_quality_job_") as out:  # the job's time includes its evaluations
+        model, row["bpw"], flags = workload.main_job(bits, args.steps, args.lr, Path(out))
+        row["seconds"] = time.perf_counter() - start
+        row.update(workload.evaluate(model))
+    row["steps"], row["command"] = args.steps, "python examples/run_clm.py " + " ".join(flags)
+    print(f"  {workload.name}: {row['method']}: {row}", file=sys.stderr, flush=True)
+    return row
 
 
 def step_times(args) -> dict:
@@ -179,8 +205,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate of every trained method")
     parser.add_argument("--only", nargs="*", choices=["minilm", "lm", "steps"], default=None)
     parser.add_argument("--lm-dir", type=Path, default=None, help="pretrained causal LM (trained there if missing)")
-    parser.add_argument("--lm-size", default="24m", choices=["24m", "5m"], help="the causal LM's size")
-    parser.add_argument("--lm-pretrain-steps", type=int, default=600, help="steps of the causal LM's pretraining")
+    parser.add_argument("--lm-size", default="5m", choices=["24m", "5m"], help="the causal LM's size")
+    parser.add_argument("--lm-pretrain-steps", type=int, default=300, help="steps of the causal LM's pretraining")
     parser.add_argument("--coreml-dkm", action="store_true", help="also train coremltools' DKMPalettizer (slow)")
     parser.add_argument("--grouped", action="store_true", help="also DKM with a table per 16 output channels")
     parser.add_argument("--step-rounds", type=int, default=3, help="timed rounds of the step-time section")
@@ -196,7 +222,12 @@ def main() -> None:
     if "minilm" in sections:
         w = MiniLM(quick=args.quick)
         rows = run_workload(w, args)
-        results["workloads"][w.name] = {"metrics": w.metrics, "rows": rows, "held_out": len(w.held_out)}
+        results["workloads"][w.name] = {
+            "metrics": w.metrics,
+            "rows": rows,
+            "held_out": len(w.held_out),
+            "measured": provenance(),
+        }
         print_table(w.name, w.metrics, rows)
         save(results)  # each finished section is kept
     if "lm" in sections:
@@ -212,6 +243,7 @@ def main() -> None:
             "rows": rows,
             "recipe": "python examples/run_clm.py " + " ".join(flags),
             "eval_blocks": len(w.val),
+            "measured": provenance(),
         }
         print_table(w.name, w.metrics, rows)
         save(results)
@@ -221,7 +253,8 @@ def main() -> None:
     results["seconds"] = time.perf_counter() - start
     out = save(results)
     results = json.loads(out.read_text())
-    results["plot"] = str(plot(results))
+    drawn = plot(results)
+    results["plot"] = recorded_path(drawn) if drawn else None
     out = write_results("dkm_quality", results)
     print(f"\n{load_note(results['machine_before'], results['machine_after'])}; wrote {out}")
 

@@ -117,7 +117,7 @@ class PageRun:
         import torch
 
         if wants_cuda and not torch.cuda.is_available():  # the page's GPU command on a CPU machine: one line
-            errors = [line for line in proc.stderr.splitlines() if "error" in line]
+            errors = [line for line in proc.stderr.splitlines() if re.match(r"(\S+: )?error: ", line)]
             assert proc.returncode == 2 and len(errors) == 1 and "cuda" in errors[0].lower(), proc.stderr[-3000:]
             return f"stopped: {errors[0]}"
         assert proc.returncode == 0, (command.line, proc.stdout[-3000:], proc.stderr[-3000:])
