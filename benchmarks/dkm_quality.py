@@ -32,7 +32,16 @@ from pathlib import Path
 
 import _dkm_peers as peers
 import torch
-from _common import Bench, PeakMemory, load_note, machine_state, markdown_table, recorded_path, write_results
+from _common import (
+    Bench,
+    PeakMemory,
+    load_note,
+    machine_state,
+    markdown_table,
+    recorded_path,
+    run_record,
+    write_results,
+)
 from _dkm_workloads import CausalLM, MiniLM, lm_recipe, make_trainer
 
 LM_DIR = Path.home() / ".cache" / "hf_llmkit" / "dkm_quality_lm"  # + "_<size>"
@@ -71,14 +80,6 @@ def methods(bits: int, args) -> dict[str, tuple]:
     if bits == 4:
         out["bitsandbytes nf4"] = (peers.bnb_nf4, False, {})
     return out
-
-
-def provenance() -> dict:
-    """When and by which command a workload's rows were measured (a later `--only` run keeps the others' own)."""
-    return {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "command": " ".join(["python benchmarks/dkm_quality.py", *sys.argv[1:]]),
-    }
 
 
 def run_workload(workload, args) -> list[dict]:
@@ -226,7 +227,7 @@ def main() -> None:
             "metrics": w.metrics,
             "rows": rows,
             "held_out": len(w.held_out),
-            "measured": provenance(),
+            "measured": run_record(),  # when, by which command (kept by a later --only run)
         }
         print_table(w.name, w.metrics, rows)
         save(results)  # each finished section is kept
@@ -243,7 +244,7 @@ def main() -> None:
             "rows": rows,
             "recipe": "python examples/run_clm.py " + " ".join(flags),
             "eval_blocks": len(w.val),
-            "measured": provenance(),
+            "measured": run_record(),  # when, by which command (kept by a later --only run)
         }
         print_table(w.name, w.metrics, rows)
         save(results)
