@@ -49,9 +49,8 @@ __all__ = ["build_lm_datasets", "validation_block_count"]
 
 GROUP_ROWS = 2000  # rows concatenated before cutting blocks (the recipe's map batch size)
 GROUP_TOKENS = 1 << 20  # a group of more tokens is cut into blocks this many at a time (the same blocks)
-_READ_TOKENS = (
-    1 << 17
-)  # tokens per Arrow record batch of the file of all blocks, which the split reads a batch at a time
+# tokens per Arrow record batch of the file of all blocks, which the split reads a batch at a time
+_READ_TOKENS = 1 << 17
 # tokens per record batch of the split files: opening a memory-mapped Arrow file reads every batch's header, and the
 # kernel maps the pages around each read (fault-around, 64 KiB) into the process: fewer batches, fewer such pages
 _WRITE_TOKENS = 1 << 20
