@@ -13,7 +13,7 @@ from typing import Any
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 GRANULARITIES = ("per_tensor", "per_grouped_channel")
-ENGINES = ("auto", "naive", "table", "bucketed")
+ENGINES = ("auto", "naive", "table", "bucketed", "interval")
 
 
 @dataclass
@@ -68,8 +68,10 @@ class DKMConfig(QuantizationConfigMixin):
         engine (`str`, defaults to `"auto"`):
             How the soft assignment is computed (all compute the same function, see
             `hf_llmkit.quantization.engines`): `"naive"` (DKM as written, O(|W| K) memory), `"table"` (eDKM's
-            unique-value table; 16-bit weights, vectors, sharding), `"bucketed"` (float32 scalar weights in O(|W|)
-            work), or `"auto"` (bucketed for finite float32 scalars, naive when `uniquify=False`, else table).
+            unique-value table; 16-bit weights, vectors, sharding), `"interval"` (scalar weights in closed form,
+            O(|W|) work for any number of tables), `"bucketed"` (float32 scalar weights in O(|W|) work, nothing
+            weight-sized saved for backward), or `"auto"` (interval for finite float32 scalars, naive when
+            `uniquify=False`, else table).
         quant_method (`str`, defaults to `"dkm"`):
             Fixed; saved in `config.json` so transformers finds this method again.
     """
@@ -107,7 +109,7 @@ class DKMConfig(QuantizationConfigMixin):
     )
     engine: str = field(
         default="auto",
-        metadata={"help": "Soft-assignment engine: 'auto', 'naive', 'table' or 'bucketed' (same math, other cost)."},
+        metadata={"help": "Soft-assignment engine: 'auto', 'naive', 'table', 'bucketed' or 'interval' (same math)."},
     )
     quant_method: str = field(default="dkm", metadata={"help": "Fixed: 'dkm'."})
 
@@ -135,10 +137,12 @@ class DKMConfig(QuantizationConfigMixin):
             raise ValueError(f"DKMConfig.epsilon must be > 0 (try 1e-4), got {self.epsilon!r}.")
         if self.engine not in ENGINES:
             raise ValueError(f"DKMConfig.engine must be one of {ENGINES}, got {self.engine!r}.")
-        if self.shard and self.engine in ("naive", "bucketed"):
+        if self.shard and self.engine in ("naive", "bucketed", "interval"):
             raise ValueError(f"DKMConfig(engine={self.engine!r}) does not shard: use engine='table' or shard=False.")
-        if self.cluster_dim != 1 and self.engine == "bucketed":
-            raise ValueError("DKMConfig(engine='bucketed') clusters scalars: use cluster_dim=1 or engine='table'.")
+        if self.cluster_dim != 1 and self.engine in ("bucketed", "interval"):
+            raise ValueError(
+                f"DKMConfig(engine={self.engine!r}) clusters scalars: use cluster_dim=1 or engine='table'."
+            )
         if self.modules_to_not_convert is None:
             self.modules_to_not_convert = ["lm_head"]
         elif isinstance(self.modules_to_not_convert, str):

@@ -2,7 +2,7 @@
 
 `DKMLinear` / `DKMEmbedding` keep the latent weight (trainable) and a centroid table (`centroids`, `[G, K, d]`).
 In training mode (with a weight that requires grad) the forward uses DKM's soft assignment, computed by one of
-three engines (see `_soft`); otherwise it uses the hard assignment. `PalettizedLinear` / `PalettizedEmbedding` are
+four engines (see `_soft`); otherwise it uses the hard assignment. `PalettizedLinear` / `PalettizedEmbedding` are
 what a compact checkpoint reloads into: packed n-bit indices (`weight_packed`, uint8) and the lookup table
 (`weight_lut`, float32).
 

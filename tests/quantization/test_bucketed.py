@@ -141,7 +141,7 @@ def _layer(dtype, uniquify=True, rows=1024, cols=1024):
 
 def test_nothing_weight_sized_is_saved_for_backward():
     layer = _layer(torch.float32)
-    layer.settings = DKMSettings.build(1024, bits=3, offload=False)
+    layer.settings = DKMSettings.build(1024, bits=3, offload=False, engine="bucketed")
     x = torch.randn(4, 1024)
     with MarshalHooks(offload=False, exclude=(x,)) as meter:
         y = layer(x)

@@ -22,6 +22,9 @@ CASES = [
     ("naive", torch.float32, 2, 4, 3e-4),
     ("bucketed", torch.float32, 1, 1, 5e-6),
     ("bucketed", torch.float32, 1, 4, 5e-6),
+    ("interval", torch.float32, 1, 1, 1e-4),  # exact |w - c| (the others smooth it by DIST_EPS), float32 per weight
+    ("interval", torch.float32, 1, 8, 1e-4),
+    ("interval", torch.bfloat16, 1, 4, 2e-2),  # pinned: computes in float32, outputs round to 8 bits
     ("table", torch.float32, 1, 1, 3e-4),  # 32-bit weights: one row per weight ("identity")
     ("table", torch.float32, 2, 2, 3e-4),
     ("table", torch.bfloat16, 1, 1, 2e-2),  # 16-bit outputs and gradients round to 8 bits
@@ -73,7 +76,8 @@ def test_auto_rule():
         settings = DKMSettings.build(8, **options)
         return engines.resolve(settings, torch.zeros(8, 8, dtype=dtype), None)
 
-    assert pick(torch.float32) == "bucketed"
+    assert pick(torch.float32) == "interval"
+    assert pick(torch.float32, granularity="per_grouped_channel", group_size=1) == "interval"
     assert pick(torch.bfloat16) == "table" and pick(torch.float16) == "table"
     assert pick(torch.float32, cluster_dim=2) == "table"
     assert pick(torch.float32, uniquify=False) == "naive"
@@ -87,8 +91,9 @@ def test_non_finite_weights_are_an_explicit_rule():
     weight = torch.zeros(8, 8)
     weight[0, 0] = float("nan")
     assert engines.resolve(DKMSettings.build(8), weight, None) == "table"
-    with pytest.raises(ValueError, match=r"engine='bucketed'.*NaN/Inf.*engine='auto'"):
-        engines.resolve(DKMSettings.build(8, engine="bucketed"), weight, None)
+    for engine in ("bucketed", "interval"):
+        with pytest.raises(ValueError, match=rf"engine='{engine}'.*NaN/Inf.*engine='auto'"):
+            engines.resolve(DKMSettings.build(8, engine=engine), weight, None)
     layer = _layer("auto", torch.float32, 1, 1, rows=16, cols=16)
     with torch.no_grad():
         layer.weight[0, 0] = float("nan")
@@ -112,12 +117,17 @@ def test_engine_is_saved_and_reloaded(tmp_path):
 
 
 def test_bad_engines_name_the_fix():
-    with pytest.raises(ValueError, match=r"engine must be one of \('auto', 'naive', 'table', 'bucketed'\)"):
+    names = r"\('auto', 'naive', 'table', 'bucketed', 'interval'\)"
+    with pytest.raises(ValueError, match=r"engine must be one of " + names):
         DKMConfig(engine="fast")
     with pytest.raises(ValueError, match="does not shard: use engine='table' or shard=False"):
         DKMConfig(engine="bucketed", shard=True)
     with pytest.raises(ValueError, match="clusters scalars: use cluster_dim=1 or engine='table'"):
         DKMConfig(engine="bucketed", cluster_dim=2)
+    with pytest.raises(ValueError, match="interval.*clusters scalars: use cluster_dim=1 or engine='table'"):
+        DKMConfig(engine="interval", cluster_dim=2)
+    with pytest.raises(ValueError, match="interval.*does not shard: use engine='table' or shard=False"):
+        DKMConfig(engine="interval", shard=True)
     with pytest.raises(ValueError, match=r"cannot train 'model.layers.0.*float32 weights, these are torch.bfloat16"):
         quantize_model(tiny_llama().to(torch.bfloat16), DKMConfig(engine="bucketed"))
 

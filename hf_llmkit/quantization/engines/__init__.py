@@ -1,4 +1,4 @@
-"""DKM's soft assignment behind one interface: three engines compute the same function, chosen in one place.
+"""DKM's soft assignment behind one interface: four engines compute the same function, chosen in one place.
 
 Every engine is a module with
 
@@ -11,8 +11,10 @@ float64):
 - "naive" (`naive.py`): autograd through `[n, K]` attention maps, O(|W| K) memory; the reference.
 - "table" (`table.py`): eDKM's table of unique weight values (16-bit weights hold at most 65,536), optionally
   sharded across data-parallel ranks; also vectors (`cluster_dim > 1`) and, without uniquification, 32-bit weights.
+- "interval" (`interval.py`): scalar weights in closed form between sorted centroids, O(|W|) work whatever the
+  number of tables (a table per output channel costs what one per tensor does); saves each weight's interval.
 - "bucketed" (`bucketed.py`, `_buckets.py`, `_grid.py`, `_jets.py`): 32-bit scalar weights in O(|W|) work, with
-  nothing weight-sized saved for backward.
+  nothing weight-sized saved for backward (its buckets compress one large table, not many small ones).
 
 `DKMConfig(engine=...)` pins one; "auto" (the default) is `resolve`'s rule, the only place an engine is chosen.
 """
@@ -21,15 +23,17 @@ from __future__ import annotations
 
 import torch
 
-from hf_llmkit.quantization.engines import bucketed, naive, table
+from hf_llmkit.quantization.engines import bucketed, interval, naive, table
 
-RUN = {"naive": naive.run, "table": table.run, "bucketed": bucketed.run}
+RUN = {"naive": naive.run, "table": table.run, "bucketed": bucketed.run, "interval": interval.run}
 
 
 def unsupported(engine: str, dtype: torch.dtype, cluster_dim: int, sharded: bool) -> str | None:
     """Why `engine` cannot cluster such a layer (None when it can); a pinned engine that cannot raises early."""
-    if engine == "naive" and sharded:
-        return "the naive engine does not shard (use engine='table' or shard=False)"
+    if engine in ("naive", "interval") and sharded:
+        return f"the {engine} engine does not shard (use engine='table' or shard=False)"
+    if engine == "interval" and cluster_dim != 1:
+        return "the interval engine clusters scalars (cluster_dim=1; use engine='table' or 'auto' for vectors)"
     if engine == "bucketed":
         if dtype != torch.float32:
             return f"the bucketed engine clusters float32 weights, these are {dtype} (use engine='table' or 'auto')"
@@ -44,7 +48,7 @@ def resolve(settings, weight: torch.Tensor, group) -> str:
     """The engine a layer runs: the pinned one, or for "auto":
 
     - "naive" when `uniquify=False` and nothing is sharded (DKM as written, its memory included);
-    - "bucketed" for float32 scalar weights, unsharded, all finite;
+    - "interval" for float32 scalar weights, unsharded, all finite;
     - "table" otherwise: 16-bit weights, vectors, sharding, and weights holding NaN/Inf (the bucketed grid needs
       finite values; the table engine propagates NaN like naive DKM, so a diverged step shows as a NaN loss).
 
@@ -55,12 +59,12 @@ def resolve(settings, weight: torch.Tensor, group) -> str:
     if cfg.engine == "auto":
         if not cfg.uniquify and not sharded:
             return "naive"
-        if unsupported("bucketed", weight.dtype, settings.cluster_dim, sharded) is None:
-            return "bucketed" if bool(torch.isfinite(weight).all()) else "table"
+        if unsupported("bucketed", weight.dtype, settings.cluster_dim, sharded) is None:  # float32 scalars
+            return "interval" if bool(torch.isfinite(weight).all()) else "table"
         return "table"
     reason = unsupported(cfg.engine, weight.dtype, settings.cluster_dim, sharded)
-    if reason is None and cfg.engine == "bucketed" and not bool(torch.isfinite(weight).all()):
-        reason = "the weights hold NaN/Inf and the bucketed grid needs finite values (engine='auto' uses 'table')"
+    if reason is None and cfg.engine in ("bucketed", "interval") and not bool(torch.isfinite(weight).all()):
+        reason = f"the weights hold NaN/Inf and the {cfg.engine} engine needs finite ones (engine='auto' uses 'table')"
     if reason is not None:
         raise ValueError(f"DKMConfig(engine={cfg.engine!r}): {reason}.")
     return cfg.engine
