@@ -37,7 +37,8 @@ SCALE_BITS = 16  # a peer's scale or zero point, as its deployed format stores i
 
 
 def dkm(model, bits: int, skip, train: Callable | None, **options) -> float:
-    """DKM (hf_llmkit): k-means tables, then (with `train`) DKM training; bits of the packed export + fp32 tables."""
+    """DKM (hf_llmkit): k-means tables, then (with `train`) DKM training; bits of the packed export + its tables (in
+    `lut_dtype`, float32 unless `options` say otherwise)."""
     from hf_llmkit import DKMConfig
     from hf_llmkit.quantization import DKMLinear, quantize_model
 
@@ -45,7 +46,7 @@ def dkm(model, bits: int, skip, train: Callable | None, **options) -> float:
     layers = [m for m in model.modules() if isinstance(m, DKMLinear)]
     if train is not None:
         train(model)
-    stored = sum(p.numel() * 8 + t.numel() * 32 for p, t in (m.export() for m in layers))
+    stored = sum(p.numel() * 8 + t.numel() * t.element_size() * 8 for p, t in (m.export() for m in layers))
     return stored / sum(m.weight.numel() for m in layers)
 
 

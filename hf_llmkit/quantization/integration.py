@@ -111,15 +111,33 @@ def replace_with_dkm_layers(
     return list(targets)
 
 
-def checkpoint_keys(checkpoint_files: list[str] | None) -> set[str] | None:
-    """Tensor names of safetensors checkpoint files (headers only), or None when they cannot be read that way."""
+def checkpoint_keys(checkpoint_files: list[str] | None) -> dict[str, str] | None:
+    """Tensor names of safetensors checkpoint files and their dtypes ("F32", "F16", ...; headers only), or None when
+    they cannot be read that way."""
     if not checkpoint_files or not all(str(f).endswith(".safetensors") for f in checkpoint_files):
         return None
-    keys: set[str] = set()
+    keys: dict[str, str] = {}
     for file in checkpoint_files:
         with safe_open(str(file), framework="pt") as f:
-            keys.update(f.keys())
+            names = f.keys()  # a safe_open handle is not iterable
+            keys.update((k, f.get_slice(k).get_dtype()) for k in names)
     return keys
+
+
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def check_table_dtypes(keys: dict[str, str], lut_dtype: str) -> None:
+    """Saved lookup tables must have the config's `lut_dtype`: loading them into another would round them, and the
+    reloaded model would no longer compute what the trained one did."""
+    want = _SAFETENSORS_DTYPES[lut_dtype]
+    for key, dtype in sorted(keys.items()):
+        if key.endswith(".weight_lut") and dtype != want:
+            found = next((name for name, code in _SAFETENSORS_DTYPES.items() if code == dtype), dtype)
+            raise ValueError(
+                f"{key!r} is saved as {found} but quantization_config.lut_dtype is {lut_dtype!r}: set lut_dtype to "
+                f"{found!r} in config.json (the tables would otherwise be rounded on load)."
+            )
 
 
 def checkpoint_layout(keys: set[str], targets: list[str], prefix: str = "") -> tuple[dict[str, str], list[str]]:
@@ -238,13 +256,15 @@ def dkm_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor] | None 
     return state
 
 
-def read_layout(model: nn.Module, checkpoint_files, targets: list[str]) -> dict[str, str] | None:
+def read_layout(model: nn.Module, checkpoint_files, targets: list[str], lut_dtype: str) -> dict[str, str] | None:
     """Per-module layout of the checkpoint files being loaded into `model` (None when their tensor names cannot be
-    read up front, e.g. .bin files); the unused representation is registered as expected."""
+    read up front, e.g. .bin files); the unused representation is registered as expected; tables are checked to be
+    saved in `lut_dtype`."""
     keys = checkpoint_keys([str(Path(f)) for f in checkpoint_files] if checkpoint_files else None)
     if keys is None:
         return None
-    layout, patterns = checkpoint_layout(keys, targets, getattr(model, "base_model_prefix", ""))
+    check_table_dtypes(keys, lut_dtype)
+    layout, patterns = checkpoint_layout(set(keys), targets, getattr(model, "base_model_prefix", ""))
     if patterns:
         ignore_unexpected_keys(model, patterns)
     return layout

@@ -112,19 +112,23 @@ class _Clustered:
         ).to(w.device)
         self.dkm_initialised = True
 
+    def lookup_table(self, centroids: torch.Tensor | None = None) -> torch.Tensor:
+        """The table the hard assignment uses (float32): the centroids rounded to `lut_dtype`, as they are saved."""
+        c = (self.centroids if centroids is None else centroids).detach()
+        return c.to(self.settings.config.table_dtype).float()
+
     def hard_indices(self, weight: torch.Tensor | None = None, centroids: torch.Tensor | None = None) -> torch.Tensor:
-        """Nearest-centroid index of every weight vector, `[G, n]` (of the layer's own weight and table, or of the
-        full `weight` / `centroids` given, e.g. gathered from FSDP2 shards)."""
+        """Nearest-entry index of every weight vector in the lookup table, `[G, n]` (of the layer's own weight and
+        table, or of the full `weight` / `centroids` given, e.g. gathered from FSDP2 shards)."""
         w = self.weight if weight is None else weight
-        c = self.centroids if centroids is None else centroids.to(w.device)
-        return dkm.hard_assign(self._vectors(w.detach()), c)
+        return dkm.hard_assign(self._vectors(w.detach()), self.lookup_table(centroids).to(w.device))
 
     def hard_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The hard-assigned weight (what evaluation, inference and the saved checkpoint use), cached."""
         w, c = self.weight, self.centroids
         key = (version_counter(w), w.data_ptr(), version_counter(c), c.data_ptr(), dtype)
         if self._hard_cache is None or self._hard_cache[0] != key:
-            w = dkm.lookup(self.centroids, self.hard_indices()).reshape(self.weight.shape).to(dtype)
+            w = dkm.lookup(self.lookup_table(), self.hard_indices()).reshape(self.weight.shape).to(dtype)
             self._hard_cache = (key, w)
         return self._hard_cache[1]
 
@@ -132,10 +136,10 @@ class _Clustered:
         self, weight: torch.Tensor | None = None, centroids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(`weight_packed`, `weight_lut`) of the hard assignment, as a compact checkpoint stores them (of the full
-        `weight` / `centroids` given instead of the layer's own, see `hard_indices`)."""
-        table = self.centroids if centroids is None else centroids
+        `weight` / `centroids` given instead of the layer's own, see `hard_indices`); the table in `lut_dtype`."""
+        table = self.lookup_table(centroids)
         packed = pack_indices(self.hard_indices(weight, table), self.settings.bits)
-        return packed, table.detach().float().clone()
+        return packed, table.to(self.settings.config.table_dtype).clone()
 
     def _use_soft(self) -> bool:
         return self.training and torch.is_grad_enabled() and self.weight.requires_grad
@@ -240,7 +244,8 @@ class _Packed(nn.Module):
         self.register_buffer(
             "weight_packed", torch.zeros(packed_numel(self.count, settings.bits), dtype=torch.uint8, device=device)
         )
-        self.register_buffer("weight_lut", torch.zeros(settings.groups, k, settings.cluster_dim, device=device))
+        table = torch.zeros(settings.groups, k, settings.cluster_dim, device=device, dtype=settings.config.table_dtype)
+        self.register_buffer("weight_lut", table)
         self.register_load_state_dict_pre_hook(_check_packed_tensors)
 
     @property
@@ -273,7 +278,7 @@ class _Packed(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         s = self.settings
         idx = unpack_indices(self.weight_packed, s.bits, self.count).reshape(s.groups, -1)
-        return dkm.lookup(self.weight_lut, idx).reshape(self.weight_shape).to(dtype)
+        return dkm.lookup(self.weight_lut.float(), idx).reshape(self.weight_shape).to(dtype)
 
 
 def _check_packed_tensors(module, state_dict, prefix, *_args) -> None:

@@ -57,7 +57,7 @@ class DKMHfQuantizer(HfQuantizer):
         packed: bool | dict = self.pre_quantized
         if self.pre_quantized:
             targets = list(integration.dkm_targets(model, self.quantization_config, self.modules_to_not_convert))
-            layout = integration.read_layout(model, checkpoint_files, targets)
+            layout = integration.read_layout(model, checkpoint_files, targets, self.quantization_config.lut_dtype)
             if layout is not None:
                 packed = layout
         integration.replace_with_dkm_layers(model, self.quantization_config, self.modules_to_not_convert, packed)

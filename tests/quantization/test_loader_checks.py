@@ -126,3 +126,10 @@ def test_load_state_dict_into_a_trainable_layer_checks_the_table(saved):
     wrong = dict(state, **{f"{Q}.weight_lut": torch.zeros(1, 4, 1)})
     with pytest.raises(ValueError, match=r"has shape \(1, 4, 1\), expected \(1, 8, 1\)"):
         model.load_state_dict(wrong, strict=False)
+
+
+def test_tables_saved_in_another_dtype_than_the_config_says_are_refused(saved, tmp_path):
+    """A config.json edited to `lut_dtype="float16"` over float32 tables would round them on load."""
+    bad = _edit(saved["compact"], tmp_path / "bad", config=lambda q: q.update(lut_dtype="float16"))
+    with pytest.raises(ValueError, match=r"weight_lut' is saved as float32 but quantization_config.lut_dtype is "):
+        AutoModelForCausalLM.from_pretrained(bad)

@@ -276,3 +276,32 @@ def test_trainer_resumes_from_a_compact_checkpoint_with_a_warning(base_dir, tmp_
         )
     assert result.global_step == 3
     assert "will not match an uninterrupted one bit for bit" in caplog.text
+
+
+def test_a_16_bit_table_per_channel_trains_saves_small_and_reloads_exactly(base_dir, tmp_path):
+    """`lut_dtype="float16"` with a table per output channel: the Trainer trains it, the checkpoint stores float16
+    tables, and a fresh process computes bit for bit the logits of the trained model (whose hard assignment uses
+    the rounded table)."""
+    config = DKMConfig(bits=3, granularity="per_grouped_channel", group_size=1, lut_dtype="float16")
+    model = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=config)
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.centroids.shape == (q.out_features, 8, 1)
+    _train(model, tmp_path / "qat", steps=2, lr=5e-3)
+    out = tmp_path / "ckpt"
+    model.eval()
+    model.save_pretrained(out)
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        lut = f.get_tensor("model.layers.0.self_attn.q_proj.weight_lut")
+    assert lut.dtype == torch.float16 and lut.shape == (q.out_features, 8, 1)
+    assert torch.equal(q.hard_weight(torch.float32).unique(), q.hard_weight(torch.float32).half().float().unique())
+    ids = _ids()
+    torch.save(ids, tmp_path / "ids.pt")
+    (tmp_path / "reload.py").write_text(RELOAD)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, str(tmp_path / "reload.py"), str(out), str(tmp_path / "ids.pt"), str(tmp_path / "r.pt")]
+    subprocess.run(cmd, check=True, env=env, timeout=300)
+    with torch.no_grad():
+        expected = model(ids).logits
+    assert torch.equal(torch.load(tmp_path / "r.pt")["logits"], expected)
+    with pytest.raises(ValueError, match=r"lut_dtype must be one of \('float32', 'float16', 'bfloat16'\)"):
+        DKMConfig(lut_dtype="fp8")
