@@ -44,6 +44,10 @@ class DKMConfig(QuantizationConfigMixin):
             Precision of the saved lookup tables: `"float32"`, `"float16"` or `"bfloat16"`. The hard assignment
             (evaluation, export) uses the table rounded to it, so a reloaded checkpoint computes exactly what the
             trained model does; 16 bits halve what a table per channel costs.
+        calibration_samples (`int`, defaults to 0):
+            At the end of each Trainer run, round the latent weights onto the trained tables with GPTQ's error
+            compensation under the layer inputs of this many training examples (`hf_llmkit.quantization.calibrate`)
+            instead of to the nearest entry; 0 keeps nearest-entry rounding.
         kmeans_iters (`int`, defaults to 12):
             Lloyd iterations of the k-means that initialises the tables after the weights are loaded.
         kmeans_sample (`int`, defaults to 65536):
@@ -95,6 +99,9 @@ class DKMConfig(QuantizationConfigMixin):
     lut_dtype: str = field(
         default="float32", metadata={"help": "Saved lookup tables: 'float32', 'float16' or 'bfloat16'."}
     )
+    calibration_samples: int = field(
+        default=0, metadata={"help": "Training examples that calibrate the final rounding (GPTQ onto the tables)."}
+    )
     kmeans_iters: int = field(default=12, metadata={"help": "Lloyd iterations of the k-means table initialisation."})
     kmeans_sample: int = field(
         default=65536, metadata={"help": "At most this many weight vectors per table feed the initial k-means."}
@@ -132,6 +139,11 @@ class DKMConfig(QuantizationConfigMixin):
                     f"DKMConfig.{name} must be an integer from 1 to 8 (2 to 256 centroids), got {value!r}."
                 )
         positive = ("cluster_dim", "group_size", "kmeans_iters", "kmeans_sample")
+        samples = self.calibration_samples
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"DKMConfig.calibration_samples must be an integer >= 0 (try 128), got {samples!r}.")
+        if samples and self.cluster_dim != 1:
+            raise ValueError("DKMConfig.calibration_samples needs scalar tables: use cluster_dim=1 or set it to 0.")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -83,6 +83,7 @@ class _Clustered:
     centroids: torch.Tensor
     settings: DKMSettings
     keep_training_state: bool = False  # checkpoints also hold `weight` + `centroids` (set during Trainer runs)
+    dense_forward: bool = False  # forward with the latent weight itself (`calibrate` reads the layers' inputs so)
 
     def _init_table(self, settings: DKMSettings, device) -> None:
         self.settings = settings
@@ -212,6 +213,8 @@ class DKMLinear(nn.Linear, _Clustered):
         self._init_table(settings, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense_forward:
+            return F.linear(x, self.weight.to(compute_dtype(x)), self.bias)
         if self._use_soft():
             y = self._soft(x)
             return y + self.bias.to(y.dtype) if self.bias is not None else y

@@ -22,6 +22,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from hf_llmkit.compat.transformers import add_default_trainer_callback
+from hf_llmkit.quantization.calibrate import calibrate, check_calibratable, first_examples
 from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear
 
 
@@ -40,15 +41,30 @@ class DKMTrainingStateCallback(TrainerCallback):
     the checkpoints are compact and a resume restarts the latent weights from their hard assignment (a warning says
     so). A model without DKM layers is left alone. Every Trainer has it by default once a model has been quantized
     with trainable DKM layers (see the module docstring); passing it explicitly as well is harmless.
+
+    With `DKMConfig(calibration_samples=N)` it also ends each run with `calibrate` on the first `N` training
+    examples (in dataset order, the same on every rank and in a resumed run), so the model the Trainer saves last is
+    GPTQ's rounding onto the trained tables; checkpoints written during the run keep the latent weights as trained.
     """
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is not None:
             keep_training_state(model, True)
+            if _calibration_samples(model):
+                check_calibratable(model)  # fail before training, not after it
 
-    def on_train_end(self, args, state, control, model=None, **kwargs):
-        if model is not None:
-            keep_training_state(model, False)
+    def on_train_end(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        if model is None:
+            return
+        keep_training_state(model, False)
+        samples = _calibration_samples(model)
+        if samples and train_dataloader is not None:
+            calibrate(model, first_examples(train_dataloader, samples, args.per_device_train_batch_size))
+
+
+def _calibration_samples(model: nn.Module) -> int:
+    layer = next((m for m in model.modules() if isinstance(m, DKMLinear)), None)
+    return 0 if layer is None else layer.settings.config.calibration_samples
 
 
 def install_default_callback() -> None:

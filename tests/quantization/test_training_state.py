@@ -1,6 +1,7 @@
 """DKM Trainer checkpoints resume bit for bit: a plain `Trainer` run (no callback added by hand) stopped after a
 checkpoint and resumed in a fresh process ends with the same latent weights, tables and saved model as an
-uninterrupted run; the final model stays compact."""
+uninterrupted run (its final calibration included, `DKMConfig(calibration_samples=4)`); the final model stays
+compact."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def train(base: str, out: str, mode: str, ids: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=DKMConfig(bits=3))
+    # calibration_samples: the run ends with GPTQ's rounding onto the tables, which must resume to the same bits too
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=DKMConfig(bits=3, calibration_samples=4))
     args = TrainingArguments(
         output_dir=out,
         max_steps=STEPS,

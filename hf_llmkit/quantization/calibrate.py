@@ -1,0 +1,141 @@
+"""Activation-aware start for DKM: GPTQ's error-compensated rounding onto the layers' lookup tables.
+
+k-means fits each table to the weights alone, and nearest-entry rounding ignores which input features matter.
+`calibrate(model, batches)` runs the batches through the model with its latent (unclustered) weights, collects each
+DKM Linear's input second moments `H = X^T X / n`, and rounds every weight column by column to its nearest table
+entry while the columns not yet rounded absorb the error of the layer's output (GPTQ, Frantar et al. 2023, with a
+lookup table in place of a uniform grid). The latent weights become the compensated values just before their
+rounding, so their hard assignment is that rounding and DKM training starts from it; the tables stay k-means'.
+
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=DKMConfig(bits=3))
+    calibrate(model, [tokenizer(texts, return_tensors="pt")])   # a few hundred sequences are plenty
+    Trainer(model=model, ...).train()
+
+`DKMConfig(calibration_samples=N)` does it at the start of every Trainer run that does not resume, on the first `N`
+training examples (`DKMTrainingStateCallback`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from hf_llmkit.quantization.layers import DKMLinear
+
+DAMP = 0.01  # added to H's diagonal, relative to its mean (GPTQ's dampening)
+BLOCK = 128  # columns rounded per block before the rest of the weight is updated
+
+
+def _inputs(model: nn.Module, batches: Iterable) -> dict[str, torch.Tensor]:
+    """`H = X^T X` (float32, summed) and the token count of every DKM Linear's input over `batches`."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, DKMLinear)}
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def hook(name):
+        def record(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            sums[name] = sums.get(name, 0) + x.t() @ x
+            counts[name] = counts.get(name, 0) + x.shape[0]
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(name)) for name, m in layers.items()]
+    training = model.training
+    device = next(model.parameters()).device
+    try:
+        model.eval()
+        for layer in layers.values():
+            layer.dense_forward = True
+        with torch.no_grad():
+            for batch in batches:
+                if isinstance(batch, Mapping):
+                    model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+                else:
+                    model(batch.to(device))
+    finally:
+        for handle in handles:
+            handle.remove()
+        for layer in layers.values():
+            layer.dense_forward = False
+        model.train(training)
+    return {name: sums[name] / counts[name] for name in sums}
+
+
+@torch.no_grad()
+def round_onto_table(weight: torch.Tensor, table: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """The compensated weight `[rows, cols]` whose nearest entries in `table` `[rows, K]` (each row's own table) are
+    GPTQ's rounding under input moments `h` `[cols, cols]`; float32."""
+    w = weight.detach().float().clone()
+    h = h.float().clone()
+    cols = w.shape[1]
+    dead = torch.diag(h) == 0  # features never seen: their weights cannot matter
+    h[dead, dead] = 1.0
+    h += DAMP * torch.diag(h).mean() * torch.eye(cols, device=h.device)
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    out = torch.empty_like(w)
+    table = table.float()
+    for start in range(0, cols, BLOCK):
+        stop = min(start + BLOCK, cols)
+        block, u_block = w[:, start:stop].clone(), u[start:stop, start:stop]
+        errors = torch.empty_like(block)
+        for i in range(stop - start):
+            col = block[:, i]
+            out[:, start + i] = col
+            nearest = table.gather(1, (col.unsqueeze(1) - table).abs().argmin(1, keepdim=True)).squeeze(1)
+            err = (col - nearest) / u_block[i, i]
+            block[:, i:] -= err.unsqueeze(1) * u_block[i, i:].unsqueeze(0)
+            errors[:, i] = err
+        w[:, stop:] -= errors @ u[start:stop, stop:]
+    return out
+
+
+def check_calibratable(model: nn.Module) -> None:
+    """Raise a ValueError naming the fix unless every DKM Linear has scalar tables and whole (unsharded) weights."""
+    for name, layer in model.named_modules():
+        if not isinstance(layer, DKMLinear):
+            continue
+        if layer.settings.cluster_dim != 1:
+            raise ValueError(
+                f"calibrate rounds onto scalar tables; {name!r} has cluster_dim={layer.settings.cluster_dim}: "
+                "use cluster_dim=1 or calibration_samples=0."
+            )
+        if hasattr(layer.weight, "full_tensor") or layer.weight.numel() == 0:
+            raise ValueError(
+                f"{name!r} is sharded (FSDP2 / ZeRO-3) and calibrate needs whole weights: set "
+                "calibration_samples=0 and call hf_llmkit.quantization.calibrate on the gathered model."
+            )
+
+
+def first_examples(dataloader, samples: int, batch_size: int) -> list:
+    """Batches of the first `samples` examples of a DataLoader's dataset, in dataset order, collated as it collates
+    them (no sampler is touched, so the training order is not disturbed)."""
+    dataset, collate = dataloader.dataset, dataloader.collate_fn
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        items = [item for _, item in zip(range(samples), dataset)]
+    else:
+        items = [dataset[i] for i in range(min(samples, len(dataset)))]
+    step = max(1, batch_size)
+    return [collate(items[i : i + step]) for i in range(0, len(items), step)]
+
+
+def calibrate(model: nn.Module, batches: Iterable) -> int:
+    """Move the latent weights of every DKM Linear of `model` to GPTQ's rounding onto their tables, under the input
+    moments of `batches` (model keyword dicts such as a tokenizer's output, or input-id tensors); returns the number
+    of layers. Scalar tables only (`cluster_dim=1`); before any sharding (FSDP2, ZeRO-3)."""
+    check_calibratable(model)
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, DKMLinear)}
+    moments = _inputs(model, batches)
+    if not moments:
+        raise ValueError("calibrate got no batches, or none reached a DKM layer: pass model inputs.")
+    for name, layer in layers.items():
+        if name not in moments:
+            continue
+        rows = layer.weight.shape[0]
+        table = layer.lookup_table()[..., 0].repeat_interleave(rows // layer.settings.groups, 0)
+        new = round_onto_table(layer.weight, table.to(layer.weight.device), moments[name].to(layer.weight.device))
+        with torch.no_grad():  # in place: the version counter moves, so cached hard weights are rebuilt
+            layer.weight.copy_(new.to(layer.weight.dtype))
+    return len(moments)

@@ -1,0 +1,87 @@
+"""`calibrate`: GPTQ's error-compensated rounding onto DKM's tables. With uncorrelated inputs it is nearest-entry
+rounding; with correlated ones it lowers the layer's output error; `DKMConfig(calibration_samples=N)` ends a Trainer
+run with it (and a run resumed from a checkpoint ends with the same bits: tests/quantization/test_training_state.py
+runs with it on); bad uses name the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+from hf_llmkit import DKMConfig
+from hf_llmkit.quantization import DKMLinear, calibrate, quantize_model
+from hf_llmkit.quantization import _dkm as dkm
+from hf_llmkit.quantization.calibrate import round_onto_table
+from hf_llmkit.testing import tiny_llama
+
+
+def _nearest(w: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return table.gather(1, (w.unsqueeze(2) - table.unsqueeze(1)).abs().argmin(2))
+
+
+def _layer_case(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(64, 96, generator=gen) * 0.02
+    table = dkm.kmeans(w.unsqueeze(-1), 8, 12, 65536)[..., 0]  # a table per row
+    x = torch.randn(512, 96, generator=gen) @ (torch.eye(96) + 0.5 * torch.randn(96, 96, generator=gen))
+    return w, table, x
+
+
+def test_with_uncorrelated_inputs_it_is_nearest_rounding():
+    w, table, _ = _layer_case()
+    out = round_onto_table(w, table, torch.eye(96) * 3.0)
+    assert torch.equal(out, w)
+
+
+def test_with_correlated_inputs_it_lowers_the_output_error():
+    w, table, x = _layer_case()
+    nearest = _nearest(w, table)
+    latent = round_onto_table(w, table, x.t() @ x / x.shape[0])
+    rounded = _nearest(latent, table)
+    assert (rounded.unsqueeze(2) == table.unsqueeze(1)).any(2).all()  # every weight on its row's table
+    error = (x @ (rounded - w).t()).norm() / (x @ (nearest - w).t()).norm()
+    assert error < 0.8, error
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self):
+        self.rows = torch.randint(0, 256, (8, 24), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _trained(tmp_path, samples: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = quantize_model(tiny_llama(), DKMConfig(bits=3, granularity="per_grouped_channel", group_size=1,
+                                                   calibration_samples=samples))  # fmt: skip
+    args = TrainingArguments(output_dir=str(tmp_path / str(samples)), max_steps=2, per_device_train_batch_size=2,
+                             learning_rate=5e-3, use_cpu=True, report_to=[], save_strategy="no", seed=0)  # fmt: skip
+    Trainer(model=model, args=args, train_dataset=_Rows()).train()
+    return {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, DKMLinear)}
+
+
+def test_a_trainer_run_ends_with_the_calibrated_rounding(tmp_path):
+    plain, calibrated = _trained(tmp_path, 0), _trained(tmp_path, 4)
+    assert plain.keys() == calibrated.keys()
+    assert all(not torch.equal(plain[k], calibrated[k]) for k in plain)
+
+
+def test_bad_uses_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"calibration_samples must be an integer >= 0 \(try 128\)"):
+        DKMConfig(calibration_samples=-1)
+    with pytest.raises(ValueError, match="calibration_samples needs scalar tables: use cluster_dim=1"):
+        DKMConfig(calibration_samples=8, cluster_dim=2)
+    model = quantize_model(tiny_llama(), DKMConfig(bits=3))
+    with pytest.raises(ValueError, match="calibrate got no batches"):
+        calibrate(model, [])
+    vectors = quantize_model(tiny_llama(), DKMConfig(bits=3, cluster_dim=2))
+    with pytest.raises(ValueError, match="cluster_dim=2: use cluster_dim=1 or calibration_samples=0"):
+        calibrate(vectors, [torch.zeros(1, 4, dtype=torch.long)])
+    tiny_llama().save_pretrained(tmp_path / "base")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=DKMConfig(bits=3))
+    assert calibrate(loaded, [torch.zeros(1, 4, dtype=torch.long)]) == 14
