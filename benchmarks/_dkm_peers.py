@@ -36,18 +36,37 @@ SCALE_BITS = 16  # a peer's scale or zero point, as its deployed format stores i
 # ---- ours --------------------------------------------------------------------------------------------------------
 
 
-def dkm(model, bits: int, skip, train: Callable | None, **options) -> float:
-    """DKM (hf_llmkit): k-means tables, then (with `train`) DKM training; bits of the packed export + its tables (in
-    `lut_dtype`, float32 unless `options` say otherwise)."""
+def dkm(model, bits: int, skip, train: Callable | None, *, calibration=None, **options) -> float:
+    """DKM (hf_llmkit): k-means tables, then (with `train`) DKM training, then (with `calibration`, model inputs)
+    GPTQ's rounding onto the trained tables (`hf_llmkit.quantization.calibrate`); bits of the packed export + its
+    tables (in `lut_dtype`, float32 unless `options` say otherwise)."""
     from hf_llmkit import DKMConfig
-    from hf_llmkit.quantization import DKMLinear, quantize_model
+    from hf_llmkit.quantization import DKMLinear, calibrate, quantize_model
 
     quantize_model(model, DKMConfig(bits=bits, modules_to_not_convert=list(skip), **options))
     layers = [m for m in model.modules() if isinstance(m, DKMLinear)]
     if train is not None:
         train(model)
+    if calibration is not None:
+        calibrate(model, [calibration])
     stored = sum(p.numel() * 8 + t.numel() * t.element_size() * 8 for p, t in (m.export() for m in layers))
     return stored / sum(m.weight.numel() for m in layers)
+
+
+TABLE_BUDGET = 0.25  # bits per weight the per-channel tables may add: about what a g64 peer's scale + zero cost
+
+
+def channels_per_table(model, bits: int, skip, table_bits: int = 16) -> int:
+    """The fewest output channels per table (a power of two dividing every target's rows) whose tables add at most
+    `TABLE_BUDGET` bits per weight over the targets."""
+    targets = list(linears(model, skip).values())
+    numel = sum(m.weight.numel() for m in targets)
+    size = 1
+    while sum(m.weight.shape[0] // size for m in targets) * (1 << bits) * table_bits > TABLE_BUDGET * numel:
+        if any(m.weight.shape[0] % (2 * size) for m in targets):
+            break
+        size *= 2
+    return size
 
 
 # ---- trained peers -----------------------------------------------------------------------------------------------

@@ -177,10 +177,11 @@ class CausalLM:
         logits = model(input_ids=batch).logits.float()
         return F.kl_div(F.log_softmax(logits, -1), target, log_target=True, reduction="batchmean") / batch.shape[1]
 
-    def main_job(self, bits: int, steps: int, lr: float, out_dir: Path):
-        """DKM through the main job: `run_clm.py --quantization dkm` fine-tunes the pretrained model `steps` steps on
-        its own language-modelling loss (no teacher) with the distillation runs' batch size, optimizer settings and
-        learning rate, and saves the compact model; returns (the saved model reloaded, its bits per weight, flags)."""
+    def main_job(self, bits: int, steps: int, lr: float, out_dir: Path, options: list[str] = ()):
+        """DKM through the main job: `run_clm.py --quantization dkm` (plus `options`, more `--dkm_*` flags)
+        fine-tunes the pretrained model `steps` steps on its own language-modelling loss (no teacher) with the
+        distillation runs' batch size, optimizer settings and learning rate, and saves the compact model; returns
+        (the saved model reloaded, its bits per weight, flags)."""
         from transformers import AutoModelForCausalLM
 
         from hf_llmkit.quantization.layers import PalettizedLinear
@@ -190,11 +191,12 @@ class CausalLM:
             "--max_steps", str(steps), "--learning_rate", str(lr), "--weight_decay", "0", "--lr_scheduler_type",
             "constant", "--warmup_steps", "0", "--per_device_train_batch_size", "8", "--save_strategy", "no",
             "--disable_tqdm", "true", "--report_to", "none", "--output_dir", str(out_dir), "--overwrite_output_dir",
+            *options,
         ]  # fmt: skip
         _run_clm().run(flags)
         model = AutoModelForCausalLM.from_pretrained(out_dir)
         layers = [m for m in model.modules() if isinstance(m, PalettizedLinear)]
-        stored = sum(m.weight_packed.numel() * 8 + m.weight_lut.numel() * 32 for m in layers)
+        stored = sum(m.weight_packed.numel() * 8 + m.weight_lut.nbytes * 8 for m in layers)
         shown = [f if not f.startswith(str(out_dir)) and f != str(self.model_dir) else "<dir>" for f in flags]
         return model, stored / sum(m.in_features * m.out_features for m in layers), shown
 
@@ -220,6 +222,7 @@ def make_trainer(workload, steps: int, lr: float):
         linear_params = {id(p) for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()}
         params = [p for p in model.parameters() if p.requires_grad and id(p) in linear_params]
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        torch.manual_seed(0)  # the same dropout masks for every trained method
         model.train()
         for batch in workload.batches(steps):
             loss = workload.loss(model, batch)

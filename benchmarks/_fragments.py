@@ -463,12 +463,13 @@ def dkm_quality(results: dict) -> str:
         jobs = [r["command"] for r in w["rows"] if "command" in r and "error" not in r]
         if jobs:
             out.append("The `run_clm.py` rows ran the main job on the pretrained checkpoint and reloaded what it "
-                       f"saved:\n`{jobs[0]}` (and `--dkm_bits 4`).")  # fmt: skip
+                       "saved:\n" + "\n".join(f"`{job}`" for job in jobs))  # fmt: skip
         verdict += _dkm_verdict(name, metrics, w["rows"])
     head = (
         f"Every trained method: the same {data['steps']} AdamW steps (learning rate {data['lr']:g}) of distillation "
         "from the fp32 model on the same batches. Bits per weight over the quantized matrices, tables, scales and "
-        "zero points included (peers' scales and zeros at 16 bits, our tables at 32).\n\n"
+        "zero points included (peers' scales and zeros at 16 bits, our tables at the width they are saved in: 32 "
+        "bits, 16 for the rows with 16-bit tables).\n\n"
     )
     text = head + "\n\n".join(out)
     if verdict:

@@ -60,9 +60,13 @@ def save(results: dict) -> Path:
     return write_results("dkm_quality", results)
 
 
-def methods(bits: int, args) -> dict[str, tuple]:
+def methods(bits: int, args, workload) -> dict[str, tuple]:
     """{name: (function, trained, extra kwargs)} of the methods run at `bits`."""
+    size = peers.channels_per_table(workload.load(), bits, workload.skip + args.extra_skip)
+    per = "a table per channel" if size == 1 else f"a table per {size} channels"
+    tuned = {"granularity": "per_grouped_channel", "group_size": size, "lut_dtype": "float16", "calibration": None}
     out = {
+        f"DKM {bits}-bit, {per}, 16-bit tables, calibrated (ours)": (peers.dkm, True, tuned),
         f"DKM {bits}-bit (ours)": (peers.dkm, True, {}),
         f"k-means {bits}-bit, no training (ours)": (peers.dkm, False, {}),
         f"torchao QAT int{bits} g64": (peers.torchao_qat, True, {}),
@@ -70,9 +74,6 @@ def methods(bits: int, args) -> dict[str, tuple]:
         f"coremltools k-means {bits}-bit": (peers.coreml_kmeans, False, {}),
         f"HQQ {bits}-bit g64": (peers.hqq, False, {}),
     }  # fmt: skip
-    if args.grouped:
-        grouped = {"granularity": "per_grouped_channel", "group_size": 16}
-        out[f"DKM {bits}-bit, a table per 16 channels (ours)"] = (peers.dkm, True, grouped)
     if not args.quick:
         out[f"GPTQ {bits}-bit g64 (llmcompressor)"] = (peers.gptq, False, {"calibration": None})
     if args.coreml_dkm:
@@ -87,7 +88,7 @@ def run_workload(workload, args) -> list[dict]:
     rows = [{"method": "fp32 (reference)", "bits": 32, "bpw": 32.0, **workload.evaluate(workload.teacher)}]
     skip = workload.skip + args.extra_skip
     for bits in (3, 4):
-        for name, (fn, trained, extra) in methods(bits, args).items():
+        for name, (fn, trained, extra) in methods(bits, args, workload).items():
             if "calibration" in extra:
                 extra = {**extra, "calibration": workload.calibration()}
             model = workload.load()
@@ -115,10 +116,14 @@ def main_job_row(workload, bits: int, args) -> dict:
     """DKM as users run it: `run_clm.py --quantization dkm` on the pretrained checkpoint, its saved model reloaded."""
     import tempfile
 
-    row = {"method": f"DKM {bits}-bit by run_clm.py, LM loss, no teacher (ours)", "bits": bits, "trained": True}
+    size = peers.channels_per_table(workload.load(), bits, workload.skip + args.extra_skip)
+    options = ["--dkm_granularity", "per_grouped_channel", "--dkm_group_size", str(size), "--dkm_lut_dtype", "float16",
+               "--dkm_calibration_samples", "16"]  # fmt: skip
+    name = f"DKM {bits}-bit by run_clm.py, LM loss, no teacher, tables per {size} channels, calibrated (ours)"
+    row = {"method": name, "bits": bits, "trained": True}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dkm_quality_job_") as out:  # the job's time includes its evaluations
-        model, row["bpw"], flags = workload.main_job(bits, args.steps, args.lr, Path(out))
+        model, row["bpw"], flags = workload.main_job(bits, args.steps, args.lr, Path(out), options)
         row["seconds"] = time.perf_counter() - start
         row.update(workload.evaluate(model))
     row["steps"], row["command"] = args.steps, "python examples/run_clm.py " + " ".join(flags)
@@ -130,12 +135,14 @@ def step_times(args) -> dict:
     """One distillation step of MiniLM: plain fp32 vs DKM with fp32 and bf16 latent weights, 3 and 4 bits."""
     workload = MiniLM(quick=args.quick)
     variants = {}
-    plan = [("plain fp32", None, None), ("DKM 3-bit fp32", 3, None), ("DKM 4-bit fp32", 4, None)]
-    plan += [("DKM 3-bit bf16", 3, torch.bfloat16), ("DKM 4-bit bf16", 4, torch.bfloat16)]
-    for label, bits, dtype in plan:
+    per_channel = {"granularity": "per_grouped_channel", "group_size": 1}
+    plan = [("plain fp32", None, None, {}), ("DKM 3-bit fp32", 3, None, {}), ("DKM 4-bit fp32", 4, None, {})]
+    plan += [("DKM 3-bit fp32, a table per channel", 3, None, per_channel)]
+    plan += [("DKM 3-bit bf16", 3, torch.bfloat16, {}), ("DKM 4-bit bf16", 4, torch.bfloat16, {})]
+    for label, bits, dtype, options in plan:
         model = workload.load()
         if bits is not None:
-            peers.dkm(model.to(dtype) if dtype else model, bits, workload.skip + args.extra_skip, None)
+            peers.dkm(model.to(dtype) if dtype else model, bits, workload.skip + args.extra_skip, None, **options)
         batch = next(iter(workload.batches(1)))
 
         def step(model=model, batch=batch):
@@ -209,7 +216,6 @@ def main() -> None:
     parser.add_argument("--lm-size", default="5m", choices=["24m", "5m"], help="the causal LM's size")
     parser.add_argument("--lm-pretrain-steps", type=int, default=300, help="steps of the causal LM's pretraining")
     parser.add_argument("--coreml-dkm", action="store_true", help="also train coremltools' DKMPalettizer (slow)")
-    parser.add_argument("--grouped", action="store_true", help="also DKM with a table per 16 output channels")
     parser.add_argument("--step-rounds", type=int, default=3, help="timed rounds of the step-time section")
     args = parser.parse_args()
     args.steps = args.steps if args.steps is not None else (1 if args.quick else 40)

@@ -1,18 +1,20 @@
-"""Activation-aware start for DKM: GPTQ's error-compensated rounding onto the layers' lookup tables.
+"""Activation-aware rounding for DKM: GPTQ's error-compensated rounding onto the layers' lookup tables.
 
 k-means fits each table to the weights alone, and nearest-entry rounding ignores which input features matter.
 `calibrate(model, batches)` runs the batches through the model with its latent (unclustered) weights, collects each
 DKM Linear's input second moments `H = X^T X / n`, and rounds every weight column by column to its nearest table
-entry while the columns not yet rounded absorb the error of the layer's output (GPTQ, Frantar et al. 2023, with a
-lookup table in place of a uniform grid). The latent weights become the compensated values just before their
-rounding, so their hard assignment is that rounding and DKM training starts from it; the tables stay k-means'.
+entry, the most active input features first, while the columns not yet rounded absorb the error of the layer's
+output (GPTQ, Frantar et al. 2023, with its act-order and a lookup table in place of a uniform grid). The latent
+weights become the compensated values just before their rounding, so their hard assignment is that rounding; the
+tables stay as trained. Run it after DKM training: training from calibrated weights moves the tables away from the
+rounding they were calibrated for.
 
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=DKMConfig(bits=3))
-    calibrate(model, [tokenizer(texts, return_tensors="pt")])   # a few hundred sequences are plenty
     Trainer(model=model, ...).train()
+    calibrate(model, [tokenizer(texts, return_tensors="pt")])   # a few dozen sequences
 
-`DKMConfig(calibration_samples=N)` does it at the start of every Trainer run that does not resume, on the first `N`
-training examples (`DKMTrainingStateCallback`).
+`DKMConfig(calibration_samples=N)` does it at the end of every Trainer run, on the first `N` training examples
+(`DKMTrainingStateCallback`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ def round_onto_table(weight: torch.Tensor, table: torch.Tensor, h: torch.Tensor)
     cols = w.shape[1]
     dead = torch.diag(h) == 0  # features never seen: their weights cannot matter
     h[dead, dead] = 1.0
+    order = torch.argsort(torch.diag(h), descending=True)  # GPTQ's act-order: the most active inputs first
+    w, h = w[:, order], h[order][:, order]
     h += DAMP * torch.diag(h).mean() * torch.eye(cols, device=h.device)
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     out = torch.empty_like(w)
@@ -89,7 +93,7 @@ def round_onto_table(weight: torch.Tensor, table: torch.Tensor, h: torch.Tensor)
             block[:, i:] -= err.unsqueeze(1) * u_block[i, i:].unsqueeze(0)
             errors[:, i] = err
         w[:, stop:] -= errors @ u[start:stop, stop:]
-    return out
+    return out[:, torch.argsort(order)]
 
 
 def check_calibratable(model: nn.Module) -> None:
