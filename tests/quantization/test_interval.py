@@ -30,7 +30,7 @@ def _case(kind: str, groups: int, bits: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 @pytest.mark.parametrize("kind", ["plain", "outliers", "on_centroids", "crowded", "unsorted"])
-@pytest.mark.parametrize("groups, bits", [(1, 1), (1, 3), (6, 4), (3, 2)])
+@pytest.mark.parametrize("groups, bits", [(1, 1), (1, 3), (6, 4), (3, 2), (2, 8)])
 def test_interval_equals_float64_naive_dkm(kind, groups, bits, monkeypatch):
     """Equal to naive DKM of the same distance `|w - c|` (naive smooths it by `DIST_EPS` inside a square root, set
     negligible here; `test_engines.py` compares with the smoothed one)."""
@@ -67,8 +67,9 @@ def test_centroids_sharing_a_cell_are_located_one_by_one():
 
 
 def test_the_cost_does_not_grow_with_the_number_of_tables():
-    """Saved for backward: `kappa w` and each weight's interval per step (int32), plus the per-interval tables
-    (`[G, K+1, K]` each, a few per step): nothing `[weights x centroids]`-sized, whatever the number of tables."""
+    """Saved for backward: the weight (a parameter) and each weight's interval per step (a byte up to 7 bits), plus
+    the per-interval tables (`[G, K+1, K]` each, a few per step): nothing `[weights x centroids]`-sized, whatever the
+    number of tables."""
     torch.manual_seed(0)
     w = (torch.randn(256, 64) * 0.02).requires_grad_()
 
@@ -89,5 +90,5 @@ def test_the_cost_does_not_grow_with_the_number_of_tables():
 
     per_tensor, per_channel = saved_bytes(1), saved_bytes(256)
     tables = 4 * 256 * 17 * 16  # bytes of one float32 [G, K+1, K] table, G = 256 (a table per channel), K = 16
-    assert per_tensor < 4 * w.numel() * (2 + 4) + 64 * 1024  # w, kappa w, one int32 interval per weight and step
+    assert per_tensor < w.numel() * (4 + 4) + 64 * 1024  # the weight, a one-byte interval per weight and step
     assert per_channel - per_tensor < 4 * 8 * tables  # 3 steps + the output, at most 8 tables each

@@ -17,7 +17,7 @@ with `L_j = sum_{k<j} e^{-(c_{j-1} - c_k)/tau}`, `P_jk` its normalised terms (`R
 Per weight a step is a handful of elementwise ops, one gather per table and one scatter-add per sum; everything
 with `K` in it lives in `[G, K+1]` tables (float64, autograd through `centroids -> tables` and the centroid
 updates). The two autograd functions (`_Sums`, `_Output`) have closed-form backwards and save the weight (a parameter)
-and each weight's interval (int32), nothing else weight-sized.
+and each weight's interval (a byte per weight up to 7 bits, else int32), nothing else weight-sized.
 
 The distance is `|w - c|`, as the paper writes it; the other engines smooth it inside a square root
 (`_dkm.DIST_EPS`), which moves the logits by at most `1e-6 / tau` within `1e-6` of a centroid, where the attention is
@@ -129,12 +129,30 @@ def _share(kw, j, theta):
     return torch.sigmoid_(theta.index_select(0, j.view(-1)).view_as(kw).sub_(kw))
 
 
-SAVE_SHARE = False
+def _pack(j: torch.Tensor, width: int) -> torch.Tensor:
+    """What a step saves of the intervals `j` (flat indices `g width + j`, `[G, n]` int32): the local index in one
+    byte when it fits (`width = K + 1 <= 256`, up to 7 bits), else `j` itself."""
+    if width > 256:
+        return j
+    local = j if j.shape[0] == 1 else j - _offsets(j, width)
+    return local.to(torch.uint8)
+
+
+def _unpack(saved: torch.Tensor, width: int) -> torch.Tensor:
+    if saved.dtype != torch.uint8:
+        return saved
+    j = saved.int()
+    return j if j.shape[0] == 1 else j.add_(_offsets(j, width))
+
+
+def _offsets(j: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.arange(j.shape[0], device=j.device, dtype=j.dtype).unsqueeze(1) * width
 
 
 class _Sums(torch.autograd.Function):
     """Per-interval `sum u`, `sum u w`, `sum w` (`[3, G (K+1)]`) of one DKM step, differentiable in `w` and the
-    intervals' `theta` (flat `[G (K+1)]`); `kw = kappa w` and the intervals `j` are given."""
+    intervals' `theta` (flat `[G (K+1)]`); `kw = kappa w` and the intervals `j` are given. Saves the intervals in a
+    byte per weight; `kappa w` and `u` are recomputed in backward."""
 
     @staticmethod
     def forward(ctx, w, kw, j, theta, kappa):
@@ -142,18 +160,18 @@ class _Sums(torch.autograd.Function):
         flat = j.view(-1)
         out = w.new_zeros(3, theta.shape[0])
         out[0].index_add_(0, flat, u.view(-1))
-        out[1].index_add_(0, flat, (u * w).view(-1))
+        out[1].index_add_(0, flat, u.mul_(w).view(-1))
         out[2].index_add_(0, flat, w.reshape(-1))
-        ctx.save_for_backward(w, kw, j, theta, kappa, u if SAVE_SHARE else None)
+        ctx.save_for_backward(w, _pack(j, theta.shape[0] // w.shape[0]), theta, kappa)
         return out
 
     @staticmethod
     @autocast_off
     def backward(ctx, grad):
-        w, kw, j, theta, kappa, u = ctx.saved_tensors
+        w, packed, theta, kappa = ctx.saved_tensors
+        j = _unpack(packed, theta.shape[0] // w.shape[0])
         flat = j.view(-1)
-        if u is None:
-            u = _share(kw, j, theta)
+        u = _share(w * kappa, j, theta)
         g_u, g_uw, g_w = (grad[i].index_select(0, flat).view_as(w) for i in range(3))
         # d/dw of g_u u + g_uw u w + g_w w, with du/d(theta) = u (1 - u) and du/dw = -kappa u (1 - u)
         slope = torch.addcmul(g_u, g_uw, w).mul_(u - u.square())
@@ -169,21 +187,21 @@ class _Output(torch.autograd.Function):
     def forward(ctx, w, kw, j, theta, kappa, b, d):
         u = _share(kw, j, theta)
         flat = j.view(-1)
-        ctx.save_for_backward(kw, j, theta, kappa, d, u if SAVE_SHARE else None)
+        ctx.save_for_backward(w, _pack(j, theta.shape[0] // w.shape[0]), theta, kappa, d)
         return torch.addcmul(b.index_select(0, flat).view_as(w), d.index_select(0, flat).view_as(w), u)
 
     @staticmethod
     @autocast_off
     def backward(ctx, grad):
-        kw, j, theta, kappa, d, u = ctx.saved_tensors
+        w, packed, theta, kappa, d = ctx.saved_tensors
+        j = _unpack(packed, theta.shape[0] // w.shape[0])
         flat = j.view(-1)
-        if u is None:
-            u = _share(kw, j, theta)
-        grad = grad.reshape(kw.shape).to(kw.dtype)
-        grad_b = kw.new_zeros(theta.shape).index_add_(0, flat, grad.view(-1))
-        grad_d = kw.new_zeros(theta.shape).index_add_(0, flat, (grad * u).view(-1))
-        slope = (u - u.square()).mul_(grad).mul_(d.index_select(0, flat).view_as(kw))  # g d u (1 - u)
-        grad_theta = kw.new_zeros(theta.shape).index_add_(0, flat, slope.view(-1))
+        u = _share(w.detach() * kappa, j, theta)
+        grad = grad.reshape(w.shape).to(w.dtype)
+        grad_b = w.new_zeros(theta.shape).index_add_(0, flat, grad.view(-1))
+        grad_d = w.new_zeros(theta.shape).index_add_(0, flat, (grad * u).view(-1))
+        slope = (u - u.square()).mul_(grad).mul_(d.index_select(0, flat).view_as(w))  # g d u (1 - u)
+        grad_theta = w.new_zeros(theta.shape).index_add_(0, flat, slope.view(-1))
         return -slope.mul_(kappa), None, None, grad_theta, None, grad_b, grad_d
 
 
