@@ -78,6 +78,9 @@ def test_auto_rule():
 
     assert pick(torch.float32) == "interval"
     assert pick(torch.float32, granularity="per_grouped_channel", group_size=1) == "interval"
+    big = torch.zeros(4096, 1024)  # a table of 2**22 weights: the bucketed engine's buckets compress it
+    assert engines.resolve(DKMSettings.build(4096), big, None) == "bucketed"
+    assert engines.resolve(DKMSettings.build(4096, groups=2), big, None) == "interval"
     assert pick(torch.bfloat16) == "table" and pick(torch.float16) == "table"
     assert pick(torch.float32, cluster_dim=2) == "table"
     assert pick(torch.float32, uniquify=False) == "naive"
