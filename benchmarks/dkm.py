@@ -7,14 +7,15 @@
                                           # synchronized, memory = CUDA's allocator peak (max_memory_allocated)
     python benchmarks/dkm.py --peer-full  # the peer on the whole 4096x4096 layer (needs ~10 GB free at 4 bits)
 
-(a) One training step (forward + backward + centroid update) of one Linear, 16 tokens, 3 DKM iterations each (our
-    early stop off), at 3 and 4 bits, 1024x1024 and 4096x4096. Ours with fp32 latent weights (the default, the
-    bucketed engine) and bf16 (eDKM's unique-value table); the peer with fp32 weights. Variants run interleaved, the
-    order rotated each round (`_common.Bench`); the table gives min and median of the per-round speed-ups
-    (peer seconds / ours). "Saved" = bytes autograd holds for backward (each storage once; the weight and the input
-    are not counted), counted by the same saved-tensor hooks for every system. The peer saves ~330 / ~600 bytes per
-    weight (3 / 4 bits), 5-10 GB on 4096x4096: there it runs on a slice of rows, scaled by rows / slice (its tensors
-    are all [n, K]-shaped, so its saved bytes are exactly linear in n and its time is too), unless --peer-full.
+(a) One training step (forward + backward + centroid update) of one Linear, 16 tokens, 3 DKM iterations each (our early
+    stop off), at 3 and 4 bits, 1024x1024 and 4096x4096. Ours with fp32 latent weights (the default engine:
+    interval at 1024x1024, bucketed at 4096x4096) and bf16 (eDKM's unique-value table); the peer with fp32 weights.
+    Variants run interleaved, the order rotated each round (`_common.Bench`); the table gives min and median of the
+    per-round speed-ups (peer seconds / ours). "Saved" = bytes autograd holds for backward (each storage once; the
+    weight and the input are not counted), counted by the same saved-tensor hooks for every system. The peer saves
+    ~330 / ~600 bytes per weight (3 / 4 bits), 5-10 GB on 4096x4096: there it runs on a slice of rows, scaled by
+    rows / slice (its tensors are all [n, K]-shaped, so its saved bytes are exactly linear in n and its time is
+    too), unless --peer-full.
 (b) k-means initialisation of the tables: ours on 16M weights; the peer's (its first step minus a later one, with its
     fast `opt1d` init; its default k-means++ takes minutes).
 (c) eDKM techniques (uniquify, shard, marshal) vs naive DKM on LLaMA-7B-shaped bf16 layers: benchmarks/dkm_memory.py.
