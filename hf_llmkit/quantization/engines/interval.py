@@ -15,9 +15,10 @@ with `L_j = sum_{k<j} e^{-(c_{j-1} - c_k)/tau}`, `P_jk` its normalised terms (`R
   `sum w` of its weights (`_Sums`), contracted with the `[K+1, K]` tables `P`, `Q`.
 
 Per weight a step is a handful of elementwise ops, one gather per table and one scatter-add per sum; everything
-with `K` in it lives in `[G, K+1]` tables (float64, autograd through `centroids -> tables` and the centroid
-updates). The two autograd functions (`_Sums`, `_Output`) have closed-form backwards and save the weight (a parameter)
-and each weight's interval (a byte per weight up to 7 bits, else int32), nothing else weight-sized.
+with `K` in it lives in `[G, K+1]` tables (in the weight's dtype, float32 for 16-bit weights; autograd through
+`centroids -> tables` and the centroid updates). The two autograd functions (`_Sums`, `_Output`) have closed-form
+backwards and save the weight (a parameter) and each weight's interval (a byte per weight up to 7 bits, else int32),
+nothing else weight-sized.
 
 The distance is `|w - c|`, as the paper writes it; the other engines smooth it inside a square root
 (`_dkm.DIST_EPS`), which moves the logits by at most `1e-6 / tau` within `1e-6` of a centroid, where the attention is
