@@ -8,7 +8,8 @@ hold out `--validation_split_percentage`, load the model (bitsandbytes with `--l
 (DeepSpeed ZeRO-2 through `--deepspeed`, launched with torchrun as the seed's `run_pt.sh` does).
 
 Every line that differs from the seed because transformers 5 removed what it used carries a `# transformers 5:` note;
-`docs/main_job.md` ("The seed recipe") lists them as a table. `tests/examples/test_seed_recipe.py` runs it.
+`docs/main_job.md` ("The seed recipe") lists them as a table. One more line tears the process group down before the
+interpreter exits (`# torch:`). `tests/examples/test_seed_recipe.py` runs it.
 """
 
 from __future__ import annotations
@@ -359,4 +360,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # torch: a gloo group left to interpreter finalisation can abort the rank after training has finished
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
