@@ -12,7 +12,7 @@ float64):
 - "table" (`table.py`): eDKM's table of unique weight values (16-bit weights hold at most 65,536), optionally
   sharded across data-parallel ranks; also vectors (`cluster_dim > 1`) and, without uniquification, 32-bit weights.
 - "interval" (`interval.py`): scalar weights in closed form between sorted centroids, O(|W|) work whatever the
-  number of tables (a table per output channel costs what one per tensor does); saves each weight's interval (a byte).
+  number of tables (a table per channel costs about what one per tensor does); saves a byte per weight per step.
 - "bucketed" (`bucketed.py`, `_buckets.py`, `_grid.py`, `_jets.py`): 32-bit scalar weights in O(|W|) work, with
   nothing weight-sized saved for backward (its buckets compress one large table, not many small ones).
 
