@@ -22,7 +22,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from hf_llmkit.compat.transformers import add_default_trainer_callback
-from hf_llmkit.quantization.calibrate import calibrate, check_calibratable, first_examples
+from hf_llmkit.quantization.calibration import calibrate, check_calibratable, first_examples
 from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear
 
 

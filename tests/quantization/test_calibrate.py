@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 from hf_llmkit import DKMConfig
 from hf_llmkit.quantization import DKMLinear, calibrate, quantize_model
 from hf_llmkit.quantization import _dkm as dkm
-from hf_llmkit.quantization.calibrate import round_onto_table
+from hf_llmkit.quantization.calibration import round_onto_table
 from hf_llmkit.testing import tiny_llama
 
 
