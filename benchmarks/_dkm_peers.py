@@ -2,12 +2,12 @@
 
 Every function takes a full-precision model (its `nn.Linear` matrices are quantized, the names in `skip` are left
 alone), quantizes it and returns the bits per weight its stored form needs over those matrices, counted from what
-the method keeps (packed indices or integers, lookup tables, scales, zero points). The count leans towards the
-peers: their scales and zero points count 16 bits each (what their deployed formats store: bf16/fp16 scales,
-zero points at `bits` bits where the format packs them), while our lookup tables count 32 bits, as our checkpoints
-store them. bitsandbytes nf4 keeps an fp32 absmax per block of 64 (no double quantization): 4.5 bits. Trained
-methods get a `train` callable (the workload's distillation step, the same batches and budget for every trained
-method).
+the method keeps (packed indices or integers, lookup tables, scales, zero points). Scales, zero points and
+tables count what their stored formats hold: the peers' scales and zero points 16 bits each (bf16/fp16 scales, zero
+points at `bits` bits where the format packs them), our lookup tables the width our checkpoints store them in (32
+bits, 16 with `lut_dtype="float16"`); bitsandbytes nf4 keeps an fp32 absmax per block of 64 (no double
+quantization): 4.5 bits. Trained methods get a `train` callable (the workload's distillation step, the same batches
+and budget for every trained method).
 
 Peers (`benchmarks/install_peers.sh` installs them): torchao 0.18 QAT (`IntxFakeQuantizeConfig`), HQQ 0.2.8,
 llmcompressor 0.14 GPTQ, bitsandbytes nf4, coremltools 9 k-means palettization (`PostTrainingPalettizer`) and DKM
