@@ -30,9 +30,8 @@ DAMP = 0.01  # added to H's diagonal, relative to its mean (GPTQ's dampening)
 BLOCK = 128  # columns rounded per block before the rest of the weight is updated
 
 
-def _inputs(model: nn.Module, batches: Iterable) -> dict[str, torch.Tensor]:
-    """`H = X^T X` (float32, summed) and the token count of every DKM Linear's input over `batches`."""
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, DKMLinear)}
+def _inputs(model: nn.Module, layers: dict[str, DKMLinear], batches: Iterable) -> dict[str, torch.Tensor]:
+    """`H = X^T X / n` (float32) of the inputs of each of `layers` (the model's DKM Linears) over `batches`."""
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
 
@@ -131,7 +130,7 @@ def calibrate(model: nn.Module, batches: Iterable) -> int:
     of layers. Scalar tables only (`cluster_dim=1`); before any sharding (FSDP2, ZeRO-3)."""
     check_calibratable(model)
     layers = {name: m for name, m in model.named_modules() if isinstance(m, DKMLinear)}
-    moments = _inputs(model, batches)
+    moments = _inputs(model, layers, batches)
     if not moments:
         raise ValueError("calibrate got no batches, or none reached a DKM layer: pass model inputs.")
     for name, layer in layers.items():
