@@ -6,8 +6,11 @@ DKM Linear's input second moments `H = X^T X / n`, and rounds every weight colum
 entry, the most active input features first, while the columns not yet rounded absorb the error of the layer's
 output (GPTQ, Frantar et al. 2023, with its act-order and a lookup table in place of a uniform grid). The latent
 weights become the compensated values just before their rounding, so their hard assignment is that rounding; the
-tables stay as trained. Run it after DKM training: training from calibrated weights moves the tables away from the
-rounding they were calibrated for.
+tables stay as trained. The layers go in model order, in chunks whose moments fit `max_moment_bytes` (float32 `H`
+is `4 in_features^2` bytes a layer: a LLaMA-7B holds about 28 GB of them): one pass over the batches per chunk,
+the chunks after the first seeing the inputs of the layers already rounded (GPTQ's sequential order). A model
+whose moments fit takes one pass. Run it after DKM training: training from calibrated weights moves the tables
+away from the rounding they were calibrated for.
 
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=DKMConfig(bits=3))
     Trainer(model=model, ...).train()
@@ -27,6 +30,7 @@ from torch import nn
 from hf_llmkit.quantization.layers import DKMLinear
 
 DAMP = 0.01  # added to H's diagonal, relative to its mean (GPTQ's dampening)
+MOMENT_BYTES = 1 << 30  # input moments held at once by default (a chunk of layers; one layer may exceed it)
 BLOCK = 128  # columns rounded per block before the rest of the weight is updated
 
 
@@ -124,21 +128,41 @@ def first_examples(dataloader, samples: int, batch_size: int) -> list:
     return [collate(items[i : i + step]) for i in range(0, len(items), step)]
 
 
-def calibrate(model: nn.Module, batches: Iterable) -> int:
+def chunks(layers: dict[str, DKMLinear], max_bytes: int) -> list[dict[str, DKMLinear]]:
+    """`layers` in order, cut into runs whose float32 input moments take at most `max_bytes` (a layer alone may)."""
+    out: list[dict[str, DKMLinear]] = []
+    size = 0
+    for name, layer in layers.items():
+        need = 4 * layer.in_features**2
+        if not out or size + need > max_bytes:
+            out.append({})
+            size = 0
+        out[-1][name] = layer
+        size += need
+    return out
+
+
+def calibrate(model: nn.Module, batches: Iterable, max_moment_bytes: int = MOMENT_BYTES) -> int:
     """Move the latent weights of every DKM Linear of `model` to GPTQ's rounding onto their tables, under the input
     moments of `batches` (model keyword dicts such as a tokenizer's output, or input-id tensors); returns the number
-    of layers. Scalar tables only (`cluster_dim=1`); before any sharding (FSDP2, ZeRO-3)."""
+    of layers. At most `max_moment_bytes` of moments are held at once (one pass over `batches` per chunk of layers
+    that fits). Scalar tables only (`cluster_dim=1`); before any sharding (FSDP2, ZeRO-3)."""
     check_calibratable(model)
+    if max_moment_bytes <= 0:
+        raise ValueError(f"calibrate's max_moment_bytes must be > 0 (try {MOMENT_BYTES}), got {max_moment_bytes!r}.")
     layers = {name: m for name, m in model.named_modules() if isinstance(m, DKMLinear)}
-    moments = _inputs(model, layers, batches)
-    if not moments:
+    batches = list(batches)  # one pass per chunk
+    done = 0
+    for chunk in chunks(layers, max_moment_bytes):
+        moments = _inputs(model, chunk, batches)
+        for name, h in moments.items():
+            layer = chunk[name]
+            rows = layer.weight.shape[0]
+            table = layer.lookup_table()[..., 0].repeat_interleave(rows // layer.settings.groups, 0)
+            new = round_onto_table(layer.weight, table.to(layer.weight.device), h.to(layer.weight.device))
+            with torch.no_grad():  # in place: the version counter moves, so cached hard weights are rebuilt
+                layer.weight.copy_(new.to(layer.weight.dtype))
+        done += len(moments)
+    if not done:
         raise ValueError("calibrate got no batches, or none reached a DKM layer: pass model inputs.")
-    for name, layer in layers.items():
-        if name not in moments:
-            continue
-        rows = layer.weight.shape[0]
-        table = layer.lookup_table()[..., 0].repeat_interleave(rows // layer.settings.groups, 0)
-        new = round_onto_table(layer.weight, table.to(layer.weight.device), moments[name].to(layer.weight.device))
-        with torch.no_grad():  # in place: the version counter moves, so cached hard weights are rebuilt
-            layer.weight.copy_(new.to(layer.weight.dtype))
-    return len(moments)
+    return done

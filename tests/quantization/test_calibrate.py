@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 from hf_llmkit import DKMConfig
 from hf_llmkit.quantization import DKMLinear, calibrate, quantize_model
 from hf_llmkit.quantization import _dkm as dkm
-from hf_llmkit.quantization.calibration import round_onto_table
+from hf_llmkit.quantization.calibration import MOMENT_BYTES, chunks, round_onto_table
 from hf_llmkit.testing import tiny_llama
 
 
@@ -42,6 +42,33 @@ def test_with_correlated_inputs_it_lowers_the_output_error():
     assert (rounded.unsqueeze(2) == table.unsqueeze(1)).any(2).all()  # every weight on its row's table
     error = (x @ (rounded - w).t()).norm() / (x @ (nearest - w).t()).norm()
     assert error < 0.8, error
+
+
+def _calibrated(max_bytes: int) -> tuple[dict[str, torch.Tensor], int]:
+    """(latent weights after `calibrate` holding at most `max_bytes` of moments, forward passes it made)."""
+    torch.manual_seed(0)
+    model = quantize_model(tiny_llama(), DKMConfig(bits=3, granularity="per_grouped_channel", group_size=1))
+    passes = []
+    model.register_forward_pre_hook(lambda *_: passes.append(1))
+    batches = (torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2))
+    assert calibrate(model, batches, max_moment_bytes=max_bytes) == 14  # a generator is read once, kept for all
+    return {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, DKMLinear)}, len(passes)
+
+
+def test_moments_are_held_a_chunk_of_layers_at_a_time_in_model_order():
+    whole, passes = _calibrated(MOMENT_BYTES)
+    assert passes == 2  # every layer's moments fit: one pass over the two batches
+    narrow = 4 * 64**2  # the moments of one 64-input layer; the 128-input down_proj alone exceeds them
+    sequential, passes = _calibrated(narrow)
+    assert passes == 2 * 14  # a chunk, so a pass over the batches, per layer
+    names = list(whole)
+    assert torch.equal(whole[names[0]], sequential[names[0]])  # the first layer sees the same inputs either way
+    assert not all(torch.equal(whole[k], sequential[k]) for k in names[1:])  # the later ones: earlier ones rounded
+    model = quantize_model(tiny_llama(), DKMConfig(bits=3))
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, DKMLinear)}
+    cut = chunks(layers, 3 * narrow)
+    assert [n for c in cut for n in c] == list(layers)  # every layer once, in model order
+    assert [len(c) for c in cut] == [3, 3, 1, 3, 3, 1]  # q k v | o gate up | down (alone, over the budget) | ...
 
 
 class _Rows(torch.utils.data.Dataset):
@@ -79,6 +106,8 @@ def test_bad_uses_name_the_fix(tmp_path):
     model = quantize_model(tiny_llama(), DKMConfig(bits=3))
     with pytest.raises(ValueError, match="calibrate got no batches"):
         calibrate(model, [])
+    with pytest.raises(ValueError, match=r"max_moment_bytes must be > 0 \(try 1073741824\)"):
+        calibrate(model, [torch.zeros(1, 4, dtype=torch.long)], max_moment_bytes=0)
     vectors = quantize_model(tiny_llama(), DKMConfig(bits=3, cluster_dim=2))
     with pytest.raises(ValueError, match="cluster_dim=2: use cluster_dim=1 or calibration_samples=0"):
         calibrate(vectors, [torch.zeros(1, 4, dtype=torch.long)])
