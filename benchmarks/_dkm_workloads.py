@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+CALIBRATION_SAMPLES = 128  # training sentences / blocks the calibrated methods see (GPTQ's usual 128 sequences)
 
 
 def _sentences() -> tuple[list[str], list[str]]:
@@ -85,7 +86,8 @@ class MiniLM:
             target = self._embed(self.teacher, batch)
         return (1 - (self._embed(model, batch) * target).sum(-1)).mean()
 
-    def calibration(self, n: int = 32) -> dict[str, torch.Tensor]:
+    def calibration(self, n: int = CALIBRATION_SAMPLES) -> dict[str, torch.Tensor]:
+        """The first `n` training sentences, padded to 64 tokens, for the calibrated methods (GPTQ, ours)."""
         batch = self.tok(
             self.train_sents[:n], padding="max_length", truncation=True, max_length=64, return_tensors="pt"
         )
@@ -93,7 +95,7 @@ class MiniLM:
 
 
 LM_SIZES = {  # run_clm.py flags of each size (vocabulary: 4,096 BPE tokens trained on the corpus)
-    "24m": ["--hidden_size", "512", "--intermediate_size", "1376", "--num_hidden_layers", "6"],  # ~24M parameters
+    "24m": ["--hidden_size", "512", "--intermediate_size", "1408", "--num_hidden_layers", "6"],  # ~24M; widths divide by 64
     "5m": ["--intermediate_size", "768"],  # run_clm's other defaults (hidden 256, 4 layers): ~5M parameters
 }
 
@@ -200,7 +202,8 @@ class CausalLM:
         shown = [f if not f.startswith(str(out_dir)) and f != str(self.model_dir) else "<dir>" for f in flags]
         return model, stored / sum(m.in_features * m.out_features for m in layers), shown
 
-    def calibration(self, n: int = 16) -> dict[str, torch.Tensor]:
+    def calibration(self, n: int = CALIBRATION_SAMPLES) -> dict[str, torch.Tensor]:
+        """The first `n` training blocks (128 tokens each) for the calibrated methods (GPTQ, ours)."""
         ids = self.train[:n, :128]
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 

@@ -469,8 +469,14 @@ def dkm_quality(results: dict) -> str:
         f"Every trained method: the same {data['steps']} AdamW steps (learning rate {data['lr']:g}) of distillation "
         "from the fp32 model on the same batches. Bits per weight over the quantized matrices, tables, scales and "
         "zero points included (peers' scales and zeros at 16 bits, our tables at the width they are saved in: 32 "
-        "bits, 16 for the rows with 16-bit tables).\n\n"
+        "bits, 16 for the rows with 16-bit tables)."
     )
+    if "calibration_samples" in data:
+        head += (
+            f" The calibrated methods (GPTQ, ours) see the first {data['calibration_samples']} training sentences "
+            "(MiniLM) or blocks (the causal LM)."
+        )
+    head += "\n\n"
     text = head + "\n\n".join(out)
     if verdict:
         text += "\n\nOur best trained DKM row against the best peer (bits per weight in brackets):\n\n"

@@ -6,7 +6,7 @@
 
 Workloads (`_dkm_workloads.py`): all-MiniLM-L6-v2 (embedding cosine to fp32, mean / worst sentence, Spearman of
 pairwise similarities) and a Llama pretrained here by `examples/run_clm.py` (held-out perplexity, worst block's
-perplexity ratio to fp32; `--lm-size 5m`, the default, has ~5M parameters, `24m` ~24M). Methods (`_dkm_peers.py`),
+perplexity ratio to fp32; `--lm-size 24m`, the default, has ~24M parameters, `5m` ~5M). Methods (`_dkm_peers.py`),
 every Linear but the head quantized:
 - trained, the same distillation batches, steps and optimizer each: DKM (ours, `DKMConfig(bits)`), torchao 0.18 QAT
   (`IntxFakeQuantizeConfig` int3/int4, symmetric, group 64), coremltools `DKMPalettizer` (with `--coreml-dkm`: it
@@ -42,7 +42,7 @@ from _common import (
     run_record,
     write_results,
 )
-from _dkm_workloads import CausalLM, MiniLM, lm_recipe, make_trainer
+from _dkm_workloads import CALIBRATION_SAMPLES, CausalLM, MiniLM, lm_recipe, make_trainer
 
 LM_DIR = Path.home() / ".cache" / "hf_llmkit" / "dkm_quality_lm"  # + "_<size>"
 
@@ -60,10 +60,14 @@ def save(results: dict) -> Path:
     return write_results("dkm_quality", results)
 
 
+def tables_per(size: int) -> str:
+    return "a table per channel" if size == 1 else f"a table per {size} channels"
+
+
 def methods(bits: int, args, workload) -> dict[str, tuple]:
     """{name: (function, trained, extra kwargs)} of the methods run at `bits`."""
     size = peers.channels_per_table(workload.load(), bits, workload.skip + args.extra_skip)
-    per = "a table per channel" if size == 1 else f"a table per {size} channels"
+    per = tables_per(size)
     tuned = {"granularity": "per_grouped_channel", "group_size": size, "lut_dtype": "float16", "calibration": None}
     out = {
         f"DKM {bits}-bit, {per}, 16-bit tables, calibrated (ours)": (peers.dkm, True, tuned),
@@ -118,8 +122,8 @@ def main_job_row(workload, bits: int, args) -> dict:
 
     size = peers.channels_per_table(workload.load(), bits, workload.skip + args.extra_skip)
     options = ["--dkm_granularity", "per_grouped_channel", "--dkm_group_size", str(size), "--dkm_lut_dtype", "float16",
-               "--dkm_calibration_samples", "16"]  # fmt: skip
-    name = f"DKM {bits}-bit by run_clm.py, LM loss, no teacher, tables per {size} channels, calibrated (ours)"
+               "--dkm_calibration_samples", str(CALIBRATION_SAMPLES)]  # fmt: skip
+    name = f"DKM {bits}-bit by run_clm.py, LM loss, no teacher, {tables_per(size)}, calibrated (ours)"
     row = {"method": name, "bits": bits, "trained": True}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dkm_quality_job_") as out:  # the job's time includes its evaluations
@@ -213,7 +217,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate of every trained method")
     parser.add_argument("--only", nargs="*", choices=["minilm", "lm", "steps"], default=None)
     parser.add_argument("--lm-dir", type=Path, default=None, help="pretrained causal LM (trained there if missing)")
-    parser.add_argument("--lm-size", default="5m", choices=["24m", "5m"], help="the causal LM's size")
+    parser.add_argument("--lm-size", default="24m", choices=["24m", "5m"], help="the causal LM's size")
     parser.add_argument("--lm-pretrain-steps", type=int, default=300, help="steps of the causal LM's pretraining")
     parser.add_argument("--coreml-dkm", action="store_true", help="also train coremltools' DKMPalettizer (slow)")
     parser.add_argument("--step-rounds", type=int, default=3, help="timed rounds of the step-time section")
@@ -225,6 +229,7 @@ def main() -> None:
     sections = args.only or (["minilm"] if args.quick else ["minilm", "lm", "steps"])
     logging.getLogger("llmcompressor").setLevel(logging.ERROR)
     results = {"machine_before": machine_state(), "steps": args.steps, "lr": args.lr, "workloads": {}}
+    results["calibration_samples"] = CALIBRATION_SAMPLES
     start = time.perf_counter()
     if "minilm" in sections:
         w = MiniLM(quick=args.quick)
