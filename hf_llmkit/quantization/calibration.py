@@ -14,7 +14,7 @@ away from the rounding they were calibrated for.
 
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=DKMConfig(bits=3))
     Trainer(model=model, ...).train()
-    calibrate(model, [tokenizer(texts, return_tensors="pt")])   # a few dozen sequences
+    calibrate(model, [tokenizer(texts, return_tensors="pt")])   # e.g. 128 sequences, as GPTQ uses
 
 `DKMConfig(calibration_samples=N)` does it at the end of every Trainer run, on the first `N` training examples
 (`DKMTrainingStateCallback`).
