@@ -95,12 +95,12 @@ class MiniLM:
 
 
 LM_SIZES = {  # run_clm.py flags of each size (vocabulary: 4,096 BPE tokens trained on the corpus)
-    "24m": ["--hidden_size", "512", "--intermediate_size", "1408", "--num_hidden_layers", "6"],  # ~24M; widths divide by 64
+    "22m": ["--hidden_size", "512", "--intermediate_size", "1408", "--num_hidden_layers", "6"],  # ~22M
     "5m": ["--intermediate_size", "768"],  # run_clm's other defaults (hidden 256, 4 layers): ~5M parameters
 }
 
 
-def lm_recipe(out_dir: Path, steps: int, size: str = "24m") -> list[str]:
+def lm_recipe(out_dir: Path, steps: int, size: str = "22m") -> list[str]:
     """The one command that pretrains the causal LM (`python examples/run_clm.py <these flags>`), `steps` steps of
     run_clm's default batches on the embedded corpus."""
     return [

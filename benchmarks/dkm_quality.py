@@ -6,7 +6,7 @@
 
 Workloads (`_dkm_workloads.py`): all-MiniLM-L6-v2 (embedding cosine to fp32, mean / worst sentence, Spearman of
 pairwise similarities) and a Llama pretrained here by `examples/run_clm.py` (held-out perplexity, worst block's
-perplexity ratio to fp32; `--lm-size 24m`, the default, has ~24M parameters, `5m` ~5M). Methods (`_dkm_peers.py`),
+perplexity ratio to fp32; `--lm-size 22m`, the default, has ~22M parameters, `5m` ~5M). Methods (`_dkm_peers.py`),
 every Linear but the head quantized:
 - trained, the same distillation batches, steps and optimizer each: DKM (ours, `DKMConfig(bits)`), torchao 0.18 QAT
   (`IntxFakeQuantizeConfig` int3/int4, symmetric, group 64), coremltools `DKMPalettizer` (with `--coreml-dkm`: it
@@ -217,7 +217,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate of every trained method")
     parser.add_argument("--only", nargs="*", choices=["minilm", "lm", "steps"], default=None)
     parser.add_argument("--lm-dir", type=Path, default=None, help="pretrained causal LM (trained there if missing)")
-    parser.add_argument("--lm-size", default="24m", choices=["24m", "5m"], help="the causal LM's size")
+    parser.add_argument("--lm-size", default="22m", choices=["22m", "5m"], help="the causal LM's size")
     parser.add_argument("--lm-pretrain-steps", type=int, default=300, help="steps of the causal LM's pretraining")
     parser.add_argument("--coreml-dkm", action="store_true", help="also train coremltools' DKMPalettizer (slow)")
     parser.add_argument("--step-rounds", type=int, default=3, help="timed rounds of the step-time section")
