@@ -67,10 +67,9 @@ def tables_per(size: int) -> str:
 def methods(bits: int, args, workload) -> dict[str, tuple]:
     """{name: (function, trained, extra kwargs)} of the methods run at `bits`."""
     size = peers.channels_per_table(workload.load(), bits, workload.skip + args.extra_skip)
-    per = tables_per(size)
     tuned = {"granularity": "per_grouped_channel", "group_size": size, "lut_dtype": "float16", "calibration": None}
     out = {
-        f"DKM {bits}-bit, {per}, 16-bit tables, calibrated (ours)": (peers.dkm, True, tuned),
+        f"DKM {bits}-bit, {tables_per(size)}, 16-bit tables, calibrated (ours)": (peers.dkm, True, tuned),
         f"DKM {bits}-bit (ours)": (peers.dkm, True, {}),
         f"k-means {bits}-bit, no training (ours)": (peers.dkm, False, {}),
         f"torchao QAT int{bits} g64": (peers.torchao_qat, True, {}),
@@ -228,8 +227,8 @@ def main() -> None:
     args.extra_skip = tuple(quick_skip) if args.quick else ()
     sections = args.only or (["minilm"] if args.quick else ["minilm", "lm", "steps"])
     logging.getLogger("llmcompressor").setLevel(logging.ERROR)
-    results = {"machine_before": machine_state(), "steps": args.steps, "lr": args.lr, "workloads": {}}
-    results["calibration_samples"] = CALIBRATION_SAMPLES
+    results = {"machine_before": machine_state(), "steps": args.steps, "lr": args.lr, "workloads": {},
+               "calibration_samples": CALIBRATION_SAMPLES}  # fmt: skip
     start = time.perf_counter()
     if "minilm" in sections:
         w = MiniLM(quick=args.quick)

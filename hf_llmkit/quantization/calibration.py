@@ -35,7 +35,8 @@ BLOCK = 128  # columns rounded per block before the rest of the weight is update
 
 
 def _inputs(model: nn.Module, layers: dict[str, DKMLinear], batches: Iterable) -> dict[str, torch.Tensor]:
-    """`H = X^T X / n` (float32) of the inputs of each of `layers` (the model's DKM Linears) over `batches`."""
+    """`H = X^T X / n` (float32) of the inputs of each of `layers` (DKM Linears of `model`) over `batches`; only
+    those run with their latent weights, the others with their hard assignment."""
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
 
