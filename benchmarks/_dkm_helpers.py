@@ -13,11 +13,8 @@ def size_mb(folder: Path) -> float:
 
 
 def dkm_bits_per_weight(layers) -> float:
-    """Bits per weight of DKM layers' compact export (packed indices + float32 tables)."""
-    bits = 0
-    for m in layers:
-        packed, lut = m.export()
-        bits += packed.numel() * 8 + lut.numel() * 32
+    """Bits per weight of DKM layers' compact export (packed indices + tables and block scales, as saved)."""
+    bits = sum(t.nbytes * 8 for m in layers for t in m.export().values())
     return bits / sum(m.weight.numel() for m in layers)
 
 

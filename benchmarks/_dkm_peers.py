@@ -39,7 +39,7 @@ SCALE_BITS = 16  # a peer's scale or zero point, as its deployed format stores i
 def dkm(model, bits: int, skip, train: Callable | None, *, calibration=None, **options) -> float:
     """DKM (hf_llmkit): k-means tables, then (with `train`) DKM training, then (with `calibration`, model inputs)
     GPTQ's rounding onto the trained tables (`hf_llmkit.quantization.calibrate`); bits of the packed export + its
-    tables (in `lut_dtype`, float32 unless `options` say otherwise)."""
+    tables and block scales (in `lut_dtype`, float32 unless `options` say otherwise)."""
     from hf_llmkit import DKMConfig
     from hf_llmkit.quantization import DKMLinear, calibrate, quantize_model
 
@@ -49,7 +49,7 @@ def dkm(model, bits: int, skip, train: Callable | None, *, calibration=None, **o
         train(model)
     if calibration is not None:
         calibrate(model, [calibration])
-    stored = sum(p.numel() * 8 + t.numel() * t.element_size() * 8 for p, t in (m.export() for m in layers))
+    stored = sum(t.nbytes * 8 for m in layers for t in m.export().values())
     return stored / sum(m.weight.numel() for m in layers)
 
 

@@ -198,7 +198,7 @@ class CausalLM:
         _run_clm().run(flags)
         model = AutoModelForCausalLM.from_pretrained(out_dir)
         layers = [m for m in model.modules() if isinstance(m, PalettizedLinear)]
-        stored = sum(m.weight_packed.numel() * 8 + m.weight_lut.nbytes * 8 for m in layers)
+        stored = sum(b.nbytes * 8 for m in layers for b in m.buffers())  # indices, tables, block scales
         shown = [f if not f.startswith(str(out_dir)) and f != str(self.model_dir) else "<dir>" for f in flags]
         return model, stored / sum(m.in_features * m.out_features for m in layers), shown
 

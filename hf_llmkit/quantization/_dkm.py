@@ -98,3 +98,25 @@ def kmeans(vectors: torch.Tensor, k: int, iters: int, sample: int, seed: int = 0
             break
         centroids = new
     return centroids
+
+
+@torch.no_grad()
+def block_scales(weight: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """Absmax of every `block` consecutive input features of each row of a `[rows, cols]` weight, `[rows, cols /
+    block]` float32, rounded to `dtype` (as saved; clamped to its range) with 1 for an all-zero block."""
+    rows, cols = weight.shape
+    amax = weight.detach().float().abs().reshape(rows, cols // block, block).amax(-1)
+    amax = amax.clamp_max(torch.finfo(dtype).max).to(dtype).float()
+    return torch.where(amax > 0, amax, torch.ones_like(amax))
+
+
+def expand_scales(scales: torch.Tensor, cols: int) -> torch.Tensor:
+    """Block scales `[rows, blocks]` spread over the `cols` input features they scale, `[rows, cols]`."""
+    return scales.repeat_interleave(cols // scales.shape[1], dim=1)
+
+
+def decode(table: torch.Tensor, indices: torch.Tensor, shape, scales: torch.Tensor | None) -> torch.Tensor:
+    """The float32 weight `shape` of a table `[G, K, d]` at indices `[G, n]`, times its block scales (if any): what
+    the hard assignment, the packed layers and a reloaded checkpoint compute, in one place so they agree bitwise."""
+    w = lookup(table.float(), indices).reshape(shape)
+    return w if scales is None else w * expand_scales(scales.float(), shape[1])

@@ -1,16 +1,16 @@
 """Activation-aware rounding for DKM: GPTQ's error-compensated rounding onto the layers' lookup tables.
 
 k-means fits each table to the weights alone, and nearest-entry rounding ignores which input features matter.
-`calibrate(model, batches)` runs the batches through the model with its latent (unclustered) weights, collects each
-DKM Linear's input second moments `H = X^T X / n`, and rounds every weight column by column to its nearest table
-entry, the most active input features first, while the columns not yet rounded absorb the error of the layer's
-output (GPTQ, Frantar et al. 2023, with its act-order and a lookup table in place of a uniform grid). The latent
-weights become the compensated values just before their rounding, so their hard assignment is that rounding; the
-tables stay as trained. The layers go in model order, in chunks whose moments fit `max_moment_bytes` (float32 `H`
-is `4 in_features^2` bytes a layer: a LLaMA-7B holds about 28 GB of them): one pass over the batches per chunk,
-the chunks after the first seeing the inputs of the layers already rounded (GPTQ's sequential order). A model
-whose moments fit takes one pass. Run it after DKM training: training from calibrated weights moves the tables
-away from the rounding they were calibrated for.
+`calibrate(model, batches)` runs the batches through the model with its latent (unclustered) weights, collects each DKM
+Linear's input second moments `H = X^T X / n`, and rounds every weight column by column to its nearest table entry
+(times its block scale, with `scale_block_size`), the most active input features first, while the columns not yet
+rounded absorb the error of the layer's output (GPTQ, Frantar et al. 2023, with its act-order and a lookup table in
+place of a uniform grid). The latent weights become the compensated values just before their rounding, so their hard
+assignment is that rounding; the tables (and scales) stay as trained. The layers go in model order, in chunks whose
+moments fit `max_moment_bytes` (float32 `H` is `4 in_features^2` bytes a layer: a LLaMA-7B holds about 28 GB of them):
+one pass over the batches per chunk, the chunks after the first seeing the inputs of the layers already rounded (GPTQ's
+sequential order). A model whose moments fit takes one pass. Run it after DKM training: training from calibrated
+weights moves the tables away from the rounding they were calibrated for.
 
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=DKMConfig(bits=3))
     Trainer(model=model, ...).train()
@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from hf_llmkit.quantization._dkm import expand_scales
 from hf_llmkit.quantization.layers import DKMLinear
 
 DAMP = 0.01  # added to H's diagonal, relative to its mean (GPTQ's dampening)
@@ -71,16 +72,22 @@ def _inputs(model: nn.Module, layers: dict[str, DKMLinear], batches: Iterable) -
 
 
 @torch.no_grad()
-def round_onto_table(weight: torch.Tensor, table: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+def round_onto_table(
+    weight: torch.Tensor, table: torch.Tensor, h: torch.Tensor, scales: torch.Tensor | None = None
+) -> torch.Tensor:
     """The compensated weight `[rows, cols]` whose nearest entries in `table` `[rows, K]` (each row's own table) are
-    GPTQ's rounding under input moments `h` `[cols, cols]`; float32."""
+    GPTQ's rounding under input moments `h` `[cols, cols]`; float32. With `scales` `[rows, cols]` (block scales
+    spread over the columns) a weight's candidates are its row's table times its scale: it is rounded as the hard
+    assignment does, `w / s` to the nearest entry."""
     w = weight.detach().float().clone()
+    spread = None if scales is None else scales.float()
     h = h.float().clone()
     cols = w.shape[1]
     dead = torch.diag(h) == 0  # features never seen: their weights cannot matter
     h[dead, dead] = 1.0
     order = torch.argsort(torch.diag(h), descending=True)  # GPTQ's act-order: the most active inputs first
     w, h = w[:, order], h[order][:, order]
+    spread = None if spread is None else spread[:, order]
     h += DAMP * torch.diag(h).mean() * torch.eye(cols, device=h.device)
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     out = torch.empty_like(w)
@@ -92,7 +99,10 @@ def round_onto_table(weight: torch.Tensor, table: torch.Tensor, h: torch.Tensor)
         for i in range(stop - start):
             col = block[:, i]
             out[:, start + i] = col
-            nearest = table.gather(1, (col.unsqueeze(1) - table).abs().argmin(1, keepdim=True)).squeeze(1)
+            unit = col if spread is None else col / spread[:, start + i]
+            nearest = table.gather(1, (unit.unsqueeze(1) - table).abs().argmin(1, keepdim=True)).squeeze(1)
+            if spread is not None:
+                nearest = nearest * spread[:, start + i]
             err = (col - nearest) / u_block[i, i]
             block[:, i:] -= err.unsqueeze(1) * u_block[i, i:].unsqueeze(0)
             errors[:, i] = err
@@ -159,8 +169,11 @@ def calibrate(model: nn.Module, batches: Iterable, max_moment_bytes: int = MOMEN
         for name, h in moments.items():
             layer = chunk[name]
             rows = layer.weight.shape[0]
+            device = layer.weight.device
             table = layer.lookup_table()[..., 0].repeat_interleave(rows // layer.settings.groups, 0)
-            new = round_onto_table(layer.weight, table.to(layer.weight.device), h.to(layer.weight.device))
+            scales = layer.lookup_scales()
+            spread = None if scales is None else expand_scales(scales, layer.weight.shape[1]).to(device)
+            new = round_onto_table(layer.weight, table.to(device), h.to(device), spread)
             with torch.no_grad():  # in place: the version counter moves, so cached hard weights are rebuilt
                 layer.weight.copy_(new.to(layer.weight.dtype))
         done += len(moments)

@@ -43,7 +43,14 @@ class DKMConfig(QuantizationConfigMixin):
         lut_dtype (`str`, defaults to `"float32"`):
             Precision of the saved lookup tables: `"float32"`, `"float16"` or `"bfloat16"`. The hard assignment
             (evaluation, export) uses the table rounded to it, so a reloaded checkpoint computes exactly what the
-            trained model does; 16 bits halve what a table per channel costs.
+            trained model does; 16 bits halve what a table per channel costs. Block scales are saved in it too.
+        scale_block_size (`int`, defaults to 0):
+            Input features per absmax scale (e.g. 64): each output channel's weights are divided, block by block,
+            by their largest magnitude (rounded to `lut_dtype`), the table clusters those normalised weights, and a
+            weight is `table[index] * scale`. GPTQ's per-group grid, with a learned table in place of a uniform one;
+            it costs `16 / scale_block_size` bits per weight with 16-bit `lut_dtype`. 0 (no scales) clusters the
+            weights themselves. Scalar tables only (`cluster_dim=1`); it must divide every converted layer's input
+            dimension.
         calibration_samples (`int`, defaults to 0):
             At the end of each Trainer run, round the latent weights onto the trained tables with GPTQ's error
             compensation under the layer inputs of this many training examples (`hf_llmkit.quantization.calibrate`)
@@ -99,6 +106,9 @@ class DKMConfig(QuantizationConfigMixin):
     lut_dtype: str = field(
         default="float32", metadata={"help": "Saved lookup tables: 'float32', 'float16' or 'bfloat16'."}
     )
+    scale_block_size: int = field(
+        default=0, metadata={"help": "Input features per absmax scale of the clustered weights (0: no scales)."}
+    )
     calibration_samples: int = field(
         default=0, metadata={"help": "Training examples that calibrate the final rounding (GPTQ onto the tables)."}
     )
@@ -144,6 +154,11 @@ class DKMConfig(QuantizationConfigMixin):
             raise ValueError(f"DKMConfig.calibration_samples must be an integer >= 0 (try 128), got {samples!r}.")
         if samples and self.cluster_dim != 1:
             raise ValueError("DKMConfig.calibration_samples needs scalar tables: use cluster_dim=1 or set it to 0.")
+        block = self.scale_block_size
+        if isinstance(block, bool) or not isinstance(block, int) or block < 0:
+            raise ValueError(f"DKMConfig.scale_block_size must be an integer >= 0 (try 64, or 0), got {block!r}.")
+        if block and self.cluster_dim != 1:
+            raise ValueError("DKMConfig.scale_block_size scales scalar weights: use cluster_dim=1 or set it to 0.")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -191,6 +206,11 @@ class DKMConfig(QuantizationConfigMixin):
             raise ValueError(
                 f"DKMConfig.cluster_dim={self.cluster_dim} does not divide the input dimension {cols} of {name!r}; "
                 f"use a cluster_dim that divides it or add {name!r} to modules_to_not_convert."
+            )
+        if self.scale_block_size and cols % self.scale_block_size:
+            raise ValueError(
+                f"DKMConfig.scale_block_size={self.scale_block_size} does not divide the input dimension {cols} of "
+                f"{name!r}; use a scale_block_size that divides it or add {name!r} to modules_to_not_convert."
             )
         if self.granularity == "per_grouped_channel" and rows % self.group_size:
             raise ValueError(

@@ -34,6 +34,7 @@ from hf_llmkit.quantization.layers import (
     DKMSettings,
     PalettizedEmbedding,
     PalettizedLinear,
+    check_scales,
     check_table,
 )
 
@@ -41,6 +42,9 @@ TRAINABLE = (DKMLinear, DKMEmbedding)
 PACKED = (PalettizedLinear, PalettizedEmbedding)
 PACKED_NAMES = ("weight_packed", "weight_lut")
 TRAINING_NAMES = ("weight", "centroids")
+# with DKMConfig.scale_block_size: the block scales, packed and in the training state
+SCALE_NAMES = {"packed": "weight_scale", "train": "scales"}
+LOADED_NAMES = (*PACKED_NAMES, SCALE_NAMES["packed"])  # the tensors packed layers load
 
 
 def tied_modules(model: nn.Module) -> list[str]:
@@ -132,7 +136,7 @@ def check_table_dtypes(keys: dict[str, str], lut_dtype: str) -> None:
     reloaded model would no longer compute what the trained one did."""
     want = _SAFETENSORS_DTYPES[lut_dtype]
     for key, dtype in sorted(keys.items()):
-        if key.endswith(".weight_lut") and dtype != want:
+        if key.endswith((".weight_lut", ".weight_scale")) and dtype != want:
             found = next((name for name, code in _SAFETENSORS_DTYPES.items() if code == dtype), dtype)
             raise ValueError(
                 f"{key!r} is saved as {found} but quantization_config.lut_dtype is {lut_dtype!r}: set lut_dtype to "
@@ -140,11 +144,14 @@ def check_table_dtypes(keys: dict[str, str], lut_dtype: str) -> None:
             )
 
 
-def checkpoint_layout(keys: set[str], targets: list[str], prefix: str = "") -> tuple[dict[str, str], list[str]]:
+def checkpoint_layout(
+    keys: set[str], targets: list[str], prefix: str = "", scaled: bool = False
+) -> tuple[dict[str, str], list[str]]:
     """(`{module: "train" | "packed"}`, key patterns to ignore) from a DKM checkpoint's tensor names.
 
     A module loads its training state when the checkpoint has it, else its packed export; the other representation
-    is expected in the file (the patterns). Any inconsistency is a ValueError naming the tensor or module.
+    is expected in the file (the patterns). `scaled`: the config has block scales, which both representations then
+    hold (and only then). Any inconsistency is a ValueError naming the tensor or module.
     """
     strip = f"{prefix}." if prefix else None
 
@@ -152,6 +159,14 @@ def checkpoint_layout(keys: set[str], targets: list[str], prefix: str = "") -> t
         return key[len(strip) :] if strip and key.startswith(strip) else key
 
     names = {norm(k) for k in keys}
+    scale_keys = sorted(k for k in names if k.rpartition(".")[2] in SCALE_NAMES.values())
+    if scale_keys and not scaled:
+        raise ValueError(
+            f"The checkpoint holds DKM block scales ({scale_keys[0]!r}) but its quantization_config has no "
+            "scale_block_size: set scale_block_size in config.json to the block size it was trained with."
+        )
+    packed_names = (*PACKED_NAMES, SCALE_NAMES["packed"]) if scaled else PACKED_NAMES
+    training_names = (*TRAINING_NAMES, SCALE_NAMES["train"]) if scaled else TRAINING_NAMES
     layout, patterns = {}, []
     for target in targets:
         t = norm(target)
@@ -159,12 +174,18 @@ def checkpoint_layout(keys: set[str], targets: list[str], prefix: str = "") -> t
         def has(*suffixes: str, t=t) -> bool:
             return all(f"{t}.{s}" in names for s in suffixes)
 
-        if has(*TRAINING_NAMES):
-            layout[target], unused = "train", PACKED_NAMES
-        elif has(*PACKED_NAMES):
-            layout[target], unused = "packed", TRAINING_NAMES
-        elif has("weight_packed") or has("weight_lut"):
-            missing = "weight_lut" if has("weight_packed") else "weight_packed"
+        if has(*training_names):
+            layout[target], unused = "train", packed_names
+        elif has(*packed_names):
+            layout[target], unused = "packed", training_names
+        elif any(has(n) for n in packed_names) or has(*TRAINING_NAMES):
+            found = packed_names if any(has(n) for n in packed_names) else training_names
+            missing = next(n for n in found if not has(n))
+            if missing in SCALE_NAMES.values():
+                raise ValueError(
+                    f"The DKM checkpoint has no '{target}.{missing}' but its quantization_config sets "
+                    "scale_block_size: set it to 0 in config.json if the checkpoint was saved without block scales."
+                )
             raise ValueError(
                 f"The DKM checkpoint has no '{target}.{missing}' (needed for {target!r}): it is incomplete."
             )
@@ -180,7 +201,8 @@ def checkpoint_layout(keys: set[str], targets: list[str], prefix: str = "") -> t
         # optimizer step's state (read by a Trainer resume through load_state_dict, see steps.py).
         patterns.append(rf"(^|\.){re.escape(t)}\.({'|'.join(unused + steps.STEP_NAMES)})$")
     target_set = {norm(t) for t in targets}
-    stray = sorted({k.rpartition(".")[0] for k in keys if k.rpartition(".")[2] in PACKED_NAMES + ("centroids",)})
+    dkm_names = (*LOADED_NAMES, "centroids", SCALE_NAMES["train"])
+    stray = sorted({k.rpartition(".")[0] for k in keys if k.rpartition(".")[2] in dkm_names})
     stray = [k for k in stray if norm(k) not in target_set]
     if stray:
         more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
@@ -208,6 +230,8 @@ class DKMInitTables(ConversionOps):
             if isinstance(module, TRAINABLE):
                 module.init_centroids(weight)
                 out[f"{key.rpartition('.')[0]}.centroids"] = module.centroids
+                if module.scales is not None:
+                    out[f"{key.rpartition('.')[0]}.scales"] = module.scales
         return out
 
 
@@ -219,6 +243,8 @@ def verify_loaded(model: nn.Module, pre_quantized: bool) -> None:
         elif isinstance(module, TRAINABLE):
             if pre_quantized:  # loaded from a Trainer checkpoint's training state
                 check_table(f"{name}.centroids", module.centroids, module.table_shape)
+                if module.scales is not None:
+                    check_scales(f"{name}.scales", module.scales, tuple(module.scales.shape))
                 module.dkm_initialised = True
             elif not module.dkm_initialised:
                 module.init_centroids()  # a weight that was not in the checkpoint (freshly initialised)
@@ -248,23 +274,26 @@ def dkm_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor] | None 
             prefix = f"{name}." if name else ""
             weight = state.get(prefix + "weight", module.weight)
             centroids = state.get(prefix + "centroids", module.centroids)
+            scales = state.get(prefix + "scales", module.scales)
             if not module.keep_training_state:
-                state.pop(prefix + "weight", None), state.pop(prefix + "centroids", None)
+                for name_ in (*TRAINING_NAMES, SCALE_NAMES["train"]):
+                    state.pop(prefix + name_, None)
             else:
                 state.update(steps.step_state(module, prefix))
-            state[prefix + "weight_packed"], state[prefix + "weight_lut"] = module.export(weight, centroids)
+            state.update({prefix + k: v for k, v in module.export(weight, centroids, scales).items()})
     return state
 
 
-def read_layout(model: nn.Module, checkpoint_files, targets: list[str], lut_dtype: str) -> dict[str, str] | None:
+def read_layout(model: nn.Module, checkpoint_files, targets: list[str], config: DKMConfig) -> dict[str, str] | None:
     """Per-module layout of the checkpoint files being loaded into `model` (None when their tensor names cannot be
-    read up front, e.g. .bin files); the unused representation is registered as expected; tables are checked to be
-    saved in `lut_dtype`."""
+    read up front, e.g. .bin files); the unused representation is registered as expected; tables and scales are
+    checked to be saved in the config's `lut_dtype`."""
     keys = checkpoint_keys([str(Path(f)) for f in checkpoint_files] if checkpoint_files else None)
     if keys is None:
         return None
-    check_table_dtypes(keys, lut_dtype)
-    layout, patterns = checkpoint_layout(set(keys), targets, getattr(model, "base_model_prefix", ""))
+    check_table_dtypes(keys, config.lut_dtype)
+    prefix, scaled = getattr(model, "base_model_prefix", ""), bool(config.scale_block_size)
+    layout, patterns = checkpoint_layout(set(keys), targets, prefix, scaled)
     if patterns:
         ignore_unexpected_keys(model, patterns)
     return layout

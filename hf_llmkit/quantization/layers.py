@@ -1,13 +1,16 @@
 """Modules that replace `nn.Linear` / `nn.Embedding`: trainable DKM layers and packed inference layers.
 
-`DKMLinear` / `DKMEmbedding` keep the latent weight (trainable) and a centroid table (`centroids`, `[G, K, d]`).
+`DKMLinear` / `DKMEmbedding` keep the latent weight (trainable) and a centroid table (`centroids`, `[G, K, d]`),
+and with `scale_block_size` the absmax scale of every block of input features (`scales`, `[rows, cols / block]`): the
+table then clusters the weight divided by its scales, and the clustered weight is multiplied back.
 In training mode (with a weight that requires grad) the forward uses DKM's soft assignment, computed by one of
 four engines (see `_soft`); otherwise it uses the hard assignment. `PalettizedLinear` / `PalettizedEmbedding` are
-what a compact checkpoint reloads into: packed n-bit indices (`weight_packed`, uint8) and the lookup table
-(`weight_lut`, float32).
+what a compact checkpoint reloads into: packed n-bit indices (`weight_packed`, uint8), the lookup table
+(`weight_lut`, in `lut_dtype`) and the block scales (`weight_scale`, in `lut_dtype`) when there are any.
 
-State dicts: a DKM layer's own is `weight`, `centroids` (+ `bias`). A checkpoint written by `save_pretrained` holds
-`weight_packed` + `weight_lut` instead (compact), plus `weight` + `centroids` while `keep_training_state` is set (so
+State dicts: a DKM layer's own is `weight`, `centroids` (+ `scales`, `bias`). A checkpoint written by `save_pretrained`
+holds `weight_packed` + `weight_lut` (+ `weight_scale`) instead (compact), plus the layer's own while
+`keep_training_state` is set (so
 a Trainer checkpoint resumes bitwise, see `DKMTrainingStateCallback`). Load-state-dict pre-hooks accept all of these.
 """
 
@@ -58,6 +61,15 @@ class DKMSettings:
     def cluster_dim(self) -> int:
         return self.config.cluster_dim
 
+    @property
+    def scale_block(self) -> int:
+        """Input features per block scale (0: the weights are clustered unscaled)."""
+        return self.config.scale_block_size
+
+    def scales_shape(self, shape) -> tuple[int, int] | None:
+        """Shape of the block scales of a `[rows, cols]` weight (None without scales)."""
+        return (shape[0], shape[1] // self.scale_block) if self.scale_block else None
+
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a Linear computes `x @ W^T` in: autocast's lower precision where autocast is on for `x`'s device
@@ -76,6 +88,18 @@ def check_table(name: str, table: torch.Tensor, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name!r} holds NaN/Inf values: the checkpoint is corrupt; restore it from a good copy.")
 
 
+def check_scales(name: str, scales: torch.Tensor | None, shape: tuple[int, int]) -> None:
+    """Block scales must be present (the config has `scale_block_size`), of the layer's shape, finite and > 0."""
+    if scales is None:
+        raise ValueError(
+            f"The DKM checkpoint has no {name!r} but its quantization_config sets scale_block_size: set it to 0 "
+            "in config.json if the checkpoint was saved without block scales."
+        )
+    check_table(name, scales, shape)
+    if not bool((scales > 0).all()):
+        raise ValueError(f"{name!r} holds scales <= 0: the checkpoint is corrupt; restore it from a good copy.")
+
+
 class _Clustered:
     """Shared by the two DKM layers: the table, k-means init, soft and hard clustered weights, export, loading."""
 
@@ -91,6 +115,8 @@ class _Clustered:
         self.shard_group = make_shard_group() if settings.config.shard else None
         k = 1 << settings.bits
         self.register_buffer("centroids", torch.zeros(settings.groups, k, settings.cluster_dim, device=device))
+        scales = settings.scales_shape(self.weight.shape)
+        self.register_buffer("scales", None if scales is None else torch.ones(scales, device=device))
         self._hard_cache: tuple | None = None
         self.dkm_step: steps.Step | None = None
         self.dkm_initialised = False
@@ -98,6 +124,18 @@ class _Clustered:
 
     def _vectors(self, weight: torch.Tensor) -> torch.Tensor:
         return dkm.to_vectors(weight, self.settings.groups, self.settings.cluster_dim)
+
+    def _normalized(self, weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        """The weight the table clusters: `weight` itself, or divided by its block scales (float32)."""
+        if scales is None:
+            return weight
+        return weight.float() / dkm.expand_scales(scales.float(), weight.shape[1])
+
+    def fresh_scales(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """Block scales of `weight` as they are saved (None without scales)."""
+        if not self.settings.scale_block:
+            return None
+        return dkm.block_scales(weight, self.settings.scale_block, self.settings.config.table_dtype)
 
     @property
     def table_shape(self) -> tuple[int, int, int]:
@@ -108,8 +146,13 @@ class _Clustered:
         """k-means initialisation of the table from the (loaded) weight."""
         w = self.weight if weight is None else weight
         s = self.settings
+        if s.scale_block:
+            self.scales = self.fresh_scales(w).to(w.device)
         self.centroids = dkm.kmeans(
-            self._vectors(w.detach()), 1 << s.bits, s.config.kmeans_iters, s.config.kmeans_sample
+            self._vectors(self._normalized(w.detach(), self.scales)),
+            1 << s.bits,
+            s.config.kmeans_iters,
+            s.config.kmeans_sample,
         ).to(w.device)
         self.dkm_initialised = True
 
@@ -118,29 +161,50 @@ class _Clustered:
         c = (self.centroids if centroids is None else centroids).detach()
         return c.to(self.settings.config.table_dtype).float()
 
-    def hard_indices(self, weight: torch.Tensor | None = None, centroids: torch.Tensor | None = None) -> torch.Tensor:
-        """Nearest-entry index of every weight vector in the lookup table, `[G, n]` (of the layer's own weight and
-        table, or of the full `weight` / `centroids` given, e.g. gathered from FSDP2 shards)."""
-        w = self.weight if weight is None else weight
-        return dkm.hard_assign(self._vectors(w.detach()), self.lookup_table(centroids).to(w.device))
+    def lookup_scales(self, scales: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The block scales the hard assignment uses (float32, in `lut_dtype`'s values), None without scales."""
+        s = self.scales if scales is None else scales
+        return None if s is None else s.detach().to(self.settings.config.table_dtype).float()
+
+    def hard_indices(
+        self,
+        weight: torch.Tensor | None = None,
+        centroids: torch.Tensor | None = None,
+        scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Nearest-entry index of every (scaled) weight vector in the lookup table, `[G, n]` (of the layer's own
+        weight, table and scales, or of the full ones given, e.g. gathered from FSDP2 shards)."""
+        w = (self.weight if weight is None else weight).detach()
+        s = self.lookup_scales(scales)
+        vectors = self._vectors(self._normalized(w, None if s is None else s.to(w.device)))
+        return dkm.hard_assign(vectors, self.lookup_table(centroids).to(w.device))
 
     def hard_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The hard-assigned weight (what evaluation, inference and the saved checkpoint use), cached."""
-        w, c = self.weight, self.centroids
-        key = (version_counter(w), w.data_ptr(), version_counter(c), c.data_ptr(), dtype)
+        tensors = [t for t in (self.weight, self.centroids, self.scales) if t is not None]
+        key = (*((version_counter(t), t.data_ptr()) for t in tensors), dtype)
         if self._hard_cache is None or self._hard_cache[0] != key:
-            w = dkm.lookup(self.lookup_table(), self.hard_indices()).reshape(self.weight.shape).to(dtype)
-            self._hard_cache = (key, w)
+            w = dkm.decode(self.lookup_table(), self.hard_indices(), self.weight.shape, self.lookup_scales())
+            self._hard_cache = (key, w.to(dtype))
         return self._hard_cache[1]
 
     def export(
-        self, weight: torch.Tensor | None = None, centroids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(`weight_packed`, `weight_lut`) of the hard assignment, as a compact checkpoint stores them (of the full
-        `weight` / `centroids` given instead of the layer's own, see `hard_indices`); the table in `lut_dtype`."""
-        table = self.lookup_table(centroids)
-        packed = pack_indices(self.hard_indices(weight, table), self.settings.bits)
-        return packed, table.to(self.settings.config.table_dtype).clone()
+        self,
+        weight: torch.Tensor | None = None,
+        centroids: torch.Tensor | None = None,
+        scales: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """`{"weight_packed", "weight_lut"(, "weight_scale")}` of the hard assignment, as a compact checkpoint stores
+        them (of the full `weight` / `centroids` / `scales` given instead of the layer's own, see `hard_indices`);
+        table and scales in `lut_dtype`."""
+        table, dtype = self.lookup_table(centroids), self.settings.config.table_dtype
+        out = {
+            "weight_packed": pack_indices(self.hard_indices(weight, table, scales), self.settings.bits),
+            "weight_lut": table.to(dtype).clone(),
+        }
+        if self.settings.scale_block:
+            out["weight_scale"] = self.lookup_scales(scales).to(dtype).clone()
+        return out
 
     def _use_soft(self) -> bool:
         return self.training and torch.is_grad_enabled() and self.weight.requires_grad
@@ -160,10 +224,26 @@ class _Clustered:
         device = self.weight.device.type
         with marshal if marshal is not None else contextlib.nullcontext(), torch.autocast(device, enabled=False):
             start = steps.start_of_step(self, self._vectors(self.weight))  # the same for every forward of a step
-            result, cents = engines.soft_cluster(x, self.weight, start, self.settings, self.shard_group)
+            if self.scales is None:
+                result, cents = engines.soft_cluster(x, self.weight, start, self.settings, self.shard_group)
+            else:
+                result, cents = self._soft_scaled(x, start)
         steps.finish_forward(self, cents)
         self.last_marshal = marshal.stats if marshal is not None else None
         return result
+
+    def _soft_scaled(self, x: torch.Tensor | None, start: torch.Tensor):
+        """The soft assignment with block scales: the table clusters `W / s` (the scales of the current latent
+        weight, kept in `scales`, constants to autograd) and the clustered weight is `s` times it."""
+        w = self.weight
+        scales = self.fresh_scales(w)
+        with torch.no_grad():
+            self.scales.copy_(scales)
+        spread = dkm.expand_scales(scales, w.shape[1])
+        normalized = (w.float() / spread).to(w.dtype)
+        clustered, cents = engines.soft_cluster(None, normalized, start, self.settings, self.shard_group)
+        w_c = (clustered.float() * spread).to(w.dtype)
+        return (w_c if x is None else x @ w_c.to(x.dtype).t()), cents
 
 
 def _accept_checkpoint_tensors(module, state_dict, prefix, *_args) -> None:
@@ -178,10 +258,13 @@ def _accept_checkpoint_tensors(module, state_dict, prefix, *_args) -> None:
     """
     packed = state_dict.pop(prefix + "weight_packed", None)
     lut = state_dict.pop(prefix + "weight_lut", None)
+    scale = state_dict.pop(prefix + "weight_scale", None)
     steps.take_step_state(module, state_dict, prefix)
-    shape = module.table_shape
+    shape, scales_shape = module.table_shape, module.settings.scales_shape(module.weight.shape)
     if prefix + "centroids" in state_dict:
         check_table(prefix + "centroids", state_dict[prefix + "centroids"], shape)
+        if scales_shape is not None:
+            check_scales(prefix + "scales", state_dict.get(prefix + "scales"), scales_shape)
         module.dkm_initialised = True
         return
     if packed is None and lut is None:
@@ -190,9 +273,13 @@ def _accept_checkpoint_tensors(module, state_dict, prefix, *_args) -> None:
         missing = prefix + ("weight_lut" if lut is None else "weight_packed")
         raise ValueError(f"The DKM checkpoint has no {missing!r} for {prefix.rstrip('.')!r}: it is incomplete.")
     check_table(prefix + "weight_lut", lut, shape)
+    if scales_shape is not None:
+        check_scales(prefix + "weight_scale", scale, scales_shape)
+        state_dict[prefix + "scales"] = scale.float()
     s = module.settings
     idx = unpack_indices(packed, s.bits, module.weight.numel() // s.cluster_dim).reshape(s.groups, -1)
-    state_dict[prefix + "weight"] = dkm.lookup(lut.float(), idx).reshape(module.weight.shape).to(module.weight.dtype)
+    weight = dkm.decode(lut, idx, module.weight.shape, None if scale is None else scale.float())
+    state_dict[prefix + "weight"] = weight.to(module.weight.dtype)
     state_dict[prefix + "centroids"] = lut.float()
     module.dkm_initialised = True
     logger.warning(
@@ -249,6 +336,10 @@ class _Packed(nn.Module):
         )
         table = torch.zeros(settings.groups, k, settings.cluster_dim, device=device, dtype=settings.config.table_dtype)
         self.register_buffer("weight_lut", table)
+        scales = settings.scales_shape(shape)
+        dtype = settings.config.table_dtype
+        scale = None if scales is None else torch.ones(scales, device=device, dtype=dtype)
+        self.register_buffer("weight_scale", scale)
         self.register_load_state_dict_pre_hook(_check_packed_tensors)
 
     @property
@@ -274,6 +365,8 @@ class _Packed(nn.Module):
                 "checkpoint, or fix 'bits'/'cluster_dim'/'granularity'/'group_size' in its config.json."
             )
         check_table(f"{name}.weight_lut", self.weight_lut, want_lut)
+        if self.weight_scale is not None:
+            check_scales(f"{name}.weight_scale", self.weight_scale, s.scales_shape(self.weight_shape))
         pad = (-self.count * s.bits) % 8
         if pad and int(self.weight_packed[-1]) >> (8 - pad):
             raise ValueError(f"{name + '.weight_packed'!r} has non-zero padding bits: the checkpoint is corrupt.")
@@ -281,16 +374,19 @@ class _Packed(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         s = self.settings
         idx = unpack_indices(self.weight_packed, s.bits, self.count).reshape(s.groups, -1)
-        return dkm.lookup(self.weight_lut.float(), idx).reshape(self.weight_shape).to(dtype)
+        return dkm.decode(self.weight_lut, idx, self.weight_shape, self.weight_scale).to(dtype)
 
 
 def _check_packed_tensors(module, state_dict, prefix, *_args) -> None:
     """Load-state-dict pre-hook of the packed layers: drop a training checkpoint's extra tensors, check the table."""
-    for extra in ("weight", "centroids", *steps.STEP_NAMES):
+    for extra in ("weight", "centroids", "scales", *steps.STEP_NAMES):
         state_dict.pop(prefix + extra, None)
     lut = state_dict.get(prefix + "weight_lut")
     if lut is not None:
         check_table(prefix + "weight_lut", lut, tuple(module.weight_lut.shape))
+    scale = state_dict.get(prefix + "weight_scale")
+    if scale is not None and module.weight_scale is not None:
+        check_scales(prefix + "weight_scale", scale, tuple(module.weight_scale.shape))
 
 
 class PalettizedLinear(_Packed):

@@ -57,7 +57,7 @@ class DKMHfQuantizer(HfQuantizer):
         packed: bool | dict = self.pre_quantized
         if self.pre_quantized:
             targets = list(integration.dkm_targets(model, self.quantization_config, self.modules_to_not_convert))
-            layout = integration.read_layout(model, checkpoint_files, targets, self.quantization_config.lut_dtype)
+            layout = integration.read_layout(model, checkpoint_files, targets, self.quantization_config)
             if layout is not None:
                 packed = layout
         integration.replace_with_dkm_layers(model, self.quantization_config, self.modules_to_not_convert, packed)
@@ -67,7 +67,7 @@ class DKMHfQuantizer(HfQuantizer):
         module, tensor_name = get_module_from_name(model, param_name)
         if self.pre_quantized:
             # Lets packed tensors of any shape reach `_process_model_after_weight_loading`, which names the problem.
-            return isinstance(module, integration.PACKED) and tensor_name in integration.PACKED_NAMES
+            return isinstance(module, integration.PACKED) and tensor_name in integration.LOADED_NAMES
         return isinstance(module, integration.TRAINABLE) and tensor_name == "weight"
 
     def get_quantize_ops(self):

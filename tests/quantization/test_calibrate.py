@@ -44,6 +44,35 @@ def test_with_correlated_inputs_it_lowers_the_output_error():
     assert error < 0.8, error
 
 
+def test_with_block_scales_a_weight_rounds_onto_its_table_times_its_scale():
+    w, _, x = _layer_case()
+    scales = dkm.block_scales(w, 32, torch.float16)  # [64, 3]
+    spread = dkm.expand_scales(scales, 96)
+    table = dkm.kmeans((w / spread).reshape(1, -1, 1), 8, 12, 65536)[0, :, 0].expand(64, -1)  # one table
+    out = round_onto_table(w, table, torch.eye(96) * 3.0, spread)
+    assert torch.equal(out, w)  # uncorrelated inputs: nothing to compensate
+    nearest = _nearest(w / spread, table) * spread
+    latent = round_onto_table(w, table, x.t() @ x / x.shape[0], spread)
+    rounded = _nearest(latent / spread, table) * spread  # the hard assignment of the compensated latent weight
+    error = (x @ (rounded - w).t()).norm() / (x @ (nearest - w).t()).norm()
+    assert error < 0.8, error
+
+
+def test_calibrate_keeps_block_scales_and_rounds_onto_them():
+    torch.manual_seed(0)
+    model = quantize_model(tiny_llama(), DKMConfig(bits=4, scale_block_size=16, lut_dtype="float16"))
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, DKMLinear)}
+    before = {n: (m.scales.clone(), m.hard_weight(torch.float32).clone()) for n, m in layers.items()}
+    batches = [torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    assert calibrate(model, batches) == 14
+    for name, m in layers.items():
+        scales, hard = before[name]
+        assert torch.equal(m.scales, scales)  # the scales stay as trained
+        unit = m.hard_weight(torch.float32) / dkm.expand_scales(scales, m.in_features)
+        assert torch.isin(unit, m.lookup_table().flatten()).all(), name  # every weight: table entry x its scale
+        assert not torch.equal(m.hard_weight(torch.float32), hard), name  # and the rounding moved
+
+
 def _calibrated(max_bytes: int) -> tuple[dict[str, torch.Tensor], int]:
     """(latent weights after `calibrate` holding at most `max_bytes` of moments, forward passes it made)."""
     torch.manual_seed(0)

@@ -33,6 +33,9 @@ def test_embedding_bits_out_of_range():
         ({"epsilon": -1.0}, "epsilon must be > 0"),
         ({"dkm_iters": -1}, "dkm_iters must be an integer >= 0"),
         ({"quant_method": "gptq"}, "quant_method must be 'dkm'"),
+        ({"scale_block_size": -1}, r"scale_block_size must be an integer >= 0 \(try 64, or 0\)"),
+        ({"scale_block_size": True}, "scale_block_size must be an integer >= 0"),
+        ({"scale_block_size": 64, "cluster_dim": 2}, "scales scalar weights: use cluster_dim=1 or set it to 0"),
     ],
 )
 def test_invalid_fields(kwargs, match):
@@ -49,10 +52,13 @@ def test_check_shape_names_the_fix():
     grouped = DKMConfig(granularity="per_grouped_channel", group_size=5)
     with pytest.raises(ValueError, match="group_size=5 does not divide the 64 output channels"):
         grouped.check_shape("q", 64, 64)
+    with pytest.raises(ValueError, match="scale_block_size=48 does not divide the input dimension 64 of 'q'"):
+        DKMConfig(scale_block_size=48).check_shape("q", 64, 64)
 
 
 def test_defaults_and_json_round_trip():
     cfg = DKMConfig(bits=4, cluster_dim=2, quantize_embeddings=True, shard=True)
+    assert DKMConfig.from_dict({"bits": 4}).scale_block_size == 0  # a config.json written before it existed
     assert cfg.quant_method == "dkm"
     assert cfg.modules_to_not_convert == ["lm_head"]
     saved = json.loads(cfg.to_json_string())

@@ -67,34 +67,39 @@ def shard_matches_unsharded() -> list[dict[str, float]]:
     got = _step(True, True, torch.float32, 2, amp=True)  # under bf16 autocast: the product in bf16, DKM in fp32
     out.append({"y": rel(got[0], ref[0]), "grad": rel(got[1], ref[1]), "centroids": rel(got[2], ref[2])})
     out.append({"sharded_world": dist.get_world_size(make_shard_group())})
-    trained = {mode: _train(mode) for mode in ("fsdp2", "ddp")}
-    return out, {mode: state for mode, (state, _) in trained.items()}, trained["fsdp2"][1]
+    trained = {mode: _train(mode) for mode in MODES}
+    saves = {mode: save for mode, (_, save) in trained.items() if save is not None}
+    return out, {mode: state for mode, (state, _) in trained.items()}, saves
 
 
 def _rows() -> torch.Tensor:
     return torch.randint(3, 500, (4, 16), generator=torch.Generator().manual_seed(0))
 
 
-def _dkm_model():
+MODES = ("fsdp2", "ddp", "fsdp2 block scales")  # the last: DKMConfig(scale_block_size=16) under FSDP2
+
+
+def _dkm_model(mode: str = ""):
     from hf_llmkit import DKMConfig
     from hf_llmkit.quantization import quantize_model
 
-    return quantize_model(tiny_llama(seed=0), DKMConfig(bits=3)).train()
+    block = 16 if mode.endswith("block scales") else 0
+    return quantize_model(tiny_llama(seed=0), DKMConfig(bits=3, scale_block_size=block)).train()
 
 
 def _state(model) -> dict[str, torch.Tensor]:
-    """Full parameters (gathered from FSDP2 shards) and centroid tables, under their plain names."""
+    """Full parameters (gathered from FSDP2 shards), centroid tables and block scales, under their plain names."""
     out = {
         n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
     }
-    out.update({n: b.clone() for n, b in model.named_buffers() if n.endswith("centroids")})
+    out.update({n: b.clone() for n, b in model.named_buffers() if n.endswith(("centroids", "scales"))})
     return {n.removeprefix("module."): t for n, t in out.items()}
 
 
 def _train(mode: str) -> dict[str, torch.Tensor]:
-    """STEPS SGD steps of a DKM tiny Llama under `mode` ("fsdp2", "ddp"; each rank its half of the batch)."""
-    model = _dkm_model()
-    if mode == "fsdp2":
+    """STEPS SGD steps of a DKM tiny Llama under `mode` (one of `MODES`; each rank its half of the batch)."""
+    model = _dkm_model(mode)
+    if mode.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
         for layer in model.model.layers:
@@ -108,7 +113,7 @@ def _train(mode: str) -> dict[str, torch.Tensor]:
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
-    return _state(model), (_save_sharded(model) if mode == "fsdp2" else None)
+    return _state(model), (_save_sharded(model) if mode.startswith("fsdp2") else None)
 
 
 def _save_sharded(model) -> tuple[str, dict[str, torch.Tensor] | None]:
@@ -127,19 +132,22 @@ def _save_sharded(model) -> tuple[str, dict[str, torch.Tensor] | None]:
 
 
 @pytest.fixture(scope="module")
-def accumulated() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """One process, the same two half-batches per step, accumulated (what the 2 ranks average): its parameters and
-    centroids, and the compact state dict `save_pretrained` writes of it."""
+def accumulated() -> dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    """Per mode, one process, the same two half-batches per step, accumulated (what the 2 ranks average): its
+    parameters, centroids and scales, and the compact state dict `save_pretrained` writes of it."""
     from hf_llmkit.quantization.integration import dkm_state_dict
 
-    model = _dkm_model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for _ in range(STEPS):
-        for ids in _rows().chunk(2):
-            (model(input_ids=ids, labels=ids).loss / 2).backward()
-        opt.step()
-        opt.zero_grad()
-    return _state(model), dkm_state_dict(model)
+    out = {}
+    for mode in MODES:
+        model = _dkm_model(mode)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for _ in range(STEPS):
+            for ids in _rows().chunk(2):
+                (model(input_ids=ids, labels=ids).loss / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        out[mode] = _state(model), dkm_state_dict(model)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -157,11 +165,12 @@ def test_sharded_table_equals_unsharded_on_two_ranks(ranks):
             assert diffs["centroids"] < 1e-5, (rank, dtype_name, diffs)
 
 
-@pytest.mark.parametrize("mode", ["fsdp2", "ddp"])
+@pytest.mark.parametrize("mode", MODES)
 def test_fsdp2_and_ddp_keep_dkm_replicated_and_equal_to_accumulation(ranks, accumulated, mode):
     (_, rank0, _), (_, rank1, _) = ranks
-    reference = accumulated[0]
+    reference = accumulated[mode][0]
     assert rank0[mode].keys() == reference.keys() and any(k.endswith("centroids") for k in reference)
+    assert any(k.endswith("scales") for k in reference) == mode.endswith("block scales")
     for name, expected in reference.items():
         assert torch.equal(rank0[mode][name], rank1[mode][name]), name  # replicated: nothing per shard or per rank
         assert torch.equal(rank0[mode][name], expected), name  # bit for bit the accumulated half-batches
@@ -171,12 +180,15 @@ def test_fsdp2_and_ddp_keep_dkm_replicated_and_equal_to_accumulation(ranks, accu
     )  # it trained
 
 
-def test_fsdp2_save_packs_the_gathered_weights_as_one_process_does(ranks, accumulated):
-    (_, _, (refusal, packed)), (_, _, (other_refusal, _)) = ranks
+@pytest.mark.parametrize("mode", [m for m in MODES if m.startswith("fsdp2")])
+def test_fsdp2_save_packs_the_gathered_weights_as_one_process_does(ranks, accumulated, mode):
+    (_, _, saves), (_, _, other_saves) = ranks
+    (refusal, packed), (other_refusal, _) = saves[mode], other_saves[mode]
     for message in (refusal, other_refusal):  # a shard alone: one line naming the way that works, no hang
         assert "\n" not in message and "FSDP2" in message and "LLMKitTrainer.save_model" in message, message
-    compact = accumulated[1]
+    compact = accumulated[mode][1]
     assert packed.keys() == compact.keys() and any(k.endswith("weight_packed") for k in compact)
-    assert not any(k.endswith("centroids") for k in compact)  # compact: no training state
+    assert any(k.endswith("weight_scale") for k in compact) == mode.endswith("block scales")
+    assert not any(k.endswith(("centroids", ".scales")) for k in compact)  # compact: no training state
     for name, expected in compact.items():
         assert torch.equal(packed[name], expected), name

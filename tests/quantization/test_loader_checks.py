@@ -17,6 +17,7 @@ from hf_llmkit.quantization import DKMLinear, PalettizedEmbedding, keep_training
 from hf_llmkit.testing import tiny_llama
 
 Q = "model.layers.0.self_attn.q_proj"
+SCALED = DKMConfig(bits=4, scale_block_size=16, lut_dtype="float16")
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +28,13 @@ def saved(tmp_path_factory) -> dict[str, Path]:
     for name, config in (("compact", DKMConfig(bits=3)), ("lm_head", DKMConfig(bits=3, modules_to_not_convert=[]))):
         quantize_model(tiny_llama(), config).save_pretrained(root / name)
         out[name] = root / name
-    model = quantize_model(tiny_llama(), DKMConfig(bits=3))
-    keep_training_state(model)
-    model.save_pretrained(root / "training")
-    out["training"] = root / "training"
+    for name, config in (("training", DKMConfig(bits=3)), ("scaled", SCALED)):
+        model = quantize_model(tiny_llama(), config)
+        keep_training_state(model)
+        model.save_pretrained(root / name)
+        out[name] = root / name
+    quantize_model(tiny_llama(), SCALED).save_pretrained(root / "scaled_compact")
+    out["scaled_compact"] = root / "scaled_compact"
     return out
 
 
@@ -133,3 +137,35 @@ def test_tables_saved_in_another_dtype_than_the_config_says_are_refused(saved, t
     bad = _edit(saved["compact"], tmp_path / "bad", config=lambda q: q.update(lut_dtype="float16"))
     with pytest.raises(ValueError, match=r"weight_lut' is saved as float32 but quantization_config.lut_dtype is "):
         AutoModelForCausalLM.from_pretrained(bad)
+
+
+def test_block_scales_and_the_config_must_agree(saved, tmp_path):
+    """Block scales (`scale_block_size`): a config.json edited to drop them, or one that asks for scales a checkpoint
+    lacks, or damaged scales, are refused with the fix; untouched checkpoints load with their scales."""
+    compact, training = saved["scaled_compact"], saved["scaled"]
+    assert type(AutoModelForCausalLM.from_pretrained(compact).get_submodule(Q)).__name__ == "PalettizedLinear"
+    layer = AutoModelForCausalLM.from_pretrained(training).get_submodule(Q)
+    assert isinstance(layer, DKMLinear) and torch.equal(
+        layer.scales, load_file(training / "model.safetensors")[f"{Q}.scales"]
+    )
+    cases = {
+        "unscaled_config": (compact, None, lambda q: q.update(scale_block_size=0), "set scale_block_size in config"),
+        "no_scale": (compact, lambda s: s.pop(f"{Q}.weight_scale"), None, rf"no '{Q}\.weight_scale' but its"),
+        "scales_asked": (saved["compact"], None, lambda q: q.update(scale_block_size=16), "weight_scale' but its"),
+        "zero": (compact, lambda s: s[f"{Q}.weight_scale"].zero_(), None, rf"'{Q}\.weight_scale' holds scales <= 0"),
+        "nan": (compact, lambda s: s[f"{Q}.weight_scale"].fill_(float("nan")), None, "weight_scale' holds NaN/Inf"),
+        "dtype": (
+            compact,
+            lambda s: s.update({f"{Q}.weight_scale": s[f"{Q}.weight_scale"].float()}),
+            None,
+            r"weight_scale' is saved as float32 but quantization_config.lut_dtype is 'float16'",
+        ),
+    }
+    for name, (src, tensors, config, match) in cases.items():
+        bad = _edit(src, tmp_path / name, tensors=tensors, config=config)
+        with pytest.raises(ValueError, match=match):
+            AutoModelForCausalLM.from_pretrained(bad)
+    state = load_file(training / "model.safetensors")  # a Trainer resume loads the training state so
+    del state[f"{Q}.scales"]
+    with pytest.raises(ValueError, match=rf"no '{Q}\.scales' but its quantization_config sets scale_block_size"):
+        quantize_model(tiny_llama(), SCALED).load_state_dict(state, strict=False)

@@ -305,3 +305,33 @@ def test_a_16_bit_table_per_channel_trains_saves_small_and_reloads_exactly(base_
     assert torch.equal(torch.load(tmp_path / "r.pt")["logits"], expected)
     with pytest.raises(ValueError, match=r"lut_dtype must be one of \('float32', 'float16', 'bfloat16'\)"):
         DKMConfig(lut_dtype="fp8")
+
+
+def test_block_scales_train_save_small_and_reload_exactly(base_dir, tmp_path):
+    """`scale_block_size=16` with 16-bit tables: the Trainer trains the latent weights, the checkpoint stores one
+    float16 scale per 16 input features next to the packed indices and the table, and a fresh process computes bit
+    for bit the logits of the trained model."""
+    config = DKMConfig(bits=4, scale_block_size=16, lut_dtype="float16")
+    model = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=config)
+    down = model.model.layers[0].mlp.down_proj
+    assert down.scales.shape == (64, 128 // 16) and down.centroids.shape == (1, 16, 1)
+    w0, s0 = down.weight.detach().clone(), down.scales.clone()
+    _train(model, tmp_path / "qat", steps=2, lr=5e-3)
+    assert not torch.equal(down.weight.detach(), w0) and not torch.equal(down.scales, s0)  # scales follow the weights
+    out = tmp_path / "ckpt"
+    model.eval()
+    model.save_pretrained(out)
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        keys = set(f.keys())
+        scale = f.get_tensor("model.layers.0.mlp.down_proj.weight_scale")
+    assert scale.dtype == torch.float16 and scale.shape == (64, 8)
+    assert not any(k.endswith((".scales", ".centroids", ".weight_packed.weight")) for k in keys)
+    ids = _ids()
+    torch.save(ids, tmp_path / "ids.pt")
+    (tmp_path / "reload.py").write_text(RELOAD)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, str(tmp_path / "reload.py"), str(out), str(tmp_path / "ids.pt"), str(tmp_path / "r.pt")]
+    subprocess.run(cmd, check=True, env=env, timeout=300)
+    with torch.no_grad():
+        expected = model(ids).logits
+    assert torch.equal(torch.load(tmp_path / "r.pt")["logits"], expected)

@@ -37,9 +37,10 @@ class _Rows(torch.utils.data.Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
-def train(base: str, out: str, mode: str, ids: str) -> None:
-    """One Trainer run of a DKM model: "full" (all steps), "stop" (SIGKILLed right after checkpoint-3, the
-    checkpoint complete), or "resume" (from checkpoint-3 of `out`). Runs in this process or a fresh one."""
+def train(base: str, out: str, mode: str, ids: str, block: int = 0) -> None:
+    """One Trainer run of a DKM model (block scales per `block` input features, none for 0): "full" (all steps),
+    "stop" (SIGKILLed right after checkpoint-3, the checkpoint complete), or "resume" (from checkpoint-3 of `out`).
+    Runs in this process or a fresh one."""
     import signal
 
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
@@ -50,7 +51,8 @@ def train(base: str, out: str, mode: str, ids: str) -> None:
 
     torch.manual_seed(0)
     # calibration_samples: the run ends with GPTQ's rounding onto the tables, which must resume to the same bits too
-    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=DKMConfig(bits=3, calibration_samples=4))
+    config = DKMConfig(bits=3, calibration_samples=4, scale_block_size=block)
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=config)
     args = TrainingArguments(
         output_dir=out,
         max_steps=STEPS,
@@ -66,33 +68,39 @@ def train(base: str, out: str, mode: str, ids: str) -> None:
     trainer = Trainer(model=model, args=args, train_dataset=_Rows(torch.load(ids)), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=f"{out}/checkpoint-{SAVE_EVERY}" if mode == "resume" else None)
     trainer.save_model(f"{out}/final")
-    torch.save({k: v for k, v in model.state_dict().items() if k.endswith(("weight", "centroids"))}, f"{out}/state.pt")
+    torch.save(
+        {k: v for k, v in model.state_dict().items() if k.endswith(("weight", "centroids", "scales"))},
+        f"{out}/state.pt",
+    )
 
 
-def _fresh_process(base: Path, out: Path, mode: str, ids: Path) -> int:
-    call = f"train({str(base)!r}, {str(out)!r}, {mode!r}, {str(ids)!r})"
+def _fresh_process(base: Path, out: Path, mode: str, ids: Path, block: int) -> int:
+    call = f"train({str(base)!r}, {str(out)!r}, {mode!r}, {str(ids)!r}, {block})"
     code = f"from tests.quantization.test_training_state import train; {call}"
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-c", code], timeout=300, env=env, cwd=REPO).returncode
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """An uninterrupted run (here), and one SIGKILLed right after checkpoint-3, then resumed in a fresh process."""
-    tmp = tmp_path_factory.mktemp("dkm_resume")
+@pytest.fixture(scope="module", params=[0, 16], ids=["plain", "block_scales"])
+def runs(tmp_path_factory, request):
+    """An uninterrupted run (here), and one SIGKILLed right after checkpoint-3, then resumed in a fresh process;
+    without and with block scales (`scale_block_size=16`)."""
+    block = request.param
+    tmp = tmp_path_factory.mktemp("dkm_resume_block_scales" if block else "dkm_resume_plain")
     base, ids = tmp / "base", tmp / "ids.pt"
     tiny_llama().save_pretrained(base)
     torch.save(torch.randint(0, 256, (8, 24), generator=torch.Generator().manual_seed(1)), ids)
-    train(str(base), str(tmp / "full"), "full", str(ids))
-    assert _fresh_process(base, tmp / "split", "stop", ids) == -9
+    train(str(base), str(tmp / "full"), "full", str(ids), block)
+    assert _fresh_process(base, tmp / "split", "stop", ids, block) == -9
     assert not (tmp / "split" / "final").exists()
-    assert _fresh_process(base, tmp / "split", "resume", ids) == 0
+    assert _fresh_process(base, tmp / "split", "resume", ids, block) == 0
     return tmp
 
 
 def test_resumed_run_ends_bitwise_equal(runs):
     full, resumed = torch.load(runs / "full" / "state.pt"), torch.load(runs / "split" / "state.pt")
     assert full.keys() == resumed.keys() and f"{Q_PROJ}.centroids" in full
+    assert (f"{Q_PROJ}.scales" in full) == ("block_scales" in runs.name)
     for key in full:
         assert torch.equal(full[key], resumed[key]), key
     final_full = load_file(runs / "full" / "final" / "model.safetensors")
@@ -125,6 +133,7 @@ def test_from_pretrained_of_a_checkpoint_restores_the_training_state(runs, caplo
     saved = load_file(ckpt / "model.safetensors")
     assert torch.equal(q.weight.detach(), saved[f"{Q_PROJ}.weight"])
     assert torch.equal(q.centroids, saved[f"{Q_PROJ}.centroids"])
+    assert q.scales is None or torch.equal(q.scales, saved[f"{Q_PROJ}.scales"])
     final = AutoModelForCausalLM.from_pretrained(runs / "full" / "final")
     assert isinstance(final.get_submodule(Q_PROJ), PalettizedLinear)
 
