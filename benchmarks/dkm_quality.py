@@ -8,6 +8,9 @@ Workloads (`_dkm_workloads.py`): all-MiniLM-L6-v2 (embedding cosine to fp32, mea
 pairwise similarities) and a Llama pretrained here by `examples/run_clm.py` (held-out perplexity, worst block's
 perplexity ratio to fp32; `--lm-size 22m`, the default, has ~22M parameters, `5m` ~5M). Methods (`_dkm_peers.py`),
 every Linear but the head quantized:
+- ours without training: a k-means table per tensor over weights divided by a 16-bit absmax scale per 64 inputs
+  (`scale_block_size=64`), refit by k-means weighted by each weight's share of the output error and GPTQ-rounded
+  onto it (`calibration_refit=True`, `calibrate`), on the calibration inputs GPTQ gets;
 - trained, the same distillation batches, steps and optimizer each: DKM (ours, `DKMConfig(bits)`), torchao 0.18 QAT
   (`IntxFakeQuantizeConfig` int3/int4, symmetric, group 64), coremltools `DKMPalettizer` (with `--coreml-dkm`: it
   takes minutes per step here, benchmarks/dkm.py measures it);
@@ -68,7 +71,10 @@ def methods(bits: int, args, workload) -> dict[str, tuple]:
     """{name: (function, trained, extra kwargs)} of the methods run at `bits`."""
     size = peers.channels_per_table(workload.load(), bits, workload.skip + args.extra_skip)
     tuned = {"granularity": "per_grouped_channel", "group_size": size, "lut_dtype": "float16", "calibration": None}
+    # post-training: a table per tensor, a 16-bit scale per 64 inputs, table refit to the output error, GPTQ rounding
+    scaled = {"scale_block_size": 64, "lut_dtype": "float16", "calibration_refit": True, "calibration": None}
     out = {
+        f"DKM {bits}-bit, scales per 64 inputs, refit + calibrated, no training (ours)": (peers.dkm, False, scaled),
         f"DKM {bits}-bit, {tables_per(size)}, 16-bit tables, calibrated (ours)": (peers.dkm, True, tuned),
         f"DKM {bits}-bit (ours)": (peers.dkm, True, {}),
         f"k-means {bits}-bit, no training (ours)": (peers.dkm, False, {}),

@@ -120,3 +120,21 @@ def decode(table: torch.Tensor, indices: torch.Tensor, shape, scales: torch.Tens
     the hard assignment, the packed layers and a reloaded checkpoint compute, in one place so they agree bitwise."""
     w = lookup(table.float(), indices).reshape(shape)
     return w if scales is None else w * expand_scales(scales.float(), shape[1])
+
+
+@torch.no_grad()
+def weighted_kmeans_1d(values: torch.Tensor, weights: torch.Tensor, centroids: torch.Tensor, iters: int):
+    """Lloyd k-means of scalars `values` `[G, n]` counted by `weights` `[G, n]` (>= 0), from `centroids` `[G, K]`;
+    returns sorted centroids `[G, K]` (float32). Each step finds nearest centroids by a search among the midpoints
+    of the sorted table (O(n log K) time, O(n) memory); a centroid no weight chooses stays where it is."""
+    x, wt = values.float(), weights.float()
+    c = centroids.float().sort(dim=1).values
+    for _ in range(iters):
+        nearest = torch.searchsorted((c[:, 1:] + c[:, :-1]) / 2, x.contiguous())
+        num = torch.zeros_like(c).scatter_add_(1, nearest, x * wt)
+        den = torch.zeros_like(c).scatter_add_(1, nearest, wt)
+        new = torch.where(den > 0, num / den.clamp_min(torch.finfo(torch.float32).tiny), c).sort(dim=1).values
+        if torch.equal(new, c):
+            break
+        c = new
+    return c

@@ -6,11 +6,13 @@ Linear's input second moments `H = X^T X / n`, and rounds every weight column by
 (times its block scale, with `scale_block_size`), the most active input features first, while the columns not yet
 rounded absorb the error of the layer's output (GPTQ, Frantar et al. 2023, with its act-order and a lookup table in
 place of a uniform grid). The latent weights become the compensated values just before their rounding, so their hard
-assignment is that rounding; the tables (and scales) stay as trained. The layers go in model order, in chunks whose
-moments fit `max_moment_bytes` (float32 `H` is `4 in_features^2` bytes a layer: a LLaMA-7B holds about 28 GB of them):
-one pass over the batches per chunk, the chunks after the first seeing the inputs of the layers already rounded (GPTQ's
-sequential order). A model whose moments fit takes one pass. Run it after DKM training: training from calibrated
-weights moves the tables away from the rounding they were calibrated for.
+assignment is that rounding; the tables (and scales) stay as trained, unless `DKMConfig(calibration_refit=True)` first
+refits each table by k-means weighting every weight by its share of the output error (SqueezeLLM's sensitivity-weighted
+k-means, for post-training use). The layers go in model order, in chunks whose moments fit `max_moment_bytes` (float32
+`H` is `4 in_features^2` bytes a layer: a LLaMA-7B holds about 28 GB of them): one pass over the batches per chunk, the
+chunks after the first seeing the inputs of the layers already rounded (GPTQ's sequential order). A model whose moments
+fit takes one pass. Run it after DKM training: training from calibrated weights moves the tables away from the rounding
+they were calibrated for.
 
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=DKMConfig(bits=3))
     Trainer(model=model, ...).train()
@@ -27,10 +29,11 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from hf_llmkit.quantization._dkm import expand_scales
+from hf_llmkit.quantization._dkm import expand_scales, weighted_kmeans_1d
 from hf_llmkit.quantization.layers import DKMLinear
 
 DAMP = 0.01  # added to H's diagonal, relative to its mean (GPTQ's dampening)
+REFIT_ITERS = 50  # iterations of the weighted k-means of `calibration_refit` (it stops once converged)
 MOMENT_BYTES = 1 << 30  # input moments held at once by default (a chunk of layers; one layer may exceed it)
 BLOCK = 128  # columns rounded per block before the rest of the weight is updated
 
@@ -110,6 +113,20 @@ def round_onto_table(
     return out[:, torch.argsort(order)]
 
 
+@torch.no_grad()
+def refit_tables(layer: DKMLinear, h: torch.Tensor, spread: torch.Tensor | None) -> None:
+    """`calibration_refit`: replace `layer`'s tables by k-means of its (normalised) weights, each counted by its share
+    of the output error, `H_jj s^2` (its input feature's energy, its block scale squared), from the current tables."""
+    w = layer.weight.detach().float()
+    energy = torch.diag(h).float().clamp_min(0).expand_as(w)
+    units, importance = (w, energy) if spread is None else (w / spread, energy * spread.square())
+    groups = layer.settings.groups
+    table = weighted_kmeans_1d(
+        units.reshape(groups, -1), importance.reshape(groups, -1), layer.centroids[..., 0], REFIT_ITERS
+    )
+    layer.centroids.copy_(table.unsqueeze(-1))
+
+
 def check_calibratable(model: nn.Module) -> None:
     """Raise a ValueError naming the fix unless every DKM Linear has scalar tables and whole (unsharded) weights."""
     for name, layer in model.named_modules():
@@ -170,9 +187,11 @@ def calibrate(model: nn.Module, batches: Iterable, max_moment_bytes: int = MOMEN
             layer = chunk[name]
             rows = layer.weight.shape[0]
             device = layer.weight.device
-            table = layer.lookup_table()[..., 0].repeat_interleave(rows // layer.settings.groups, 0)
             scales = layer.lookup_scales()
             spread = None if scales is None else expand_scales(scales, layer.weight.shape[1]).to(device)
+            if layer.settings.config.calibration_refit:
+                refit_tables(layer, h.to(device), spread)
+            table = layer.lookup_table()[..., 0].repeat_interleave(rows // layer.settings.groups, 0)
             new = round_onto_table(layer.weight, table.to(device), h.to(device), spread)
             with torch.no_grad():  # in place: the version counter moves, so cached hard weights are rebuilt
                 layer.weight.copy_(new.to(layer.weight.dtype))

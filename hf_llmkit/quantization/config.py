@@ -55,6 +55,11 @@ class DKMConfig(QuantizationConfigMixin):
             At the end of each Trainer run, round the latent weights onto the trained tables with GPTQ's error
             compensation under the layer inputs of this many training examples (`hf_llmkit.quantization.calibrate`)
             instead of to the nearest entry; 0 keeps nearest-entry rounding.
+        calibration_refit (`bool`, defaults to `False`):
+            `calibrate` (and so `calibration_samples`) first refits each table by k-means on the calibration
+            inputs' terms: every weight counts by its share of the layer's output error (the energy of its input
+            feature, times its block scale squared), as SqueezeLLM's sensitivity-weighted k-means; then it rounds.
+            For post-training use (no DKM training, or tables to replace); off keeps the trained tables.
         kmeans_iters (`int`, defaults to 12):
             Lloyd iterations of the k-means that initialises the tables after the weights are loaded.
         kmeans_sample (`int`, defaults to 65536):
@@ -112,6 +117,9 @@ class DKMConfig(QuantizationConfigMixin):
     calibration_samples: int = field(
         default=0, metadata={"help": "Training examples that calibrate the final rounding (GPTQ onto the tables)."}
     )
+    calibration_refit: bool = field(
+        default=False, metadata={"help": "calibrate refits each table by input-energy-weighted k-means first."}
+    )
     kmeans_iters: int = field(default=12, metadata={"help": "Lloyd iterations of the k-means table initialisation."})
     kmeans_sample: int = field(
         default=65536, metadata={"help": "At most this many weight vectors per table feed the initial k-means."}
@@ -159,6 +167,8 @@ class DKMConfig(QuantizationConfigMixin):
             raise ValueError(f"DKMConfig.scale_block_size must be an integer >= 0 (try 64, or 0), got {block!r}.")
         if block and self.cluster_dim != 1:
             raise ValueError("DKMConfig.scale_block_size scales scalar weights: use cluster_dim=1 or set it to 0.")
+        if not isinstance(self.calibration_refit, bool):
+            raise ValueError(f"DKMConfig.calibration_refit must be True or False, got {self.calibration_refit!r}.")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

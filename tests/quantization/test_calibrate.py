@@ -73,6 +73,47 @@ def test_calibrate_keeps_block_scales_and_rounds_onto_them():
         assert not torch.equal(m.hard_weight(torch.float32), hard), name  # and the rounding moved
 
 
+def test_weighted_kmeans_is_lloyds_with_counted_points():
+    gen = torch.Generator().manual_seed(0)
+    x, wt = torch.randn(3, 500, generator=gen), torch.rand(3, 500, generator=gen)
+    start = torch.randn(3, 8, generator=gen)
+    got = dkm.weighted_kmeans_1d(x, wt, start, 100)
+    c = start.sort(1).values  # reference: argmin over every centroid, weighted means
+    for _ in range(100):
+        a = (x.unsqueeze(-1) - c.unsqueeze(1)).abs().argmin(-1)
+        num = torch.zeros_like(c).scatter_add_(1, a, x * wt)
+        den = torch.zeros_like(c).scatter_add_(1, a, wt)
+        c = torch.where(den > 0, num / den.clamp_min(1e-30), c).sort(1).values
+    assert torch.allclose(got, c, atol=1e-6)
+    assert not torch.allclose(got, dkm.weighted_kmeans_1d(x, torch.ones_like(wt), start, 100), atol=1e-3)
+
+
+def test_calibration_refit_fits_the_tables_to_the_output_error():
+    """`calibration_refit=True`: the tables move to where the weights that matter to the output are, and the
+    calibrated layer's output error under the calibration inputs drops below the unrefit one's."""
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, 256, (4, 32), generator=gen)
+    errors, tables = {}, {}
+    for refit in (False, True):
+        torch.manual_seed(0)
+        config = DKMConfig(bits=3, scale_block_size=16, lut_dtype="float16", calibration_refit=refit)
+        model = quantize_model(tiny_llama(), config)
+        q = model.model.layers[0].self_attn.q_proj
+        inputs = []
+        hook = q.register_forward_pre_hook(lambda _m, args, seen=inputs: seen.append(args[0].detach()))
+        with torch.no_grad():
+            model(batch)
+        hook.remove()
+        x, w = inputs[0].reshape(-1, q.in_features), q.weight.detach().clone()
+        calibrate(model, [batch])
+        errors[refit] = (x @ (q.hard_weight(torch.float32) - w).t()).norm()
+        tables[refit] = q.centroids.clone()
+    assert not torch.equal(tables[False], tables[True])
+    assert errors[True] < errors[False], errors
+    with pytest.raises(ValueError, match="calibration_refit must be True or False"):
+        DKMConfig(calibration_refit="yes")
+
+
 def _calibrated(max_bytes: int) -> tuple[dict[str, torch.Tensor], int]:
     """(latent weights after `calibrate` holding at most `max_bytes` of moments, forward passes it made)."""
     torch.manual_seed(0)
