@@ -77,7 +77,8 @@ def kmeans(vectors: torch.Tensor, k: int, iters: int, sample: int, seed: int = 0
     """Batched Lloyd k-means per group: centroids `[G, K, d]` (float32) of `vectors` `[G, n, d]`.
 
     Groups larger than `sample` vectors are clustered on a fixed-seed uniform sample, so initialising a
-    LLaMA-sized layer takes a fraction of a second per table, not minutes.
+    LLaMA-sized layer takes a fraction of a second per table, not minutes. Scalars (`d == 1`) take
+    `weighted_kmeans_1d` (the same iterations, sorted centroids, O(n log K) per step).
     """
     groups, n, d = vectors.shape
     if n > sample:
@@ -87,6 +88,8 @@ def kmeans(vectors: torch.Tensor, k: int, iters: int, sample: int, seed: int = 0
     else:
         data = vectors.float()
     centroids = _initial_centroids(data, k)
+    if d == 1:  # scalars: Lloyd by a search among sorted centroids, no [n, K] distance matrix
+        return weighted_kmeans_1d(data[..., 0], torch.ones_like(data[..., 0]), centroids[..., 0], iters).unsqueeze(-1)
     for _ in range(iters):
         assign = torch.cdist(data, centroids).argmin(-1)  # [G, m]
         sums = torch.zeros_like(centroids).scatter_add_(1, assign.unsqueeze(-1).expand(-1, -1, d), data)

@@ -60,8 +60,9 @@ class DKMConfig(QuantizationConfigMixin):
             inputs' terms: every weight counts by its share of the layer's output error (the energy of its input
             feature, times its block scale squared), as SqueezeLLM's sensitivity-weighted k-means; then it rounds.
             For post-training use (no DKM training, or tables to replace); off keeps the trained tables.
-        kmeans_iters (`int`, defaults to 12):
-            Lloyd iterations of the k-means that initialises the tables after the weights are loaded.
+        kmeans_iters (`int`, defaults to 50):
+            Lloyd iterations of the k-means that initialises the tables after the weights are loaded (it stops
+            once converged).
         kmeans_sample (`int`, defaults to 65536):
             At most this many weight vectors per table feed that k-means (a fixed-seed sample; all when fewer).
         dkm_iters (`int`, defaults to 3):
@@ -120,7 +121,7 @@ class DKMConfig(QuantizationConfigMixin):
     calibration_refit: bool = field(
         default=False, metadata={"help": "calibrate refits each table by input-energy-weighted k-means first."}
     )
-    kmeans_iters: int = field(default=12, metadata={"help": "Lloyd iterations of the k-means table initialisation."})
+    kmeans_iters: int = field(default=50, metadata={"help": "Lloyd iterations of the k-means table initialisation."})
     kmeans_sample: int = field(
         default=65536, metadata={"help": "At most this many weight vectors per table feed the initial k-means."}
     )
