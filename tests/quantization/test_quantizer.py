@@ -278,6 +278,19 @@ def test_trainer_resumes_from_a_compact_checkpoint_with_a_warning(base_dir, tmp_
     assert "will not match an uninterrupted one bit for bit" in caplog.text
 
 
+def _assert_reloads_exactly(model, out: Path, tmp_path: Path) -> None:
+    """A fresh process loading the checkpoint `out` computes bit for bit the logits `model` computes here."""
+    ids = _ids()
+    torch.save(ids, tmp_path / "ids.pt")
+    (tmp_path / "reload.py").write_text(RELOAD)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, str(tmp_path / "reload.py"), str(out), str(tmp_path / "ids.pt"), str(tmp_path / "r.pt")]
+    subprocess.run(cmd, check=True, env=env, timeout=300)
+    with torch.no_grad():
+        expected = model(ids).logits
+    assert torch.equal(torch.load(tmp_path / "r.pt")["logits"], expected)
+
+
 def test_a_16_bit_table_per_channel_trains_saves_small_and_reloads_exactly(base_dir, tmp_path):
     """`lut_dtype="float16"` with a table per output channel: the Trainer trains it, the checkpoint stores float16
     tables, and a fresh process computes bit for bit the logits of the trained model (whose hard assignment uses
@@ -294,15 +307,7 @@ def test_a_16_bit_table_per_channel_trains_saves_small_and_reloads_exactly(base_
         lut = f.get_tensor("model.layers.0.self_attn.q_proj.weight_lut")
     assert lut.dtype == torch.float16 and lut.shape == (q.out_features, 8, 1)
     assert torch.equal(q.hard_weight(torch.float32).unique(), q.hard_weight(torch.float32).half().float().unique())
-    ids = _ids()
-    torch.save(ids, tmp_path / "ids.pt")
-    (tmp_path / "reload.py").write_text(RELOAD)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, str(tmp_path / "reload.py"), str(out), str(tmp_path / "ids.pt"), str(tmp_path / "r.pt")]
-    subprocess.run(cmd, check=True, env=env, timeout=300)
-    with torch.no_grad():
-        expected = model(ids).logits
-    assert torch.equal(torch.load(tmp_path / "r.pt")["logits"], expected)
+    _assert_reloads_exactly(model, out, tmp_path)
     with pytest.raises(ValueError, match=r"lut_dtype must be one of \('float32', 'float16', 'bfloat16'\)"):
         DKMConfig(lut_dtype="fp8")
 
@@ -326,12 +331,4 @@ def test_block_scales_train_save_small_and_reload_exactly(base_dir, tmp_path):
         scale = f.get_tensor("model.layers.0.mlp.down_proj.weight_scale")
     assert scale.dtype == torch.float16 and scale.shape == (64, 8)
     assert not any(k.endswith((".scales", ".centroids", ".weight_packed.weight")) for k in keys)
-    ids = _ids()
-    torch.save(ids, tmp_path / "ids.pt")
-    (tmp_path / "reload.py").write_text(RELOAD)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, str(tmp_path / "reload.py"), str(out), str(tmp_path / "ids.pt"), str(tmp_path / "r.pt")]
-    subprocess.run(cmd, check=True, env=env, timeout=300)
-    with torch.no_grad():
-        expected = model(ids).logits
-    assert torch.equal(torch.load(tmp_path / "r.pt")["logits"], expected)
+    _assert_reloads_exactly(model, out, tmp_path)
