@@ -1,4 +1,5 @@
-"""DKM under mixed precision: every engine works inside `torch.autocast` (bf16 and fp16) like `nn.Linear` does.
+"""DKM under mixed precision: every engine works inside `torch.autocast` (bf16 and fp16) like `nn.Linear` does, with
+and without block scales.
 
 The product `x @ W_c^T` runs in autocast's dtype (the output has it, as `F.linear`'s does), while DKM's own math keeps
 the latent weight's and the tables' precision: the centroids a step computes are bit for bit those of the same step
@@ -22,6 +23,9 @@ ENGINES = {
     "bucketed": (torch.float32, {"engine": "bucketed"}),
     "table": (torch.bfloat16, {"engine": "table"}),
     "table_vectors": (torch.float32, {"engine": "table", "cluster_dim": 2}),
+    # block scales (`scale_block_size`): the table clusters the normalised latent weight, then the scales multiply back
+    "interval_block_scales": (torch.float32, {"engine": "interval", "scale_block_size": 16}),
+    "table_block_scales": (torch.bfloat16, {"engine": "table", "scale_block_size": 16}),
 }
 
 
