@@ -159,7 +159,10 @@ def checkpoint_layout(
         return key[len(strip) :] if strip and key.startswith(strip) else key
 
     names = {norm(k) for k in keys}
-    scale_keys = sorted(k for k in names if k.rpartition(".")[2] in SCALE_NAMES.values())
+    target_set = {norm(t) for t in targets}
+    scale_keys = sorted(  # a clustered module's scales: other modules may well have tensors named so
+        k for k in names if k.rpartition(".")[2] in SCALE_NAMES.values() and k.rpartition(".")[0] in target_set
+    )
     if scale_keys and not scaled:
         raise ValueError(
             f"The checkpoint holds DKM block scales ({scale_keys[0]!r}) but its quantization_config has no "
@@ -200,9 +203,7 @@ def checkpoint_layout(
         # The representation a layer does not load from is part of the checkpoint, not an unexpected key; so is the
         # optimizer step's state (read by a Trainer resume through load_state_dict, see steps.py).
         patterns.append(rf"(^|\.){re.escape(t)}\.({'|'.join(unused + steps.STEP_NAMES)})$")
-    target_set = {norm(t) for t in targets}
-    dkm_names = (*LOADED_NAMES, "centroids", SCALE_NAMES["train"])
-    stray = sorted({k.rpartition(".")[0] for k in keys if k.rpartition(".")[2] in dkm_names})
+    stray = sorted({k.rpartition(".")[0] for k in keys if k.rpartition(".")[2] in PACKED_NAMES + ("centroids",)})
     stray = [k for k in stray if norm(k) not in target_set]
     if stray:
         more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""

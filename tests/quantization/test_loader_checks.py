@@ -165,6 +165,10 @@ def test_block_scales_and_the_config_must_agree(saved, tmp_path):
         bad = _edit(src, tmp_path / name, tensors=tensors, config=config)
         with pytest.raises(ValueError, match=match):
             AutoModelForCausalLM.from_pretrained(bad)
+    foreign = _edit(
+        saved["compact"], tmp_path / "foreign", tensors=lambda s: s.update({"lm_head.scales": torch.ones(2)})
+    )
+    AutoModelForCausalLM.from_pretrained(foreign)  # a tensor named so in a module DKM does not cluster is not ours
     state = load_file(training / "model.safetensors")  # a Trainer resume loads the training state so
     del state[f"{Q}.scales"]
     with pytest.raises(ValueError, match=rf"no '{Q}\.scales' but its quantization_config sets scale_block_size"):
