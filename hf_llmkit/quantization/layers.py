@@ -10,8 +10,8 @@ what a compact checkpoint reloads into: packed n-bit indices (`weight_packed`, u
 
 State dicts: a DKM layer's own is `weight`, `centroids` (+ `scales`, `bias`). A checkpoint written by `save_pretrained`
 holds `weight_packed` + `weight_lut` (+ `weight_scale`) instead (compact), plus the layer's own while
-`keep_training_state` is set (so
-a Trainer checkpoint resumes bitwise, see `DKMTrainingStateCallback`). Load-state-dict pre-hooks accept all of these.
+`keep_training_state` is set (so a Trainer checkpoint resumes bitwise, see `DKMTrainingStateCallback`). Load-state-dict
+pre-hooks accept all of these.
 """
 
 from __future__ import annotations
