@@ -9,10 +9,10 @@ place of a uniform grid). The latent weights become the compensated values just 
 assignment is that rounding; the tables (and scales) stay as trained, unless `DKMConfig(calibration_refit=True)` first
 refits each table by k-means weighting every weight by its share of the output error (SqueezeLLM's sensitivity-weighted
 k-means, for post-training use). The layers go in model order, in chunks whose moments fit `max_moment_bytes` (float32
-`H` is `4 in_features^2` bytes a layer: a LLaMA-7B holds about 28 GB of them): one pass over the batches per chunk, the
-chunks after the first seeing the inputs of the layers already rounded (GPTQ's sequential order). A model whose moments
-fit takes one pass. Run it after DKM training: training from calibrated weights moves the tables away from the rounding
-they were calibrated for.
+`H` is `4 in_features^2` bytes a layer: a LLaMA-7B holds about 28 GB of them): one pass over the batches per chunk
+(each batch after the first stops after the chunk's last layer), the chunks after the first seeing the inputs of the
+layers already rounded (GPTQ's sequential order). A model whose moments fit takes one pass. Run it after DKM training:
+training from calibrated weights moves the tables away from the rounding they were calibrated for.
 
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=DKMConfig(bits=3))
     Trainer(model=model, ...).train()
@@ -38,17 +38,37 @@ MOMENT_BYTES = 1 << 30  # input moments held at once by default (a chunk of laye
 BLOCK = 128  # columns rounded per block before the rest of the weight is updated
 
 
-def _inputs(model: nn.Module, layers: dict[str, DKMLinear], batches: Iterable) -> dict[str, torch.Tensor]:
+class _ChunkDone(Exception):
+    """Raised by `_inputs`' hook once every layer of the chunk has seen this batch's inputs: the rest of the forward
+    cannot add to the moments."""
+
+
+def _inputs(
+    model: nn.Module, layers: dict[str, DKMLinear], batches: Iterable, whole: bool = False
+) -> dict[str, torch.Tensor]:
     """`H = X^T X / n` (float32) of the inputs of each of `layers` (DKM Linears of `model`) over `batches`; only
-    those run with their latent weights, the others with their hard assignment."""
+    those run with their latent weights, the others with their hard assignment.
+
+    The first batch runs the whole model and counts each layer's calls; every later batch stops (`_ChunkDone`) once
+    each layer has had as many calls, at least one, so a chunk early in a deep model costs a fraction of a pass
+    (a layer the first batch never reached, such as an expert no token was routed to, keeps later batches whole).
+    `whole=True` runs every batch to the end (the same moments, bit for bit)."""
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
+    calls = dict.fromkeys(layers, 0)
+    expected: dict[str, int] = {}
+    pending = [0]  # layers still short of their expected calls in this batch
 
     def hook(name):
         def record(module, args):
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
             sums[name] = sums.get(name, 0) + x.t() @ x
             counts[name] = counts.get(name, 0) + x.shape[0]
+            calls[name] += 1
+            if expected and calls[name] == expected[name]:
+                pending[0] -= 1
+                if pending[0] == 0 and not whole:
+                    raise _ChunkDone
 
         return record
 
@@ -61,10 +81,17 @@ def _inputs(model: nn.Module, layers: dict[str, DKMLinear], batches: Iterable) -
             layer.dense_forward = True
         with torch.no_grad():
             for batch in batches:
-                if isinstance(batch, Mapping):
-                    model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
-                else:
-                    model(batch.to(device))
+                try:
+                    if isinstance(batch, Mapping):
+                        model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+                    else:
+                        model(batch.to(device))
+                except _ChunkDone:
+                    pass
+                if not expected:
+                    expected.update({name: max(1, n) for name, n in calls.items()})
+                calls.update(dict.fromkeys(calls, 0))
+                pending[0] = len(expected)
     finally:
         for handle in handles:
             handle.remove()
@@ -174,7 +201,8 @@ def calibrate(model: nn.Module, batches: Iterable, max_moment_bytes: int = MOMEN
     """Move the latent weights of every DKM Linear of `model` to GPTQ's rounding onto their tables, under the input
     moments of `batches` (model keyword dicts such as a tokenizer's output, or input-id tensors); returns the number
     of layers. At most `max_moment_bytes` of moments are held at once (one pass over `batches` per chunk of layers
-    that fits). Scalar tables only (`cluster_dim=1`); before any sharding (FSDP2, ZeRO-3)."""
+    that fits, each batch after the first stopping after the chunk's last layer). Scalar tables only
+    (`cluster_dim=1`); before any sharding (FSDP2, ZeRO-3)."""
     check_calibratable(model)
     if max_moment_bytes <= 0:
         raise ValueError(f"calibrate's max_moment_bytes must be > 0 (try {MOMENT_BYTES}), got {max_moment_bytes!r}.")

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 from hf_llmkit import DKMConfig
 from hf_llmkit.quantization import DKMLinear, calibrate, quantize_model
 from hf_llmkit.quantization import _dkm as dkm
-from hf_llmkit.quantization.calibration import MOMENT_BYTES, chunks, round_onto_table
+from hf_llmkit.quantization.calibration import MOMENT_BYTES, _inputs, chunks, round_onto_table
+from hf_llmkit.quantization.layers import DKMSettings
 from hf_llmkit.testing import tiny_llama
 
 
@@ -139,6 +140,55 @@ def test_moments_are_held_a_chunk_of_layers_at_a_time_in_model_order():
     cut = chunks(layers, 3 * narrow)
     assert [n for c in cut for n in c] == list(layers)  # every layer once, in model order
     assert [len(c) for c in cut] == [3, 3, 1, 3, 3, 1]  # q k v | o gate up | down (alone, over the budget) | ...
+
+
+def test_each_batch_after_the_first_stops_after_the_chunks_last_layer():
+    """A chunk's moments need the model only up to its last layer: every batch after the first stops there, with
+    the moments of whole passes bit for bit (the layers after it, lm_head included, do not run)."""
+    torch.manual_seed(0)
+    model = quantize_model(tiny_llama(), DKMConfig(bits=3))
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, DKMLinear)}
+    first = chunks(layers, 3 * 4 * 64**2)[0]  # q, k, v of the first decoder layer
+    batches = [torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    heads = []
+    model.lm_head.register_forward_pre_hook(lambda *_: heads.append(1))
+    early = _inputs(model, first, batches)
+    assert len(heads) == 1  # the first batch ran to the end, the other two stopped after v_proj
+    whole = _inputs(model, first, batches, whole=True)
+    assert len(heads) == 1 + 3
+    assert early.keys() == whole.keys() == first.keys()
+    assert all(torch.equal(early[n], whole[n]) for n in first)
+
+
+class _Reused(torch.nn.Module):
+    """`a` runs before and after `b`, which runs only on batches of more than one row (some inputs never reach it)."""
+
+    def __init__(self):
+        super().__init__()
+        settings = DKMSettings.build(16, bits=3, offload=False)
+        self.a, self.b = (DKMLinear(16, 16, False, settings) for _ in range(2))
+        self.tail = []
+
+    def forward(self, x):
+        x = torch.tanh(self.a(x))
+        if x.shape[0] > 1:
+            x = self.b(x)
+        x = self.a(x)
+        self.tail.append(1)
+        return x
+
+
+def test_a_layer_run_twice_or_not_reached_by_the_first_batch_keeps_all_its_inputs():
+    model = _Reused()
+    for layer in (model.a, model.b):
+        layer.init_centroids()
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randn(rows, 16, generator=gen) for rows in (1, 3, 2)]
+    chunk = {"a": model.a, "b": model.b}
+    early = _inputs(model, chunk, batches)
+    assert len(model.tail) == 1  # batches 2 and 3 stop at a's second call (b ran between)
+    whole = _inputs(model, chunk, batches, whole=True)
+    assert all(torch.equal(early[n], whole[n]) for n in chunk)  # a's second call and b's inputs are counted
 
 
 class _Rows(torch.utils.data.Dataset):
