@@ -131,12 +131,21 @@ def checkpoint_keys(checkpoint_files: list[str] | None) -> dict[str, str] | None
 _SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
-def check_table_dtypes(keys: dict[str, str], lut_dtype: str) -> None:
-    """Saved lookup tables must have the config's `lut_dtype`: loading them into another would round them, and the
-    reloaded model would no longer compute what the trained one did."""
+def _plain(key: str, prefix: str) -> str:
+    """A checkpoint key without the base model's prefix (checkpoints may carry it or not)."""
+    return key[len(prefix) + 1 :] if prefix and key.startswith(f"{prefix}.") else key
+
+
+def check_table_dtypes(keys: dict[str, str], lut_dtype: str, targets: list[str], prefix: str = "") -> None:
+    """Saved lookup tables (and the block scales of the clustered modules `targets`; another module may have tensors
+    named so) must have the config's `lut_dtype`: loading them into another would round them, and the reloaded
+    model would no longer compute what the trained one did."""
     want = _SAFETENSORS_DTYPES[lut_dtype]
+    target_set = {_plain(t, prefix) for t in targets}
     for key, dtype in sorted(keys.items()):
-        if key.endswith((".weight_lut", ".weight_scale")) and dtype != want:
+        module, _, tensor = _plain(key, prefix).rpartition(".")
+        ours = tensor == "weight_lut" or (tensor == SCALE_NAMES["packed"] and module in target_set)
+        if ours and dtype != want:
             found = next((name for name, code in _SAFETENSORS_DTYPES.items() if code == dtype), dtype)
             raise ValueError(
                 f"{key!r} is saved as {found} but quantization_config.lut_dtype is {lut_dtype!r}: set lut_dtype to "
@@ -153,13 +162,8 @@ def checkpoint_layout(
     is expected in the file (the patterns). `scaled`: the config has block scales, which both representations then
     hold (and only then). Any inconsistency is a ValueError naming the tensor or module.
     """
-    strip = f"{prefix}." if prefix else None
-
-    def norm(key: str) -> str:  # checkpoints may carry the base model's prefix or not
-        return key[len(strip) :] if strip and key.startswith(strip) else key
-
-    names = {norm(k) for k in keys}
-    target_set = {norm(t) for t in targets}
+    names = {_plain(k, prefix) for k in keys}
+    target_set = {_plain(t, prefix) for t in targets}
     scale_keys = sorted(  # a clustered module's scales: other modules may well have tensors named so
         k for k in names if k.rpartition(".")[2] in SCALE_NAMES.values() and k.rpartition(".")[0] in target_set
     )
@@ -172,7 +176,7 @@ def checkpoint_layout(
     training_names = (*TRAINING_NAMES, SCALE_NAMES["train"]) if scaled else TRAINING_NAMES
     layout, patterns = {}, []
     for target in targets:
-        t = norm(target)
+        t = _plain(target, prefix)
 
         def has(*suffixes: str, t=t) -> bool:
             return all(f"{t}.{s}" in names for s in suffixes)
@@ -204,7 +208,7 @@ def checkpoint_layout(
         # optimizer step's state (read by a Trainer resume through load_state_dict, see steps.py).
         patterns.append(rf"(^|\.){re.escape(t)}\.({'|'.join(unused + steps.STEP_NAMES)})$")
     stray = sorted({k.rpartition(".")[0] for k in keys if k.rpartition(".")[2] in PACKED_NAMES + ("centroids",)})
-    stray = [k for k in stray if norm(k) not in target_set]
+    stray = [k for k in stray if _plain(k, prefix) not in target_set]
     if stray:
         more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
         raise ValueError(
@@ -292,8 +296,8 @@ def read_layout(model: nn.Module, checkpoint_files, targets: list[str], config: 
     keys = checkpoint_keys([str(Path(f)) for f in checkpoint_files] if checkpoint_files else None)
     if keys is None:
         return None
-    check_table_dtypes(keys, config.lut_dtype)
     prefix, scaled = getattr(model, "base_model_prefix", ""), bool(config.scale_block_size)
+    check_table_dtypes(keys, config.lut_dtype, targets, prefix)
     layout, patterns = checkpoint_layout(set(keys), targets, prefix, scaled)
     if patterns:
         ignore_unexpected_keys(model, patterns)

@@ -169,6 +169,10 @@ def test_block_scales_and_the_config_must_agree(saved, tmp_path):
         saved["compact"], tmp_path / "foreign", tensors=lambda s: s.update({"lm_head.scales": torch.ones(2)})
     )
     AutoModelForCausalLM.from_pretrained(foreign)  # a tensor named so in a module DKM does not cluster is not ours
+    foreign = _edit(
+        compact, tmp_path / "foreign_fp32", tensors=lambda s: s.update({"lm_head.weight_scale": torch.ones(2)})
+    )
+    AutoModelForCausalLM.from_pretrained(foreign)  # nor is its dtype (float32 here, the tables float16)
     state = load_file(training / "model.safetensors")  # a Trainer resume loads the training state so
     del state[f"{Q}.scales"]
     with pytest.raises(ValueError, match=rf"no '{Q}\.scales' but its quantization_config sets scale_block_size"):
