@@ -57,17 +57,18 @@ def _inputs(
     counts: dict[str, int] = {}
     calls = dict.fromkeys(layers, 0)
     expected: dict[str, int] = {}
-    pending = [0]  # layers still short of their expected calls in this batch
+    pending = 0  # layers still short of their expected calls in this batch
 
     def hook(name):
         def record(module, args):
+            nonlocal pending
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
             sums[name] = sums.get(name, 0) + x.t() @ x
             counts[name] = counts.get(name, 0) + x.shape[0]
             calls[name] += 1
             if expected and calls[name] == expected[name]:
-                pending[0] -= 1
-                if pending[0] == 0 and not whole:
+                pending -= 1
+                if pending == 0 and not whole:
                     raise _ChunkDone
 
         return record
@@ -91,7 +92,7 @@ def _inputs(
                 if not expected:
                     expected.update({name: max(1, n) for name, n in calls.items()})
                 calls.update(dict.fromkeys(calls, 0))
-                pending[0] = len(expected)
+                pending = len(expected)
     finally:
         for handle in handles:
             handle.remove()

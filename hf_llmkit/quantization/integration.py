@@ -136,6 +136,13 @@ def _plain(key: str, prefix: str) -> str:
     return key[len(prefix) + 1 :] if prefix and key.startswith(f"{prefix}.") else key
 
 
+def _clustered_scale(name: str, target_set: set[str]) -> bool:
+    """Whether a checkpoint key (without the base model's prefix) is block scales of a clustered module, packed or
+    in the training state: another module may well have tensors named so."""
+    module, _, tensor = name.rpartition(".")
+    return tensor in SCALE_NAMES.values() and module in target_set
+
+
 def check_table_dtypes(keys: dict[str, str], lut_dtype: str, targets: list[str], prefix: str = "") -> None:
     """Saved lookup tables (and the block scales of the clustered modules `targets`; another module may have tensors
     named so) must have the config's `lut_dtype`: loading them into another would round them, and the reloaded
@@ -143,9 +150,9 @@ def check_table_dtypes(keys: dict[str, str], lut_dtype: str, targets: list[str],
     want = _SAFETENSORS_DTYPES[lut_dtype]
     target_set = {_plain(t, prefix) for t in targets}
     for key, dtype in sorted(keys.items()):
-        module, _, tensor = _plain(key, prefix).rpartition(".")
-        ours = tensor == "weight_lut" or (tensor == SCALE_NAMES["packed"] and module in target_set)
-        if ours and dtype != want:
+        table = key.endswith(".weight_lut")
+        packed_scale = key.endswith(f".{SCALE_NAMES['packed']}") and _clustered_scale(_plain(key, prefix), target_set)
+        if (table or packed_scale) and dtype != want:
             found = next((name for name, code in _SAFETENSORS_DTYPES.items() if code == dtype), dtype)
             raise ValueError(
                 f"{key!r} is saved as {found} but quantization_config.lut_dtype is {lut_dtype!r}: set lut_dtype to "
@@ -164,9 +171,7 @@ def checkpoint_layout(
     """
     names = {_plain(k, prefix) for k in keys}
     target_set = {_plain(t, prefix) for t in targets}
-    scale_keys = sorted(  # a clustered module's scales: other modules may well have tensors named so
-        k for k in names if k.rpartition(".")[2] in SCALE_NAMES.values() and k.rpartition(".")[0] in target_set
-    )
+    scale_keys = sorted(k for k in names if _clustered_scale(k, target_set))
     if scale_keys and not scaled:
         raise ValueError(
             f"The checkpoint holds DKM block scales ({scale_keys[0]!r}) but its quantization_config has no "
