@@ -1,9 +1,10 @@
 """The user's text data: find the files and read their rows, rejecting bad files before any work starts.
 
-`.txt` files give one row per non-blank line; `.json` / `.jsonl` files hold JSON lines or one JSON array, each
-row an object with a string `text` field. A file that is empty, not UTF-8 (binary, reported by line number),
-malformed, or has a row without a string `text` raises `ValueError` naming the file, the line and the fix; a
-`--dataset_dir` is walked without recursion or symlinked folders, to a bounded depth.
+`.txt` files give one row per non-blank line; `.json` / `.jsonl` files hold JSON lines (split on "\\n" only) or one
+JSON array (read strictly, `hf_llmkit.json_text`), each row an object with a string `text` field. A file that is
+empty, not UTF-8 (binary, reported by line number), malformed, or has a row without a string `text` raises
+`ValueError` naming the file, the line and the fix; a `--dataset_dir` is walked without recursion or symlinked
+folders, to a bounded depth.
 
 Files are read as a stream, in chunks: memory does not grow with a file. A row longer than `PIECE_CHARS`
 characters (a book on one line) comes in pieces cut before a space, so a tokenizer never holds more than a piece.
@@ -25,6 +26,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from hf_llmkit.checkpoints.names import path_too_long, shown_path
+from hf_llmkit.json_text import json_array_values, line_content
 
 __all__ = [
     "MAX_FOLDER_DEPTH",
@@ -124,9 +126,20 @@ def _not_utf8(path: Path, data: bytes, start: int, line: int, offset: int) -> Va
     )
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str, bool]]:
+def _split(text: str, newline_only: bool) -> list[str]:
+    """`text` in lines that keep their ends: on "\\n" only (JSON lines), or where `str.splitlines` splits (.txt)."""
+    if not newline_only:
+        return text.splitlines(keepends=True)
+    lines = [line + "\n" for line in text.split("\n")]
+    lines[-1] = lines[-1][:-1]
+    return lines if lines[-1] else lines[:-1]
+
+
+def _lines(path: Path, *, newline_only: bool = False) -> Iterator[tuple[int, str, bool]]:
     """(line number, text, whether the line ends with it) of a UTF-8 file read in chunks; a line longer than
-    `PIECE_CHARS` comes in several pieces. `ValueError` at the first line that is not UTF-8 or holds a NUL."""
+    `PIECE_CHARS` comes in several pieces. `ValueError` at the first line that is not UTF-8 or holds a NUL. Lines
+    end where `str.splitlines` splits, or with `newline_only` (JSON lines) at "\\n" only."""
+    ends = "\n" if newline_only else _BREAKS
     decoder = codecs.getincrementaldecoder("utf-8-sig")()
     number, carry, read = 1, "", 0
     with open(path, "rb") as handle:
@@ -143,12 +156,13 @@ def _lines(path: Path) -> Iterator[tuple[int, str, bool]]:
             if "\x00" in text:
                 line = number + (carry + text[: text.index("\x00")]).count("\n")
                 raise ValueError(f"{path} line {line} holds a NUL byte: a binary file; remove it")
-            lines = (carry + text).splitlines(keepends=True)
+            lines = _split(carry + text, newline_only)
             carry = ""
-            if lines and chunk and (lines[-1][-1] not in _BREAKS or lines[-1][-1] == "\r"):
+            if lines and chunk and (lines[-1][-1] not in ends or lines[-1][-1] == "\r"):
                 carry = lines.pop()  # unfinished (or a "\r" whose "\n" may come with the next chunk)
             for line in lines:
-                pieces = list(split_long_text(_content(line))) or [""]
+                content = line_content(line) if newline_only else _content(line)
+                pieces = list(split_long_text(content)) or [""]
                 for index, piece in enumerate(pieces):
                     yield number, piece, index == len(pieces) - 1
                 number += 1
@@ -185,7 +199,7 @@ def _json_line(path: Path, number: int, line: str) -> object:
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
     parts: list[str] = []
     size = 0
-    for number, text, ends in _lines(path):
+    for number, text, ends in _lines(path, newline_only=True):
         parts.append(text)
         size += len(text)
         if size > MAX_JSON_BYTES:
@@ -210,11 +224,8 @@ def _json_array_rows(path: Path) -> Iterator[tuple[str, object]]:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         raise _not_utf8(path, data, err.start, data[: err.start].count(b"\n") + 1, err.start) from None
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} line {err.lineno} is not valid JSON ({err.msg}); fix the file") from None
-    return ((f"row {index + 1}", row) for index, row in enumerate(rows if isinstance(rows, list) else [rows]))
+    rows = json_array_values(text, where=str(path))
+    return ((f"row {index}", row) for index, (_, row) in enumerate(rows, start=1))
 
 
 def _is_json_array(path: Path) -> bool:

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from hf_llmkit.json_text import JSON_WHITESPACE, json_array_values, json_lines
+
 __all__ = [
     "ALPACA",
     "IGNORE_INDEX",
@@ -101,34 +103,20 @@ def _decode(path: Path) -> str:
     return text
 
 
-def _line_of(text: str, position: int) -> int:
-    return text.count("\n", 0, position) + 1
-
-
 def _json_values(path: Path, text: str) -> Iterable[tuple[int, Any]]:
-    """(line number, value) of each element of a JSON array file, or of each line of a JSON lines file."""
-    decoder = json.JSONDecoder()
-    start = len(text) - len(text.lstrip())
-    if start < len(text) and text[start] == "[":
-        position = start + 1
-        while True:
-            while position < len(text) and text[position] in " \t\r\n,":
-                position += 1
-            if position >= len(text) or text[position] == "]":
-                return
-            try:
-                value, end = decoder.raw_decode(text, position)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path} line {err.lineno} is not valid JSON ({err.msg}); fix the file") from None
-            yield _line_of(text, position), value
-            position = end
-    for number, line in enumerate(text.splitlines(), start=1):
+    """(line number, value) of each element of a JSON array file, or of each line of a JSON lines file (split on
+    "\\n" only: U+2028 and the like inside a string are data)."""
+    if text.lstrip(JSON_WHITESPACE).startswith("["):
+        yield from json_array_values(text, where=str(path))
+        return
+    for number, line in json_lines(text):
         if line.strip():
             try:
                 yield number, json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(
-                    f"{path} line {number} is not valid JSON ({err.msg}); write one JSON object per line"
+                    f"{path} line {number} is not valid JSON ({err.msg} at column {err.colno}); "
+                    "write one JSON object per line"
                 ) from None
 
 

@@ -23,7 +23,7 @@ BAD_FILES = {
     "nul.txt": (b"text\x00more", "nul.txt line 1 holds a NUL byte: a binary file"),
     "latin1.jsonl": ('{"text": "caf\xe9"}\n'.encode("latin-1"), "latin1.jsonl line 1 is not UTF-8 text (byte 0xe9"),
     "malformed.jsonl": (b'{"text": "a"}\n{"text": oops}\n', "malformed.jsonl line 2 is not valid JSON"),
-    "truncated.json": (b'[{"text": "a"}, {"text": ', "truncated.json line 1 is not valid JSON"),
+    "truncated.json": (b'[{"text": "a"}, {"text": ', "truncated.json line 1 column 26 is not valid JSON"),
     "notext.jsonl": (
         b'{"title": "x", "body": "y"}\n',
         "notext.jsonl line 1 has no 'text' field (fields: body, title)",
