@@ -37,7 +37,7 @@ from hf_llmkit.checkpoints.names import MANIFEST_NAME, ROLLBACK_PREFIX, TRAINER_
 from hf_llmkit.compat.accelerate import unwrap_optimizer
 from hf_llmkit.trainers.multi_node import agree_on_checkpoint, check_output_dir_sharing
 from hf_llmkit.trainers.resume import prepare_output_dir, resolve_resume, resume_step
-from hf_llmkit.trainers.run_identity import check_run_identity, run_identity
+from hf_llmkit.trainers.run_identity import check_length, check_run_identity, run_identity
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ def _resume_point(trainer, resume_from_checkpoint) -> str | None:
     if _auto_resume(args, resume_from_checkpoint):  # every machine resumes rank 0's choice
         resume = agree_on_checkpoint(args, resume, checksums=getattr(args, "resume_verify_checksums", True))
     if resume is not None:  # another run's checkpoint is refused; settings a resume may change take effect
+        check_length(args.max_steps, resume_step(resume), resume, args.output_dir)
         trainer.changed_settings = check_run_identity(trainer.run_identity, resume, args.output_dir)
     prepare_output_dir(trainer, resume)
     return resume

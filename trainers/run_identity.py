@@ -33,7 +33,7 @@ from hf_llmkit.trainers.changed_settings import changed_settings, describe_chang
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RUN_IDENTITY_FILE", "check_run_identity", "run_identity", "write_run_identity"]
+__all__ = ["RUN_IDENTITY_FILE", "check_length", "check_run_identity", "run_identity", "write_run_identity"]
 
 RUN_IDENTITY_FILE = RUN_RECORD
 FORMAT = 1
@@ -233,3 +233,14 @@ def check_run_identity(identity: dict, checkpoint: str | os.PathLike, output_dir
     if settings:
         logger.warning("resuming from %s with changed settings: %s", checkpoint, describe_changes(settings))
     return settings
+
+
+def check_length(max_steps: int, step: int, checkpoint: str | os.PathLike, output_dir: str) -> None:
+    """Raise `ResumeError` (one line) when `max_steps` ends before the `step` the checkpoint reached: the run it
+    would report is not the one recorded there (a longer one may continue it; the same length finds it finished)."""
+    if 0 < max_steps < step:
+        raise ResumeError(
+            f"--max_steps {max_steps} ends before step {step}, which {checkpoint} reached: a different run; pass "
+            f"--max_steps {step} or more to resume this one, another --output_dir for this run, or "
+            f"--overwrite_output_dir true to start over in {output_dir}"
+        )

@@ -51,6 +51,7 @@ from hf_llmkit.cli.results import (
     count_parameters,
     describe_setup,
     perplexity,
+    recorded_results,
     results_table,
     save_results,
 )
@@ -330,14 +331,30 @@ def train_and_evaluate(args: Args, trainer: LLMKitTrainer) -> dict[str, Any]:
     if training.do_train:
         outcome = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
         trainer.save_model()
+        start = next(cb.step for cb in trainer.callback_handler.callbacks if isinstance(cb, ResumePoint))
+        results.update(global_step=trainer.state.global_step, resumed_at=start, resumed_from=trainer.resumed_from)
+        if start and start == trainer.state.global_step:  # resumed at its end: its recorded results stay
+            return _finished(args, trainer, results)
         metrics = save_results(trainer, "train", {**outcome.metrics, "train_samples": len(trainer.train_dataset)})
         trainer.save_state()
-        start = next(cb.step for cb in trainer.callback_handler.callbacks if isinstance(cb, ResumePoint))
-        results.update(train_loss=metrics["train_loss"], global_step=trainer.state.global_step, resumed_at=start)
-        results["resumed_from"] = trainer.resumed_from
+        results["train_loss"] = metrics["train_loss"]
     if training.do_eval:
         metrics = trainer.evaluate()
         metrics = save_results(trainer, "eval", {**metrics, "eval_samples": len(trainer.eval_dataset)})
+        results.update(eval_loss=metrics["eval_loss"], eval_perplexity=metrics["perplexity"])
+    return results
+
+
+def _finished(args: Args, trainer: LLMKitTrainer, results: dict[str, Any]) -> dict[str, Any]:
+    """A run resumed at its last step: nothing trained, the results files stay as the run left them (evaluated
+    only if it never recorded an evaluation)."""
+    logger.warning(
+        "%s: this run finished at step %d, nothing to train; its results files are kept as they were "
+        "(--overwrite_output_dir true starts over)", args.training.output_dir, trainer.state.global_step,
+    )  # fmt: skip
+    results.update(recorded_results(args.training.output_dir))
+    if args.training.do_eval and "eval_loss" not in results:
+        metrics = save_results(trainer, "eval", {**trainer.evaluate(), "eval_samples": len(trainer.eval_dataset)})
         results.update(eval_loss=metrics["eval_loss"], eval_perplexity=metrics["perplexity"])
     return results
 

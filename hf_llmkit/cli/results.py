@@ -9,8 +9,10 @@ parallelism, ranks), parameters counted once per storage, steps, losses, time.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
@@ -21,6 +23,7 @@ __all__ = [
     "describe_setup",
     "markdown_table",
     "perplexity",
+    "recorded_results",
     "results_table",
     "save_results",
 ]
@@ -50,6 +53,19 @@ def save_results(trainer: Any, split: str, metrics: dict[str, Any]) -> dict[str,
         metrics["perplexity"] = perplexity(metrics["eval_loss"])
     trainer.save_metrics(split, metrics)
     return metrics
+
+
+def recorded_results(output_dir: str) -> dict[str, Any]:
+    """The results a finished run recorded in `output_dir/all_results.json`, under the names `train_and_evaluate`
+    returns (`train_loss`, `eval_loss`, `eval_perplexity`); empty when there are none."""
+    try:
+        recorded = json.loads((Path(output_dir) / "all_results.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(recorded, dict):
+        return {}
+    names = {"train_loss": "train_loss", "eval_loss": "eval_loss", "perplexity": "eval_perplexity"}
+    return {ours: recorded[theirs] for theirs, ours in names.items() if recorded.get(theirs) is not None}
 
 
 def markdown_table(rows: Sequence[tuple[str, str]], *, header: tuple[str, str] = ("result", "value")) -> str:

@@ -80,10 +80,15 @@ def test_readme_commands_into_the_quickstart_folder_stop_with_one_line(run_clm, 
     # The results files stay strict JSON after a resume, and say which steps the loss covers (issue 21, 4).
     train = _strict_json(tmp_path / "train_results.json")
     assert train["train_loss_steps"] == "3-3" and train["train_loss"] > 0 and train["epoch"] > 0
-    run_clm.run([*common[:-4], "--max_steps", "3", "--save_steps", "2"])  # resumed at its end: no step to report
-    train = _strict_json(tmp_path / "train_results.json")
-    assert train["train_loss_steps"] == "none" and train["train_loss"] is None and train["epoch"] > 0
-    assert _strict_json(tmp_path / "all_results.json")["train_loss"] is None
+    # Re-run once finished: nothing to train, and the recorded results stay as they were (issue 33).
+    recorded = {name: (tmp_path / name).read_bytes() for name in ("train_results.json", "all_results.json")}
+    again = run_clm.run([*common[:-4], "--max_steps", "3", "--save_steps", "2"])
+    assert again["global_step"] == again["resumed_at"] == 3
+    assert again["train_loss"] == train["train_loss"] and again["eval_loss"] is not None  # the recorded ones
+    assert {name: (tmp_path / name).read_bytes() for name in recorded} == recorded
+    with pytest.raises(ResumeError, match=r"--max_steps 2 ends before step 3, which .*checkpoint-3 reached"):
+        run_clm.run([*common[:-4], "--max_steps", "2", "--save_steps", "2"])  # a shorter run is another run
+    assert {name: (tmp_path / name).read_bytes() for name in recorded} == recorded
 
 
 def _strict_json(path) -> dict:
