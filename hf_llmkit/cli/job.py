@@ -198,7 +198,19 @@ def parse_args(job: Job, argv: list[str] | None = None) -> Args:
 
 
 def check_combinations(args: Args) -> None:
-    """Features that cannot work together stop here, before any work."""
+    """Features that cannot work together stop here, before any work (the library refuses each of these pairs with
+    a `ValueError` later, once the model or the trainer is built)."""
+    training = args.training
+    if args.moe.upcycle_moe and training.tiled_mlp:
+        raise ValueError(
+            "--tiled_mlp does not tile mixture-of-experts blocks (routing statistics and auxiliary losses are per "
+            "call), and --upcycle_moe true makes every MLP one; drop one of them"
+        )
+    if training.tiled_loss and training.label_smoothing_factor:
+        raise ValueError(
+            "--tiled_loss computes the plain causal-LM cross-entropy itself; drop --label_smoothing_factor or "
+            "--tiled_loss"
+        )
     if args.kbit.load_in_kbits != 16:
         if args.peft.peft_method == "none":
             raise ValueError(
@@ -404,7 +416,8 @@ def run_job(job: Job, steps: DataSteps, argv: list[str] | None = None) -> dict[s
             raise
     base_dir = write_adapter_base(args, built)
     built = built._replace(base=None)  # the snapshot is on disk now
-    trainer = build_trainer(args, built, train, evaluation, data_collator=steps.collator(built))
+    with usage_errors():  # a pair of features the trainer refuses (check_combinations names the known ones)
+        trainer = build_trainer(args, built, train, evaluation, data_collator=steps.collator(built))
     total, trainable = count_parameters(built.model)
     results: dict[str, Any] = {"parameters": total, "trainable_parameters": trainable}
     results.update(train_and_evaluate(args, trainer))

@@ -88,6 +88,13 @@ def causal_lm_config(
             f"transformers rejects this {model_type} config ({_describe(err)}); fix the size flags or "
             "--config_overrides"
         ) from None
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0 and heads % kv_heads:
+        divisors = ", ".join(str(n) for n in range(1, heads + 1) if heads % n == 0)
+        raise ValueError(
+            f"--num_key_value_heads {kv_heads} does not divide --num_attention_heads {heads} (each key/value head "
+            f"serves a whole group of query heads); pass one of {divisors}"
+        )
     return config
 
 
