@@ -201,6 +201,12 @@ def check_combinations(args: Args) -> None:
     """Features that cannot work together stop here, before any work (the library refuses each of these pairs with
     a `ValueError` later, once the model or the trainer is built)."""
     training = args.training
+    on_cpu = training.use_cpu or torch.accelerator.current_accelerator() is None
+    if training.fp16 and on_cpu and not training.deepspeed:  # DeepSpeed runs fp16 itself (or refuses it)
+        raise ValueError(
+            "--fp16 true needs a GPU: on CPU accelerate makes neither fp16 autocast nor a loss scaler, and the run "
+            "would train in fp32; drop --fp16 (or --bf16 true, on a CPU that supports it)"
+        )
     if args.moe.upcycle_moe and training.tiled_mlp:
         raise ValueError(
             "--tiled_mlp does not tile mixture-of-experts blocks (routing statistics and auxiliary losses are per "

@@ -12,6 +12,8 @@ On top of `HfArgumentParser` (one flag per dataclass field):
   `exit_on_error`.
 - A dataclass may offer spellings that depend on the command line (`flag_spellings(argv, known) -> {old: new}`, e.g.
   a PEFT method's flags without its prefix), and say what an unknown flag is (`unknown_flag_hint(flag)`).
+- A flag typed twice: the last one wins, as in argparse, with one warning line naming it (flags after a JSON
+  file of flags override the file's without one).
 - `parse()` also returns the flags the user typed, so a command can derive defaults from them (an output folder
   per feature, say) and tell "left at its default" from "set to its default".
 """
@@ -22,6 +24,8 @@ import argparse
 import dataclasses
 import difflib
 import json
+import logging
+import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -37,6 +41,8 @@ from hf_llmkit.cli.help import HelpLayout, format_help
 from hf_llmkit.cli.options import BOUND_KEYS
 
 __all__ = ["CommandLineParser", "json_file_to_argv"]
+
+logger = logging.getLogger(__name__)
 
 DerivedDefaults = Callable[[dict[str, Any], set[str]], Mapping[str, Any]]
 
@@ -112,9 +118,12 @@ class CommandLineParser(HfArgumentParser):
         act on (a `TrainingArguments` with a missing DeepSpeed file leaves global state half set up).
         """
         argv = list(sys.argv[1:] if argv is None else argv)
+        from_file = 0
         if argv and argv[0].endswith(".json") and not argv[0].startswith("-"):
-            argv = json_file_to_argv(argv[0]) + argv[1:]
-        argv = self._respell(argv)
+            file_argv = json_file_to_argv(argv[0])
+            argv, from_file = file_argv + argv[1:], len(file_argv)
+        typed, argv = argv, self._respell(argv)
+        self._warn_repeats(argv[from_file:], typed[from_file:])  # flags after a JSON file override it
         namespace, rest = self.parse_known_args(argv)
         if rest:
             raise UsageError(self._unknown_message(rest))
@@ -140,6 +149,29 @@ class CommandLineParser(HfArgumentParser):
                 if dest is not None and dest != argparse.SUPPRESS:
                     given.add(dest)
         return given
+
+    def _warn_repeats(self, argv: Sequence[str], typed: Sequence[str]) -> None:
+        """A flag typed twice (under any spelling: `argv` respelled, `typed` as typed): the last one wins, as in
+        argparse, and one warning line says so (a silent last-wins once wrote a run into another run's folder)."""
+        by_option = {option: action for action in self.flag_actions for option in action.option_strings}
+        seen: dict[str, list[str]] = {}
+        last: dict[str, str] = {}
+        for index, (token, as_typed) in enumerate(zip(argv, typed)):
+            name, sep, value = token.partition("=")
+            action = by_option.get(name) if token.startswith("--") else None
+            if action is None or action.dest == argparse.SUPPRESS:
+                continue
+            seen.setdefault(action.dest, []).append(as_typed.partition("=")[0])
+            following = argv[index + 1] if index + 1 < len(argv) else ""
+            last[action.dest] = value if sep else following if action.nargs != 0 and following[:2] != "--" else ""
+        repeated = [(dest, names) for dest, names in seen.items() if len(names) > 1]
+        if repeated and os.environ.get("RANK", "0") == "0":
+            said = "; ".join(
+                f"{' and '.join(dict.fromkeys(names))} given {len(names)} times, the last one"
+                + (f" ({last[dest]})" if last[dest] else "") + " is used"
+                for dest, names in repeated
+            )  # fmt: skip
+            logger.warning("%s", said)
 
     def _respell(self, argv: list[str]) -> list[str]:
         """Old and command-dependent spellings replaced by the flags they stand for."""

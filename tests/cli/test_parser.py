@@ -111,3 +111,33 @@ def test_derived_defaults_apply_only_to_flags_not_typed():
     assert training.output_dir == "out-on"
     (_, training), _ = make_parser().parse(["--feature", "on", "--output_dir", "mine"], derived_defaults=derive)
     assert training.output_dir == "mine"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max_steps", "2", "--max_steps", "3"], "--max_steps given 2 times, the last one (3) is used"),
+        (["--max_steps=2", "--max-steps", "3"], "--max_steps and --max-steps given 2 times, the last one (3) is used"),
+        (["--names", "a", "--feature_names", "b", "--feature", "on"], "--names and --feature_names given 2 times"),
+        (
+            ["--feature_flag", "--no_feature_flag"],
+            "--feature_flag and --no_feature_flag given 2 times, the last",
+        ),
+    ],
+)
+def test_a_flag_given_twice_says_in_one_line_that_the_last_one_wins(argv, message, caplog):
+    """Issue 33: the last of two values silently winning once wrote a run into another run's folder."""
+    with caplog.at_level("WARNING", logger="hf_llmkit.cli.parser"):
+        make_parser().parse(argv)
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 1 and message in lines[0] and "\n" not in lines[0], lines
+
+
+def test_flags_after_a_json_file_override_it_without_a_warning(tmp_path, caplog):
+    flags = tmp_path / "args.json"
+    flags.write_text(json.dumps({"max_steps": 10, "feature": "on"}))
+    with caplog.at_level("WARNING", logger="hf_llmkit.cli.parser"):
+        (feature, training), _ = make_parser().parse([str(flags), "--max_steps", "3"])
+        assert training.max_steps == 3 and feature.feature == "on" and not caplog.records
+        (_, training), _ = make_parser().parse([str(flags), "--max_steps", "3", "--max_steps", "4"])
+    assert training.max_steps == 4 and "--max_steps given 2 times, the last one (4) is used" in caplog.text

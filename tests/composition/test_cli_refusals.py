@@ -6,6 +6,7 @@ built."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hf_llmkit.cli import USAGE_EXIT_CODE, job
 from tests.composition.matrix import CELLS, PEFT_METHODS, REFUSED, Setup
@@ -73,3 +74,11 @@ def test_every_refused_pair_of_the_matrix_stops_the_main_job_in_one_line(run_clm
 def test_pairs_refused_once_built_stop_before_any_work(run_clm, argv, named, capsys, tmp_path):
     line = _refused(run_clm, [*argv, "--output_dir", str(tmp_path / "out")], capsys)
     assert named in line and not (tmp_path / "out").exists()
+
+
+def test_fp16_without_a_gpu_stops_in_one_line(run_clm, capsys, tmp_path):
+    """On CPU accelerate makes neither fp16 autocast nor a GradScaler: `--fp16 true` would train in fp32."""
+    if torch.accelerator.current_accelerator() is not None:
+        pytest.skip("an accelerator runs fp16 (tests/examples/test_run_clm_output.py, marked gpu)")
+    line = _refused(run_clm, ["--fp16", "true", "--output_dir", str(tmp_path / "out")], capsys)
+    assert "--fp16 true needs a GPU" in line and not (tmp_path / "out").exists()
