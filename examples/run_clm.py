@@ -31,6 +31,7 @@ from transformers import default_data_collator as collate
 
 from hf_llmkit.cli import UsageError, job, usage_errors  # noqa: F401 (callers catch run_clm.UsageError)
 from hf_llmkit.cli.arguments import DataArguments, ModelArguments, resolve_block_size  # noqa: F401 (benchmarks)
+from hf_llmkit.cli.checks import at_most
 from hf_llmkit.cli.job import Args, Model
 from hf_llmkit.cli.model_loading import load_model, load_tokenizer  # noqa: F401 (tests build the same model)
 from hf_llmkit.corpus import corpus_texts, default_cache_dir
@@ -63,6 +64,10 @@ def check_inputs(args: Args) -> tuple[TextFiles | list[str], TextFiles | None]:
     return texts, held_out
 
 
+_TRAIN = dict(flag="--max_train_samples", what="training blocks")
+_EVAL = dict(flag="--max_eval_samples", what="validation blocks")
+
+
 def prepare_datasets(args: Args, built: Model, inputs: tuple[list[str], list[str] | None]) -> tuple[Any, Any]:
     """Tokenized blocks for training and evaluation (cached; the first process builds them, the others load)."""
     (texts, held_out), data, training = inputs, args.data, args.training
@@ -80,9 +85,9 @@ def prepare_datasets(args: Args, built: Model, inputs: tuple[list[str], list[str
         )
     train, evaluation = datasets["train"], datasets["validation"]
     if data.max_train_samples is not None:
-        train = train.select(range(min(data.max_train_samples, len(train))))
+        train = train.select(range(at_most(data.max_train_samples, len(train), **_TRAIN)))
     if data.max_eval_samples is not None:
-        evaluation = evaluation.select(range(min(data.max_eval_samples, len(evaluation))))
+        evaluation = evaluation.select(range(at_most(data.max_eval_samples, len(evaluation), **_EVAL)))
     if built.template is not None:  # P-tuning v1: each block is placed in the template ([Pk] not predicted)
         train, evaluation = built.template.wrap_blocks(train), built.template.wrap_blocks(evaluation)
     logger.info("blocks of %d tokens: %d train, %d validation", block_size, len(train), len(evaluation))

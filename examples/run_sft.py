@@ -32,6 +32,7 @@ from datasets import Dataset
 
 from hf_llmkit.cli import UsageError, job, usage_errors  # noqa: F401 (callers catch run_sft.UsageError)
 from hf_llmkit.cli.arguments import InstructionDataArguments
+from hf_llmkit.cli.checks import at_most
 from hf_llmkit.cli.job import Args, Model
 from hf_llmkit.cli.model_loading import context_length
 from hf_llmkit.data_files import find_data_files
@@ -131,7 +132,8 @@ def prepare_datasets(args: Args, built: Model, inputs: tuple[list, list | None])
             raise ValueError(f"the {name} records have no output to learn; add records with a non-empty 'output'")
         if data.packing:
             examples = pack_examples(examples, length)
-        examples = examples[:limit] if limit is not None else examples
+        flag = "--max_train_samples" if name == "train" else "--max_eval_samples"
+        examples = examples[: at_most(limit, len(examples), flag=flag, what=f"{name} examples")]
         splits.append(Dataset.from_list(examples))
     logger.info("examples of up to %d tokens: %d train, %d validation", length, *map(len, splits))
     return tuple(splits)

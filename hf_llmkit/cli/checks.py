@@ -4,7 +4,8 @@
 before a model is built or data tokenized). Each number must be finite (no NaN, no infinity), and within the
 bounds declared for its field: `ge` / `gt` / `le` / `lt` (and an optional `bound_hint`) in the field's metadata, or,
 for `transformers.TrainingArguments` fields that transformers itself leaves unchecked, in `TRAINING_BOUNDS` below.
-A run must also train at least one step (`check_training_length`).
+A run must also train at least one step (`check_training_length`). A count above what exists (`at_most`: more
+evaluation samples than the split holds) is clamped with one warning line.
 
     --learning_rate nan   -> "--learning_rate nan is not a number; pass a finite value (e.g. 0.001)"
     --per_device_train_batch_size 0 -> "--per_device_train_batch_size 0 must be at least 1"
@@ -13,6 +14,7 @@ A run must also train at least one step (`check_training_length`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -21,7 +23,9 @@ from transformers import TrainingArguments
 
 from hf_llmkit.cli.options import BOUND_KEYS
 
-__all__ = ["TRAINING_BOUNDS", "check_numbers", "check_training_length", "describe_bounds"]
+__all__ = ["TRAINING_BOUNDS", "at_most", "check_numbers", "check_training_length", "describe_bounds"]
+
+logger = logging.getLogger(__name__)
 
 _SEED = {"ge": 0, "le": 2**32 - 1}  # numpy's seed range, which transformers' set_seed uses
 _RATE = {"ge": 0, "lt": 1}
@@ -136,3 +140,13 @@ def check_training_length(values: Mapping[str, Any]) -> None:
             f"--num_train_epochs {values['num_train_epochs']} trains nothing (--max_steps -1 trains for that "
             "many epochs); pass a positive --num_train_epochs or --max_steps"
         )
+
+
+def at_most(asked: int | None, available: int, *, flag: str, what: str, warn: bool = True) -> int:
+    """`asked` (None: all), clamped to the `available` `what` ("validation examples"), with one warning line when
+    it is more than there are."""
+    if asked is None or asked <= available:
+        return available if asked is None else asked
+    if warn:
+        logger.warning("%s %d is more than the %d %s: using all %d", flag, asked, available, what, available)
+    return available

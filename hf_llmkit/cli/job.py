@@ -353,9 +353,10 @@ def train_and_evaluate(args: Args, trainer: LLMKitTrainer) -> dict[str, Any]:
         results.update(global_step=trainer.state.global_step, resumed_at=start, resumed_from=trainer.resumed_from)
         if start and start == trainer.state.global_step:  # resumed at its end: its recorded results stay
             return _finished(args, trainer, results)
-        metrics = save_results(trainer, "train", {**outcome.metrics, "train_samples": len(trainer.train_dataset)})
+        done = {"train_samples": len(trainer.train_dataset), **args.dkm.calibration(len(trainer.train_dataset))}
+        metrics = save_results(trainer, "train", {**outcome.metrics, **done})
         trainer.save_state()
-        results["train_loss"] = metrics["train_loss"]
+        results.update(train_loss=metrics["train_loss"], **done)
     if training.do_eval:
         metrics = trainer.evaluate()
         metrics = save_results(trainer, "eval", {**metrics, "eval_samples": len(trainer.eval_dataset)})
@@ -424,6 +425,7 @@ def run_job(job: Job, steps: DataSteps, argv: list[str] | None = None) -> dict[s
     built = built._replace(base=None)  # the snapshot is on disk now
     with usage_errors():  # a pair of features the trainer refuses (check_combinations names the known ones)
         trainer = build_trainer(args, built, train, evaluation, data_collator=steps.collator(built))
+    args.dkm.calibration(len(train), warn=True)  # more calibration samples than examples: one warning line
     total, trainable = count_parameters(built.model)
     results: dict[str, Any] = {"parameters": total, "trainable_parameters": trainable}
     results.update(train_and_evaluate(args, trainer))

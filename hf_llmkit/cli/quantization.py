@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from hf_llmkit.cli.checks import at_most
 from hf_llmkit.cli.feature_flags import FlagGroup
 from hf_llmkit.cli.options import Option, arguments_class, build_from, config_options
 from hf_llmkit.quantization.config import DKMConfig
@@ -41,6 +42,18 @@ def _describe(self) -> str | None:
     return f"DKM {self.dkm_bits}-bit ({self.dkm_granularity})" if self.quantization == "dkm" else None
 
 
+def _calibration(self, train_examples: int, *, warn: bool = False) -> dict[str, int]:
+    """`{"dkm_calibration_samples": N}`: the training examples the run's end calibrates on (clamped to the
+    `train_examples` there are, with one warning line when `warn`); empty without calibration."""
+    if self.quantization != "dkm" or not self.dkm_calibration_samples:
+        return {}
+    used = at_most(
+        self.dkm_calibration_samples, train_examples, flag="--dkm_calibration_samples", what="training examples",
+        warn=warn,
+    )  # fmt: skip
+    return {"dkm_calibration_samples": used}
+
+
 _GROUPS = (
     FlagGroup("--quantization dkm", tuple(o.flag for o in DKM_OPTIONS), lambda v: v["quantization"] == "dkm"),
     FlagGroup("--dkm_quantize_embeddings true", ("dkm_embedding_bits",), lambda v: v["dkm_quantize_embeddings"]),
@@ -56,6 +69,7 @@ DKMArguments = arguments_class(
         "__post_init__": _post_init,
         "build_config": _build_config,
         "describe": _describe,
+        "calibration": _calibration,
     },
 )
 

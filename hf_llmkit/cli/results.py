@@ -140,6 +140,11 @@ def results_table(setup: list[tuple[str, str]], results: dict[str, Any], *, loss
         ("steps", steps),
         *([("resumed from", str(results["resumed_from"]))] if results.get("resumed_from") else []),
         ("train loss", fmt("train_loss")),
+        *(
+            [("DKM calibration", f"{results['dkm_calibration_samples']:,} training examples")]
+            if results.get("dkm_calibration_samples")
+            else []
+        ),  # fmt: skip
         *(evaluation if loss_of is None else losses),
         ("wall time", f"{results['wall_time_s']:.1f} s"),
         ("outputs", results["output_dir"]),
