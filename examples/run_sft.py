@@ -18,7 +18,7 @@ the same callbacks, checkpoints, resume and results files. It runs with no argum
 
 It ends with the validation loss on response tokens before and after training. Bad input (a record without
 "output", a value that is not a string, a template without {instruction}) stops before any work with one line,
-naming the line of the file, and exit status 2.
+naming the line of the file, and exit status 2; so does a template without {input} for records that have inputs.
 """
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ def check_inputs(args: Args) -> tuple[list[dict[str, str]], list[dict[str, str]]
     if data.validation_file is not None:
         path = find_data_files(train_file=data.validation_file, flag="--validation_file")[0]
         held_out = read_instruction_records(path)
+    for chosen in (records, held_out or []):  # a template without {input} would drop every input
+        data.template.check_records(chosen)
     return records, held_out
 
 

@@ -78,6 +78,17 @@ class PromptTemplate:
             raise ValueError(f"prompt template {text!r} has no {{instruction}} field; add it")
         return cls(text, text)
 
+    def check_records(self, records: Sequence[dict[str, str]], *, flag: str = "--prompt_template") -> None:
+        """`ValueError` when records have an input and the template has no `{input}`: every input would be dropped."""
+        if "{input}" in self.with_input:
+            return
+        having = [index for index, record in enumerate(records, start=1) if record.get("input", "").strip()]
+        if having:
+            raise ValueError(
+                f"{flag} {self.with_input!r} has no {{input}} field, and {len(having)} of the {len(records)} records "
+                f"have an input (record {having[0]} the first) that it would drop; add {{input}} to the template"
+            )
+
     def prompt(self, record: dict[str, str]) -> str:
         text = record.get("input", "")
         return (self.with_input if text else self.without_input).format(instruction=record["instruction"], input=text)

@@ -129,6 +129,20 @@ def test_a_template_without_the_instruction_is_refused(run_sft, tmp_path):
     assert PromptTemplate.parse("alpaca") is ALPACA
 
 
+def test_a_template_that_would_drop_the_records_inputs_is_refused_before_any_work(run_sft, tmp_path):
+    """Issue 33: `Q: {instruction}` on records with an "input" dropped every input without a word."""
+    data = tmp_path / "records.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in (RECORD, EMPTY, RECORD)))
+    flags = ["--prompt_template", "Q: {instruction}\nA: ", "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(run_sft.UsageError) as info:
+        run_sft.run([*TINY[:12], *TINY[14:], "--train_file", str(data), *flags])  # without TINY's template
+    expected = r"has no {input} field, and 1 of the 3 records have an input (record 2 the first) that it would drop"
+    assert expected in str(info.value) and not (tmp_path / "out").exists()
+    PromptTemplate.parse("Q: {instruction}").check_records([RECORD, RECORD])  # no record has an input: fine
+    with pytest.raises(run_sft.UsageError, match="have an input"):  # the embedded set has inputs too
+        run_sft.run([*TINY[:12], *TINY[14:], *flags])
+
+
 def test_trains_on_the_embedded_set_and_reports_the_response_loss(run_sft, tmp_path, capsys):
     results = run_sft.run([*TINY, "--output_dir", str(tmp_path), "--max_steps", "4", "--learning_rate", "3e-3"])
     assert results["global_step"] == 4 and results["eval_loss"] < results["eval_loss_before"]
