@@ -37,7 +37,13 @@ from hf_llmkit.cli.job import Args, Model
 from hf_llmkit.cli.model_loading import context_length
 from hf_llmkit.data_files import find_data_files
 from hf_llmkit.instruction_corpus import instruction_records
-from hf_llmkit.sft_data import InstructionCollator, pack_examples, read_instruction_records, tokenize_records
+from hf_llmkit.sft_data import (
+    InstructionCollator,
+    check_length_budget,
+    pack_examples,
+    read_instruction_records,
+    tokenize_records,
+)
 
 logger = logging.getLogger("run_sft")
 
@@ -118,6 +124,7 @@ def prepare_datasets(args: Args, built: Model, inputs: tuple[list, list | None])
         )
     train_records, eval_records = _split(records, held_out, data.validation_split_percentage, training.seed)
     wrap = _template_ids(built)
+    check_length_budget(built.tokenizer, data.template, length, wrap=wrap)  # before tokenising: a flag conflict
     splits = []
     for name, chosen, limit in (("train", train_records, data.max_train_samples),
                                 ("validation", eval_records, data.max_eval_samples)):  # fmt: skip

@@ -34,6 +34,7 @@ __all__ = [
     "InstructionCollator",
     "PromptTemplate",
     "TruncationReport",
+    "check_length_budget",
     "pack_examples",
     "read_instruction_records",
     "tokenize_record",
@@ -191,6 +192,11 @@ def tokenize_record(
     if response and tokenizer.eos_token_id is not None:
         response = [*response, tokenizer.eos_token_id]  # an empty response teaches nothing, not even the end
     room = max_seq_length - len(wrap[0]) - len(wrap[1])
+    if room < 2:  # not even a BOS and one response token: every cut below would misbehave
+        raise ValueError(
+            f"max_seq_length {max_seq_length} leaves {room} tokens beside the {len(wrap[0]) + len(wrap[1])} wrapped "
+            "around each example; raise it (check_length_budget gives the least that holds one example)"
+        )
     cut = None
     if len(prompt) + len(response) > room:
         floor = min(len(prompt), room // 2)  # the prompt keeps at least this much, even against the response
@@ -201,6 +207,32 @@ def tokenize_record(
     input_ids = [*wrap[0], *prompt, *response, *wrap[1]]
     labels = [IGNORE_INDEX] * (len(wrap[0]) + len(prompt)) + response + [IGNORE_INDEX] * len(wrap[1])
     return {"input_ids": input_ids, "labels": labels}, cut
+
+
+def check_length_budget(
+    tokenizer: Any,
+    template: PromptTemplate,
+    max_seq_length: int,
+    *,
+    wrap: tuple[Sequence[int], Sequence[int]] = ((), ()),
+    wrap_name: str = "the P-tuning template (--num_virtual_tokens, --ptuning_template)",
+) -> None:
+    """`ValueError` naming the flags when `max_seq_length` cannot hold one example: what the model sees besides the
+    record's own text (`wrap`'s tokens, the BOS token, the template's fixed text) and one response token with its end
+    of text. A flag conflict, found before tokenising, not records blamed for it later."""
+    fixed = len(
+        tokenizer(template.without_input.format(instruction="", input=""), add_special_tokens=False)["input_ids"]
+    )
+    bos, eos = int(tokenizer.bos_token_id is not None), int(tokenizer.eos_token_id is not None)
+    wrapped = len(wrap[0]) + len(wrap[1])
+    need = wrapped + bos + fixed + 1 + eos
+    if max_seq_length < need:
+        parts = [f"{wrapped} tokens of {wrap_name}"] if wrapped else []
+        parts += [f"{bos + fixed} of the prompt template (--prompt_template)", f"{1 + eos} for a one-token response"]
+        raise ValueError(
+            f"--max_seq_length {max_seq_length} cannot hold one example: {', '.join(parts)} make {need}; pass "
+            f"--max_seq_length {need} or more" + (", or fewer virtual tokens" if wrapped else "")
+        )
 
 
 def tokenize_records(

@@ -15,6 +15,7 @@ from hf_llmkit.sft_data import (
     IGNORE_INDEX,
     InstructionCollator,
     PromptTemplate,
+    check_length_budget,
     pack_examples,
     tokenize_record,
     tokenize_records,
@@ -141,6 +142,25 @@ def test_a_template_that_would_drop_the_records_inputs_is_refused_before_any_wor
     PromptTemplate.parse("Q: {instruction}").check_records([RECORD, RECORD])  # no record has an input: fine
     with pytest.raises(run_sft.UsageError, match="have an input"):  # the embedded set has inputs too
         run_sft.run([*TINY[:12], *TINY[14:], *flags])
+
+
+def test_a_length_budget_that_cannot_hold_one_example_is_a_flag_conflict(run_sft, tokenizer, tmp_path):
+    """Issue 33: P-tuning's 30 virtual tokens in --max_seq_length 24 fed 1,426-token batches; 40 in 16 blamed the
+    records for empty outputs. The budget counts the virtual tokens, the template and a response."""
+    for tokens, length in (("30", "24"), ("40", "16")):
+        flags = ["--peft_method", "ptuning", "--num_virtual_tokens", tokens, "--max_seq_length", length]
+        with pytest.raises(run_sft.UsageError) as info:
+            run_sft.run([*TINY, *flags, "--output_dir", str(tmp_path / "out")])
+        message = str(info.value)
+        assert f"--max_seq_length {length} cannot hold one example: {tokens} tokens of the P-tuning" in message
+        assert "of the prompt template (--prompt_template), 2 for a one-token response make" in message
+        assert not (tmp_path / "out").exists()
+    need = 1 + len(tokenizer(SHORT.format(instruction="", input=""), add_special_tokens=False)["input_ids"]) + 2
+    check_length_budget(tokenizer, PromptTemplate.parse(SHORT), need)  # the least that holds one example
+    with pytest.raises(ValueError, match=f"--max_seq_length {need - 1} cannot hold one example"):
+        check_length_budget(tokenizer, PromptTemplate.parse(SHORT), need - 1)
+    with pytest.raises(ValueError, match="leaves -6 tokens beside the 30 wrapped around each example"):
+        tokenize_record(RECORD, tokenizer, template=ALPACA, max_seq_length=24, wrap=([5] * 30, []))
 
 
 def test_trains_on_the_embedded_set_and_reports_the_response_loss(run_sft, tmp_path, capsys):
