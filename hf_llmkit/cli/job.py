@@ -45,7 +45,6 @@ from hf_llmkit.cli.moe import MoEArguments
 from hf_llmkit.cli.output import configure_console, keep_tensorboard_in_output_dir
 from hf_llmkit.cli.parser import CommandLineParser
 from hf_llmkit.cli.peft import PeftArguments
-from hf_llmkit.cli.run_folder import settle_output_dir, write_flag_record
 from hf_llmkit.cli.quantization import DKMArguments, KbitArguments
 from hf_llmkit.cli.results import (
     ResumePoint,
@@ -55,6 +54,7 @@ from hf_llmkit.cli.results import (
     results_table,
     save_results,
 )
+from hf_llmkit.cli.run_folder import settle_output_dir, write_flag_record
 from hf_llmkit.corpus import default_cache_dir
 from hf_llmkit.trainers import LLMKitTrainer
 from hf_llmkit.tuners.ptuning import PTuningTemplate

@@ -24,7 +24,15 @@ from typing import Any
 
 from hf_llmkit.checkpoints.names import CHECKPOINT_PREFIX
 
-__all__ = ["FLAG_RECORD", "FREE", "choose_default_folder", "flag_identity", "holds_run", "settle_output_dir", "write_flag_record"]
+__all__ = [
+    "FLAG_RECORD",
+    "FREE",
+    "choose_default_folder",
+    "flag_identity",
+    "holds_run",
+    "settle_output_dir",
+    "write_flag_record",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +139,10 @@ def settle_output_dir(args, prog: str) -> None:
             training.output_dir = folder
             if training.should_log:
                 logger.warning(
-                    "%s holds a different run (%s): this run uses %s (--output_dir chooses)", base, _summary(changed), folder
+                    "%s holds a different run (%s): this run uses %s (--output_dir chooses)",
+                    base,
+                    _summary(changed),
+                    folder,
                 )
         return
     recorded = None if args.run.overwrite_output_dir else recorded_identity(training.output_dir)

@@ -59,7 +59,9 @@ def test_an_explicit_output_dir_of_another_run_is_refused_before_any_work(run_cl
 
 
 def test_overwrite_output_dir_starts_another_run_over_in_an_explicit_folder(run_clm, first):
-    results = run_clm.run([*ONE_STEP, "--seed", "7", "--output_dir", "outputs/run_clm", "--overwrite_output_dir", "true"])
+    results = run_clm.run(
+        [*ONE_STEP, "--seed", "7", "--output_dir", "outputs/run_clm", "--overwrite_output_dir", "true"]
+    )
     assert results["resumed_at"] == 0 and json.loads((first / "run_clm" / FLAG_RECORD).read_text())["seed"] == 7
 
 
