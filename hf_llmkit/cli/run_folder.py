@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -109,13 +110,32 @@ def _summary(changed: list[str]) -> str:
     return "; ".join(changed[:4]) + (f"; and {len(changed) - 4} more" if len(changed) > 4 else "")
 
 
+def _numbered(base: str, n: int) -> str:
+    return base if n == 1 else f"{base}-{n}"
+
+
+def _agreed(n: int, training) -> int:
+    """The largest of every rank's folder number (ranks on machines with disks of their own may see different
+    folders: they agree on one); `n` itself without a process group."""
+    import torch
+    import torch.distributed as dist
+
+    from hf_llmkit.checkpoints.collectives import world_size
+
+    if world_size() == 1:
+        return n
+    value = torch.tensor([n], dtype=torch.int64, device=training.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
 def choose_default_folder(base: str, identity: dict[str, Any]) -> tuple[str, list[str]]:
     """The first of `base`, `base-2`, ... that holds this identity's run or no run; and what differs from the run
     in `base` when that is not the one (empty otherwise). A folder holding a run without a record is taken as
     before flag records (the checkpoint's run record decides)."""
     first: list[str] = []
     for n in range(1, _MAX_FOLDERS + 1):
-        folder = base if n == 1 else f"{base}-{n}"
+        folder = _numbered(base, n)
         recorded = recorded_identity(folder)
         if recorded is None:
             return folder, first
@@ -135,6 +155,7 @@ def settle_output_dir(args, prog: str) -> None:
     if "output_dir" not in args.given:
         base = training.output_dir
         folder, changed = choose_default_folder(base, identity)
+        folder = _numbered(base, _agreed(1 if folder == base else int(folder.rsplit("-", 1)[1]), training))
         if folder != base:
             training.output_dir = folder
             if training.should_log:
@@ -155,11 +176,12 @@ def settle_output_dir(args, prog: str) -> None:
 
 
 def write_flag_record(args, prog: str) -> None:
-    """Record this run's identity in its output folder (main process, once the folder is held)."""
-    if args.training.process_index != 0:
+    """Record this run's identity in its output folder (once the folder is held; the main process of each machine,
+    whose disk may be its own)."""
+    if args.training.local_process_index != 0:
         return
     folder = Path(args.training.output_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    temporary = folder / f"{FLAG_RECORD}.tmp"
+    temporary = folder / f"{FLAG_RECORD}.{socket.gethostname()}-{os.getpid()}.tmp"
     temporary.write_text(json.dumps(flag_identity(args, prog), indent=1, sort_keys=True), encoding="utf-8")
     os.replace(temporary, folder / FLAG_RECORD)
