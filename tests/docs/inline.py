@@ -22,6 +22,7 @@ UNTESTED: dict[str, str] = {  # pattern (whole command) -> why the docs test doe
     "it, and CI (.ci/run) runs it on a clean clone",
     r"\.venv/bin/python -m ruff .*": "the lint `make test` runs first (ruff check), and `make lint` / `make format`",
     r"bash \.ci/run": "CI itself: it runs the whole suite, this test included",
+    r"(?:\.venv/bin/)?python -m pytest .*": "runs part of the suite, which `make test` (a block command) runs whole",
     r"accelerate launch": "the launcher's name in prose; its documented commands are blocks",
 }
 JOB = re.compile(r"python examples/(run_\w+)\.py(?: (.*))?")

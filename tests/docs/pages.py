@@ -36,8 +36,8 @@ MACHINE_PLACEHOLDER = "MACHINE0"
 GPU_LINE = re.compile(r"--device[ =]cuda\b")
 # The start of a command in a code span of prose: a tool, then at least one argument.
 INLINE = re.compile(
-    r"`((?:[A-Z_][A-Z0-9_]*=\S+\s+)*(?:python3?|bash|sh|make|accelerate|torchrun|deepspeed|pip|pytest|\.venv/bin/\w+)"
-    r"\s[^`]+)`"
+    r"`((?:[A-Z_][A-Z0-9_]*=\S+\s+)*(?:(?:python3?|bash|sh|make|torchrun|deepspeed|pip|pytest|\.venv/bin/\w+)\s[^`]+"
+    r"|accelerate (?:launch|config|env)\b[^`]*))`"
 )
 # Blocks, generated result regions (their provenance lines name the commands that measured them), comments.
 HIDDEN_IN_PROSE = re.compile(r"^```.*?^```|^<!-- results:.*?^<!-- end results -->|<!--.*?-->", re.S | re.M)
@@ -64,10 +64,15 @@ def blocks(page: Path, language: str) -> list[str]:
 
 
 def inline_commands(page: Path) -> list[str]:
-    """Commands written in code spans of the prose (blocks, comments and generated result regions left out),
-    whitespace normalised (a span may wrap over two lines)."""
+    """Commands written in code spans of the prose (blocks, comments and generated result regions left out) and
+    in blocks fenced without a language, whitespace normalised (a span may wrap over two lines)."""
     text = HIDDEN_IN_PROSE.sub("", page.read_text(encoding="utf-8"))
-    return [" ".join(found.split()) for found in INLINE.findall(text)]
+    found = [" ".join(span.split()) for span in INLINE.findall(text)]
+    for language, _, body in fenced(page):  # a block fenced without a language is prose to the docs test
+        if not language:
+            lines = [line.split(" #")[0].strip() for line in body.replace("\\\n", " ").splitlines()]
+            found += [" ".join(line.split()) for line in lines if INLINE.fullmatch(f"`{line}`")]
+    return found
 
 
 @dataclass
