@@ -149,7 +149,7 @@ class PageRun:
         return "checked (make -n -B)"
 
     def _shell(self, command: Command) -> str:
-        subprocess.run(command.line, shell=True, cwd=self.folder, env=self.env, check=True, timeout=60)
+        subprocess.run(command.line, shell=True, cwd=self.folder, env=self.env, check=True, timeout=TIMEOUT_S)
         return "ran"
 
     def _machines(self, job: list[Command]) -> None:
