@@ -25,7 +25,7 @@ PYTHON_BLOCKS = [(page, i) for page in pages() for i in range(len(blocks(page, "
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # every page's commands: minutes on 2 cores (see docs/testing.md)
+@pytest.mark.timeout(3600)  # every page's commands: minutes alone on 2 cores, half an hour on a loaded machine
 def test_every_page_runs_in_reading_order_in_one_folder(run_clm, tmp_path, capsys, monkeypatch):
     prepare_folder(tmp_path)
     monkeypatch.chdir(tmp_path)
