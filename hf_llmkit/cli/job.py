@@ -55,6 +55,7 @@ from hf_llmkit.cli.results import (
     results_table,
     save_results,
 )
+from hf_llmkit.cli.run_folder import settle_output_dir, write_flag_record
 from hf_llmkit.corpus import default_cache_dir
 from hf_llmkit.trainers import LLMKitTrainer
 from hf_llmkit.tuners.ptuning import PTuningTemplate
@@ -411,11 +412,13 @@ def run_job(job: Job, steps: DataSteps, argv: list[str] | None = None) -> dict[s
     configure_console(main_process=args.training.should_log)
     set_seed(args.training.seed)
     with usage_errors(OSError):  # everything the input decides is checked before training starts
+        settle_output_dir(args, job.prog)  # a default folder of this run's own; an explicit one of another run: no
         check_folders(args)
         data = steps.read(args)
         # one run per output folder: a second run into it stops here, before any work (held until the job ends)
         lock = hold_output_dir(args.training.output_dir, main=args.training.process_index == 0)
         try:
+            write_flag_record(args, job.prog)
             built = build_model(args, load_tokenizer(args.model))
             train, evaluation = steps.prepare(args, built, data)
         except BaseException:

@@ -157,7 +157,11 @@ def test_an_unregistered_fragment_a_missing_results_file_and_a_broken_region_say
 @pytest.mark.parametrize(
     "typed",
     ["12.4x longer", "3,549x less", "took 514 s", "3.2 ms a step", "about 2 min", "in 7:13", "192 MiB", "1.6 GB",
-     "7% faster", "a score of 0.877", "within 25 minutes", "0.57 of full fine-tuning", "agree to 5e-7"],
+     "7% faster", "a score of 0.877", "within 25 minutes", "0.57 of full fine-tuning", "agree to 5e-7",
+     # issue 33: multiples in words, a bound before a percentage, a package name before a ratio, plain integers that
+     # are measurements, numbers in code spans of plain words
+     "3 times faster", "overhead < 0.5%", "DeepSpeed 1.38x", "torch 2.13x", "peft >= 0.21 %", "peak 1126",
+     "perplexity of 128", "1200 tokens/s", "`1.38x` faster", "`< 0.5%`", "`514 s`"],
 )  # fmt: skip
 def test_the_lint_finds_measurement_looking_numbers(tmp_path, typed):
     page = tmp_path / "page.md"
@@ -170,6 +174,7 @@ def test_the_lint_leaves_regions_code_shapes_versions_and_allowed_phrases_alone(
     page = tmp_path / "page.md"
     page.write_text(
         "Run `--budget-mib 4096` (a flag) with transformers 5.23, peft 0.21.2 and Python 3.11 on 1024x1024 layers,\n"
+        "`MoELayer` (with `capacity_factor=1.0`), `torch==2.13.0`, `python x.py --steps 300`, `dkm_bits 3`,\n"
         "| Python | >= 3.11 | transformers >= 5.23.0, < 5.24 |, dp 2 x sp 2, "
         "batch 8 x 128 tokens, a 5% tolerance, 300 steps.\n\n"
         "```\nmake quickstart   # ~2 min\n```\n\n<!-- a comment: 12.4x -->\n" + region("x", "12.4x and 514 s\n")

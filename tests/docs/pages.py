@@ -14,6 +14,10 @@ lines joined); Python from ```python blocks. Each command gets a kind that says 
 - `run_pt`: `bash examples/run_pt.sh`;
 - `make`: other `make` lines, checked with `make -n -B` (`make test` is the command running this suite);
 - `shell`: anything else, run by bash in the page's folder.
+
+A command for a CUDA device (`--device cuda`, or any command of a block fenced as ```` ```bash gpu ````) is `gpu`:
+it runs in a test marked `gpu`, not in the CPU run of the pages. Commands written inline in prose (a code span that
+starts with a command) are listed by `inline_commands`; tests/docs/inline.py says how each is covered.
 """
 
 from __future__ import annotations
@@ -29,18 +33,46 @@ DOCS = REPO / "docs"
 MACHINE_PLACEHOLDER = "MACHINE0"
 
 
+GPU_LINE = re.compile(r"--device[ =]cuda\b")
+# The start of a command in a code span of prose: a tool, then at least one argument.
+INLINE = re.compile(
+    r"`((?:[A-Z_][A-Z0-9_]*=\S+\s+)*(?:(?:python3?|bash|sh|make|torchrun|deepspeed|pip|pytest|\.venv/bin/\w+)\s[^`]+"
+    r"|accelerate (?:launch|config|env)\b[^`]*))`"
+)
+# Blocks, generated result regions (their provenance lines name the commands that measured them), comments.
+HIDDEN_IN_PROSE = re.compile(r"^```.*?^```|^<!-- results:.*?^<!-- end results -->|<!--.*?-->", re.S | re.M)
+
+
 def pages() -> list[Path]:
-    """README.md and every page under docs/, in a fixed order."""
-    return [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+    """README.md, every page under docs/, CONTRIBUTING.md and benchmarks/README.md: the order a reader follows."""
+    return [REPO / "README.md", *sorted(DOCS.glob("*.md")), REPO / "CONTRIBUTING.md", REPO / "benchmarks/README.md"]
 
 
 def page_id(page: Path) -> str:
     return page.relative_to(REPO).as_posix()
 
 
+def fenced(page: Path) -> list[tuple[str, str, str]]:
+    """(language, the rest of the fence's info string, body) of every fenced block of `page`, in order."""
+    found = re.findall(r"^```([\w+-]*)[ \t]*([^\n]*)\n(.*?)^```", page.read_text(encoding="utf-8"), flags=re.S | re.M)
+    return [(language, info.strip(), body) for language, info, body in found]
+
+
 def blocks(page: Path, language: str) -> list[str]:
     """The fenced code blocks of `page` in one language, in order."""
-    return re.findall(rf"^```{language}\n(.*?)^```", page.read_text(encoding="utf-8"), flags=re.S | re.M)
+    return [body for lang, _, body in fenced(page) if lang == language]
+
+
+def inline_commands(page: Path) -> list[str]:
+    """Commands written in code spans of the prose (blocks, comments and generated result regions left out) and
+    in blocks fenced without a language, whitespace normalised (a span may wrap over two lines)."""
+    text = HIDDEN_IN_PROSE.sub("", page.read_text(encoding="utf-8"))
+    found = [" ".join(span.split()) for span in INLINE.findall(text)]
+    for language, _, body in fenced(page):  # a block fenced without a language is prose to the docs test
+        if not language:
+            lines = [line.split(" #")[0].strip() for line in body.replace("\\\n", " ").splitlines()]
+            found += [" ".join(line.split()) for line in lines if INLINE.fullmatch(f"`{line}`")]
+    return found
 
 
 @dataclass
@@ -50,16 +82,22 @@ class Command:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)  # leading VAR=value assignments
     block: int = 0  # index of the bash block it came from
+    gpu: bool = False  # needs a CUDA device: run by a test marked gpu
+    page: str = ""
 
 
 def commands(page: Path) -> list[Command]:
     """Every command of every bash block of `page`, in order."""
     found = []
-    for index, block in enumerate(blocks(page, "bash")):
+    bash = [(info, body) for language, info, body in fenced(page) if language == "bash"]
+    for index, (info, block) in enumerate(bash):
         for line in block.replace("\\\n", " ").splitlines():
             line = "" if line.lstrip().startswith("#") else line.split(" #")[0].strip()
             if line:
-                found.append(classify(line, block=index))
+                command = classify(line, block=index)
+                command.gpu = "gpu" in info.split() or bool(GPU_LINE.search(line))
+                command.page = page_id(page)
+                found.append(command)
     return found
 
 

@@ -1,29 +1,47 @@
-"""README.md and every page of docs/ run as written (issue 18 section 2).
+"""README.md, every page of docs/, CONTRIBUTING.md and benchmarks/README.md run as written (issues 18 and 33).
 
-Each page's shell commands run in order in one scratch folder of their own (`runner.PageRun`: steps capped by
-appended flags, multi-rank and multi-machine commands included, a command for several machines filled in with this
-machine's address); each Python block runs in a fresh folder and asserts what its text says.
+Every shell command of every page runs in reading order in ONE scratch folder (`runner.PageRun`: step counts and
+model sizes shortened, everything else as typed, output folders included), so two documented commands that collide
+show up; multi-rank and multi-machine commands included, a command for several machines filled in with this
+machine's address. Commands for a CUDA device are tests marked gpu. Each Python block runs in a fresh folder and
+asserts what its text says. Each command written inline in prose is covered as tests/docs/inline.py says.
 """
 
 from __future__ import annotations
 
+import shlex
+import subprocess
+
 import pytest
 
-from tests.docs.pages import blocks, commands, page_id, pages
+from tests.conftest import REPO
+from tests.docs.inline import JOB, UNTESTED, all_inline, block_lines, coverage
+from tests.docs.pages import blocks, commands, fenced, page_id, pages
 from tests.docs.runner import PageRun, prepare_folder
 
-PAGES_WITH_COMMANDS = [page for page in pages() if commands(page)]
+ALL_COMMANDS = [command for page in pages() for command in commands(page)]
+GPU_COMMANDS = [command for command in ALL_COMMANDS if command.gpu]
 PYTHON_BLOCKS = [(page, i) for page in pages() for i in range(len(blocks(page, "python")))]
 
 
-@pytest.mark.parametrize("page", PAGES_WITH_COMMANDS, ids=page_id)
-def test_page_commands_run_in_order(page, run_clm, tmp_path, capsys, monkeypatch):
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # every page's commands: minutes alone on 2 cores, half an hour on a loaded machine
+def test_every_page_runs_in_reading_order_in_one_folder(run_clm, tmp_path, capsys, monkeypatch):
     prepare_folder(tmp_path)
     monkeypatch.chdir(tmp_path)
-    outcome = PageRun(tmp_path, run_clm, capsys).run(commands(page))
-    stopped = {line: what for line, what in outcome.items() if what.startswith("stopped") and "cuda" not in what}
-    assert not stopped, stopped  # every command works as typed (each trains in its own folder)
-    assert len(outcome) == len({c.line for c in commands(page)}), outcome
+    outcome = PageRun(tmp_path, run_clm, capsys).run(ALL_COMMANDS)
+    stopped = {line: what for line, what in outcome.items() if what.startswith("stopped")}
+    assert not stopped, stopped  # every command works as typed, each in a folder of its own
+    assert len(outcome) == len({c.line for c in ALL_COMMANDS}), outcome
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("command", GPU_COMMANDS, ids=[f"{c.page}:{c.line}" for c in GPU_COMMANDS])
+def test_gpu_command_runs_as_typed(command, run_clm, tmp_path, capsys, monkeypatch):
+    prepare_folder(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    outcome = PageRun(tmp_path, run_clm, capsys).run_gpu(command)
+    assert not outcome.startswith("stopped"), outcome
 
 
 @pytest.mark.parametrize(("page", "index"), PYTHON_BLOCKS, ids=[f"{page_id(p)}-{i + 1}" for p, i in PYTHON_BLOCKS])
@@ -35,6 +53,36 @@ def test_python_block_runs_as_written(page, index, tmp_path, monkeypatch):
 
 
 def test_every_command_kind_is_recognised():
-    kinds = {c.line: c.kind for page in pages() for c in commands(page)}
+    kinds = {c.line: c.kind for c in ALL_COMMANDS}
     assert kinds["make quickstart"] == "run_clm" and kinds["bash examples/run_pt.sh"] == "run_pt"
     assert {"run_clm", "launcher", "machines", "run_pt", "shell", "make", "bench"} <= set(kinds.values()), kinds
+    assert GPU_COMMANDS and all("--device cuda" in c.line or c.kind != "bench" for c in GPU_COMMANDS)
+
+
+def test_shell_blocks_are_fenced_as_bash():
+    """A block fenced as sh / shell / console would never run: the pages' commands are ```bash blocks."""
+    shells = {"sh", "shell", "console", "zsh"}
+    odd = [(page_id(p), lang) for p in pages() for lang, _, _ in fenced(p) if lang in shells]
+    assert not odd, f"fence these blocks as bash so that the docs test runs them: {odd}"
+
+
+@pytest.mark.parametrize(("page", "command"), all_inline(), ids=[f"{p}:{c[:60]}" for p, c in all_inline()])
+def test_each_inline_command_is_a_block_or_untested_on_purpose(page, command):
+    how = coverage(command, block_lines())
+    assert how, f"{page}: `{command}` is written inline: make it a ```bash block, or list it in UNTESTED with why"
+    if how == "make":  # checked as the blocks' make lines are
+        argv = ["make", "-n", "-B", *shlex.split(command)[1:]]
+        proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
+        assert proc.returncode == 0, (command, proc.stderr)
+    elif how == "parsed":  # a main job's flags parse as typed
+        from hf_llmkit.cli.job import parse_args
+        from tests.conftest import load_example
+
+        job, flags = JOB.fullmatch(command).groups()
+        parse_args(load_example(job).JOB, shlex.split(flags or ""))
+
+
+def test_every_untested_pattern_says_why_and_is_still_used():
+    used = {coverage(command, block_lines()) for _, command in all_inline()}
+    for pattern, why in UNTESTED.items():
+        assert len(why) > 20 and f"untested: {why}" in used, f"{pattern!r}: unused, or no reason: remove or explain"

@@ -42,7 +42,7 @@ REFUSED = {
     "gradient_accumulation_steps": (dict(gradient_accumulation_steps=2), "gradient_accumulation_steps: 1 -> 2"),
     "optimizer": (dict(optim="sgd"), "optim: adamw_torch_fused -> sgd"),
     "weight_decay": (dict(weight_decay=0.1), "weight_decay: 0.0 -> 0.1"),
-    "block_size": (dict(data=lambda: Blocks(length=12)), "data.digest: "),
+    "block_size": (dict(data=lambda: Blocks(length=12)), "the training samples ("),
     "quantization": (dict(model=lambda: quantize_model(small_model(), DKMConfig(bits=3))), "quantization: none -> "),
 }
 
