@@ -19,7 +19,7 @@ LOWEST_OF := transformers peft accelerate datasets safetensors optimum tokenizer
 # (the library is tested with datasets 4.0, its lowest declared version).
 LOWEST_EXTRAS ?= dev,deepspeed,bnb,bench
 
-.PHONY: install quickstart test test-fast test-lowest test-gpu bench lint format clean
+.PHONY: install quickstart test test-fast test-lowest test-gpu gpu-check gpu-wheels bench lint format clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,11 +55,21 @@ test-lowest:
 test-gpu: install  # the tests marked gpu, on a CUDA machine
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
+# The GPU check (docs/gpu.md): on a CUDA machine, with that machine's own python and torch (no venv, no network;
+# the wheels it lacks travel in .whl/, made by `make gpu-wheels` where pip works). At most 8 minutes.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+gpu-wheels: install
+	PYTHON=$(PY) bash benchmarks/gpu_wheels.sh .whl
+
 bench: install  # every benchmark script (those with a __main__ block); `make bench BENCH_ARGS=--quick`: smoke tests
 	@set -e; for script in $$(grep -l '^if __name__ == "__main__":' benchmarks/[!_]*.py); do \
-		case $$script in */adapterhub_peer.py|*/ci_time.py|*/report.py) continue;; esac; \
+		case $$script in */adapterhub_peer.py|*/ci_time.py|*/report.py|*/gpu_check.py) continue;; esac; \
 		echo "== $$script"; $(PY) $$script $(BENCH_ARGS); \
-	done  # _*.py, dkm_* sections: modules; adapterhub_peer.py: run by peft_methods.py; ci_time.py, report.py: see benchmarks/README.md
+	done  # _*.py, dkm_* sections: modules; adapterhub_peer.py: run by peft_methods.py; ci_time.py, report.py,
+	# gpu_check.py: see benchmarks/README.md
 
 lint: install
 	$(PY) -m ruff check .
