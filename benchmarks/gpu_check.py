@@ -8,7 +8,7 @@ CUDA tables; each part within its own time budget, so that a slow part cannot st
     python benchmarks/gpu_check.py --device cpu      # the plumbing mode (CI): tiny sizes, results to a temp folder
 
 Parts, in order (`PARTS`; `--only NAME...` picks some): `install` (when `.whl/` holds wheels: `pip install
---no-index --no-deps --target DIR/site .whl/*.whl`, put first on every later part's PYTHONPATH; then this package
+--no-index --no-deps --target TMP .whl/*.whl`, put first on every later part's PYTHONPATH; then this package
 with `pip install --no-deps --no-build-isolation -e .` unless it imports already), `env` (versions and the GPU),
 `tests` (`pytest -m gpu tests/gpu`), `moe`, `dkm`, `sequence_parallel`, `peft_methods`, `quickstart` (each
 benchmark with `--device cuda`, writing `benchmarks/results/<name>.cuda.json` beside the CPU files), then `report`
@@ -65,22 +65,22 @@ BENCH = "benchmarks/{}.py"
 # activation memory (the ratios to plain are what matter; a larger budget costs minutes of probes). The plumbing mode
 # passes the same flags and overrides the sizes, so a flag a script does not take fails in CI, not on the GPU.
 PARTS = (
-    Part("install", 60),
+    Part("install", 45),
     Part("env", 15),
-    Part("tests", 90, ("-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider", "--timeout", "60")),
-    Part("moe", 60,
+    Part("tests", 80, ("-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider", "--timeout", "60")),
+    Part("moe", 55,
          ("--dtype", "bf16", "--hidden", "2048", "--inter", "4096", "--experts", "8,64", "--fixed-tokens", "4096",
           "--tokens", "16384", "--threads", "1", "--rounds", "5", "--train-steps", "0"),
          ("--hidden", "64", "--inter", "128", "--experts", "8,16", "--fixed-tokens", "128", "--tokens", "256",
           "--rounds", "1", "--warmup", "0")),
-    Part("dkm", 60, ("--only", "speed", "memory", "--peer-full"), ("--quick", "--only", "speed")),
-    Part("sequence_parallel", 90,
+    Part("dkm", 50, ("--only", "speed", "memory", "--peer-full"), ("--quick", "--only", "speed")),
+    Part("sequence_parallel", 105,
          ("--sp", "1", "--model", "1b", "--dtype", "bf16", "--budget-mib", "2048", "--probe", "512",
           "--time-seq", "4096", "--rounds", "3"),
          ("--model", "tiny", "--budget-mib", "4", "--probe", "64", "--time-seq", "128", "--rounds", "1")),
-    Part("peft_methods", 50, ("--workloads", "llama", "--batch", "8", "--seq", "512", "--rounds", "6"), ("--quick",)),
-    Part("quickstart", 65, ("--rounds", "1"), ("--quick",)),
-    Part("report", 20),
+    Part("peft_methods", 45, ("--workloads", "llama", "--batch", "8", "--seq", "512", "--rounds", "6"), ("--quick",)),
+    Part("quickstart", 70, ("--rounds", "1"), ("--quick",)),
+    Part("report", 15),
 )  # fmt: skip
 BENCHMARKS = ("moe", "dkm", "sequence_parallel", "peft_methods", "quickstart")
 CPU_BUDGET_S = 600.0
@@ -99,7 +99,7 @@ def part_command(part: Part, device: str, site: Path) -> list[str] | None:
             "print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', "
             "torch.cuda.get_device_name() if torch.cuda.is_available() else None)\n"
             "for n in ('transformers','peft','accelerate','datasets','deepspeed','coremltools','trl','optimum',"
-            "'triton','hf-llmkit'):\n"
+            "'triton','pyarrow','huggingface-hub','setuptools','hf-llmkit'):\n"
             "    try: print(n, m.version(n))\n"
             "    except m.PackageNotFoundError: print(n, 'not installed')\n"
             "import hf_llmkit; print('hf_llmkit from', hf_llmkit.__file__)"
@@ -189,8 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         pick_device("cuda")  # results as `<name>.cuda.json`
     out = args.out if args.out.is_absolute() else REPO / args.out
     out.mkdir(parents=True, exist_ok=True)
-    site = out / "site"
+    site = Path(tempfile.mkdtemp(prefix="gpu_check_site_"))  # the carried wheels' packages: not under --out
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # a GPU machine may have no network: never wait for one
+        env.setdefault(name, "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if (REPO / ".whl").is_dir():
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     results = HERE / "results"
@@ -222,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu_check] {part.name}: {row['status']} in {row['seconds']:.0f} s (budget {row['budget_s']:.0f} s)",
               flush=True)  # fmt: skip
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if row["status"] not in ("ok", "skipped", "not run"):  # the end of its log, where a failure says why
+            tail = (out / f"{part.name}.log").read_text(errors="replace").splitlines()[-15:]
+            print("\n".join(f"    {line[:300]}" for line in tail), flush=True)
     if not recorded:
         record(summary, start, results)
     summary["seconds"] = round(time.monotonic() - start, 1)
