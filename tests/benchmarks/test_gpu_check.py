@@ -23,6 +23,7 @@ from _fragments import CUDA_VARIANTS, FRAGMENTS  # noqa: E402
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # every part in a row: about 4 minutes on 2 idle cores, 11 on 2 cores loaded 5x
 def test_plumbing_mode_runs_every_part_and_renders_every_cuda_table(tmp_path):
     results, out = tmp_path / "results", tmp_path / "out"
     committed = sorted(p.name for p in (BENCHMARKS / "results").iterdir())
