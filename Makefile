@@ -2,7 +2,9 @@
 # Reuse an environment that already has torch with `make test VENV=/path/to/env`.
 PYTHON ?= python3
 VENV ?= .venv
-TORCH_SPEC ?= torch==2.13.0
+# The newest torch pip resolves (what a user gets; on Linux a CUDA build, about 2.9 GB with its CUDA libraries);
+# `make test-lowest` installs the lowest pyproject.toml declares (torch 2.11, what GPU images ship).
+TORCH_SPEC ?= torch
 EXTRAS ?= dev,deepspeed,bnb,bench,trl
 PYTEST_ARGS ?=
 # Two pytest workers, each test file whole on one of them (module fixtures launch a file's cells together); every
