@@ -2,7 +2,9 @@
 # Reuse an environment that already has torch with `make test VENV=/path/to/env`.
 PYTHON ?= python3
 VENV ?= .venv
-TORCH_SPEC ?= torch==2.13.0
+# The newest torch pip resolves (what a user gets; on Linux a CUDA build, about 2.9 GB with its CUDA libraries);
+# `make test-lowest` installs the lowest pyproject.toml declares (torch 2.11, what GPU images ship).
+TORCH_SPEC ?= torch
 EXTRAS ?= dev,deepspeed,bnb,bench,trl
 PYTEST_ARGS ?=
 # Two pytest workers, each test file whole on one of them (module fixtures launch a file's cells together); every
@@ -19,7 +21,7 @@ LOWEST_OF := transformers peft accelerate datasets safetensors optimum tokenizer
 # (the library is tested with datasets 4.0, its lowest declared version).
 LOWEST_EXTRAS ?= dev,deepspeed,bnb,bench
 
-.PHONY: install quickstart test test-fast test-lowest test-gpu bench lint format clean
+.PHONY: install quickstart test test-fast test-lowest test-gpu gpu-check gpu-wheels bench lint format clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,11 +57,21 @@ test-lowest:
 test-gpu: install  # the tests marked gpu, on a CUDA machine
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
+# The GPU check (docs/gpu.md): on a CUDA machine, with that machine's own python and torch (no venv, no network;
+# the wheels it lacks travel in .whl/, made by `make gpu-wheels` where pip works). At most 8 minutes.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+gpu-wheels: install
+	PYTHON=$(PY) bash benchmarks/gpu_wheels.sh .whl
+
 bench: install  # every benchmark script (those with a __main__ block); `make bench BENCH_ARGS=--quick`: smoke tests
 	@set -e; for script in $$(grep -l '^if __name__ == "__main__":' benchmarks/[!_]*.py); do \
-		case $$script in */adapterhub_peer.py|*/ci_time.py|*/report.py) continue;; esac; \
+		case $$script in */adapterhub_peer.py|*/ci_time.py|*/report.py|*/gpu_check.py) continue;; esac; \
 		echo "== $$script"; $(PY) $$script $(BENCH_ARGS); \
-	done  # _*.py, dkm_* sections: modules; adapterhub_peer.py: run by peft_methods.py; ci_time.py, report.py: see benchmarks/README.md
+	done  # _*.py, dkm_* sections: modules; adapterhub_peer.py: run by peft_methods.py; ci_time.py, report.py,
+	# gpu_check.py: see benchmarks/README.md
 
 lint: install
 	$(PY) -m ruff check .

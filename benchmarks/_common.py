@@ -71,7 +71,19 @@ def pick_device(name: str) -> torch.device:
     if name not in ("cpu", "cuda"):
         print(f"error: --device must be cpu or cuda, got {name!r}", file=sys.stderr)
         raise SystemExit(2)
+    _PICKED["device"] = name
     return torch.device(name)
+
+
+_PICKED: dict[str, str] = {}  # the device this process's benchmark picked (`pick_device`)
+
+
+def results_name(name: str) -> str:
+    """The results file stem for `name`: `<name>.cuda` when this run picked `--device cuda` (or
+    `$HF_LLMKIT_BENCH_TAG` names a tag: the GPU check's CPU plumbing mode), so GPU results sit beside the CPU ones
+    (`<name>.json`) instead of over them."""
+    tag = os.environ.get("HF_LLMKIT_BENCH_TAG") or ("cuda" if _PICKED.get("device") == "cuda" else "")
+    return f"{name}.{tag}" if tag else name
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -315,9 +327,10 @@ def markdown_table(rows: list[list[str]]) -> str:
 
 
 def write_results(name: str, data: dict[str, Any], *, path: str | Path | None = None) -> Path:
-    """`benchmarks/results/<name>.json` (committed; `$HF_LLMKIT_BENCH_RESULTS` moves the folder, `path` the file),
-    with `recorded`: the date, command, machine and the load over the whole run (`run_record`)."""
-    path = Path(path) if path is not None else RESULTS / f"{name}.json"
+    """`benchmarks/results/<name>.json` (`<name>.cuda.json` on CUDA: `results_name`; committed;
+    `$HF_LLMKIT_BENCH_RESULTS` moves the folder, `path` the file), with `recorded`: the date, command, machine and
+    the load over the whole run (`run_record`)."""
+    path = Path(path) if path is not None else RESULTS / f"{results_name(name)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**data, "recorded": run_record()}, indent=2, default=str) + "\n")
     return path
@@ -334,7 +347,8 @@ def plot_lines(
     logy: bool = False,
     hline: float | None = None,
 ) -> Path | None:
-    """`benchmarks/results/<name>.png`: one line per series ({label: (xs, ys)}); None when matplotlib is missing."""
+    """`benchmarks/results/<name>.png` (`<name>.cuda.png` on CUDA): one line per series ({label: (xs, ys)}); None
+    when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -358,7 +372,7 @@ def plot_lines(
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = RESULTS / f"{name}.png"
+    path = RESULTS / f"{results_name(name)}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -207,7 +207,11 @@ def moe_layers(results: dict) -> str:
              f"{summary[TRAFFIC]['ratio_min']:.2f} / {summary[TRAFFIC]['ratio_median']:.2f}",
              ratio(r["ours_vs_even"]), ratio(dropless[best]), best_name, ratio(capacity) if capacity else "-"]
         )  # fmt: skip
-    head = "One forward + backward, H 256, I 1,024, top-2, fp32; ratios are min / median of per-round ratios.\n\n"
+    config = data["config"]
+    head = (
+        f"One forward + backward, H {config.get('hidden', 256):,}, I {config.get('inter', 1024):,}, top-2, "
+        f"{config.get('dtype', 'fp32')}; ratios are min / median of per-round ratios.\n\n"
+    )
     return head + markdown_table(rows) + "\n\n" + measured(data, "torch threads as in the table")
 
 
@@ -491,3 +495,32 @@ def dkm_quality(results: dict) -> str:
             rows.append([label, f"{s['min_s']:.3f}", f"{s['median_s']:.3f}", ratio])
         text += "\n\n" + markdown_table(rows)
     return text + "\n\n" + measured(data)
+
+
+# -- CUDA: the same tables from the GPU check's results (benchmarks/gpu_check.py), rendered in docs/gpu.md -----------
+
+CUDA_VARIANTS = ("moe_layers", "moe_summary", "dkm_speed", "sp_memory", "sp_time", "peft_llama", "quickstart")
+
+
+def _on_cuda(name: str) -> None:
+    """Registers `<name>.cuda`: fragment `name` rendered from the `.cuda` results files (`<file>.cuda.json`)."""
+    files, render = FRAGMENTS[name].files, FRAGMENTS[name].render
+    fragment(f"{name}.cuda", *(f"{file}.cuda" for file in files))(
+        lambda results: render({file: results[f"{file}.cuda"] for file in files})
+    )
+
+
+for _name in CUDA_VARIANTS:
+    _on_cuda(_name)
+
+
+@fragment("gpu_check.cuda", "gpu_check.cuda")
+def gpu_check(results: dict) -> str:
+    """benchmarks/gpu_check.py: each part's status, seconds and budget in the last GPU check."""
+    data = results["gpu_check.cuda"]
+    rows = [["part", "status", "seconds", "budget s", "command"]]
+    for name, row in data["parts"].items():
+        command = f"`{row['command']}`" if row.get("command") else row.get("why", "")
+        rows.append([name, row["status"], f"{row['seconds']:.0f}", f"{row['budget_s']:.0f}", command])
+    head = f"The parts before the report, {data['seconds']:.0f} s of the check's {data['total_s']:.0f}:\n\n"
+    return head + markdown_table(rows) + "\n\n" + measured(data)

@@ -1,6 +1,7 @@
 """Mixture of experts: hf_llmkit's `MoELayer` vs transformers' Mixtral sparse block vs DeepSpeed's `MoE`.
 
-Part 1, layer speed. One forward + backward of each system at H 256, I 1,024, top-2, fp32, relative to the floor:
+Part 1, layer speed. One forward + backward of each system at H 256, I 1,024, top-2, fp32 (`--hidden`, `--inter`,
+`--dtype`), relative to the floor:
 a dense SwiGLU MLP of the same width applied twice (top-2 routing does two MLPs' work per token). Systems, all
 loaded with the same weights: `MoELayer` dropless (and with capacity factor 1.0, for reference); transformers'
 `MixtralSparseMoeBlock` with each experts implementation that runs on CPU (eager, grouped_mm, and batched_mm when
@@ -42,6 +43,7 @@ from hf_llmkit.parallel.moe.grad_buffers import GradientBuffer
 from hf_llmkit.testing import corpus_texts, corpus_tokenizer, distributed_backend, free_port, tiny_llama_config
 
 FLOOR, OURS = "dense MLP x2 (floor)", "hf_llmkit MoELayer dropless"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EVEN = "E dense MLPs, even rows (no routing)"
 TRAFFIC = "E experts' weight traffic only"
 
@@ -149,7 +151,7 @@ def deepspeed_moe(shape: dict, *, drop_tokens: bool, state: dict) -> nn.Module:
 
 def batched_mm_gib(shape: dict) -> float:
     """Mixtral batched_mm copies both expert matrices per routed token, kept for backward and again as gradients."""
-    per_row = 3 * shape["inter"] * shape["hidden"] * 4
+    per_row = 3 * shape["inter"] * shape["hidden"] * DTYPES[shape.get("dtype", "fp32")].itemsize
     return 2 * shape["tokens"] * 2 * per_row / 2**30
 
 
@@ -193,7 +195,7 @@ def check_outputs(systems: dict[str, nn.Module], x: torch.Tensor) -> dict[str, d
     """Largest difference of each MoE system's output and input gradient from Mixtral eager's."""
     ref_name = "Mixtral block eager"
     results = {}
-    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(x.device)
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(x)
     outs = {}
     for name in (ref_name, OURS, "DeepSpeed MoE dropless"):
         if name in systems:
@@ -220,9 +222,12 @@ def ratio_stats(numerator: list[float], denominator: list[float]) -> dict[str, f
 def bench_config(shape: dict, threads: int, args) -> dict:
     torch.set_num_threads(threads)
     device, sync = pick_device(args.device), synchronizer(args.device)
-    systems = build_systems(shape, batched_mm_budget=args.batched_mm_gib, deepspeed=not args.no_deepspeed)
-    systems = {name: module.to(device) for name, module in systems.items()}
-    x = torch.randn(1, shape["tokens"], shape["hidden"], generator=torch.Generator().manual_seed(1)).to(device)
+    dtype = DTYPES[args.dtype]
+    with device:  # the weights are made where they run (64 experts at GPU sizes: no minutes of CPU init)
+        systems = build_systems(shape, batched_mm_budget=args.batched_mm_gib, deepspeed=not args.no_deepspeed)
+    systems = {name: module.to(device=device, dtype=dtype) for name, module in systems.items()}
+    x = torch.randn(1, shape["tokens"], shape["hidden"], generator=torch.Generator().manual_seed(1))
+    x = x.to(device=device, dtype=dtype)
     diffs = check_outputs(systems, x)
     steps = {name: step(name, module, x) for name, module in systems.items()}
     once = {name: _time_once(fn, sync) for name, fn in steps.items()}  # also a warm-up
@@ -354,6 +359,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--experts", default="8,16,64", help="expert sweep (at 2,048 tokens)")
     parser.add_argument("--tokens", default="512,2048,8192", help="token sweep (at 8 experts)")
+    parser.add_argument("--fixed-tokens", type=int, default=2048, help="tokens of the expert sweep")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--inter", type=int, default=1024, help="each expert's (and the floor's) intermediate size")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and activations")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--batched-mm-gib", type=float, default=4.0, help="memory allowed for Mixtral batched_mm")
@@ -366,24 +375,26 @@ def parse_args() -> argparse.Namespace:
     pick_device(args.device)  # exit code 2 now, not after minutes of work, when CUDA is asked for and absent
     if args.quick:
         args.threads, args.experts, args.tokens, args.rounds, args.train_steps = "1", "8", "512", 2, 0
+        args.fixed_tokens = 512
     return args
 
 
 def main() -> None:
     args = parse_args()
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
-    fixed = 512 if args.quick else 2048  # the expert sweep's token count
+    fixed = args.fixed_tokens  # the expert sweep's token count
     configs = [(e, fixed) for e in ints(args.experts)] + [(8, t) for t in ints(args.tokens) if (8, t) != (8, fixed)]
     results = []
     for threads in ints(args.threads):
         for experts, tokens in configs:
-            shape = {"hidden": 256, "inter": 1024, "experts": experts, "tokens": tokens}
+            shape = {"hidden": args.hidden, "inter": args.inter, "experts": experts, "tokens": tokens}
+            shape["dtype"] = args.dtype
             results.append(bench_config(shape, threads, args))
     write_results("moe", {"config": vars(args), "layers": results, "upcycled_training": []})  # kept if the rest fails
     print("\n### MoELayer dropless: ratios (min / median of per-round ratios)\n")
     print(summary_table(results))
     for threads in ints(args.threads):
-        plot_sweep(results, "experts", {"tokens": 2048}, threads)
+        plot_sweep(results, "experts", {"tokens": fixed}, threads)
         plot_sweep(results, "tokens", {"experts": 8}, threads)
     training = []
     if args.train_steps:

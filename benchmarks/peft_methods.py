@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 from _common import (  # sibling modules
-    RESULTS,
     Bench,
     add_device_argument,
     load_note,
@@ -194,7 +193,9 @@ def main() -> None:
         help="python of a venv with adapters + transformers 4.57 ($HF_LLMKIT_ADAPTERS_PYTHON)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: robust on a shared machine)")
-    parser.add_argument("--out", default=str(RESULTS / "peft_methods.json"))
+    parser.add_argument("--workloads", nargs="+", choices=["llama", "bert"], default=["llama", "bert"],
+                        help="llama alone: no MiniLM weights needed, and no quality run (it is MiniLM's)")  # fmt: skip
+    parser.add_argument("--out", default=None, help="(default: results/peft_methods.json, .cuda.json on CUDA)")
     parser.add_argument(
         "--quick", action="store_true", help="batch 2 x 32 tokens, 2 rounds, 1 quality step on 8 held-out blocks"
     )
@@ -208,11 +209,16 @@ def main() -> None:
 
     started = time.perf_counter()
     texts = corpus_texts()
-    tokenizers = {"llama": corpus_tokenizer(), "bert": AutoTokenizer.from_pretrained(minilm_path())}
+    if "bert" not in args.workloads:
+        args.quality_steps = 0
+    tokenizers = {"llama": corpus_tokenizer()}
+    if "bert" in args.workloads:
+        tokenizers["bert"] = AutoTokenizer.from_pretrained(minilm_path())
     workloads = {
         "llama": "Llama-shaped causal LM (H=256, 4 layers, random init)",
         "bert": "all-MiniLM-L6-v2 masked LM (real weights)",
     }
+    workloads = {kind: title for kind, title in workloads.items() if kind in args.workloads}
     peer_spec = {
         "llama": {
             "kind": "llama",
@@ -221,8 +227,11 @@ def main() -> None:
             "batch": args.batch,
             "seq": args.seq,
         },
-        "bert": {"kind": "bert", "path": str(minilm_path()), "vocab": 30522, "batch": args.batch, "seq": args.seq},
     }
+    if "bert" in workloads:
+        peer_spec["bert"] = {"kind": "bert", "path": str(minilm_path()), "vocab": 30522, "batch": args.batch,
+                             "seq": args.seq}  # fmt: skip
+    peer_spec = {kind: spec for kind, spec in peer_spec.items() if kind in workloads}
     for spec in peer_spec.values():
         spec.get("config", {}).pop("transformers_version", None)
     print(f"AdapterHub peer: running {args.adapters_python or '(none)'} ...", flush=True)

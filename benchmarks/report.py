@@ -18,6 +18,7 @@ numbers is prose; a phrase that is not a measurement, such as a target or a tole
     python benchmarks/report.py --write    # rewrite every region from the results files
     python benchmarks/report.py --check    # exit 1 naming every stale region and every number typed by hand
     python benchmarks/report.py --list     # fragment -> results files, and where each is used
+    python benchmarks/report.py --render moe_layers.cuda --results DIR   # print fragments rendered from DIR
 """
 
 from __future__ import annotations
@@ -194,7 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--write", action="store_true", help="rewrite every region from the results files")
     mode.add_argument("--check", action="store_true", help="exit 1 naming every region that differs")
     mode.add_argument("--list", action="store_true", help="fragments, their results files and where they are used")
+    mode.add_argument("--render", nargs="+", metavar="FRAGMENT", help="print these fragments (exit 1: not measured)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the results folder --render reads")
     args = parser.parse_args(argv)
+    if args.render:
+        bodies = {name: render(name, args.results) for name in args.render}
+        for name, body in bodies.items():
+            print(f"## {name}\n{body}")
+        missing = [name for name, body in bodies.items() if "_Not measured yet" in body]
+        if missing:
+            print(f"not measured in {args.results}: {', '.join(missing)}", file=sys.stderr)
+        return 1 if missing else 0
     if args.list:
         used = {name: [] for name in FRAGMENTS}
         for page in documents():

@@ -93,6 +93,14 @@ MODEL = dict(
     num_key_value_heads=4,
     max_position_embeddings=1 << 18,
 )
+# `--model 1b`: a Llama-1B-like shape (TinyLlama's: 22 layers there, 16 here; about 1.1B parameters), for one GPU
+MODELS = {
+    "tiny": MODEL,
+    "1b": dict(MODEL, vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=4),
+}  # fmt: skip
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_RUN = {"model": MODEL, "dtype": torch.float32}  # this rank's model shape and dtype, set by bench_rank
 CHUNK = 256  # positions per tiled-loss / tiled-MLP chunk, ours and DeepSpeed's
 OURS = ("plain", "ckpt", "tiled", "alst")
 
@@ -105,9 +113,15 @@ def _device() -> torch.device:
 _DEVICE = {"type": "cpu"}  # set once per rank by bench_rank
 
 
+def _model() -> torch.nn.Module:
+    """The benchmark's Llama on this rank's device in the run's dtype, made there (a 1B model: no CPU init)."""
+    with _device():
+        return tiny_llama(seed=0, **_RUN["model"]).to(_RUN["dtype"]).train()
+
+
 def _batch(seq: int, sp_rank: int, sp_size: int) -> dict:
     g = torch.Generator().manual_seed(seq)
-    ids = torch.randint(3, MODEL["vocab_size"], (1, seq), generator=g)
+    ids = torch.randint(3, _RUN["model"]["vocab_size"], (1, seq), generator=g)
     shard = shard_sequence_batch({"input_ids": ids, "labels": ids.clone()}, sp_rank=sp_rank, sp_size=sp_size)
     return {key: value.to(_device()) for key, value in shard.items()}
 
@@ -120,7 +134,7 @@ def _mean(total: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
 
 def _ours(switches: str, group) -> callable:
     """One of our variants: a step function (fwd + bwd on a shard) returning the loss."""
-    model = tiny_llama(seed=0, **MODEL).to(_device()).train()
+    model = _model()
     if group is not None:
         apply_sequence_parallel(model, group=group)
     if switches in ("ckpt", "alst"):
@@ -151,7 +165,7 @@ def _deepspeed(switches: str, group, world: int) -> callable:
     """DeepSpeed's Ulysses (sp > 1) and, for "alst", its TiledMLP / TiledFusedLogitsLoss + checkpointing."""
     import _deepspeed_alst as peer
 
-    model = tiny_llama(seed=0, **MODEL).to(_device()).train()
+    model = _model()
     if switches == "alst":
         model.activation_checkpointing_enable()
         peer.deepspeed_tiled_mlp(model, chunk_size=CHUNK)
@@ -202,8 +216,8 @@ def _peak(step, seq: int, sp_rank: int, sp_size: int) -> int:
 
 def _longest(step, budget: int, sp_rank: int, sp_size: int, probe: int) -> Longest:
     """The longest multiple of 64 * sp tokens whose peak fits `budget` (`_longest_search`), searched up to the
-    length at which one [tokens per rank, hidden] fp32 activation alone (the embedding output) fills the budget."""
-    cap = sp_size * budget // (MODEL["hidden_size"] * 4)
+    length at which one [tokens per rank, hidden] activation alone (the embedding output) fills the budget."""
+    cap = sp_size * budget // (_RUN["model"]["hidden_size"] * _RUN["dtype"].itemsize)
     peak_of = partial(_peak, step, sp_rank=sp_rank, sp_size=sp_size)
     return longest_within(peak_of, budget, unit=64 * sp_size, start=probe, cap=cap)
 
@@ -212,6 +226,7 @@ def bench_rank(config: dict) -> dict:
     """One rank of a run with world = sp: memory search then interleaved timing of every variant."""
     torch.set_num_threads(config["threads"])
     _DEVICE["type"] = config["device"]
+    _RUN.update(model=MODELS[config.get("model", "tiny")], dtype=DTYPES[config.get("dtype", "fp32")])
     world = dist.get_world_size()
     groups = new_sequence_parallel_groups(sp_size=world) if world > 1 else None
     group, sp_rank = (groups.sp_group, groups.sp_rank) if groups else (None, 0)
@@ -315,6 +330,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny", help="the Llama shape (MODELS)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and activations")
     parser.add_argument("--time-only", action="store_true", help="skip the longest-sequence search")
     parser.add_argument("--quick", action="store_true", help="sp 2, 8 MiB, 256 tokens timed, 2 rounds")
     add_device_argument(parser)
@@ -337,10 +354,13 @@ def main() -> None:
         "peer": not args.no_peer,
         "memory": not args.time_only,
         "device": device.type,
+        "model": args.model,
+        "dtype": args.dtype,
     }
     bench = importlib.import_module("sequence_parallel")  # launch() imports the rank function by module name
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
-    results = {"config": {**config, "model": MODEL, "chunk": CHUNK}, "machine": machine_state(), "runs": {}}
+    shape = {"model": MODELS[args.model], "model_name": args.model, "chunk": CHUNK}
+    results = {"config": {**config, **shape}, "machine": machine_state(), "runs": {}}
     for sp in args.sp:
         results["runs"][str(sp)] = launch(bench.bench_rank, config, nprocs=sp, timeout=3600, env=env)[0]
     report(results)
@@ -359,7 +379,7 @@ def main() -> None:
             series[name] = points
     png = plot_lines(
         "sequence_parallel", series, xlabel="sequence-parallel ranks (sp)", ylabel="longest sequence (tokens)",
-        title=f"Longest trainable sequence within {args.budget_mib:g} MiB per rank ({device.type}, tiny Llama)",
+        title=f"Longest trainable sequence in {args.budget_mib:g} MiB per rank ({device.type}, {args.model} Llama)",
         logx=True,
     )  # fmt: skip
     print(f"\nwrote {write_results('sequence_parallel', results)}" + (f" and {png}" if png else ""))

@@ -25,6 +25,7 @@ NOT_RUN_ALONE = {
     "adapterhub_peer.py": "peft_methods.py runs it inside the AdapterHub virtual environment, with a JSON spec",
     "ci_time.py": "a fresh-clone CI run: ~25 minutes of every core, run alone (no --quick, no --device)",
     "report.py": "not a measurement: renders the docs' regions from the results files",
+    "gpu_check.py": "runs the others on a GPU; its CPU plumbing mode: tests/benchmarks/test_gpu_check.py",
 }
 
 # dkm.py, dkm_quality.py and lm_data_memory.py take seconds; the others tens of seconds to minutes on 2 busy cores

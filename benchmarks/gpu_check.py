@@ -1,0 +1,243 @@
+#!/usr/bin/env python
+"""The GPU check: one command that, on one CUDA GPU (an H100 or H200 with the machine's own torch), installs the
+carried wheels, runs the CUDA tests and every benchmark's `--device cuda` mode at GPU sizes, and renders the docs'
+CUDA tables; each part within its own time budget, so that a slow part cannot starve the rest.
+
+    make gpu-check                                   # = python benchmarks/gpu_check.py --out outputs/gpu_check
+    python benchmarks/gpu_check.py --out DIR         # the same; DIR gets the logs, summary.json, gpu_check.tar.gz
+    python benchmarks/gpu_check.py --device cpu      # the plumbing mode (CI): tiny sizes, results to a temp folder
+
+Parts, in order (`PARTS`; `--only NAME...` picks some): `install` (when `.whl/` holds wheels: `pip install
+--no-index --no-deps --target TMP .whl/*.whl`, put first on every later part's PYTHONPATH; then this package
+with `pip install --no-deps --no-build-isolation -e .` unless it imports already), `env` (versions and the GPU),
+`tests` (`pytest -m gpu tests/gpu`), `moe`, `dkm`, `sequence_parallel`, `peft_methods`, `quickstart` (each
+benchmark with `--device cuda`, writing `benchmarks/results/<name>.cuda.json` beside the CPU files), then `report`
+(`benchmarks/report.py --write`: the `*.cuda` fragments in docs/gpu.md). A part gets its own budget in seconds plus
+whatever the parts before it left unused, never so much that the budgets of the parts after it no longer fit in
+`--total` (480 s: the check must end within 8 minutes); a part past its time is stopped (its process group killed)
+and recorded as `timeout`, and the next part starts. Each part's output goes to `DIR/<part>.log`; `DIR/summary.json`
+says per part: status (ok, failed, timeout, skipped: nothing to do, not run: no time left), seconds, budget,
+command. `DIR/gpu_check.tar.gz` holds the summary, the logs, every `benchmarks/results/*.cuda.*` file and the
+rendered pages, to unpack at the repository's
+root. The exit code is 0 only when every part passed.
+
+The plumbing mode (`--device cpu`) runs the same parts with `--device cpu` at tiny sizes, writes the results as
+`<name>.cuda.json` into a temporary folder (`$HF_LLMKIT_BENCH_RESULTS`, `$HF_LLMKIT_BENCH_TAG=cuda`), never into
+`benchmarks/results/`, and renders every CUDA fragment from there instead of writing pages
+(tests/benchmarks/test_gpu_check.py runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+PY = sys.executable
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from _common import pick_device, results_name, write_results  # noqa: E402
+from _fragments import CUDA_VARIANTS  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    budget_s: float  # on CUDA; the plumbing mode gives each part CPU_BUDGET_S
+    args: tuple[str, ...] = ()  # the arguments on a GPU
+    cpu: tuple[str, ...] = ()  # the plumbing mode's, appended to `args` (the later flag wins): tiny sizes
+
+
+BENCH = "benchmarks/{}.py"
+# GPU sizes. moe: Mixtral-like experts at H 2048, I 4096, bf16; 8 and 64 experts at 4K tokens, 8 at 16K.
+# sequence_parallel: a 1.1B Llama in bf16 on one GPU, every ALST switch, the longest sequence in 2 GiB of peak
+# activation memory (the ratios to plain are what matter; a larger budget costs minutes of probes). The plumbing mode
+# passes the same flags and overrides the sizes, so a flag a script does not take fails in CI, not on the GPU.
+PARTS = (
+    Part("install", 45),
+    Part("env", 15),
+    Part("tests", 80, ("-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider", "--timeout", "60")),
+    Part("moe", 55,
+         ("--dtype", "bf16", "--hidden", "2048", "--inter", "4096", "--experts", "8,64", "--fixed-tokens", "4096",
+          "--tokens", "16384", "--threads", "1", "--rounds", "5", "--train-steps", "0"),
+         ("--hidden", "64", "--inter", "128", "--experts", "8,16", "--fixed-tokens", "128", "--tokens", "256",
+          "--rounds", "1", "--warmup", "0")),
+    Part("dkm", 50, ("--only", "speed", "memory", "--peer-full"), ("--quick", "--only", "speed")),
+    Part("sequence_parallel", 105,
+         ("--sp", "1", "--model", "1b", "--dtype", "bf16", "--budget-mib", "2048", "--probe", "512",
+          "--time-seq", "4096", "--rounds", "3"),
+         ("--model", "tiny", "--budget-mib", "4", "--probe", "64", "--time-seq", "128", "--rounds", "1")),
+    Part("peft_methods", 45, ("--workloads", "llama", "--batch", "8", "--seq", "512", "--rounds", "6"), ("--quick",)),
+    Part("quickstart", 70, ("--rounds", "1"), ("--quick",)),
+    Part("report", 15),
+)  # fmt: skip
+BENCHMARKS = ("moe", "dkm", "sequence_parallel", "peft_methods", "quickstart")
+CPU_BUDGET_S = 600.0
+
+
+def part_command(part: Part, device: str, site: Path) -> list[str] | None:
+    """The argv of a part (None: nothing to run, e.g. no wheels to install)."""
+    args = part.args if device == "cuda" else (*part.args, *part.cpu)
+    if part.name in BENCHMARKS:
+        return [PY, BENCH.format(part.name), "--device", device, *args]
+    if part.name == "tests":
+        return [PY, *args]
+    if part.name == "env":
+        code = (
+            "import importlib.metadata as m, torch, sys; print('python', sys.version.split()[0]); "
+            "print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', "
+            "torch.cuda.get_device_name() if torch.cuda.is_available() else None)\n"
+            "for n in ('transformers','peft','accelerate','datasets','deepspeed','coremltools','trl','optimum',"
+            "'triton','pyarrow','huggingface-hub','setuptools','hf-llmkit'):\n"
+            "    try: print(n, m.version(n))\n"
+            "    except m.PackageNotFoundError: print(n, 'not installed')\n"
+            "import hf_llmkit; print('hf_llmkit from', hf_llmkit.__file__)"
+        )
+        return [PY, "-c", code]
+    if part.name == "report":
+        if device == "cuda":
+            return [PY, "benchmarks/report.py", "--write"]
+        names = ["gpu_check.cuda", *(f"{name}.cuda" for name in CUDA_VARIANTS)]  # the fragments of docs/gpu.md
+        return [PY, "benchmarks/report.py", "--render", *names, "--results", os.environ["HF_LLMKIT_BENCH_RESULTS"]]
+    if part.name == "install":
+        wheels = sorted(str(p) for p in (REPO / ".whl").glob("*.whl"))
+        script = []
+        if wheels:
+            script.append(
+                [PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+                 "--upgrade", "--target", str(site), *wheels]
+            )  # fmt: skip
+        if subprocess.run([PY, "-c", "import hf_llmkit"], capture_output=True, cwd=REPO).returncode != 0:
+            script.append([PY, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", "."])
+        if not script:
+            return None
+        return ["bash", "-c", " && ".join(" ".join(_quote(a) for a in cmd) for cmd in script)]
+    raise ValueError(f"unknown part {part.name!r}")
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)
+
+
+def run_part(cmd: list[str], log: Path, budget: float, env: dict[str, str]) -> tuple[str, float]:
+    """Runs `cmd` in its own process group, output to `log`; (status, seconds). Past `budget` the whole group is
+    killed (a benchmark's spawned ranks too) and the status is `timeout`."""
+    start = time.monotonic()
+    with log.open("w") as out:
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(budget, 1.0))
+            status = "ok" if rc == 0 else f"failed (exit {rc})"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            status = "timeout"
+            out.write(f"\n[gpu_check] stopped after {budget:.0f} s (its budget)\n")
+    return status, time.monotonic() - start
+
+
+def record(summary: dict, start: float, results: Path) -> None:
+    """`results/gpu_check.cuda.json`: the parts run so far, with the run's date, GPU and torch (`write_results`)."""
+    write_results("gpu_check", {**summary, "seconds": round(time.monotonic() - start, 1)},
+                  path=results / f"{results_name('gpu_check')}.json")  # fmt: skip
+
+
+def bundle(out: Path, results: Path) -> Path:
+    """`out/gpu_check.tar.gz`: the summary and logs (under gpu_check/), the `.cuda` results and the rendered pages,
+    with paths relative to the repository's root."""
+    path = out / "gpu_check.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for file in sorted(out.glob("*.log")) + [out / "summary.json"]:
+            tar.add(file, arcname=f"outputs/gpu_check/{file.name}")
+        for file in sorted(results.glob("*.cuda.*")):
+            tar.add(file, arcname=f"benchmarks/results/{file.name}")
+        for page in ["README.md", "benchmarks/README.md", *(str(p.relative_to(REPO)) for p in REPO.glob("docs/*.md"))]:
+            tar.add(REPO / page, arcname=page)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the plumbing mode (CI)")
+    parser.add_argument("--out", type=Path, default=os.environ.get("HF_LLMKIT_GPU_CHECK_OUT", "outputs/gpu_check"),
+                        help="logs, summary.json and gpu_check.tar.gz ($HF_LLMKIT_GPU_CHECK_OUT)")  # fmt: skip
+    parser.add_argument("--total", type=float, default=480.0, help="seconds for all parts together")
+    parser.add_argument("--only", nargs="+", choices=[p.name for p in PARTS], help="these parts alone, in order")
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: --device cuda: torch sees no CUDA device here; `--device cpu` is the plumbing mode",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        pick_device("cuda")  # results as `<name>.cuda.json`
+    out = args.out if args.out.is_absolute() else REPO / args.out
+    out.mkdir(parents=True, exist_ok=True)
+    site = Path(tempfile.mkdtemp(prefix="gpu_check_site_"))  # the carried wheels' packages: not under --out
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # a GPU machine may have no network: never wait for one
+        env.setdefault(name, "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if (REPO / ".whl").is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    results = HERE / "results"
+    if args.device == "cpu":  # never over the committed results: a temporary folder, files named as on a GPU
+        results = Path(env.get("HF_LLMKIT_BENCH_RESULTS") or tempfile.mkdtemp(prefix="gpu_check_"))
+        env.update(HF_LLMKIT_BENCH_RESULTS=str(results), HF_LLMKIT_BENCH_TAG="cuda")
+        os.environ.update(HF_LLMKIT_BENCH_RESULTS=str(results), HF_LLMKIT_BENCH_TAG="cuda")
+    parts = [p for p in PARTS if args.only is None or p.name in args.only]
+    budgets = [p.budget_s if args.device == "cuda" else CPU_BUDGET_S for p in parts]
+    total = args.total if args.device == "cuda" else sum(budgets)
+    start, summary = time.monotonic(), {"device": args.device, "total_s": total, "parts": {}}
+    recorded = False
+    for index, part in enumerate(parts):
+        if part.name == "report":  # the parts so far, as docs/gpu.md renders them (`gpu_check.cuda` fragment)
+            record(summary, start, results)
+            recorded = True
+        left = total - (time.monotonic() - start)
+        budget = min(max(left - sum(budgets[index + 1 :]), budgets[index]), left)
+        cmd = part_command(part, args.device, site)
+        if cmd is None:
+            row = {"status": "skipped", "seconds": 0.0, "budget_s": round(budget, 1), "why": "nothing to do"}
+        elif budget < 1:
+            row = {"status": "not run", "seconds": 0.0, "budget_s": 0.0, "why": "no time left"}
+        else:
+            status, seconds = run_part(cmd, out / f"{part.name}.log", budget, env)
+            row = {"status": status, "seconds": round(seconds, 1), "budget_s": round(budget, 1)}
+            row["command"] = " ".join(cmd[1:] if cmd[0] == PY else cmd)
+        summary["parts"][part.name] = row
+        print(f"[gpu_check] {part.name}: {row['status']} in {row['seconds']:.0f} s (budget {row['budget_s']:.0f} s)",
+              flush=True)  # fmt: skip
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if row["status"] not in ("ok", "skipped", "not run"):  # the end of its log, where a failure says why
+            tail = (out / f"{part.name}.log").read_text(errors="replace").splitlines()[-15:]
+            print("\n".join(f"    {line[:300]}" for line in tail), flush=True)
+    if not recorded:
+        record(summary, start, results)
+    summary["seconds"] = round(time.monotonic() - start, 1)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"[gpu_check] wrote {bundle(out, results)} ({summary['seconds']:.0f} s)")
+    bad = [name for name, row in summary["parts"].items() if row["status"] not in ("ok", "skipped")]
+    if bad:
+        print(f"[gpu_check] not ok: {', '.join(bad)} (see {out}/<part>.log)", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

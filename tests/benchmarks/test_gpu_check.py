@@ -1,0 +1,87 @@
+"""The GPU check (`benchmarks/gpu_check.py`, `make gpu-check`): its CPU plumbing mode runs every part with the GPU
+run's flags at tiny sizes and renders every CUDA table of docs/gpu.md from what it wrote; a part past its budget is
+stopped and recorded, and the next part still runs; results on CUDA go beside the CPU files, never over them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import _common  # noqa: E402
+import gpu_check  # noqa: E402
+import report  # noqa: E402
+from _fragments import CUDA_VARIANTS, FRAGMENTS  # noqa: E402
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # every part in a row: about 4 minutes on 2 idle cores, 11 on 2 cores loaded 5x
+def test_plumbing_mode_runs_every_part_and_renders_every_cuda_table(tmp_path):
+    results, out = tmp_path / "results", tmp_path / "out"
+    committed = sorted(p.name for p in (BENCHMARKS / "results").iterdir())
+    env = dict(os.environ, HF_LLMKIT_BENCH_RESULTS=str(results))
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--device", "cpu", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    assert proc.returncode == 0, proc.stdout + proc.stderr + json.dumps(summary, indent=2)
+    assert list(summary["parts"]) == [part.name for part in gpu_check.PARTS]
+    assert {row["status"] for row in summary["parts"].values()} <= {"ok", "skipped"}
+    for name in gpu_check.BENCHMARKS:
+        data = json.loads((results / f"{name}.cuda.json").read_text())
+        assert data["recorded"]["command"].startswith(f"python benchmarks/{name}.py --device cpu")
+    rendered = (out / "report.log").read_text()
+    for name in ["gpu_check", *CUDA_VARIANTS]:
+        assert f"## {name}.cuda\n" in rendered
+    assert "_Not measured yet" not in rendered and "_Measured " in rendered
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        names = tar.getnames()
+    assert "benchmarks/results/moe.cuda.json" in names and "docs/gpu.md" in names
+    assert "outputs/gpu_check/summary.json" in names and "outputs/gpu_check/moe.log" in names
+    assert sorted(p.name for p in (BENCHMARKS / "results").iterdir()) == committed  # the committed folder untouched
+
+
+def test_a_part_past_its_budget_is_stopped_with_its_children_and_recorded(tmp_path):
+    # a child that would outlive its parent: killing the process group stops both
+    cmd = ["bash", "-c", "sleep 30 & sleep 30; echo never"]
+    status, seconds = gpu_check.run_part(cmd, tmp_path / "slow.log", 1.0, dict(os.environ))
+    assert status == "timeout" and seconds < 10
+    assert "stopped after 1 s" in (tmp_path / "slow.log").read_text()
+    status, _ = gpu_check.run_part(["bash", "-c", "exit 3"], tmp_path / "bad.log", 10.0, dict(os.environ))
+    assert status == "failed (exit 3)"
+
+
+def test_every_cuda_fragment_is_on_the_gpu_page_and_reads_cuda_results():
+    page = BENCHMARKS.parent / "docs" / "gpu.md"
+    names = {region.name for region in report.regions(page)}
+    assert {"gpu_check.cuda", *(f"{name}.cuda" for name in CUDA_VARIANTS)} <= names
+    for name in CUDA_VARIANTS:
+        assert FRAGMENTS[f"{name}.cuda"].files == tuple(f"{file}.cuda" for file in FRAGMENTS[name].files)
+
+
+def test_a_cuda_run_writes_beside_the_cpu_results(monkeypatch):
+    monkeypatch.delenv("HF_LLMKIT_BENCH_TAG", raising=False)
+    monkeypatch.setattr(_common, "_PICKED", {})
+    assert _common.results_name("moe") == "moe"
+    _common.pick_device("cpu")
+    assert _common.results_name("moe") == "moe"
+    monkeypatch.setitem(_common._PICKED, "device", "cuda")
+    assert _common.results_name("moe") == "moe.cuda"
+
+
+def test_gpu_check_refuses_cuda_without_a_gpu(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert gpu_check.main(["--device", "cuda", "--out", "unused"]) == 2
+    assert "torch sees no CUDA device" in capsys.readouterr().err
