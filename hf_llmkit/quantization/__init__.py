@@ -12,7 +12,7 @@ with a leading underscore are the engines behind the layers and may change witho
 
 from hf_llmkit.quantization.calibration import calibrate
 from hf_llmkit.quantization.config import DKMConfig
-from hf_llmkit.quantization.export import export_coreml
+from hf_llmkit.quantization.export import export_coreml, export_onnx
 from hf_llmkit.quantization.integration import replace_with_dkm_layers
 from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear, DKMSettings, PalettizedEmbedding, PalettizedLinear
 from hf_llmkit.quantization.marshal import MarshalHooks
@@ -46,6 +46,7 @@ __all__ = [
     "PalettizedLinear",
     "calibrate",
     "export_coreml",
+    "export_onnx",
     "keep_training_state",
     "quantize_model",
     "register_dkm",

@@ -6,5 +6,6 @@ model, keep the packed indices and lookup tables, and decode them exactly as our
 
 from hf_llmkit.quantization.export._common import PaletteWeight, palettized_weights
 from hf_llmkit.quantization.export.coreml import export_coreml
+from hf_llmkit.quantization.export.onnx import export_onnx
 
-__all__ = ["PaletteWeight", "export_coreml", "palettized_weights"]
+__all__ = ["PaletteWeight", "export_coreml", "export_onnx", "palettized_weights"]

@@ -143,13 +143,12 @@ def export_copy(model: nn.Module, weights: list[PaletteWeight], swap) -> CausalL
     dkm_layers = {w.name: model.get_submodule(w.name) for w in weights}
     memo = {id(m): None for m in dkm_layers.values()}  # not copied: replaced below
     twin = copy.deepcopy(model, memo).eval()
-    for w in weights:
-        parent, _, leaf = w.name.rpartition(".")
-        setattr(twin.get_submodule(parent), leaf, swap(dkm_layers[w.name], w))
     for tensor in (*twin.parameters(), *twin.buffers()):  # not .float(): transformers refuses it on a quantized model
         tensor.requires_grad_(False)
-        if tensor.is_floating_point():
-            tensor.data = tensor.data.float().cpu()
+        tensor.data = (tensor.data.float() if tensor.is_floating_point() else tensor.data).cpu()
+    for w in weights:  # after the cast: the palettized tensors keep their saved dtypes
+        parent, _, leaf = w.name.rpartition(".")
+        setattr(twin.get_submodule(parent), leaf, swap(dkm_layers[w.name], w))
     twin.set_attn_implementation(EXPORT_ATTENTION)
     return CausalLogits(twin).eval()
 
