@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,deepspeed,bnb,bench,trl
+EXTRAS ?= dev,deepspeed,bnb,bench,trl,export
 PYTEST_ARGS ?=
 # Two pytest workers, each test file whole on one of them (module fixtures launch a file's cells together); every
 # test and every rank it launches runs one intra-op thread (tests/conftest.py). `make test WORKERS=` runs serially.

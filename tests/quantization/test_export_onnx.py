@@ -98,3 +98,15 @@ def test_bad_input_is_one_value_error(tmp_path):
         export_onnx(model, tmp_path / "m.onnx", opset=11)
     with pytest.raises(ValueError, match="expected a transformers causal LM"):
         export_onnx(torch.nn.Linear(2, 2), tmp_path / "m.onnx")
+
+
+def test_command_refuses_a_model_without_dkm_layers(tmp_path):
+    import subprocess
+    import sys
+
+    tiny_llama(num_hidden_layers=1).save_pretrained(tmp_path / "dense")
+    cmd = [sys.executable, "-m", "hf_llmkit.quantization.export", "onnx", str(tmp_path / "dense"), "m.onnx"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("error: export_onnx: the model has no DKM layers")
+    assert not (tmp_path / "m.onnx").exists()
