@@ -77,7 +77,10 @@ def export_coreml(
     iOS26 / macOS 26 with block scales (`coreml_target`). Returns the package's path."""
     check_causal_lm(model, "export_coreml")
     if precision not in PRECISIONS:
-        raise ValueError(f"export_coreml: precision must be one of {PRECISIONS}, got {precision!r}.")
+        raise ValueError(
+            f"export_coreml: precision must be one of {PRECISIONS} (the program computes in float32, the "
+            f"weights decode to ours bit for bit), got {precision!r}; leave it unset."
+        )
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"export_coreml: {name} must be a positive integer, got {value!r}.")
