@@ -5,7 +5,7 @@ VENV ?= .venv
 # The newest torch pip resolves (what a user gets; on Linux a CUDA build, about 2.9 GB with its CUDA libraries);
 # `make test-lowest` installs the lowest pyproject.toml declares (torch 2.11, what GPU images ship).
 TORCH_SPEC ?= torch
-EXTRAS ?= dev,deepspeed,bnb,bench,trl
+EXTRAS ?= dev,deepspeed,bnb,bench,trl,export
 PYTEST_ARGS ?=
 # Two pytest workers, each test file whole on one of them (module fixtures launch a file's cells together); every
 # test and every rank it launches runs one intra-op thread (tests/conftest.py). `make test WORKERS=` runs serially.

@@ -6,12 +6,13 @@
 Public modules: `config` (DKMConfig), `quantizer` (the HfQuantizer), `integration` (module replacement, the load
 op, checkpoint checks), `layers` (the DKM and packed layers), `training_state` (bitwise-resumable Trainer
 checkpoints), `marshal` (eDKM's saved-tensor marshaling), `optimum` (post-training k-means), `calibration`
-(`calibrate`: GPTQ's error-compensated rounding onto the tables). Modules with a leading
-underscore are the engines behind the layers and may change without notice.
+(`calibrate`: GPTQ's error-compensated rounding onto the tables), `export` (Core ML and ONNX exports). Modules
+with a leading underscore are the engines behind the layers and may change without notice.
 """
 
 from hf_llmkit.quantization.calibration import calibrate
 from hf_llmkit.quantization.config import DKMConfig
+from hf_llmkit.quantization.export import export_coreml, export_onnx
 from hf_llmkit.quantization.integration import replace_with_dkm_layers
 from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear, DKMSettings, PalettizedEmbedding, PalettizedLinear
 from hf_llmkit.quantization.marshal import MarshalHooks
@@ -44,6 +45,8 @@ __all__ = [
     "PalettizedEmbedding",
     "PalettizedLinear",
     "calibrate",
+    "export_coreml",
+    "export_onnx",
     "keep_training_state",
     "quantize_model",
     "register_dkm",

@@ -1,0 +1,168 @@
+"""What every exporter needs: the palettized weights of a DKM model, a traceable dense twin, a causal wrapper.
+
+`palettized_weights(model)` reads the packed indices, lookup table and block scales of every DKM layer, from a
+reloaded compact checkpoint (`PalettizedLinear` / `PalettizedEmbedding` buffers) or a live model (`DKMLinear` /
+`DKMEmbedding`, through their `export()`, what `save_pretrained` writes); `PaletteWeight.decoded()` is the weight our
+layers compute (`_dkm.decode`), the reference every export is checked against bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_llmkit.quantization import _dkm as dkm
+from hf_llmkit.quantization._packing import unpack_indices
+from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear, PalettizedEmbedding, PalettizedLinear
+
+EXPORT_ATTENTION = "llmkit_export_causal"
+_DKM_LAYERS = (PalettizedLinear, PalettizedEmbedding, DKMLinear, DKMEmbedding)
+
+
+@dataclass
+class PaletteWeight:
+    """One clustered weight `[rows, cols]`: packed `bits`-bit indices, a table `[G, K, d]` per group of rows and the
+    block scales `[rows, cols / block]` (None without), tables and scales in the checkpoint's `lut_dtype`."""
+
+    name: str  # the module's path in the model
+    kind: str  # "linear" or "embedding"
+    shape: tuple[int, int]
+    bits: int
+    packed: torch.Tensor
+    lut: torch.Tensor
+    scale: torch.Tensor | None
+
+    @property
+    def groups(self) -> int:
+        return self.lut.shape[0]
+
+    @property
+    def cluster_dim(self) -> int:
+        return self.lut.shape[2]
+
+    @property
+    def count(self) -> int:
+        return self.shape[0] * self.shape[1] // self.cluster_dim
+
+    def indices(self) -> torch.Tensor:
+        """Table index of every weight vector, `[rows, cols / d]` (int64): group g holds rows g*rows/G onwards."""
+        return unpack_indices(self.packed, self.bits, self.count).reshape(self.shape[0], -1)
+
+    def decoded(self) -> torch.Tensor:
+        """The float32 weight our layers compute from these tensors (`_dkm.decode`)."""
+        idx = self.indices().reshape(self.groups, -1)
+        return dkm.decode(self.lut, idx, self.shape, None if self.scale is None else self.scale.float())
+
+
+def palettized_weights(model: nn.Module, *, caller: str = "export") -> list[PaletteWeight]:
+    """The palettized weight of every DKM layer of `model`, in module order; a ValueError when it has none."""
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, _DKM_LAYERS):
+            continue
+        kind = "linear" if isinstance(module, PalettizedLinear | DKMLinear) else "embedding"
+        if isinstance(module, DKMLinear | DKMEmbedding):
+            saved = module.export()
+            shape = tuple(module.weight.shape)
+        else:
+            saved = {"weight_packed": module.weight_packed, "weight_lut": module.weight_lut}
+            saved["weight_scale"] = module.weight_scale
+            shape = tuple(module.weight_shape)
+        bits = module.settings.bits
+        found.append(
+            PaletteWeight(
+                name,
+                kind,
+                shape,
+                bits,
+                saved["weight_packed"].detach().cpu(),
+                saved["weight_lut"].detach().cpu(),
+                _cpu(saved.get("weight_scale")),
+            )
+        )
+    if not found:
+        raise ValueError(
+            f"{caller}: the model has no DKM layers (DKMLinear / PalettizedLinear ...): quantize it with "
+            "quantization_config=DKMConfig(...) or load a saved DKM checkpoint with from_pretrained."
+        )
+    return found
+
+
+def _cpu(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach().cpu()
+
+
+def check_causal_lm(model: nn.Module, caller: str) -> None:
+    """The exporters take a transformers causal LM (input_ids -> logits) whose attention they can swap."""
+    if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
+        raise ValueError(
+            f"{caller}: expected a transformers causal LM (e.g. AutoModelForCausalLM.from_pretrained(<DKM "
+            f"checkpoint>)), got {type(model).__name__}."
+        )
+
+
+def causal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Causal attention of unpadded sequences with standard ops only (key/value heads repeated by expand +
+    reshape, `F.scaled_dot_product_attention(is_causal=True)`), the kernel of the exported programs."""
+    rep = query.shape[1] // key.shape[1]
+    if rep > 1:
+        b, h, s, d = key.shape  # [B, H_kv, S, D]
+        key = key[:, :, None].expand(b, h, rep, s, d).reshape(b, h * rep, s, d)
+        value = value[:, :, None].expand(b, h, rep, s, d).reshape(b, h * rep, s, d)
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None  # [B, S, H, D]
+
+
+def register_export_attention() -> None:
+    """Register `causal_attention` with transformers (its name has no mask builder: models skip mask creation)."""
+    from transformers import AttentionInterface
+
+    if EXPORT_ATTENTION not in AttentionInterface():
+        AttentionInterface.register(EXPORT_ATTENTION, causal_attention)
+
+
+class CausalLogits(nn.Module):
+    """`input_ids [B, S] -> logits [B, S, V]` of a causal LM, no cache, no mask (what the exporters trace)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.m(input_ids=input_ids, use_cache=False, return_dict=False)[0]
+
+
+def export_copy(model: nn.Module, weights: list[PaletteWeight], swap) -> CausalLogits:
+    """A float32 eval copy of `model` with each DKM layer replaced by `swap(module, weight)` and the export
+    attention installed, wrapped as `CausalLogits` (the model itself is left as it was)."""
+    register_export_attention()
+    dkm_layers = {w.name: model.get_submodule(w.name) for w in weights}
+    memo = {id(m): None for m in dkm_layers.values()}  # not copied: replaced below
+    twin = copy.deepcopy(model, memo).eval()
+    for tensor in (*twin.parameters(), *twin.buffers()):  # not .float(): transformers refuses it on a quantized model
+        tensor.requires_grad_(False)
+        tensor.data = (tensor.data.float() if tensor.is_floating_point() else tensor.data).cpu()
+    for w in weights:  # after the cast: the palettized tensors keep their saved dtypes
+        parent, _, leaf = w.name.rpartition(".")
+        setattr(twin.get_submodule(parent), leaf, swap(dkm_layers[w.name], w))
+    twin.set_attn_implementation(EXPORT_ATTENTION)
+    return CausalLogits(twin).eval()
+
+
+def dense_module(module: nn.Module, weight: PaletteWeight) -> nn.Module:
+    """`nn.Linear` / `nn.Embedding` holding the decoded float32 weight (and the layer's bias)."""
+    w = weight.decoded()
+    if weight.kind == "embedding":
+        dense = nn.Embedding(*weight.shape, padding_idx=module.padding_idx)
+        dense.weight = nn.Parameter(w, requires_grad=False)
+        return dense
+    bias = getattr(module, "bias", None)
+    dense = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    dense.weight = nn.Parameter(w, requires_grad=False)
+    if bias is not None:
+        dense.bias = nn.Parameter(bias.detach().float().cpu(), requires_grad=False)
+    return dense
