@@ -7,6 +7,10 @@
   keeps a weight's transposed view on the device instead of copying it to the host.
 - `Tensor._version`: the in-place modification counter. DKM's hard-weight cache (hf_llmkit.quantization.layers)
   is keyed by it, so an optimizer step or `load_state_dict` (both in place) invalidates the cache.
+- `torch._dynamo.config.patch(recompile_limit=...)`: how many specialisations (dtype, bits, block scales...) dynamo
+  compiles one function into before it gives up on it. The packed-inference kernel (hf_llmkit.quantization.lut_gemv)
+  needs one per kind of layer a model holds, more than the default 8 across models in one process; without it the
+  kernel falls back to decoding the weight (correct, only slower).
 
 Each has no public equivalent in torch 2.11-2.14; `tests/compat/test_torch.py` fails when one disappears or changes
 meaning (`make test` runs it on the newest torch, `make test-lowest` on 2.11).
@@ -14,11 +18,13 @@ meaning (`make test` runs it on the newest torch, `make test-lowest` on 2.11).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 CHECKED_AGAINST = "2.11.0"
 
-__all__ = ["CHECKED_AGAINST", "storage_use_count", "version_counter", "view_base"]
+__all__ = ["CHECKED_AGAINST", "recompile_limit", "storage_use_count", "version_counter", "view_base"]
 
 _STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -38,3 +44,12 @@ def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
 def version_counter(tensor: torch.Tensor) -> int:
     """A counter that grows with every in-place change of `tensor` (and of tensors sharing its version counter)."""
     return tensor._version
+
+
+def recompile_limit(limit: int) -> contextlib.AbstractContextManager:
+    """A context in which dynamo compiles one function into up to `limit` specialisations (a no-op context where
+    this torch has no such setting)."""
+    config = getattr(getattr(torch, "_dynamo", None), "config", None)
+    if config is None or not hasattr(config, "recompile_limit"):
+        return contextlib.nullcontext()
+    return config.patch(recompile_limit=limit)

@@ -41,7 +41,19 @@ def unpack_indices(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
             f"packed indices must be a flat uint8 tensor of {packed_numel(count, bits)} bytes for {count} "
             f"indices of {bits} bits, got {tuple(packed.shape)} {packed.dtype}"
         )
-    shifts = torch.arange(8, device=packed.device, dtype=torch.int32)
-    stream = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(-1)[: count * bits]
-    weights = 1 << torch.arange(bits, device=packed.device, dtype=torch.int64)
-    return (stream.reshape(count, bits).to(torch.int64) * weights).sum(-1)
+    return unpack_words(packed, bits)[:count].to(torch.int64)
+
+
+def unpack_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Every index a `pack_indices` stream holds, padding included (a multiple of 8), decoded with whole-tensor ops:
+    each `bits` bytes are one little-endian word of 8 indices (int32 up to 3 bits, else int64)."""
+    words = -(-packed.numel() // bits)  # 8 indices per `bits` bytes
+    if packed.numel() < words * bits:
+        packed = torch.cat([packed, packed.new_zeros(words * bits - packed.numel())])
+    dtype = torch.int32 if bits <= 3 else torch.int64
+    parts = packed.view(words, bits).to(dtype)  # [words, bits]
+    word = parts[:, 0]
+    for i in range(1, bits):
+        word = word | (parts[:, i] << (8 * i))
+    shifts = torch.arange(0, 8 * bits, bits, device=packed.device, dtype=dtype)
+    return ((word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(-1)  # [words * 8]

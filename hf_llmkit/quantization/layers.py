@@ -26,10 +26,11 @@ from torch import nn
 
 from hf_llmkit.compat.torch import version_counter
 from hf_llmkit.quantization import _dkm as dkm
-from hf_llmkit.quantization import engines, steps
+from hf_llmkit.quantization import engines, lut_gemv, steps
 from hf_llmkit.quantization._packing import pack_indices, packed_numel, unpack_indices
 from hf_llmkit.quantization.config import DKMConfig
 from hf_llmkit.quantization.engines.table import make_shard_group
+from hf_llmkit.quantization.lut_gemv import compute_dtype
 from hf_llmkit.quantization.marshal import MarshalHooks
 
 logger = logging.getLogger(__name__)
@@ -69,15 +70,6 @@ class DKMSettings:
     def scales_shape(self, shape) -> tuple[int, int] | None:
         """Shape of the block scales of a `[rows, cols]` weight (None without scales)."""
         return (shape[0], shape[1] // self.scale_block) if self.scale_block else None
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a Linear computes `x @ W^T` in: autocast's lower precision where autocast is on for `x`'s device
-    (as `F.linear` does under `torch.autocast`), else `x`'s own dtype."""
-    device = x.device.type
-    if x.is_floating_point() and torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return x.dtype
 
 
 def check_table(name: str, table: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -326,7 +318,7 @@ class DKMEmbedding(nn.Embedding, _Clustered):
 
 
 class _Packed(nn.Module):
-    """Packed indices + lookup table of one weight; decoded on the fly at each forward."""
+    """Packed indices + lookup table of one weight, kept as saved (no decoded copy); `lut_gemv` multiplies by it."""
 
     def _init_packed(self, shape: tuple[int, int], settings: DKMSettings, device) -> None:
         self.settings, self.weight_shape = settings, shape
@@ -372,9 +364,8 @@ class _Packed(nn.Module):
             raise ValueError(f"{name + '.weight_packed'!r} has non-zero padding bits: the checkpoint is corrupt.")
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        s = self.settings
-        idx = unpack_indices(self.weight_packed, s.bits, self.count).reshape(s.groups, -1)
-        return dkm.decode(self.weight_lut, idx, self.weight_shape, self.weight_scale).to(dtype)
+        """The decoded dense weight in `dtype` (the hard assignment's, bit for bit)."""
+        return lut_gemv.decode_weight(self, dtype)
 
 
 def _check_packed_tensors(module, state_dict, prefix, *_args) -> None:
@@ -401,7 +392,7 @@ class PalettizedLinear(_Packed):
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        return lut_gemv.linear(self, x, self.bias)
 
 
 class PalettizedEmbedding(_Packed):
@@ -416,4 +407,9 @@ class PalettizedEmbedding(_Packed):
         self._init_packed((num_embeddings, embedding_dim), settings, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.dequantized_weight(self.dtype), self.padding_idx)
+        """Rows of the decoded table, read from their own index bits (no whole-table decode)."""
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"PalettizedEmbedding takes integer ids (int32/int64), got {ids.dtype}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(f"ids must lie in [0, {self.num_embeddings}), got {int(ids.min())}..{int(ids.max())}")
+        return lut_gemv.decode_rows(self, ids).to(self.dtype)

@@ -32,3 +32,14 @@ def test_version_counter_grows_with_in_place_changes():
     t.add_(1)
     assert version_counter(t) > before, f"{WHERE}: Tensor._version no longer counts in-place changes"
     assert version_counter(t + 1) == 0
+
+
+def test_recompile_limit_raises_dynamo_limit():
+    import torch._dynamo.config as dynamo_config
+
+    from hf_llmkit.compat.torch import recompile_limit
+
+    before = dynamo_config.recompile_limit
+    with recompile_limit(before + 5):
+        assert dynamo_config.recompile_limit == before + 5, f"{WHERE}: dynamo's recompile_limit setting is gone"
+    assert dynamo_config.recompile_limit == before
