@@ -106,7 +106,7 @@ class _Clustered:
     weight: nn.Parameter
     centroids: torch.Tensor
     settings: DKMSettings
-    keep_training_state: bool = False  # checkpoints also hold `weight` + `centroids` (set during Trainer runs)
+    keep_training_state: bool | None = None  # also save `weight` + `centroids`? (None: undecided, saves compact)
     dense_forward: bool = False  # forward with the latent weight itself (`calibrate` reads the layers' inputs so)
 
     def _init_table(self, settings: DKMSettings, device) -> None:
