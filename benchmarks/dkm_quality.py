@@ -47,6 +47,7 @@ from _common import (
 )
 from _dkm_workloads import CALIBRATION_SAMPLES, CausalLM, MiniLM, lm_recipe, make_trainer
 
+BITS = (2, 3, 4)
 LM_DIR = Path.home() / ".cache" / "hf_llmkit" / "dkm_quality_lm"  # + "_<size>"
 
 
@@ -73,8 +74,19 @@ def methods(bits: int, args, workload) -> dict[str, tuple]:
     tuned = {"granularity": "per_grouped_channel", "group_size": size, "lut_dtype": "float16", "calibration": None}
     # post-training: a table per tensor, a 16-bit scale per 64 inputs, table refit to the output error, GPTQ rounding
     scaled = {"scale_block_size": 64, "lut_dtype": "float16", "calibration_refit": True, "calibration": None}
+    from_start = {"recipe": "calibrated", "calibration": None}  # the same start, then trained (the one setting)
+    post = f"DKM {bits}-bit, scales per 64 inputs, refit + calibrated, no training (ours)"
+    trained_from = f"DKM {bits}-bit, trained from that start, recipe='calibrated' (ours)"
+    if bits == 2:  # where post-training falls apart: ours before and after training, the grouped peers
+        out = {post: (peers.dkm, False, scaled), trained_from: (peers.dkm, True, from_start),
+               "torchao QAT int2 g64": (peers.torchao_qat, True, {}),
+               "HQQ 2-bit g64": (peers.hqq, False, {})}  # fmt: skip
+        if not args.quick:
+            out["GPTQ 2-bit g64 (llmcompressor)"] = (peers.gptq, False, {"calibration": None})
+        return out
     out = {
-        f"DKM {bits}-bit, scales per 64 inputs, refit + calibrated, no training (ours)": (peers.dkm, False, scaled),
+        post: (peers.dkm, False, scaled),
+        trained_from: (peers.dkm, True, from_start),
         f"DKM {bits}-bit, {tables_per(size)}, 16-bit tables, calibrated (ours)": (peers.dkm, True, tuned),
         f"DKM {bits}-bit (ours)": (peers.dkm, True, {}),
         f"k-means {bits}-bit, no training (ours)": (peers.dkm, False, {}),
@@ -96,7 +108,7 @@ def run_workload(workload, args) -> list[dict]:
     train = make_trainer(workload, args.steps, args.lr)
     rows = [{"method": "fp32 (reference)", "bits": 32, "bpw": 32.0, **workload.evaluate(workload.teacher)}]
     skip = workload.skip + args.extra_skip
-    for bits in (3, 4):
+    for bits in BITS:
         for name, (fn, trained, extra) in methods(bits, args, workload).items():
             if "calibration" in extra:
                 extra = {**extra, "calibration": workload.calibration()}

@@ -52,26 +52,41 @@ class DKMTrainingStateCallback(TrainerCallback):
     With `DKMConfig(calibration_samples=N)` it also ends each run with `calibrate` on the first `N` training
     examples (in dataset order, the same on every rank and in a resumed run), so the model the Trainer saves last is
     GPTQ's rounding onto the trained tables; checkpoints written during the run keep the latent weights as trained.
+    With `recipe="calibrated"` that one calibration comes first instead, before the first step of a fresh run
+    (refit tables, GPTQ-rounded latent weights: the start training continues from), and none at the end.
     """
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if model is not None:
-            keep_training_state(model, True)
-            if _calibration_samples(model):
-                check_calibratable(model)  # fail before training, not after it
+    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        if model is None:
+            return
+        keep_training_state(model, True)
+        if not _calibration_samples(model):
+            return
+        check_calibratable(model)  # fail before training, not after it
+        if _recipe(model) == "calibrated" and state.global_step == 0 and train_dataloader is not None:
+            _calibrate_on(model, train_dataloader, args)  # the start; a resumed run continues from its checkpoint
 
     def on_train_end(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         if model is None:
             return
         keep_training_state(model, False)
-        samples = _calibration_samples(model)
-        if samples and train_dataloader is not None:
-            calibrate(model, first_examples(train_dataloader, samples, args.per_device_train_batch_size))
+        if _calibration_samples(model) and _recipe(model) == "dkm" and train_dataloader is not None:
+            _calibrate_on(model, train_dataloader, args)
+
+
+def _calibrate_on(model: nn.Module, train_dataloader, args) -> None:
+    samples = _calibration_samples(model)
+    calibrate(model, first_examples(train_dataloader, samples, args.per_device_train_batch_size))
 
 
 def _calibration_samples(model: nn.Module) -> int:
     layer = next((m for m in model.modules() if isinstance(m, DKMLinear)), None)
     return 0 if layer is None else layer.settings.config.calibration_samples
+
+
+def _recipe(model: nn.Module) -> str:
+    layer = next((m for m in model.modules() if isinstance(m, DKMLinear)), None)
+    return "dkm" if layer is None else layer.settings.config.recipe
 
 
 def add_training_state_callback(trainer) -> bool:
