@@ -39,15 +39,21 @@ SCALE_BITS = 16  # a peer's scale or zero point, as its deployed format stores i
 def dkm(model, bits: int, skip, train: Callable | None, *, calibration=None, **options) -> float:
     """DKM (hf_llmkit): k-means tables, then (with `train`) DKM training, then (with `calibration`, model inputs)
     GPTQ's rounding onto the trained tables (`hf_llmkit.quantization.calibrate`); bits of the packed export + its
-    tables and block scales (in `lut_dtype`, float32 unless `options` say otherwise)."""
+    tables and block scales (in `lut_dtype`, float32 unless `options` say otherwise). With `recipe="calibrated"` the
+    calibration comes first and training starts from it (what `DKMTrainingStateCallback` does in a Trainer)."""
     from hf_llmkit import DKMConfig
-    from hf_llmkit.quantization import DKMLinear, calibrate, quantize_model
+    from hf_llmkit.quantization import DKMLinear, calibrate, keep_training_state, quantize_model
 
-    quantize_model(model, DKMConfig(bits=bits, modules_to_not_convert=list(skip), **options))
+    config = DKMConfig(bits=bits, modules_to_not_convert=list(skip), **options)
+    quantize_model(model, config)
+    keep_training_state(model, False)  # this loop saves no checkpoints
     layers = [m for m in model.modules() if isinstance(m, DKMLinear)]
+    first = config.recipe == "calibrated"
+    if calibration is not None and first:
+        calibrate(model, [calibration])
     if train is not None:
         train(model)
-    if calibration is not None:
+    if calibration is not None and not first:
         calibrate(model, [calibration])
     stored = sum(t.nbytes * 8 for m in layers for t in m.export().values())
     return stored / sum(m.weight.numel() for m in layers)

@@ -420,7 +420,7 @@ def _dkm_verdict(name: str, metrics: list[str], rows: list[dict]) -> list[str]:
     the best peer storing no more bits per weight, and against the best peer of the same index width (whatever its
     scales cost), metric by metric."""
     lines = []
-    for bits in (3, 4):
+    for bits in (2, 3, 4):
         same = [r for r in rows if r.get("bits") == bits and "error" not in r]
         ours = [r for r in same if "(ours)" in r["method"] and (r.get("trained") or "calibrated" in r["method"])]
         if not ours:
@@ -442,7 +442,23 @@ def _dkm_verdict(name: str, metrics: list[str], rows: list[dict]) -> list[str]:
                                 f"{'behind us' if ahead else 'ahead of us'}")  # fmt: skip
             parts.append(f"{m} {best[m]:.4g}: " + ", ".join(said))
         lines.append(f"- {name}, DKM {bits}-bit: " + "; ".join(parts))
+        lines += _training_verdict(name, bits, metrics, same)
     return lines
+
+
+def _training_verdict(name: str, bits: int, metrics: list[str], rows: list[dict]) -> list[str]:
+    """Whether training from the best post-training state (recipe='calibrated') improves on that start, per metric."""
+    start = next((r for r in rows if "refit + calibrated, no training (ours)" in r["method"]), None)
+    trained = next((r for r in rows if "recipe='calibrated'" in r["method"]), None)
+    if start is None or trained is None:
+        return []
+    parts, better = [], []
+    for m in metrics:
+        up = trained[m] < start[m] if m in ("ppl", "worst_block_ratio") else trained[m] > start[m]
+        better.append(up)
+        parts.append(f"{m} {start[m]:.4g} -> {trained[m]:.4g}")
+    verdict = "improves on" if all(better) else "improves on part of" if any(better) else "does NOT improve on"
+    return [f"- {name}, DKM {bits}-bit: training from the calibrated start {verdict} it: " + ", ".join(parts)]
 
 
 @fragment("dkm_quality", "dkm_quality")

@@ -1,8 +1,8 @@
-"""Quality per bit: DKM against real peers at 3 and 4 bits per weight, on real weights (issue 20).
+"""Quality per bit: DKM against real peers at 2, 3 and 4 bits per weight, on real weights (issues 20, 32).
 
     bash benchmarks/install_peers.sh          # once: torchao, HQQ, llmcompressor (GPTQ) beside our pins
     python benchmarks/dkm_quality.py          # both workloads (tens of minutes on 2 busy cores)
-    python benchmarks/dkm_quality.py --quick  # one MiniLM matrix, 1 step, no GPTQ, no step timing: seconds
+    python benchmarks/dkm_quality.py --quick  # MiniLM at 2 and 4 bits, 1 step, no GPTQ, no step timing: seconds
 
 Workloads (`_dkm_workloads.py`): all-MiniLM-L6-v2 (embedding cosine to fp32, mean / worst sentence, Spearman of
 pairwise similarities) and a Llama pretrained here by `examples/run_clm.py` (held-out perplexity, worst block's
@@ -11,8 +11,9 @@ every Linear but the head quantized:
 - ours without training: a k-means table per tensor over weights divided by a 16-bit absmax scale per 64 inputs
   (`scale_block_size=64`), refit by k-means weighted by each weight's share of the output error and GPTQ-rounded
   onto it (`calibration_refit=True`, `calibrate`), on the calibration inputs GPTQ gets;
-- trained, the same distillation batches, steps and optimizer each: DKM (ours, `DKMConfig(bits)`), torchao 0.18 QAT
-  (`IntxFakeQuantizeConfig` int3/int4, symmetric, group 64), coremltools `DKMPalettizer` (with `--coreml-dkm`: it
+- trained, the same distillation batches, steps and optimizer each: DKM (ours, `DKMConfig(bits)`), DKM from that
+  post-training start (`DKMConfig(recipe="calibrated")`, ours), torchao 0.18 QAT
+  (`IntxFakeQuantizeConfig` int2/int3/int4, symmetric, group 64), coremltools `DKMPalettizer` (with `--coreml-dkm`: it
   takes minutes per step here, benchmarks/dkm.py measures it);
 - post-training: plain k-means (our tables without training), coremltools `PostTrainingPalettizer` (k-means), HQQ
   (group 64), GPTQ (llmcompressor, group 64, calibrated on training inputs), bitsandbytes nf4 (4.5 bits).
@@ -47,6 +48,8 @@ from _common import (
 )
 from _dkm_workloads import CALIBRATION_SAMPLES, CausalLM, MiniLM, lm_recipe, make_trainer
 
+BITS = (2, 3, 4)
+QUICK_BITS = (2, 4)  # --quick: the 2-bit rows' branch and the 4-bit one (nf4 included), seconds each
 LM_DIR = Path.home() / ".cache" / "hf_llmkit" / "dkm_quality_lm"  # + "_<size>"
 
 
@@ -73,8 +76,19 @@ def methods(bits: int, args, workload) -> dict[str, tuple]:
     tuned = {"granularity": "per_grouped_channel", "group_size": size, "lut_dtype": "float16", "calibration": None}
     # post-training: a table per tensor, a 16-bit scale per 64 inputs, table refit to the output error, GPTQ rounding
     scaled = {"scale_block_size": 64, "lut_dtype": "float16", "calibration_refit": True, "calibration": None}
+    from_start = {"recipe": "calibrated", "calibration": None}  # the same start, then trained (the one setting)
+    post = f"DKM {bits}-bit, scales per 64 inputs, refit + calibrated, no training (ours)"
+    trained_from = f"DKM {bits}-bit, trained from that start, recipe='calibrated' (ours)"
+    if bits == 2:  # where post-training falls apart: ours before and after training, the grouped peers
+        out = {post: (peers.dkm, False, scaled), trained_from: (peers.dkm, True, from_start),
+               "torchao QAT int2 g64": (peers.torchao_qat, True, {}),
+               "HQQ 2-bit g64": (peers.hqq, False, {})}  # fmt: skip
+        if not args.quick:
+            out["GPTQ 2-bit g64 (llmcompressor)"] = (peers.gptq, False, {"calibration": None})
+        return out
     out = {
-        f"DKM {bits}-bit, scales per 64 inputs, refit + calibrated, no training (ours)": (peers.dkm, False, scaled),
+        post: (peers.dkm, False, scaled),
+        trained_from: (peers.dkm, True, from_start),
         f"DKM {bits}-bit, {tables_per(size)}, 16-bit tables, calibrated (ours)": (peers.dkm, True, tuned),
         f"DKM {bits}-bit (ours)": (peers.dkm, True, {}),
         f"k-means {bits}-bit, no training (ours)": (peers.dkm, False, {}),
@@ -96,10 +110,10 @@ def run_workload(workload, args) -> list[dict]:
     train = make_trainer(workload, args.steps, args.lr)
     rows = [{"method": "fp32 (reference)", "bits": 32, "bpw": 32.0, **workload.evaluate(workload.teacher)}]
     skip = workload.skip + args.extra_skip
-    for bits in (3, 4):
+    for bits in QUICK_BITS if args.quick else BITS:
         for name, (fn, trained, extra) in methods(bits, args, workload).items():
             if "calibration" in extra:
-                extra = {**extra, "calibration": workload.calibration()}
+                extra = {**extra, "calibration": workload.calibration(16 if args.quick else CALIBRATION_SAMPLES)}
             model = workload.load()
             row = {"method": name, "bits": bits, "trained": trained, "steps": args.steps if trained else 0}
             start = time.perf_counter()
@@ -216,7 +230,7 @@ def plot(results: dict) -> Path | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one MiniLM matrix, 1 step, no GPTQ, no step timing")
+    parser.add_argument("--quick", action="store_true", help="one MiniLM matrix, 2 and 4 bits, 1 step, no GPTQ")
     parser.add_argument("--device", default="cpu", choices=["cpu"], help="CPU only (the peers' CPU paths)")
     parser.add_argument("--steps", type=int, default=None, help="training steps of every trained method")
     parser.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate of every trained method")

@@ -75,6 +75,10 @@ class LLMKitTrainer(Trainer):
         self._long_sequence = TrainerLongSequence.for_trainer(self)
         # Expert parallelism (hf_llmkit.trainers.expert_parallel): sharded experts, DDP reduction, clipping, saving.
         self._expert_parallel = TrainerExpertParallel.for_trainer(self)
+        # DKM (hf_llmkit.quantization.training_state): resumable checkpoints and the final calibration, once.
+        from hf_llmkit.quantization.training_state import add_training_state_callback
+
+        add_training_state_callback(self)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """`Trainer.compute_loss`, plus the MoE auxiliary losses of the forward it ran (training only)."""

@@ -312,13 +312,10 @@ def build_model(args: Args, tokenizer) -> Model:
 
 
 def build_trainer(args: Args, built: Model, train, evaluation, *, data_collator) -> LLMKitTrainer:
-    """`LLMKitTrainer` with the callbacks the flags switch on (and `ResumePoint`, for the results)."""
+    """`LLMKitTrainer` with the callbacks the flags switch on (and `ResumePoint`, for the results); a DKM model's
+    `DKMTrainingStateCallback` is LLMKitTrainer's own."""
     run, training = args.run, args.training
     callbacks = [ResumePoint(), *run.build_callbacks(peft=args.peft.peft_method != "none", fp16=training.fp16)]
-    if args.dkm.quantization is not None:  # checkpoints keep DKM's latent weights: a resume continues bit for bit
-        from hf_llmkit.quantization import DKMTrainingStateCallback
-
-        callbacks.append(DKMTrainingStateCallback())
     trainer = LLMKitTrainer(
         model=built.model,
         args=training,

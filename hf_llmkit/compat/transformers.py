@@ -42,11 +42,6 @@ docstrings say); `from_pretrained` hands the first one `checkpoint_files`, which
   reports on load. A DKM Trainer checkpoint holds two representations of each clustered layer (the training state
   and the packed export); the representation the loaded layer does not use is expected, not unexpected.
 
-**Default Trainer callbacks.** `transformers.trainer.DEFAULT_CALLBACKS`: the callback classes every `Trainer` (and
-subclass: `LLMKitTrainer`, TRL's `SFTTrainer`) starts with. Quantizing a model with trainable DKM layers adds
-`DKMTrainingStateCallback` there (`add_default_trainer_callback`), so a plain Trainer's checkpoints of a DKM model
-resume bit for bit without the user knowing the callback; transformers has no public registry of default callbacks.
-
 **Renamed keywords.** transformers 5.24 renames the KV-cache keyword of every model's forward from
 `past_key_values` to `cache` (the old name is deprecated until 5.40). `cache_keyword(model)` is the name the
 installed transformers takes, so code and tests that pass a cache work on both sides of the rename.
@@ -90,7 +85,6 @@ QUANTIZER_HOOKS: dict[str, str] = {
 
 __all__ = [
     "CHECKED_AGAINST",
-    "add_default_trainer_callback",
     "QUANTIZER_HOOKS",
     "TRAINER_PRIVATE_CALLS",
     "TRAINER_PRIVATE_HOOKS",
@@ -124,14 +118,6 @@ def missing_trainer_internals() -> list[str]:
     if "save_total_limit" not in inspect.getsource(Trainer._save_checkpoint):
         missing.append("Trainer._save_checkpoint no longer rotates by args.save_total_limit")
     return missing
-
-
-def add_default_trainer_callback(callback_cls: type) -> None:
-    """Make every `Trainer` constructed from now on start with an instance of `callback_cls` (once: idempotent)."""
-    from transformers import trainer
-
-    if callback_cls not in trainer.DEFAULT_CALLBACKS:
-        trainer.DEFAULT_CALLBACKS.append(callback_cls)
 
 
 def missing_quantizer_internals() -> list[str]:

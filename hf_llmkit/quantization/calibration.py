@@ -63,7 +63,8 @@ def _inputs(
         def record(module, args):
             nonlocal pending
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            sums[name] = sums.get(name, 0) + x.t() @ x
+            with torch.autocast(x.device.type, enabled=False):  # a Trainer's bf16 autocast wraps model.forward
+                sums[name] = sums.get(name, 0) + x.t() @ x
             counts[name] = counts.get(name, 0) + x.shape[0]
             calls[name] += 1
             if expected and calls[name] == expected[name]:

@@ -7,7 +7,7 @@ rebuilt with `DKMConfig(**dict)` when the checkpoint is reloaded, so every saved
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -16,6 +16,10 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 GRANULARITIES = ("per_tensor", "per_grouped_channel")
 LUT_DTYPES = ("float32", "float16", "bfloat16")
 ENGINES = ("auto", "naive", "table", "bucketed", "interval")
+RECIPES = ("dkm", "calibrated")
+# recipe="calibrated": QAT from the best post-training state (the fields a user left at their defaults)
+CALIBRATED_RECIPE = {"scale_block_size": 64, "lut_dtype": "float16", "calibration_refit": True,
+                     "calibration_samples": 128, "dkm_iters": 0}  # fmt: skip
 
 
 @dataclass
@@ -60,6 +64,15 @@ class DKMConfig(QuantizationConfigMixin):
             inputs' terms: every weight counts by its share of the layer's output error (the energy of its input
             feature, times its block scale squared), as SqueezeLLM's sensitivity-weighted k-means; then it rounds.
             For post-training use (no DKM training, or tables to replace); off keeps the trained tables.
+        recipe (`str`, defaults to `"dkm"`):
+            `"dkm"`: training starts from the k-means tables, DKM's iterations move them every forward. `"calibrated"`:
+            quantization-aware training from the best post-training state, the one setting that asks for it. It
+            fills in the fields left at their defaults with block scales per 64 inputs (`scale_block_size=64`),
+            16-bit tables, `calibration_refit=True` and `calibration_samples=128`, and `DKMTrainingStateCallback`
+            calibrates before the first step (refit tables, GPTQ-rounded latent weights); training then keeps the
+            tables and block scales of that start (`dkm_iters=0`: DKM's unweighted centroid updates would undo the
+            sensitivity-weighted refit) and moves only the latent weights, whose nearest-entry rounding is the
+            final model (no second calibration: it would take the trained latents for full-precision weights).
         kmeans_iters (`int`, defaults to 50):
             Lloyd iterations of the k-means that initialises the tables after the weights are loaded (it stops
             once converged).
@@ -121,6 +134,10 @@ class DKMConfig(QuantizationConfigMixin):
     calibration_refit: bool = field(
         default=False, metadata={"help": "calibrate refits each table by input-energy-weighted k-means first."}
     )
+    recipe: str = field(
+        default="dkm",
+        metadata={"help": "'dkm' or 'calibrated' (QAT from refit + GPTQ-calibrated tables, block scales, 16-bit)."},
+    )
     kmeans_iters: int = field(default=50, metadata={"help": "Lloyd iterations of the k-means table initialisation."})
     kmeans_sample: int = field(
         default=65536, metadata={"help": "At most this many weight vectors per table feed the initial k-means."}
@@ -157,6 +174,10 @@ class DKMConfig(QuantizationConfigMixin):
                 raise ValueError(
                     f"DKMConfig.{name} must be an integer from 1 to 8 (2 to 256 centroids), got {value!r}."
                 )
+        if self.recipe not in RECIPES:
+            raise ValueError(f"DKMConfig.recipe must be one of {RECIPES}, got {self.recipe!r}.")
+        if self.recipe == "calibrated":
+            self._fill_calibrated_recipe()
         positive = ("cluster_dim", "group_size", "kmeans_iters", "kmeans_sample")
         samples = self.calibration_samples
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
@@ -197,6 +218,20 @@ class DKMConfig(QuantizationConfigMixin):
         elif isinstance(self.modules_to_not_convert, str):
             self.modules_to_not_convert = [self.modules_to_not_convert]
         self.modules_to_not_convert = list(self.modules_to_not_convert)
+
+    def _fill_calibrated_recipe(self) -> None:
+        """`recipe="calibrated"`: the fields still at their defaults take the recipe's values (idempotent, so a saved
+        config rebuilds the same one; a field set otherwise is kept, except `dkm_iters`, which must be 0)."""
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, value in CALIBRATED_RECIPE.items():
+            if getattr(self, name) == defaults[name]:
+                setattr(self, name, value)
+        if self.dkm_iters != 0:
+            raise ValueError(
+                f"DKMConfig(recipe='calibrated') keeps its calibrated tables: set dkm_iters=0, got {self.dkm_iters}."
+            )
+        if self.cluster_dim != 1:
+            raise ValueError("DKMConfig(recipe='calibrated') calibrates scalar tables: use cluster_dim=1.")
 
     @property
     def table_dtype(self) -> torch.dtype:

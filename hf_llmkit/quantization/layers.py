@@ -98,7 +98,7 @@ class _Clustered:
     weight: nn.Parameter
     centroids: torch.Tensor
     settings: DKMSettings
-    keep_training_state: bool = False  # checkpoints also hold `weight` + `centroids` (set during Trainer runs)
+    keep_training_state: bool | None = None  # also save `weight` + `centroids`? (None: undecided, saves compact)
     dense_forward: bool = False  # forward with the latent weight itself (`calibrate` reads the layers' inputs so)
 
     def _init_table(self, settings: DKMSettings, device) -> None:
@@ -226,11 +226,14 @@ class _Clustered:
 
     def _soft_scaled(self, x: torch.Tensor | None, start: torch.Tensor):
         """The soft assignment with block scales: the table clusters `W / s` (the scales of the current latent
-        weight, kept in `scales`, constants to autograd) and the clustered weight is `s` times it."""
+        weight, kept in `scales`, or with `recipe="calibrated"` the kept ones; constants to autograd) and the
+        clustered weight is `s` times it."""
         w = self.weight
-        scales = self.fresh_scales(w)
-        with torch.no_grad():
-            self.scales.copy_(scales)
+        scales = self.scales
+        if self.settings.config.recipe != "calibrated":  # that recipe keeps its start's scales, the table's units
+            scales = self.fresh_scales(w)
+            with torch.no_grad():
+                self.scales.copy_(scales)
         spread = dkm.expand_scales(scales, w.shape[1])
         normalized = (w.float() / spread).to(w.dtype)
         clustered, cents = engines.soft_cluster(None, normalized, start, self.settings, self.shard_group)

@@ -22,7 +22,7 @@ from transformers.quantizers.quantizers_utils import get_module_from_name
 from hf_llmkit.compat.transformers import keep_in_fp32_modules
 from hf_llmkit.quantization import integration
 from hf_llmkit.quantization.config import DKMConfig
-from hf_llmkit.quantization.training_state import install_default_callback
+from hf_llmkit.quantization.training_state import guard_training_state
 
 
 class DKMHfQuantizer(HfQuantizer):
@@ -76,7 +76,7 @@ class DKMHfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         integration.verify_loaded(model, self.pre_quantized)
         if any(isinstance(m, integration.TRAINABLE) for m in model.modules()):
-            install_default_callback()  # Trainer checkpoints of this model then resume bit for bit
+            guard_training_state(model)  # training without DKMTrainingStateCallback does not go unnoticed
         return model
 
     def get_state_dict_and_metadata(self, model):

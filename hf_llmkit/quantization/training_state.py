@@ -6,22 +6,29 @@ writes each DKM layer's latent `weight` and `centroids`, and loading such a chec
 `from_pretrained`) restores them exactly. `DKMTrainingStateCallback` turns it on for the length of `Trainer.train()`,
 so every `checkpoint-N` is resumable bit for bit and `trainer.save_model()` afterwards is compact again.
 
-Nothing to add by hand: quantizing a model into trainable DKM layers (`from_pretrained(...,
-quantization_config=DKMConfig())` or `quantize_model`) makes the callback one of every Trainer's default callbacks
-(`install_default_callback`), so a plain `Trainer`, `LLMKitTrainer` and TRL's `SFTTrainer` all write resumable
-checkpoints of a DKM model:
+The callback travels with the Trainer that trains a DKM model, never with the process: `LLMKitTrainer` (and so the
+main jobs) adds it by itself when its model has trainable DKM layers (`add_training_state_callback`); a plain
+`Trainer` or TRL's `SFTTrainer` takes it in `callbacks`:
 
-    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[DKMTrainingStateCallback()])
     trainer.train()                      # checkpoints: training state + packed export
     trainer.save_model("out")            # packed indices + lookup tables only
+
+Forgetting it cannot go unnoticed: quantizing a model into trainable DKM layers installs a forward pre-hook
+(`guard_training_state`) that, on the first training forward of a model whose training state nobody switched on or
+off, raises when `DKMConfig(calibration_samples=N)` asks for a calibration nobody would run, and warns once
+otherwise (checkpoints would restart from the hard assignment). A loop of your own says what it wants with
+`keep_training_state(model, True)` (resumable checkpoints) or `keep_training_state(model, False)` (compact saves).
 """
 
 from __future__ import annotations
 
+import warnings
+
+import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from hf_llmkit.compat.transformers import add_default_trainer_callback
 from hf_llmkit.quantization.calibration import calibrate, check_calibratable, first_examples
 from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear
 
@@ -39,27 +46,37 @@ class DKMTrainingStateCallback(TrainerCallback):
 
     A run resumed from one of those checkpoints ends bitwise equal to an uninterrupted run; without this callback
     the checkpoints are compact and a resume restarts the latent weights from their hard assignment (a warning says
-    so). A model without DKM layers is left alone. Every Trainer has it by default once a model has been quantized
-    with trainable DKM layers (see the module docstring); passing it explicitly as well is harmless.
+    so). A model without DKM layers is left alone. `LLMKitTrainer` adds it when its model has trainable DKM layers;
+    pass it to a plain `Trainer` / `SFTTrainer` in `callbacks` (see the module docstring).
 
     With `DKMConfig(calibration_samples=N)` it also ends each run with `calibrate` on the first `N` training
     examples (in dataset order, the same on every rank and in a resumed run), so the model the Trainer saves last is
     GPTQ's rounding onto the trained tables; checkpoints written during the run keep the latent weights as trained.
+    With `recipe="calibrated"` that one calibration comes first instead, before the first step of a fresh run
+    (refit tables, GPTQ-rounded latent weights: the start training continues from), and none at the end.
     """
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if model is not None:
-            keep_training_state(model, True)
-            if _calibration_samples(model):
-                check_calibratable(model)  # fail before training, not after it
+    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        if model is None:
+            return
+        keep_training_state(model, True)
+        if not _calibration_samples(model):
+            return
+        check_calibratable(model)  # fail before training, not after it
+        if _recipe(model) == "calibrated" and state.global_step == 0 and train_dataloader is not None:
+            _calibrate_on(model, train_dataloader, args)  # the start; a resumed run continues from its checkpoint
 
     def on_train_end(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         if model is None:
             return
         keep_training_state(model, False)
-        samples = _calibration_samples(model)
-        if samples and train_dataloader is not None:
-            calibrate(model, first_examples(train_dataloader, samples, args.per_device_train_batch_size))
+        if _calibration_samples(model) and _recipe(model) == "dkm" and train_dataloader is not None:
+            _calibrate_on(model, train_dataloader, args)
+
+
+def _calibrate_on(model: nn.Module, train_dataloader, args) -> None:
+    samples = _calibration_samples(model)
+    calibrate(model, first_examples(train_dataloader, samples, args.per_device_train_batch_size))
 
 
 def _calibration_samples(model: nn.Module) -> int:
@@ -67,7 +84,46 @@ def _calibration_samples(model: nn.Module) -> int:
     return 0 if layer is None else layer.settings.config.calibration_samples
 
 
-def install_default_callback() -> None:
-    """Make `DKMTrainingStateCallback` a default callback of every Trainer built from now on (idempotent; it does
-    nothing for models without DKM layers)."""
-    add_default_trainer_callback(DKMTrainingStateCallback)
+def _recipe(model: nn.Module) -> str:
+    layer = next((m for m in model.modules() if isinstance(m, DKMLinear)), None)
+    return "dkm" if layer is None else layer.settings.config.recipe
+
+
+def add_training_state_callback(trainer) -> bool:
+    """Add one `DKMTrainingStateCallback` to `trainer` when its model has trainable DKM layers and the trainer has none
+    yet (what `LLMKitTrainer` does at construction); returns whether the trainer now has one."""
+    callbacks = trainer.callback_handler.callbacks
+    if any(isinstance(cb, DKMTrainingStateCallback) for cb in callbacks):
+        return True
+    if not any(isinstance(m, (DKMLinear, DKMEmbedding)) for m in trainer.model.modules()):
+        return False
+    trainer.add_callback(DKMTrainingStateCallback())
+    return True
+
+
+UNDECIDED_MESSAGE = (
+    "this DKM model trains with its training state neither kept nor declined: pass "
+    "callbacks=[hf_llmkit.quantization.DKMTrainingStateCallback()] to your Trainer / SFTTrainer (hf_llmkit's "
+    "LLMKitTrainer adds it), or in a loop of your own call hf_llmkit.quantization.keep_training_state(model, True) "
+    "(resumable checkpoints) or (model, False) (compact saves)"
+)
+
+
+def guard_training_state(model: nn.Module) -> None:
+    """Make the first training forward of `model` (a model with trainable DKM layers) check that someone decided
+    about its training state (see the module docstring); idempotent."""
+    if not getattr(model, "_dkm_training_state_guard", False):
+        model.register_forward_pre_hook(_check_decided)
+        model._dkm_training_state_guard = True
+
+
+def _check_decided(model: nn.Module, args) -> None:
+    if not (model.training and torch.is_grad_enabled()):
+        return
+    layer = next((m for m in model.modules() if isinstance(m, (DKMLinear, DKMEmbedding))), None)
+    if layer is None or layer.keep_training_state is not None:
+        return
+    if _calibration_samples(model):
+        raise ValueError(f"DKMConfig(calibration_samples=...) would never run: {UNDECIDED_MESSAGE}")
+    warnings.warn(f"Trainer checkpoints would not resume bit for bit: {UNDECIDED_MESSAGE}", stacklevel=2)
+    keep_training_state(model, False)  # warned once: decided

@@ -26,27 +26,6 @@ def test_every_private_override_is_declared():
     assert all(f"`{name}`" in doc for name in TRAINER_PRIVATE_HOOKS)  # listed, with why, where users read
 
 
-def test_default_trainer_callbacks_reach_every_trainer(tmp_path):
-    """`add_default_trainer_callback` puts a callback into every Trainer built afterwards, once."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    from hf_llmkit.compat.transformers import add_default_trainer_callback
-    from hf_llmkit.testing import tiny_llama
-
-    class Probe(TrainerCallback):
-        pass
-
-    add_default_trainer_callback(Probe)
-    add_default_trainer_callback(Probe)
-    try:
-        args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])
-        for cls in (Trainer, LLMKitTrainer):
-            callbacks = cls(model=tiny_llama(), args=args).callback_handler.callbacks
-            assert sum(isinstance(cb, Probe) for cb in callbacks) == 1, cls
-    finally:
-        transformers.trainer.DEFAULT_CALLBACKS.remove(Probe)
-
-
 def test_cache_keyword_is_the_one_models_take():
     """A KV cache passed by `cache_keyword` reaches the model: its continuation equals the uncached forward (the
     keyword is `past_key_values` up to transformers 5.23 and `cache` from 5.24)."""

@@ -86,8 +86,10 @@ def sharded(model) -> bool:
 
 def trl_callbacks(setup: Setup) -> list:
     from hf_llmkit.callbacks import FaultToleranceCallback, LossScaleCallback, SavePeftModelCallback
+    from hf_llmkit.quantization import DKMTrainingStateCallback
 
-    return [FaultToleranceCallback(), LossScaleCallback(), *([SavePeftModelCallback()] if setup.peft else [])]
+    callbacks = [FaultToleranceCallback(), LossScaleCallback(), *([SavePeftModelCallback()] if setup.peft else [])]
+    return callbacks + ([DKMTrainingStateCallback()] if setup.dkm else [])  # a plain Trainer's DKM user adds it
 
 
 def train_trl_cell(setup: Setup, out_dir: Path, common: dict[str, Any], model, rows: list, peft_config) -> Any:

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_llmkit import DKMConfig
-from hf_llmkit.quantization import DKMLinear, calibrate, quantize_model
+from hf_llmkit.quantization import DKMLinear, DKMTrainingStateCallback, calibrate, quantize_model
 from hf_llmkit.quantization import _dkm as dkm
 from hf_llmkit.quantization.calibration import MOMENT_BYTES, _inputs, chunks, round_onto_table
 from hf_llmkit.quantization.layers import DKMSettings
@@ -208,7 +208,7 @@ def _trained(tmp_path, samples: int) -> dict[str, torch.Tensor]:
                                                    calibration_samples=samples))  # fmt: skip
     args = TrainingArguments(output_dir=str(tmp_path / str(samples)), max_steps=2, per_device_train_batch_size=2,
                              learning_rate=5e-3, use_cpu=True, report_to=[], save_strategy="no", seed=0)  # fmt: skip
-    Trainer(model=model, args=args, train_dataset=_Rows()).train()
+    Trainer(model=model, args=args, train_dataset=_Rows(), callbacks=[DKMTrainingStateCallback()]).train()
     return {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, DKMLinear)}
 
 

@@ -1,4 +1,4 @@
-"""DKM Trainer checkpoints resume bit for bit: a plain `Trainer` run (no callback added by hand) stopped after a
+"""DKM Trainer checkpoints resume bit for bit: a plain `Trainer` run with `DKMTrainingStateCallback` stopped after a
 checkpoint and resumed in a fresh process ends with the same latent weights, tables and saved model as an
 uninterrupted run (its final calibration included, `DKMConfig(calibration_samples=4)`); the final model stays
 compact."""
@@ -64,7 +64,7 @@ def train(base: str, out: str, mode: str, ids: str, block: int = 0) -> None:
         disable_tqdm=True,
         seed=0,
     )
-    callbacks = [KillAfterCheckpoint()] if mode == "stop" else []  # DKMTrainingStateCallback is a default one
+    callbacks = [DKMTrainingStateCallback(), *([KillAfterCheckpoint()] if mode == "stop" else [])]
     trainer = Trainer(model=model, args=args, train_dataset=_Rows(torch.load(ids)), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=f"{out}/checkpoint-{SAVE_EVERY}" if mode == "resume" else None)
     trainer.save_model(f"{out}/final")
@@ -152,16 +152,74 @@ def test_compact_checkpoint_resume_warns_that_it_is_not_bitwise(tmp_path, caplog
     assert torch.equal(q.weight.detach(), model.get_submodule(Q_PROJ).hard_weight(torch.float32))
 
 
-def test_quantizing_makes_the_callback_a_default_of_every_trainer(tmp_path):
+def test_no_process_wide_callback_llmkit_trainer_adds_one(tmp_path, caplog):
+    """Quantizing changes no transformers global: a plain Trainer (DKM model or not) starts without the callback;
+    `LLMKitTrainer` adds exactly one to a DKM model's run (also when one was passed, with no duplicate warning) and
+    none to any other model's."""
+    import transformers
+    from transformers import Trainer, TrainingArguments
+
+    from hf_llmkit.quantization import quantize_model
+    from hf_llmkit.trainers import LLMKitTrainer
+
+    defaults = list(transformers.trainer.DEFAULT_CALLBACKS)
+    model = quantize_model(tiny_llama(), DKMConfig(bits=2))
+    assert defaults == transformers.trainer.DEFAULT_CALLBACKS and DKMTrainingStateCallback not in defaults
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])
+
+    def count(trainer) -> int:
+        return sum(isinstance(cb, DKMTrainingStateCallback) for cb in trainer.callback_handler.callbacks)
+
+    with caplog.at_level(logging.WARNING):
+        assert count(Trainer(model=model, args=args)) == 0
+        assert count(Trainer(model=tiny_llama(), args=args)) == 0
+        assert count(LLMKitTrainer(model=model, args=args)) == 1
+        assert count(LLMKitTrainer(model=model, args=args, callbacks=[DKMTrainingStateCallback()])) == 1
+        assert count(LLMKitTrainer(model=tiny_llama(), args=args)) == 0
+    assert "already" not in caplog.text
+
+
+def _train_without_callback(tmp_path, config: DKMConfig) -> None:
     from transformers import Trainer, TrainingArguments
 
     from hf_llmkit.quantization import quantize_model
 
-    model = quantize_model(tiny_llama(), DKMConfig(bits=2))
-    for trainer_model in (model, tiny_llama()):  # a model without DKM layers gets it too, and it does nothing there
-        trainer = Trainer(model=trainer_model, args=TrainingArguments(str(tmp_path), use_cpu=True, report_to=[]))
-        found = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, DKMTrainingStateCallback)]
-        assert len(found) == 1
+    torch.manual_seed(0)
+    model = quantize_model(tiny_llama(), config)
+    args = TrainingArguments(str(tmp_path), max_steps=1, use_cpu=True, report_to=[], save_strategy="no")
+    Trainer(model=model, args=args, train_dataset=_Rows(torch.randint(0, 256, (4, 16)))).train()
+
+
+def test_forgetting_the_callback_is_loud(tmp_path):
+    """A plain Trainer without `DKMTrainingStateCallback`: asked-for calibration fails before the first step, and
+    otherwise a warning says the checkpoints would not resume bit for bit."""
+    with pytest.raises(ValueError, match="calibration_samples=...\\) would never run.*DKMTrainingStateCallback"):
+        _train_without_callback(tmp_path, DKMConfig(bits=2, calibration_samples=2))
+    with pytest.warns(UserWarning, match="would not resume bit for bit.*DKMTrainingStateCallback"):
+        _train_without_callback(tmp_path, DKMConfig(bits=2))
+
+
+def test_trl_sft_trainer_with_the_callback_calibrates_once(tmp_path, monkeypatch):
+    """TRL's SFTTrainer (its defaults: bf16 autocast) with `DKMTrainingStateCallback` in `callbacks` ends with exactly
+    one `calibrate`."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_llmkit.corpus import corpus_tokenizer
+    from hf_llmkit.quantization import quantize_model, training_state
+
+    calls = []
+    real = training_state.calibrate
+    monkeypatch.setattr(training_state, "calibrate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = quantize_model(tiny_llama(), DKMConfig(bits=3, calibration_samples=4))
+    rows = torch.randint(0, 256, (8, 24), generator=torch.Generator().manual_seed(1))
+    data = Dataset.from_dict({"input_ids": rows.tolist()})
+    args = SFTConfig(str(tmp_path), max_steps=1, per_device_train_batch_size=2, use_cpu=True, report_to=[],
+                     save_strategy="no")  # fmt: skip
+    tokenizer = corpus_tokenizer(vocab_size=512)
+    callbacks = [DKMTrainingStateCallback()]
+    SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=callbacks).train()
+    assert calls == [1]
 
 
 def test_keep_training_state_switch(tmp_path):

@@ -1,0 +1,82 @@
+"""`DKMConfig(recipe="calibrated")`: quantization-aware training from the best post-training state, one setting.
+
+The config fills in block scales, 16-bit tables, the sensitivity-weighted refit and 128 calibration samples where the
+user left the defaults; `DKMTrainingStateCallback` calibrates once, before the first step, never at the end; training
+moves the latent weights only (the calibrated tables and block scales stay), and the saved model is the trained
+latent weights' nearest-entry rounding onto them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from hf_llmkit import DKMConfig
+from hf_llmkit.quantization import DKMLinear, DKMTrainingStateCallback, quantize_model, training_state
+from hf_llmkit.testing import tiny_llama
+
+
+def test_the_recipe_fills_the_defaults_and_round_trips():
+    config = DKMConfig(bits=4, recipe="calibrated")
+    assert (config.scale_block_size, config.lut_dtype, config.calibration_refit) == (64, "float16", True)
+    assert (config.calibration_samples, config.dkm_iters) == (128, 0)
+    assert DKMConfig(**config.to_dict()) == config
+    mine = DKMConfig(recipe="calibrated", scale_block_size=32, calibration_samples=16)
+    assert (mine.scale_block_size, mine.calibration_samples) == (32, 16)  # what the user set is kept
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        DKMConfig(recipe="best")
+    with pytest.raises(ValueError, match="keeps its calibrated tables: set dkm_iters=0"):
+        DKMConfig(recipe="calibrated", dkm_iters=2)
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self):
+        self.rows = torch.randint(0, 256, (8, 24), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def test_a_run_calibrates_first_then_trains_the_latent_weights_only(tmp_path, monkeypatch):
+    calls = []
+    real = training_state.calibrate
+
+    def counting(model, batches):
+        tables = {n: m.centroids.clone() for n, m in model.named_modules() if isinstance(m, DKMLinear)}
+        done = real(model, batches)
+        calls.append({n: m.centroids.clone() for n, m in model.named_modules() if isinstance(m, DKMLinear)})
+        assert any(not torch.equal(tables[n], calls[-1][n]) for n in tables)  # the refit moved the tables
+        return done
+
+    monkeypatch.setattr(training_state, "calibrate", counting)
+    torch.manual_seed(0)
+    model = quantize_model(tiny_llama(), DKMConfig(bits=3, recipe="calibrated", calibration_samples=8))
+    scales = {n: m.scales.clone() for n, m in model.named_modules() if isinstance(m, DKMLinear)}
+    args = TrainingArguments(str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
+                             use_cpu=True, report_to=[], save_strategy="no")  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=_Rows(), callbacks=[DKMTrainingStateCallback()])
+    calibrated = {}
+    trainer.add_callback(_Snapshot(calibrated))
+    trainer.train()
+    assert len(calls) == 1  # before the first step, none at the end
+    for name, layer in model.named_modules():
+        if isinstance(layer, DKMLinear):
+            assert torch.equal(layer.centroids, calls[0][name])  # training kept the calibrated tables
+            assert torch.equal(layer.scales, scales[name])  # and the block scales
+            assert not torch.equal(layer.weight, calibrated[name])  # it moved the latent weights
+
+
+class _Snapshot(TrainerCallback):
+    """The latent weights as the first step sees them (after the start's calibration)."""
+
+    def __init__(self, out: dict):
+        self.out = out
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if not self.out:
+            self.out.update(
+                {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, DKMLinear)}
+            )
