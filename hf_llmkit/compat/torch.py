@@ -8,6 +8,10 @@
 - `Tensor._version`: the in-place modification counter. DKM's hard-weight cache (hf_llmkit.quantization.layers)
   is keyed by it, so an optimizer step or `load_state_dict` (both in place) invalidates the cache.
 
+- `torch.ops.aten.sigmoid_backward(g, y)`: `g y (1 - y)` in one pass. DKM's interval engine
+  (hf_llmkit.quantization.engines.interval) multiplies gradients by the sigmoid's slope with it; where it is gone the
+  product is written out (same values, more passes).
+
 Each has no public equivalent in torch 2.13; `tests/compat/test_torch.py` fails when one disappears or changes meaning.
 """
 
@@ -17,9 +21,10 @@ import torch
 
 CHECKED_AGAINST = "2.13.0"
 
-__all__ = ["CHECKED_AGAINST", "storage_use_count", "version_counter", "view_base"]
+__all__ = ["CHECKED_AGAINST", "sigmoid_slope", "storage_use_count", "version_counter", "view_base"]
 
 _STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+_SIGMOID_BACKWARD = getattr(torch.ops.aten, "sigmoid_backward", None)
 
 
 def storage_use_count(storage: torch.UntypedStorage) -> int | None:
@@ -37,3 +42,10 @@ def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
 def version_counter(tensor: torch.Tensor) -> int:
     """A counter that grows with every in-place change of `tensor` (and of tensors sharing its version counter)."""
     return tensor._version
+
+
+def sigmoid_slope(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`grad * y * (1 - y)` (the sigmoid's derivative at output `y`, times `grad`), a new tensor."""
+    if _SIGMOID_BACKWARD is None:
+        return (y - y.square()).mul_(grad)
+    return _SIGMOID_BACKWARD(grad, y)
