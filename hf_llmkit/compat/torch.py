@@ -11,6 +11,9 @@
   compiles one function into before it gives up on it. The packed-inference kernel (hf_llmkit.quantization.lut_gemv)
   needs one per kind of layer a model holds, more than the default 8 across models in one process; without it the
   kernel falls back to decoding the weight (correct, only slower).
+- `torch.ops.aten.sigmoid_backward(g, y)`: `g y (1 - y)` in one pass. DKM's interval engine
+  (hf_llmkit.quantization.engines.interval) multiplies gradients by the sigmoid's slope with it; where it is gone the
+  product is written out (same values, more passes).
 
 Each has no public equivalent in torch 2.11-2.14; `tests/compat/test_torch.py` fails when one disappears or changes
 meaning (`make test` runs it on the newest torch, `make test-lowest` on 2.11).
@@ -24,9 +27,17 @@ import torch
 
 CHECKED_AGAINST = "2.11.0"
 
-__all__ = ["CHECKED_AGAINST", "recompile_limit", "storage_use_count", "version_counter", "view_base"]
+__all__ = [
+    "CHECKED_AGAINST",
+    "recompile_limit",
+    "sigmoid_slope",
+    "storage_use_count",
+    "version_counter",
+    "view_base",
+]
 
 _STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+_SIGMOID_BACKWARD = getattr(torch.ops.aten, "sigmoid_backward", None)
 
 
 def storage_use_count(storage: torch.UntypedStorage) -> int | None:
@@ -53,3 +64,10 @@ def recompile_limit(limit: int) -> contextlib.AbstractContextManager:
     if config is None or not hasattr(config, "recompile_limit"):
         return contextlib.nullcontext()
     return config.patch(recompile_limit=limit)
+
+
+def sigmoid_slope(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`grad * y * (1 - y)` (the sigmoid's derivative at output `y`, times `grad`), a new tensor."""
+    if _SIGMOID_BACKWARD is None:
+        return (y - y.square()).mul_(grad)
+    return _SIGMOID_BACKWARD(grad, y)

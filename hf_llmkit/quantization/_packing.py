@@ -22,16 +22,19 @@ def pack_indices(indices: torch.Tensor, bits: int) -> torch.Tensor:
     flat = indices.reshape(-1).to(torch.int64)
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= 1 << bits):
         raise ValueError(f"indices must lie in [0, {1 << bits}) to be packed in {bits} bits")
-    shifts = torch.arange(bits, device=flat.device)
-    # Bit stream: index i occupies bits [i*bits, (i+1)*bits); chunks are multiples of 8 indices (whole bytes).
-    stream = torch.empty(flat.numel() * bits, dtype=torch.uint8, device=flat.device)
-    for start in range(0, flat.numel(), CHUNK):
+    # Index i occupies bits [i*bits, (i+1)*bits) of a little-endian bit stream: 8 indices fill `bits` whole bytes,
+    # so each group of 8 is one 64-bit integer whose low `bits` bytes are the group's bytes.
+    packed = torch.empty(packed_numel(flat.numel(), bits), dtype=torch.uint8, device=flat.device)
+    shifts = torch.arange(8, device=flat.device, dtype=torch.int64) * bits
+    bytes_out = torch.arange(bits, device=flat.device, dtype=torch.int64) * 8
+    for start in range(0, flat.numel(), CHUNK):  # CHUNK is a multiple of 8: chunks are whole groups
         part = flat[start : start + CHUNK]
-        stream[start * bits : (start + part.numel()) * bits] = ((part.unsqueeze(-1) >> shifts) & 1).reshape(-1)
-    pad = (-stream.numel()) % 8
-    stream = torch.cat([stream, stream.new_zeros(pad)]).reshape(-1, 8).to(torch.int32)
-    weights = 1 << torch.arange(8, device=flat.device, dtype=torch.int32)
-    return (stream * weights).sum(-1).to(torch.uint8)
+        groups = torch.nn.functional.pad(part, (0, (-part.numel()) % 8)).view(-1, 8)
+        word = (groups << shifts).sum(-1, keepdim=True)  # disjoint bit fields: the sum is their OR
+        chunk = ((word >> bytes_out) & 255).to(torch.uint8).view(-1)
+        first = start * bits // 8
+        packed[first : first + min(chunk.numel(), packed.numel() - first)] = chunk[: packed.numel() - first]
+    return packed
 
 
 def unpack_indices(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:

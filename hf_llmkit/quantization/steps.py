@@ -37,8 +37,8 @@ class Step:
 
 def fingerprint(vectors: torch.Tensor) -> torch.Tensor:
     """`[2G]`: per-group mean and standard deviation of `[G, n, d]` weight vectors, in float32."""
-    std, mean = torch.std_mean(vectors.detach().reshape(vectors.shape[0], -1).float(), dim=1)
-    return torch.cat([mean, std])
+    v = vectors.detach().reshape(vectors.shape[0], -1).float()
+    return torch.cat([v.mean(1), v.std(1)])  # two reductions: several times faster than std_mean's single pass
 
 
 def _buffer_id(centroids: torch.Tensor) -> tuple[int, int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_llmkit.compat.torch import CHECKED_AGAINST, storage_use_count, version_counter, view_base
+from hf_llmkit.compat.torch import CHECKED_AGAINST, sigmoid_slope, storage_use_count, version_counter, view_base
 
 WHERE = f"torch {torch.__version__} (checked against {CHECKED_AGAINST})"
 
@@ -43,3 +43,9 @@ def test_recompile_limit_raises_dynamo_limit():
     with recompile_limit(before + 5):
         assert dynamo_config.recompile_limit == before + 5, f"{WHERE}: dynamo's recompile_limit setting is gone"
     assert dynamo_config.recompile_limit == before
+
+
+def test_sigmoid_slope_is_the_sigmoid_derivative_in_one_op():
+    assert getattr(torch.ops.aten, "sigmoid_backward", None) is not None, f"{WHERE}: aten.sigmoid_backward is gone"
+    y, g = torch.rand(50, dtype=torch.float64), torch.randn(50, dtype=torch.float64)
+    torch.testing.assert_close(sigmoid_slope(g, y), g * y * (1 - y), rtol=1e-15, atol=1e-15)

@@ -32,6 +32,12 @@ BUCKETED_FROM = 1 << 22
 RUN = {"naive": naive.run, "table": table.run, "bucketed": bucketed.run, "interval": interval.run}
 
 
+def all_finite(weight: torch.Tensor) -> bool:
+    """Whether every weight is finite: a finite sum says so in one reduction (a sum that overflows or is NaN/Inf
+    falls back to checking each weight)."""
+    return bool(torch.isfinite(weight.sum())) or bool(torch.isfinite(weight).all())
+
+
 def unsupported(engine: str, dtype: torch.dtype, cluster_dim: int, sharded: bool) -> str | None:
     """Why `engine` cannot cluster such a layer (None when it can); a pinned engine that cannot raises early."""
     if engine in ("naive", "interval") and sharded:
@@ -65,12 +71,12 @@ def resolve(settings, weight: torch.Tensor, group) -> str:
         if not cfg.uniquify and not sharded:
             return "naive"
         if unsupported("bucketed", weight.dtype, settings.cluster_dim, sharded) is None:  # float32 scalars
-            if not bool(torch.isfinite(weight).all()):
+            if not all_finite(weight):
                 return "table"
             return "bucketed" if weight.numel() // settings.groups >= BUCKETED_FROM else "interval"
         return "table"
     reason = unsupported(cfg.engine, weight.dtype, settings.cluster_dim, sharded)
-    if reason is None and cfg.engine in ("bucketed", "interval") and not bool(torch.isfinite(weight).all()):
+    if reason is None and cfg.engine in ("bucketed", "interval") and not all_finite(weight):
         reason = f"the weights hold NaN/Inf and the {cfg.engine} engine needs finite ones (engine='auto' uses 'table')"
     if reason is not None:
         raise ValueError(f"DKMConfig(engine={cfg.engine!r}): {reason}.")

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_llmkit.compat.torch import sigmoid_slope
 from hf_llmkit.quantization import _dkm as dkm
 from hf_llmkit.quantization._dkm import autocast_off
 
@@ -79,7 +80,7 @@ class Cells:
         ext = torch.cat([c, c.new_full((groups, 1), float("inf"))], 1).view(-1)
         w_flat = w.reshape(-1)
         for _ in range(int(per_cell.max())):  # the centroids sharing a weight's cell, compared one by one
-            j += ext.index_select(0, j) < w_flat
+            j += (ext.index_select(0, j) < w_flat).int()  # an int32 add (a bool operand takes a slow promoting path)
         return j.view(w.shape)
 
 
@@ -125,9 +126,10 @@ class Tables:
         return torch.where(den > 1e-30, num / den.clamp_min(1e-30), c)
 
 
-def _share(kw, j, theta):
-    """The left share `u = sigmoid(theta_j - kappa w)` `[G, n]` of every weight from its interval's `theta_j`."""
-    return torch.sigmoid_(theta.index_select(0, j.view(-1)).view_as(kw).sub_(kw))
+def _share(w, kappa, j, theta):
+    """The left share `u = sigmoid(theta_j - kappa w)` `[G, n]` of every weight from its interval's `theta_j` (one
+    gather, one fused multiply-subtract, one sigmoid)."""
+    return torch.sigmoid_(theta.index_select(0, j.view(-1)).view_as(w).addcmul_(w, kappa, value=-1.0))
 
 
 def _pack(j: torch.Tensor, width: int) -> torch.Tensor:
@@ -152,12 +154,12 @@ def _offsets(j: torch.Tensor, width: int) -> torch.Tensor:
 
 class _Sums(torch.autograd.Function):
     """Per-interval `sum u`, `sum u w`, `sum w` (`[3, G (K+1)]`) of one DKM step, differentiable in `w` and the
-    intervals' `theta` (flat `[G (K+1)]`); `kw = kappa w` and the intervals `j` are given. Saves the intervals in a
-    byte per weight; `kappa w` and `u` are recomputed in backward."""
+    intervals' `theta` (flat `[G (K+1)]`); the intervals `j` are given. Saves the intervals in a byte per weight; `u`
+    is recomputed in backward."""
 
     @staticmethod
-    def forward(ctx, w, kw, j, theta, kappa):
-        u = _share(kw, j, theta)
+    def forward(ctx, w, j, theta, kappa):
+        u = _share(w, kappa, j, theta)
         flat = j.view(-1)
         out = w.new_zeros(3, theta.shape[0])
         out[0].index_add_(0, flat, u.view(-1))
@@ -172,21 +174,21 @@ class _Sums(torch.autograd.Function):
         w, packed, theta, kappa = ctx.saved_tensors
         j = _unpack(packed, theta.shape[0] // w.shape[0])
         flat = j.view(-1)
-        u = _share(w * kappa, j, theta)
+        u = _share(w, kappa, j, theta)
         g_u, g_uw, g_w = (grad[i].index_select(0, flat).view_as(w) for i in range(3))
         # d/dw of g_u u + g_uw u w + g_w w, with du/d(theta) = u (1 - u) and du/dw = -kappa u (1 - u)
-        slope = torch.addcmul(g_u, g_uw, w).mul_(u - u.square())
+        slope = sigmoid_slope(torch.addcmul(g_u, g_uw, w), u)
         grad_theta = w.new_zeros(theta.shape).index_add_(0, flat, slope.view(-1))
-        grad_w = torch.addcmul(g_w, g_uw, u).sub_(slope.mul_(kappa))
-        return grad_w, None, None, grad_theta, None
+        grad_w = torch.addcmul(g_w, g_uw, u).addcmul_(slope, kappa, value=-1.0)
+        return grad_w, None, grad_theta, None
 
 
 class _Output(torch.autograd.Function):
     """DKM's soft weight `b_j + d_j u` `[G, n]`, differentiable in `w` and the intervals' `theta`, `b`, `d`."""
 
     @staticmethod
-    def forward(ctx, w, kw, j, theta, kappa, b, d):
-        u = _share(kw, j, theta)
+    def forward(ctx, w, j, theta, kappa, b, d):
+        u = _share(w, kappa, j, theta)
         flat = j.view(-1)
         ctx.save_for_backward(w, _pack(j, theta.shape[0] // w.shape[0]), theta, kappa, d)
         return torch.addcmul(b.index_select(0, flat).view_as(w), d.index_select(0, flat).view_as(w), u)
@@ -197,13 +199,13 @@ class _Output(torch.autograd.Function):
         w, packed, theta, kappa, d = ctx.saved_tensors
         j = _unpack(packed, theta.shape[0] // w.shape[0])
         flat = j.view(-1)
-        u = _share(w.detach() * kappa, j, theta)
+        u = _share(w.detach(), kappa, j, theta)
         grad = grad.reshape(w.shape).to(w.dtype)
         grad_b = w.new_zeros(theta.shape).index_add_(0, flat, grad.view(-1))
         grad_d = w.new_zeros(theta.shape).index_add_(0, flat, (grad * u).view(-1))
-        slope = (u - u.square()).mul_(grad).mul_(d.index_select(0, flat).view_as(w))  # g d u (1 - u)
+        slope = sigmoid_slope(grad, u).mul_(d.index_select(0, flat).view_as(w))  # g d u (1 - u)
         grad_theta = w.new_zeros(theta.shape).index_add_(0, flat, slope.view(-1))
-        return -slope.mul_(kappa), None, None, grad_theta, None, grad_b, grad_d
+        return slope.mul_(-kappa), None, grad_theta, None, grad_b, grad_d
 
 
 def soft_dkm(w: torch.Tensor, centroids: torch.Tensor, tau: torch.Tensor, iters: int, eps: torch.Tensor):
@@ -214,14 +216,13 @@ def soft_dkm(w: torch.Tensor, centroids: torch.Tensor, tau: torch.Tensor, iters:
     cells = Cells.of(w.detach())
     tau = tau.to(w.dtype).view(-1, 1)
     kappa = 2.0 / tau
-    kw = w.detach() * kappa
     c = centroids.to(w.dtype)
     for _ in range(iters):
         cs, order = c.sort(1)
         tables = Tables.of(cs, tau)
         j = cells.intervals(w.detach(), cs)
         count = torch.bincount(j.view(-1), minlength=groups * (k + 1)).to(w.dtype).view(groups, k + 1)
-        sums = _Sums.apply(w, kw, j, tables.theta.reshape(-1), kappa)
+        sums = _Sums.apply(w, j, tables.theta.reshape(-1), kappa)
         new = torch.empty_like(c).scatter(1, order, tables.update(cs, count, *sums.view(3, groups, k + 1)))
         converged = bool(((new - c).abs().amax(dim=1) <= eps).all())
         c = new
@@ -231,7 +232,7 @@ def soft_dkm(w: torch.Tensor, centroids: torch.Tensor, tau: torch.Tensor, iters:
     tables = Tables.of(cs, tau)
     j = cells.intervals(w.detach(), cs)
     flat = [t.reshape(-1) for t in (tables.theta, tables.b, tables.a - tables.b)]
-    return _Output.apply(w, kw, j, flat[0], kappa, *flat[1:]), c
+    return _Output.apply(w, j, flat[0], kappa, *flat[1:]), c
 
 
 def run(x, weight, centroids, settings, group=None):
