@@ -491,3 +491,20 @@ def dkm_quality(results: dict) -> str:
             rows.append([label, f"{s['min_s']:.3f}", f"{s['median_s']:.3f}", ratio])
         text += "\n\n" + markdown_table(rows)
     return text + "\n\n" + measured(data)
+
+
+@fragment("dkm_inference", "dkm_inference")
+def dkm_inference(results: dict) -> str:
+    """benchmarks/dkm_inference.py: generate speed, prefill and memory of ours against dense and 3-4 bit peers."""
+    from _inference_report import heading, table
+
+    data = results["dkm_inference"]
+    parts = []
+    for size_name, size in data["sizes"].items():
+        for threads in size["threads"]:
+            parts.append(heading(size_name, size, threads, data["config"]) + "\n\n" + table(size, threads))
+    verdict = "\n".join(f"- {line}" for line in data["verdicts"])
+    threads = ", ".join(str(t) for t in data["config"]["threads"])
+    return (
+        "\n\n".join(parts) + "\n\nThe targets:\n\n" + verdict + "\n\n" + measured(data, f"{threads} torch thread(s)")
+    )
