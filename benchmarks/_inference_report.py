@@ -104,7 +104,7 @@ def verdicts(results: dict) -> list[str]:
                 target = 1.0 if bits == 3 else 0.9
                 what = "the fastest 3-bit format" if bits == 3 else "within 10% of the fastest 4-bit format"
                 lines.append(
-                    f"{where} {bits}-bit: ours {what}: {_says(ratio >= target)} (best ours {best} "
+                    f"{where} {bits}-bit: ours {what}: {_says(ratio >= target)} (best: {best} "
                     f"{ours_b[best]['tokens_per_s_b1']:.1f} tokens/s, fastest peer {peer} "
                     f"{peers[peer]['tokens_per_s_b1']:.1f}: {ratio:.2f}x)"
                 )
@@ -125,14 +125,16 @@ def table(size: dict, threads: str) -> str:
             "decoder weights MiB",
             "x bf16",
             "whole model MiB",
-            "peak RSS MiB (inference)",
+            "peak RSS over imports MiB: load / inference",
             "layer",
         ]
     ]
+    reasons = []
     for name, v in size["threads"][threads]["summary"].items():
         label = f"**{name}**" if name.startswith("ours") else name
         if "error" in v:
-            rows.append([label, f"did not run: {v['error'][:160]}", *[""] * 10])
+            rows.append([label, "did not run (below)", *[""] * 10])
+            reasons.append(f"- {name}: {v['error']}")
             continue
         peak = f"{v['peak_load_over_base_mib']:,.0f} / {v['peak_inference_over_base_mib']:,.0f}"
         rows.append(
@@ -152,8 +154,9 @@ def table(size: dict, threads: str) -> str:
             ]
         )
     for name, why in size.get("not_run", {}).items():
-        rows.append([name, why, *[""] * 10])
-    return markdown_table(rows)
+        rows.append([name, "not run (below)", *[""] * 10])
+        reasons.append(f"- {name}: {why}")
+    return markdown_table(rows) + ("\n\nWhy a variant did not run:\n\n" + "\n".join(reasons) if reasons else "")
 
 
 def heading(size_name: str, size: dict, threads: str, config: dict) -> str:

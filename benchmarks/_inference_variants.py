@@ -126,7 +126,7 @@ def _gptq_prepare(spec: dict, out: Path) -> None:
 
     tokenizer = corpus_tokenizer(vocab_size=4096)
     ids = tokenizer("\n".join(corpus_texts()[:400]))["input_ids"]
-    block, count = 128, spec.get("calibration_blocks", 16)
+    block, count = 128, spec.get("calibration_blocks", 8)
     samples = [
         {
             "input_ids": torch.tensor([ids[i * block : (i + 1) * block]]),

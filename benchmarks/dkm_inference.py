@@ -18,14 +18,18 @@ Per variant: batch-1 and batch-8 greedy `generate` tokens/s (new tokens after a 
 the time of one prefill forward of 512 tokens, the bytes of the tensors the model holds (whole model and decoder
 layers) and the peak resident memory (`VmHWM`) of loading and of inference. Each variant runs in a fresh process
 per round (its memory its own), the variants in an order rotated each round; ratios to dense bf16 are per round.
-Writes benchmarks/results/dkm_inference.json and dkm_inference.png; prints the targets' verdict lines.
+Writes benchmarks/results/dkm_inference.json and dkm_inference.png; prints the targets' verdict lines. With
+$HF_LLMKIT_BENCH_LOCK naming a file, the timed rounds hold a lock on it (the preparation runs before, unlocked).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import multiprocessing
+import os
 import statistics
 import sys
 import tempfile
@@ -123,6 +127,39 @@ def _worker(mode: str, spec: dict, work: Path, timeout: float) -> dict:
     return json.loads(out.read_text())
 
 
+@contextlib.contextmanager
+def timing_lock():
+    """Hold the file lock named by $HF_LLMKIT_BENCH_LOCK (if set) around the timed rounds, so that two timing runs on
+    a shared machine never overlap; the preparation (quantizing, saving) runs before it, unlocked."""
+    path = os.environ.get("HF_LLMKIT_BENCH_LOCK")
+    if not path:
+        yield
+        return
+    with open(path, "a") as handle:
+        print("waiting for the timing lock", flush=True)
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def run_rounds(size: str, specs: dict, names: list[str], threads: int, rounds: int, work: Path) -> dict:
+    """`rounds` rounds of every variant, each a fresh process, in an order rotated each round."""
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    before = machine_state()
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            got = _worker("measure", dict(specs[name], threads=threads), work, 1800)
+            runs[name].append(got)
+            tps = f"{statistics.median(got['tokens_per_s_b1']):.1f} tokens/s" if "error" not in got else got["error"]
+            print(f"[{size}, {threads} thr, round {r + 1}] {name}: {tps}", flush=True)
+            if "error" in got and specs[name]["kind"] in ("dense", "ours"):
+                raise SystemExit(f"error: {name} failed: {got['error']}")  # ours and dense must run
+    return {"runs": runs, "before": before, "after": machine_state()}
+
+
 def run_size(size: str, args, device: str, work: Path) -> dict:
     shape, variants = SHAPES[size], plan(size, args.quick)
     folder = work / size
@@ -148,21 +185,9 @@ def run_size(size: str, args, device: str, work: Path) -> dict:
     prepare_s = time.perf_counter() - start
     names = list(specs)
     cells = {}
-    for threads in args.threads:
-        runs: dict[str, list[dict]] = {name: [] for name in names}
-        before = machine_state()
-        for r in range(args.rounds[size]):
-            shift = r % len(names)
-            for name in names[shift:] + names[:shift]:
-                got = _worker("measure", dict(specs[name], threads=threads), work, 1800)
-                runs[name].append(got)
-                tps = (
-                    f"{statistics.median(got['tokens_per_s_b1']):.1f} tokens/s" if "error" not in got else got["error"]
-                )
-                print(f"[{size}, {threads} thr, round {r + 1}] {name}: {tps}", flush=True)
-                if "error" in got and specs[name]["kind"] in ("dense", "ours"):
-                    raise SystemExit(f"error: {name} failed: {got['error']}")  # ours and dense must run
-        cells[str(threads)] = {"runs": runs, "before": before, "after": machine_state()}
+    with timing_lock():
+        for threads in args.threads:
+            cells[str(threads)] = run_rounds(size, specs, names, threads, args.rounds[size], work)
     skipped = {k: v for k, v in NOT_RUN_AT_1B.items() if size == "1b" and not args.quick}
     specs_out = {n: {k: v for k, v in s.items() if k not in ("dir", "dense_dir", "shape")} for n, s in specs.items()}
     return {
