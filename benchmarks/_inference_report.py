@@ -185,7 +185,7 @@ def plot(results: dict) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    from _common import RESULTS
+    from _common import save_figure
 
     sizes = list(results["sizes"].items())
     fig, axes = plt.subplots(1, len(sizes), figsize=(7 * len(sizes), 5), squeeze=False)
@@ -208,9 +208,4 @@ def plot(results: dict) -> Path | None:
             fontsize=9,
         )
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "dkm_inference.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, "dkm_inference")
