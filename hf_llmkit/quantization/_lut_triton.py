@@ -1,7 +1,7 @@
 """Triton LUT-GEMV of a palettized weight (the GPU path of `lut_gemv`), in the style of FLUTE's LUT-quantized GEMM
 with group scales: each program owns `BLOCK_R` output channels of one token and walks the input features in tiles,
 reading every weight's index bits from the packed stream, looking the index up in its channel's table (`[G, K, d]`,
-float32, cached), multiplying by the block scale, rounding to `x`'s dtype (as the decoded path rounds its weight)
+float32), multiplying by the block scale, rounding to `x`'s dtype (as the decoded path rounds its weight)
 and reducing against `x` in float32. The weight is never written to memory.
 
 Imported only where triton is installed; runs on CPU tensors under `TRITON_INTERPRET=1` (the tests do).
@@ -15,6 +15,7 @@ import triton.language as tl
 
 BLOCK_R = 32
 BLOCK_C = 128
+ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # each weight is rounded to x's dtype
 
 
 @triton.jit
@@ -34,6 +35,7 @@ def _lut_gemv_kernel(
     K: tl.constexpr,
     D: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    ROUND: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -57,7 +59,12 @@ def _lut_gemv_kernel(
         if HAS_SCALE:
             w = w * tl.load(scale_ptr + r[:, None] * n_blocks + c[None, :] // block, mask=m, other=0.0)
         xv = tl.load(x_ptr + b * cols + c, mask=cmask, other=0.0)
-        w = w.to(xv.dtype).to(tl.float32)
+        if ROUND == 1:  # to bfloat16, nearest-even, by bits (the interpreter's cast truncates)
+            u = w.to(tl.int32, bitcast=True)
+            u = (u + 0x7FFF + ((u >> 16) & 1)) & -65536
+            w = u.to(tl.float32, bitcast=True)
+        elif ROUND == 2:
+            w = w.to(tl.float16).to(tl.float32)
         acc += tl.sum(w * xv.to(tl.float32)[None, :], axis=1)
     tl.store(y_ptr + b * rows + r, acc, mask=rmask)
 
@@ -88,6 +95,7 @@ def lut_gemv(
         K=k,
         D=d,
         HAS_SCALE=scale is not None,
+        ROUND=ROUNDING[x.dtype],
         BLOCK_R=BLOCK_R,
         BLOCK_C=BLOCK_C,
     )

@@ -38,6 +38,7 @@ ENV = "HF_LLMKIT_DKM_KERNEL"
 RECOMPILE_LIMIT = 64  # compiled specialisations of the kernel (dtype x bits x table kind x scales...) per process
 MAX_FUSED_TOKENS = 8  # above: decode the weight once and let the matmul library multiply (prefill)
 
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # others (float64) decode
 _logged: set[tuple[str, str]] = set()
 _broken: set[str] = set()  # device types where torch.compile failed once
 _compiled = None
@@ -151,7 +152,7 @@ def linear(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     x = x.to(dtype)
     tokens = x.numel() // max(x.shape[-1], 1)
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
-    if tokens > MAX_FUSED_TOKENS or needs_grad or not x.is_floating_point():
+    if tokens > MAX_FUSED_TOKENS or needs_grad or dtype not in FUSED_DTYPES:
         return F.linear(x, decode_weight(layer, dtype), None if bias is None else bias.to(dtype))
     path = choose_path(x.device)
     if path == "eager":
