@@ -371,8 +371,16 @@ def plot_lines(
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return save_figure(fig, name)
+
+
+def save_figure(fig: Any, name: str, dpi: int = 110) -> Path:
+    """`benchmarks/results/<name>.png` from a matplotlib figure (laid out tightly), which is then closed."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
+    RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{results_name(name)}.png"
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path

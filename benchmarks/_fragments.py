@@ -513,6 +513,29 @@ def dkm_quality(results: dict) -> str:
     return text + "\n\n" + measured(data)
 
 
+SIZE_NAMES = {"issue": "issue's model", "1b": "~1B-parameter shape"}
+
+
+@fragment("dkm_inference", "dkm_inference")
+def dkm_inference(results: dict) -> str:
+    """benchmarks/dkm_inference.py: generate speed, prefill and memory of ours against dense and 3-4 bit peers."""
+    from _inference_report import heading, table
+
+    data = results["dkm_inference"]
+    parts = []
+    for size_name, size in data["sizes"].items():
+        for threads in size["threads"]:
+            parts.append(heading(size_name, size, threads, data["config"]) + "\n\n" + table(size, threads))
+    missing = [name for name in ("issue", "1b") if name not in data["sizes"]]
+    if missing and "--quick" not in data["argv"]:
+        parts.append(f"Not part of this run: the {' and the '.join(SIZE_NAMES[m] for m in missing)} (`--sizes`).")
+    verdict = "\n".join(f"- {line}" for line in data["verdicts"])
+    threads = ", ".join(str(t) for t in data["config"]["threads"])
+    return (
+        "\n\n".join(parts) + "\n\nThe targets:\n\n" + verdict + "\n\n" + measured(data, f"{threads} torch thread(s)")
+    )
+
+
 # -- CUDA: the same tables from the GPU check's results (benchmarks/gpu_check.py), rendered in docs/gpu.md -----------
 
 CUDA_VARIANTS = ("moe_layers", "moe_summary", "dkm_speed", "sp_memory", "sp_time", "peft_llama", "quickstart")

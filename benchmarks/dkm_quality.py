@@ -202,7 +202,7 @@ def plot(results: dict) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    from _common import RESULTS
+    from _common import save_figure
 
     panels = [(w, r) for w, r in results["workloads"].items() if r["rows"]]
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
@@ -220,12 +220,7 @@ def plot(results: dict) -> Path | None:
         ax.set_title(name, fontsize=9)
         if metric == "ppl":
             ax.set_yscale("log")
-    fig.tight_layout()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "dkm_quality.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, "dkm_quality", dpi=120)
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ NOT_RUN_ALONE = {
 CASES = {
     "dkm.py": ("dkm.json", ()),
     "dkm_quality.py": ("dkm_quality.json", ()),  # the peers: benchmarks/install_peers.sh
+    "dkm_inference.py": ("dkm_inference.json", pytest.mark.slow),  # a fresh process per variant and round
     "lm_data_memory.py": ("lm_data_memory.json", ()),  # one 8 MB line
     "moe.py": ("moe.json", pytest.mark.slow),
     "callbacks.py": ("callbacks.json", pytest.mark.slow),
@@ -40,6 +41,22 @@ CASES = {
     "quickstart.py": ("quickstart.json", pytest.mark.slow),
     "sequence_parallel.py": ("sequence_parallel.json", pytest.mark.slow),
 }
+
+
+def check_dkm_inference(data: dict) -> None:
+    """Ours ran through the compact `PalettizedLinear` layers; every other variant ran or records why not (a peer
+    that is not installed is a row with its reason)."""
+    summary = data["sizes"]["tiny"]["threads"]["1"]["summary"]
+    ours = {name: row for name, row in summary.items() if name.startswith("ours")}
+    assert ours and all(row["module"] == "PalettizedLinear" for row in ours.values()), ours
+    assert all(row["decoder_weights_x_bf16"] < 0.5 for row in ours.values()), ours
+    for name, row in summary.items():
+        assert ("error" in row and row["error"].strip()) or row["tokens_per_s_b1"] > 0, (name, row)
+    assert summary["dense bf16"]["decoder_weights_x_bf16"] == 1.0
+    assert any(line.startswith("[tiny, 1 thread] 3-bit") for line in data["verdicts"]), data["verdicts"]
+
+
+CHECKS = {"dkm_inference.py": check_dkm_inference}  # what a script's quick results must show beyond the common
 
 
 def entry_points() -> set[str]:
@@ -76,6 +93,7 @@ def test_quick_mode_runs_to_completion_on_cpu(tmp_path, script, written):
     assert recorded["command"] == f"python benchmarks/{script} --quick --device cpu"
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", recorded["date"])
     assert recorded["machine"]["cores"] and recorded["load_1min"]["max"] >= 0
+    CHECKS.get(script, lambda data: None)(data)
     # every docs fragment made from this script's results renders from what the script writes today
     for name, fragment in report.FRAGMENTS.items():
         if fragment.files == (written[: -len(".json")],):
