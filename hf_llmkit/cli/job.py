@@ -415,9 +415,9 @@ def run_job(job: Job, steps: DataSteps, argv: list[str] | None = None) -> dict[s
         # one run per output folder: a second run into it stops here, before any work (held until the job ends)
         lock = hold_output_dir(args.training.output_dir, main=args.training.process_index == 0)
         try:
-            write_flag_record(args, job.prog)
             built = build_model(args, load_tokenizer(args.model))
             train, evaluation = steps.prepare(args, built, data)
+            write_flag_record(args, job.prog)  # once nothing the input decides can refuse the run
         except BaseException:
             lock.release(clean=True)  # rejected before any work: no output folder left behind
             raise

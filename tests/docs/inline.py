@@ -24,6 +24,12 @@ UNTESTED: dict[str, str] = {  # pattern (whole command) -> why the docs test doe
     r"bash \.ci/run": "CI itself: it runs the whole suite, this test included",
     r"(?:\.venv/bin/)?python -m pytest .*": "runs part of the suite, which `make test` (a block command) runs whole",
     r"accelerate launch": "the launcher's name in prose; its documented commands are blocks",
+    r"python -m hf_llmkit\.quantization\.export (?:onnx|coreml) CHECKPOINT .*": "placeholders for the user's paths; "
+    "tests/quantization/test_export_onnx.py runs the command on a saved checkpoint",
+    r"pip install --no-(?:index|deps) .*": "what the GPU check's install part runs on the GPU machine "
+    "(benchmarks/gpu_check.py); its plumbing mode runs in tests/benchmarks/test_gpu_check.py",
+    r"pytest -m gpu tests/gpu": "the CUDA tests (`make test-gpu`); without a GPU they skip with their reason in "
+    "`make test`",
 }
 JOB = re.compile(r"python examples/(run_\w+)\.py(?: (.*))?")
 

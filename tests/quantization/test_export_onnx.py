@@ -110,3 +110,20 @@ def test_command_refuses_a_model_without_dkm_layers(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1].startswith("error: export_onnx: the model has no DKM layers")
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_command_exports_a_saved_checkpoint_that_runs_like_the_model(tmp_path):
+    """The documented command on a compact checkpoint: `python -m hf_llmkit.quantization.export onnx CHECKPOINT
+    model.onnx` writes a file onnxruntime runs to the reloaded model's logits."""
+    import subprocess
+    import sys
+
+    quantize_model(tiny_llama(num_hidden_layers=1), DKMConfig(bits=3)).eval().save_pretrained(tmp_path / "dkm")
+    cmd = [sys.executable, "-m", "hf_llmkit.quantization.export", "onnx", str(tmp_path / "dkm"), "model.onnx"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ids = torch.randint(0, 512, (1, 8))
+    (logits,) = ort.InferenceSession(str(tmp_path / "model.onnx")).run(None, {"input_ids": ids.numpy()})
+    with torch.no_grad():
+        ours = AutoModelForCausalLM.from_pretrained(tmp_path / "dkm")(ids).logits.numpy()
+    assert np.abs(logits - ours).max() <= 1e-5
