@@ -27,7 +27,9 @@ from tests.docs.pages import MACHINE_PLACEHOLDER, Command
 
 # Tiny sizes for a model built from scratch; a size the command types wins.
 SIZES = {"--vocab_size": "512", "--hidden_size": "64", "--intermediate_size": "128", "--num_hidden_layers": "2",
-         "--max_position_embeddings": "64", "--block_size": "32"}  # fmt: skip
+         "--max_position_embeddings": "128", "--block_size": "32"}  # fmt: skip
+# run_sft.py's examples hold the prompt template too (its default alone is 75 tokens): a longer budget
+SFT_LENGTH = "96"
 # Step counts: always appended, after the command's own flags (the last value of a flag wins).
 STEPS = ["--max_steps", "2", "--save_steps", "2"]
 # Small batches and sample counts, and quiet logs: appended for the flags the command did not type.
@@ -55,11 +57,12 @@ def capped(args: list[str], script: str = "examples/run_clm.py") -> list[str]:
     command did not type (run_sft.py's examples are `--max_seq_length` long, run_clm.py's blocks `--block_size`)."""
     from_scratch = "--model_name_or_path" not in args and not (args and args[0].endswith(".json"))
     typed = {a.split("=")[0] for a in args if a.startswith("--")}
-    length = "--max_seq_length" if script.endswith("run_sft.py") else "--block_size"
-    tiny = {**{k: v for k, v in SIZES.items() if k != "--block_size"}, length: SIZES["--block_size"]}
+    sft = script.endswith("run_sft.py")
+    length, budget = ("--max_seq_length", SFT_LENGTH) if sft else ("--block_size", SIZES["--block_size"])
+    tiny = {**{k: v for k, v in SIZES.items() if k != "--block_size"}, length: budget}
     sizes = [x for flag, value in tiny.items() if flag not in typed for x in (flag, value)]
-    if not from_scratch:
-        sizes = sizes[-2:] if length not in typed else []
+    if not from_scratch:  # run_sft.py: its default, min(256, the model's context)
+        sizes = sizes[-2:] if length not in typed and not sft else []
     if "--warmup_ratio" in typed:
         typed.add("--warmup_steps")  # one of the two
     small = [x for flag, value in SMALL.items() if flag not in typed for x in (flag, value)]
