@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from hf_llmkit.compat.torch import recompile_limit
 from hf_llmkit.quantization import _dkm as dkm
-from hf_llmkit.quantization._packing import unpack_words
+from hf_llmkit.quantization._packing import unpack_indices
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def _log_once(device_type: str, path: str, reason: str = "") -> None:
 def decode_weight(layer, dtype: torch.dtype) -> torch.Tensor:
     """The layer's dense weight in `dtype`, decoded with whole-tensor ops: bit for bit the hard assignment's."""
     s = layer.settings
-    idx = unpack_words(layer.weight_packed, s.bits)[: layer.count].to(torch.int64).reshape(s.groups, -1)
+    idx = unpack_indices(layer.weight_packed, s.bits, layer.count).reshape(s.groups, -1)
     return dkm.decode(layer.weight_lut, idx, layer.weight_shape, layer.weight_scale).to(dtype)
 
 
