@@ -7,13 +7,16 @@ is the one place that decides how they multiply:
 
 - `"triton"`: CUDA tensors where triton imports: a hand-written LUT-GEMV kernel (`_lut_triton.py`, in the style of
   FLUTE) reads the index bits, looks them up in the table, scales them and reduces against `x`, in one pass.
+- `"native"`: CPU tensors where the C kernel builds (`_lut_native.py`: one index per weight, rows of whole bytes):
+  the same single pass in C, with AVX-512 loops where the CPU has VBMI; it also decodes weights for prefill.
 - `"compile"`: `torch.compile` of `fused_lut_gemv`, the same computation as one torch definition (inductor generates
   C++ on CPU, Triton on GPU); used where it compiles, else `"eager"` (the failure is logged once).
 - `"eager"`: the weight is decoded with a few whole-tensor ops (`decode_weight`) and `F.linear` multiplies.
 
 The fused paths serve up to `MAX_FUSED_TOKENS` tokens (token-by-token decoding, where the product is bound by
 reading the weight); longer inputs (prefill), inputs that need a gradient and `HF_LLMKIT_DKM_KERNEL=eager` decode the
-weight once per forward. `HF_LLMKIT_DKM_KERNEL` (`auto`, `eager`, `compile`, `triton`) forces a path; the path each
+weight once per forward (with the C kernel where it serves, else whole-tensor torch ops) and let the matmul library
+multiply. `HF_LLMKIT_DKM_KERNEL` (`auto`, `eager`, `native`, `compile`, `triton`) forces a path; the path each
 device type takes is logged once. All paths decode the same float32 weight as the hard assignment (`_dkm.decode`):
 the decoded paths give the same logits bit for bit, the fused ones within float32 rounding of the reduction.
 """
@@ -29,11 +32,12 @@ import torch.nn.functional as F
 
 from hf_llmkit.compat.torch import recompile_limit
 from hf_llmkit.quantization import _dkm as dkm
+from hf_llmkit.quantization import _lut_native as native
 from hf_llmkit.quantization._packing import unpack_indices
 
 logger = logging.getLogger(__name__)
 
-PATHS = ("auto", "eager", "compile", "triton")
+PATHS = ("auto", "eager", "native", "compile", "triton")
 ENV = "HF_LLMKIT_DKM_KERNEL"
 RECOMPILE_LIMIT = 64  # compiled specialisations of the kernel (dtype x bits x table kind x scales...) per process
 MAX_FUSED_TOKENS = 8  # above: decode the weight once and let the matmul library multiply (prefill)
@@ -65,13 +69,24 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def choose_path(device: torch.device) -> str:
-    """The fused path for `device`: `triton` (CUDA with triton), `compile`, or `eager` (forced, or compile failed)."""
+def choose_path(device: torch.device, layer=None) -> str:
+    """The fused path for `device` (and `layer`): `triton` (CUDA with triton), `native` (CPU, where the C kernel
+    serves the layer), `compile`, or `eager` (forced, or compile failed)."""
     want = requested_path()
     if want == "auto":
-        want = "triton" if device.type == "cuda" and triton_available() else "compile"
+        if device.type == "cuda" and triton_available():
+            want = "triton"
+        elif device.type == "cpu" and layer is not None and native.supports(layer):
+            want = "native"
+        else:
+            want = "compile"
     if want == "triton" and not triton_available():
         raise ValueError(f"{ENV}=triton but triton is not installed: pip install triton, or unset {ENV}.")
+    if want == "native" and (device.type != "cpu" or native.library() is None):
+        why = "runs on CPU tensors only" if device.type != "cpu" else f"did not build ({native.unavailable_reason()})"
+        raise ValueError(f"{ENV}=native but the C kernel {why}: unset {ENV}, or install a C compiler (gcc).")
+    if want == "native" and layer is not None and not native.supports(layer):
+        want = "compile"  # a layer the kernel does not serve (vector tables, odd widths)
     if want == "compile" and device.type in _broken:
         want = "eager"
     _log_once(device.type, want)
@@ -86,7 +101,11 @@ def _log_once(device_type: str, path: str, reason: str = "") -> None:
 
 
 def decode_weight(layer, dtype: torch.dtype) -> torch.Tensor:
-    """The layer's dense weight in `dtype`, decoded with whole-tensor ops: bit for bit the hard assignment's."""
+    """The layer's dense weight in `dtype`: bit for bit the hard assignment's. The C kernel decodes where it serves
+    the layer and `HF_LLMKIT_DKM_KERNEL` is not `eager`; elsewhere whole-tensor torch ops do."""
+    compiling = torch.compiler.is_compiling()
+    if dtype in native.DECODE_DTYPES and not compiling and requested_path() != "eager" and native.supports(layer):
+        return native.decode(layer, dtype)
     s = layer.settings
     idx = unpack_indices(layer.weight_packed, s.bits, layer.count).reshape(s.groups, -1)
     return dkm.decode(layer.weight_lut, idx, layer.weight_shape, layer.weight_scale).to(dtype)
@@ -154,10 +173,15 @@ def linear(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
     if tokens > MAX_FUSED_TOKENS or needs_grad or dtype not in FUSED_DTYPES:
         return F.linear(x, decode_weight(layer, dtype), None if bias is None else bias.to(dtype))
-    path = choose_path(x.device)
+    path = choose_path(x.device, layer)
     if path == "eager":
         return F.linear(x, decode_weight(layer, dtype), None if bias is None else bias.to(dtype))
     x2 = x.reshape(tokens, x.shape[-1])
+    if path == "native" and not torch.compiler.is_compiling():
+        y = native.gemv(layer, x2.float(), dtype)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(dtype).reshape(*x.shape[:-1], layer.weight_shape[0])
     scale = None if layer.weight_scale is None else layer.weight_scale.float()
     args = (x2, layer.weight_packed, layer.weight_lut.float(), scale, layer.weight_shape[0], layer.settings.bits)
     with torch.autocast(x.device.type, enabled=False):

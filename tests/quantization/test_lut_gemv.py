@@ -3,7 +3,8 @@
 The decoded path (prefill, `HF_LLMKIT_DKM_KERNEL=eager`) and the embedding rows are bit for bit the hard assignment's
 weight; the fused LUT-GEMV (its torch definition, and torch.compile of it) within float32 rounding of the reduction;
 a failed compile falls back to the decoded path with one log line; a reloaded model saves the same tensors.
-Triton's kernel: tests/quantization/test_lut_triton.py (interpreter); CUDA: tests/gpu/test_dkm_lut.py.
+Triton's kernel: tests/quantization/test_lut_triton.py (interpreter); CUDA: tests/gpu/test_dkm_lut.py; the C kernel:
+tests/quantization/test_lut_native.py.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def test_embedding_rows_are_the_decoded_table_bitwise(options):
 
 def test_unknown_path_is_refused(monkeypatch):
     monkeypatch.setenv(lut_gemv.ENV, "fastest")
-    with pytest.raises(ValueError, match="HF_LLMKIT_DKM_KERNEL='fastest'.*auto, eager, compile, triton"):
+    with pytest.raises(ValueError, match="HF_LLMKIT_DKM_KERNEL='fastest'.*auto, eager, native, compile, triton"):
         lut_gemv.requested_path()
 
 
@@ -189,7 +190,7 @@ def test_without_a_compiler_the_decoded_path_answers_and_says_so_once(tmp_path):
     """A real failed compile (inductor pointed at a C++ compiler that does not exist, empty cache): the layer answers
     through the decoded path, bit for bit, and one warning names the fallback."""
     env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
-    env.pop(lut_gemv.ENV, None)
+    env[lut_gemv.ENV] = "compile"  # the C kernel's own missing-compiler case: tests/quantization/test_lut_native.py
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", FALLBACK], env=env, cwd=root, capture_output=True, text=True)
     assert proc.returncode == 0 and "FALLBACK OK" in proc.stdout, proc.stderr[-3000:]

@@ -1,0 +1,165 @@
+"""The CPU kernel of the packed DKM layers: `_lut_native.c`, built once per machine with the C compiler and loaded
+through ctypes.
+
+The C source is small and has no torch headers, so the build takes about a second (a torch C++ extension would take
+minutes). The library lands in `<hf_llmkit cache>/kernels/` under a name that carries the source's hash and the
+machine's architecture, is written to a private temporary and renamed into place, so concurrent processes never load
+a half-written one. It needs `cc` (or `$CC`); where there is none, or the build fails, `available()` is False, the
+reason is logged once, and `lut_gemv` takes its torch paths. Set `HF_LLMKIT_DKM_KERNEL=native` to make that an error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from hf_llmkit.cache_folder import temporary_sibling
+from hf_llmkit.corpus import default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("_lut_native.c")
+MAX_TOKENS = 8  # tokens per pass over the weight (MAXM in the C source)
+_SCALE_CODES = {None: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+_OUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DECODE_DTYPES = tuple(_OUT_CODES)
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_state: dict[str, object] = {}
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build(target: Path) -> None:
+    """Compile the source into `target` (with OpenMP where the compiler has it), atomically."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (install gcc, or set $CC)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_sibling(target)
+    base = [cc, "-O3", "-std=gnu11", "-shared", "-fPIC", str(SOURCE), "-o", str(tmp)]
+    errors = ""
+    for extra in (["-fopenmp"], []):
+        done = subprocess.run([*base[:2], *extra, *base[2:]], capture_output=True, text=True)
+        if done.returncode == 0:
+            os.replace(tmp, target)
+            return
+        errors = done.stderr.strip()
+    tmp.unlink(missing_ok=True)
+    raise RuntimeError(f"{cc} failed: {errors.splitlines()[0] if errors else 'no message'}")
+
+
+def library_path() -> Path:
+    """Where this machine's build of the kernel lives (it carries the source's hash)."""
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return default_cache_dir() / "kernels" / f"lut-{digest}-{sys.platform}-{platform.machine()}.so"
+
+
+def _load() -> ctypes.CDLL:
+    path = library_path()
+    if not path.is_file():
+        _build(path)
+    lib = ctypes.CDLL(str(path))
+    common = [_P, _I64, _I64, _INT, _P, _I64, _P, _INT, _I64, _INT]
+    lib.lut_gemv.argtypes = [*common, _P, _I64, _P, _INT]
+    lib.lut_decode.argtypes = [*common, _P, _INT]
+    lib.lut_simd.argtypes = [_INT]
+    lib.lut_portable_only.argtypes = [_INT]
+    for fn in (lib.lut_gemv, lib.lut_decode):
+        fn.restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, built on first use; None (and one log line saying why) where it cannot be built."""
+    if "lib" not in _state:
+        try:
+            if sys.byteorder != "little":
+                raise RuntimeError("the index stream is read as little-endian words")
+            _state["lib"] = _load()
+        except Exception as error:  # noqa: BLE001 - no compiler, read-only cache, odd platform: torch paths serve
+            _state["lib"], _state["error"] = None, str(error).strip().splitlines()[0] if str(error).strip() else ""
+            logger.warning("The DKM CPU kernel is not available (%s); packed layers use torch paths", _state["error"])
+    return _state["lib"]  # type: ignore[return-value]
+
+
+def unavailable_reason() -> str:
+    """Why `library()` is None ('' when it loaded)."""
+    library()
+    return str(_state.get("error", ""))
+
+
+def simd(bits: int) -> bool:
+    """Whether this CPU runs a `bits`-bit weight through the kernel's AVX-512 loops (else its portable loops)."""
+    lib = library()
+    return bool(lib is not None and lib.lut_simd(bits))
+
+
+def portable_only(on: bool) -> None:
+    """Send every weight through the kernel's portable loops (`on`), or let the CPU choose again (tests)."""
+    library().lut_portable_only(int(on))
+
+
+def supports(layer, x: torch.Tensor | None = None) -> bool:
+    """Whether the kernel serves `layer` (and `x`): CPU tensors, one index per weight, rows of whole bytes."""
+    s = layer.settings
+    rows, cols = layer.weight_shape
+    scale = layer.weight_scale
+    return (
+        layer.weight_packed.device.type == "cpu"
+        and (x is None or x.device.type == "cpu")
+        and s.cluster_dim == 1
+        and cols % 8 == 0
+        and rows % s.groups == 0
+        and (scale is None or scale.dtype in _SCALE_CODES)
+        and library() is not None
+    )
+
+
+def _weight_args(layer, mode: torch.dtype) -> list:
+    """The C weight arguments of `layer`, kept on the layer (with the padded tables they point into) until one of
+    its tensors is replaced or changed in place."""
+    packed, lut, scale = layer.weight_packed, layer.weight_lut, layer.weight_scale
+    key = tuple((t.data_ptr(), t._version) for t in (packed, lut) + (() if scale is None else (scale,)))
+    cached = getattr(layer, "_native_args", None)
+    if cached is None or cached[0] != key:
+        s = layer.settings
+        rows, cols = layer.weight_shape
+        stride = max(16, 1 << s.bits)  # the C source's table_stride
+        table = torch.nn.functional.pad(lut.float().reshape(s.groups, -1), (0, stride - (1 << s.bits))).contiguous()
+        if not packed.is_contiguous() or (scale is not None and not scale.is_contiguous()):
+            raise ValueError("the packed layer's weight_packed and weight_scale must be contiguous tensors")
+        args = [packed.data_ptr(), rows, cols, s.bits, table.data_ptr(), rows // s.groups]
+        args += [None, 0, 0] if scale is None else [scale.data_ptr(), _SCALE_CODES[scale.dtype], scale.shape[1]]
+        cached = layer._native_args = (key, args, table)
+    return [*cached[1], _OUT_CODES[mode]]
+
+
+def gemv(layer, x: torch.Tensor, mode: torch.dtype) -> torch.Tensor:
+    """Float32 `x @ W^T` `[m, rows]` of float32 `x` `[m, cols]`, each weight rounded to `mode` first (the dtype the
+    decoded path multiplies in), reading the weight once per `MAX_TOKENS` tokens."""
+    args = _weight_args(layer, mode)
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], layer.weight_shape[0], dtype=torch.float32)
+    threads = torch.get_num_threads()
+    for start in range(0, x.shape[0], MAX_TOKENS):
+        part, out = x[start : start + MAX_TOKENS], y[start : start + MAX_TOKENS]
+        library().lut_gemv(*args, part.data_ptr(), part.shape[0], out.data_ptr(), threads)
+    return y
+
+
+def decode(layer, dtype: torch.dtype) -> torch.Tensor:
+    """The dense weight `[rows, cols]` in `dtype` (float32, bfloat16 or float16), bit for bit `_dkm.decode`'s."""
+    out = torch.empty(layer.weight_shape, dtype=dtype)
+    library().lut_decode(*_weight_args(layer, dtype), out.data_ptr(), torch.get_num_threads())
+    return out
