@@ -112,54 +112,56 @@ def portable_only(on: bool) -> None:
 
 def supports(layer, x: torch.Tensor | None = None) -> bool:
     """Whether the kernel serves `layer` (and `x`): CPU tensors, one index per weight, rows of whole bytes."""
+    return (x is None or x.device.type == "cpu") and _entry(layer) is not None
+
+
+def _entry(layer) -> list | None:
+    """The C weight arguments of `layer` (None where the kernel does not serve it), kept on the layer with the padded
+    tables they point into until one of its tensors is replaced or changed in place."""
+    packed, lut, scale = layer.weight_packed, layer.weight_lut, layer.weight_scale
+    key = (packed.data_ptr(), packed._version, lut.data_ptr(), lut._version)
+    key += () if scale is None else (scale.data_ptr(), scale._version)
+    cached = layer.__dict__.get("_native")
+    if cached is not None and cached[0] == key:
+        return cached[1]
     s = layer.settings
     rows, cols = layer.weight_shape
-    scale = layer.weight_scale
-    return (
-        layer.weight_packed.device.type == "cpu"
-        and (x is None or x.device.type == "cpu")
+    tensors = (packed, lut) + (() if scale is None else (scale,))
+    args = table = None
+    if (
+        all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
         and s.cluster_dim == 1
         and cols % 8 == 0
         and rows % s.groups == 0
         and (scale is None or scale.dtype in _SCALE_CODES)
         and library() is not None
-    )
-
-
-def _weight_args(layer, mode: torch.dtype) -> list:
-    """The C weight arguments of `layer`, kept on the layer (with the padded tables they point into) until one of
-    its tensors is replaced or changed in place."""
-    packed, lut, scale = layer.weight_packed, layer.weight_lut, layer.weight_scale
-    key = tuple((t.data_ptr(), t._version) for t in (packed, lut) + (() if scale is None else (scale,)))
-    cached = getattr(layer, "_native_args", None)
-    if cached is None or cached[0] != key:
-        s = layer.settings
-        rows, cols = layer.weight_shape
+    ):
         stride = max(16, 1 << s.bits)  # the C source's table_stride
         table = torch.nn.functional.pad(lut.float().reshape(s.groups, -1), (0, stride - (1 << s.bits))).contiguous()
-        if not packed.is_contiguous() or (scale is not None and not scale.is_contiguous()):
-            raise ValueError("the packed layer's weight_packed and weight_scale must be contiguous tensors")
         args = [packed.data_ptr(), rows, cols, s.bits, table.data_ptr(), rows // s.groups]
         args += [None, 0, 0] if scale is None else [scale.data_ptr(), _SCALE_CODES[scale.dtype], scale.shape[1]]
-        cached = layer._native_args = (key, args, table)
-    return [*cached[1], _OUT_CODES[mode]]
+    layer.__dict__["_native"] = (key, args, table)
+    return args
 
 
 def gemv(layer, x: torch.Tensor, mode: torch.dtype) -> torch.Tensor:
     """Float32 `x @ W^T` `[m, rows]` of float32 `x` `[m, cols]`, each weight rounded to `mode` first (the dtype the
     decoded path multiplies in), reading the weight once per `MAX_TOKENS` tokens."""
-    args = _weight_args(layer, mode)
+    args = [*_entry(layer), _OUT_CODES[mode]]
     x = x.contiguous()
     y = torch.empty(x.shape[0], layer.weight_shape[0], dtype=torch.float32)
-    threads = torch.get_num_threads()
+    threads, lib = torch.get_num_threads(), _state["lib"]
+    if x.shape[0] <= MAX_TOKENS:
+        lib.lut_gemv(*args, x.data_ptr(), x.shape[0], y.data_ptr(), threads)
+        return y
     for start in range(0, x.shape[0], MAX_TOKENS):
         part, out = x[start : start + MAX_TOKENS], y[start : start + MAX_TOKENS]
-        library().lut_gemv(*args, part.data_ptr(), part.shape[0], out.data_ptr(), threads)
+        lib.lut_gemv(*args, part.data_ptr(), part.shape[0], out.data_ptr(), threads)
     return y
 
 
 def decode(layer, dtype: torch.dtype) -> torch.Tensor:
     """The dense weight `[rows, cols]` in `dtype` (float32, bfloat16 or float16), bit for bit `_dkm.decode`'s."""
     out = torch.empty(layer.weight_shape, dtype=dtype)
-    library().lut_decode(*_weight_args(layer, dtype), out.data_ptr(), torch.get_num_threads())
+    _state["lib"].lut_decode(*_entry(layer), _OUT_CODES[dtype], out.data_ptr(), torch.get_num_threads())
     return out

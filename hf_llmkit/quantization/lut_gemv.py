@@ -80,13 +80,14 @@ def choose_path(device: torch.device, layer=None) -> str:
             want = "native"
         else:
             want = "compile"
-    if want == "triton" and not triton_available():
+    elif want == "triton" and not triton_available():
         raise ValueError(f"{ENV}=triton but triton is not installed: pip install triton, or unset {ENV}.")
-    if want == "native" and (device.type != "cpu" or native.library() is None):
-        why = "runs on CPU tensors only" if device.type != "cpu" else f"did not build ({native.unavailable_reason()})"
-        raise ValueError(f"{ENV}=native but the C kernel {why}: unset {ENV}, or install a C compiler (gcc).")
-    if want == "native" and layer is not None and not native.supports(layer):
-        want = "compile"  # a layer the kernel does not serve (vector tables, odd widths)
+    elif want == "native":
+        if device.type != "cpu" or native.library() is None:
+            why = f"did not build ({native.unavailable_reason()})" if device.type == "cpu" else "runs on CPU only"
+            raise ValueError(f"{ENV}=native but the C kernel {why}: unset {ENV}, or install a C compiler (gcc).")
+        if layer is not None and not native.supports(layer):
+            want = "compile"  # a layer the kernel does not serve (vector tables, odd widths)
     if want == "compile" and device.type in _broken:
         want = "eager"
     _log_once(device.type, want)
