@@ -181,42 +181,136 @@ static void (*const rows_avx512[MAXM + 1])(const weight_t *, int64_t, const floa
     rows_avx512_5, rows_avx512_6, rows_avx512_7, rows_avx512_8};
 #endif
 
-static int portable_only = 0; /* lut_portable_only(1): every weight takes the portable loops (tests compare the two) */
+#ifdef HAVE_X86
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 
-void lut_portable_only(int on) { portable_only = on; }
+static inline AVX2 __m256 round_vec8(__m256 v, int mode) {
+    if (mode == OUT_BF16) {
+        __m256i u = _mm256_castps_si256(v);
+        __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+        return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
+    }
+    if (mode == OUT_F16) return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return v;
+}
 
-/* 1 where this CPU and this weight take the AVX-512 loops (an x86-64 CPU with VBMI, at most 4 bits, block scales
- * whole multiples of 16 columns). */
-static int use_avx512(const weight_t *w) {
+/* Row r, 8 columns (one index word) at a time: the word (at most 32 bits) is broadcast and shifted per lane; a
+ * table of up to 8 entries is one register permute, of 16 two permutes and a blend on the index's bit 3. */
+static inline AVX2 __attribute__((always_inline)) int64_t row_avx2(const weight_t *w, int64_t r, const float *x,
+                                                                  const int M, float *acc, void *out) {
+    const int bits = w->bits;
+    const int64_t cols8 = w->cols / 8 * 8;
+    const uint8_t *row = w->packed + r * w->cols * bits / 8;
+    const float *t = w->lut + (r / w->rows_per_group) * 16;
+    const __m256 raw_lo = _mm256_loadu_ps(t), raw_hi = _mm256_loadu_ps(t + 8);
+    const __m256i shifts = _mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 4 * bits, 5 * bits, 6 * bits, 7 * bits);
+    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+    const int64_t block = w->scale_dtype == SCALE_NONE ? 0 : w->cols / w->nblocks;
+    __m256 lo = round_vec8(raw_lo, w->mode), hi = round_vec8(raw_hi, w->mode);
+    int64_t next_block = 0, b = -1;
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+    for (int64_t c = 0; c < cols8; c += 8) {
+        if (block && c == next_block) {
+            b++;
+            next_block += block;
+            __m256 sc = _mm256_set1_ps(scale_at(w, r * w->nblocks + b));
+            lo = round_vec8(_mm256_mul_ps(raw_lo, sc), w->mode);
+            hi = round_vec8(_mm256_mul_ps(raw_hi, sc), w->mode);
+        }
+        uint32_t word = 0;
+        memcpy(&word, row + c * bits / 8, (size_t)bits);
+        __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), mask);
+        __m256 v = _mm256_permutevar8x32_ps(lo, idx);
+        if (bits == 4)
+            v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(hi, idx), _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+        if (out) {
+            int64_t o = r * w->cols + c;
+            if (w->mode == OUT_BF16) {
+                __m256i h = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+                h = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
+                _mm_storeu_si128((__m128i *)((uint16_t *)out + o), _mm256_castsi256_si128(h));
+            } else if (w->mode == OUT_F16)
+                _mm_storeu_si128((__m128i *)((uint16_t *)out + o),
+                                 _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            else _mm256_storeu_ps((float *)out + o, v);
+        } else {
+#define FMA(j) \
+    if (M > j) s##j = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + j * w->cols + c), s##j)
+            FMA(0); FMA(1); FMA(2); FMA(3); FMA(4); FMA(5); FMA(6); FMA(7);
+#undef FMA
+        }
+    }
+    const __m256 sums[MAXM] = {s0, s1, s2, s3, s4, s5, s6, s7};
+    for (int j = 0; j < M; j++) {
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(sums[j]), _mm256_extractf128_ps(sums[j], 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        acc[j] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    }
+    return cols8;
+}
+
+#define ROWS_AVX2(M)                                                                                                  \
+    static AVX2 void rows_avx2_##M(const weight_t *w, int64_t r, const float *x, float *acc, void *out) {            \
+        int64_t c0 = row_avx2(w, r, x, M, acc, out);                                                                  \
+        row_portable(w, r, c0, x, M, acc, out);                                                                       \
+    }
+ROWS_AVX2(1)
+ROWS_AVX2(2)
+ROWS_AVX2(3)
+ROWS_AVX2(4)
+ROWS_AVX2(5)
+ROWS_AVX2(6)
+ROWS_AVX2(7)
+ROWS_AVX2(8)
+static void (*const rows_avx2[MAXM + 1])(const weight_t *, int64_t, const float *, float *, void *) = {
+    0, rows_avx2_1, rows_avx2_2, rows_avx2_3, rows_avx2_4, rows_avx2_5, rows_avx2_6, rows_avx2_7, rows_avx2_8};
+#endif
+
+enum { LEVEL_PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2 };
+static int max_level = LEVEL_AVX512; /* lut_max_level(n) caps the loops taken (tests compare them) */
+
+void lut_max_level(int level) { max_level = level; }
+
+/* The loops this CPU and this weight take: AVX-512 (an x86-64 CPU with VBMI, block scales whole multiples of 16
+ * columns), AVX2 (with FMA and F16C, block scales multiples of 8), else portable; SIMD only up to 4 bits. */
+static int level(const weight_t *w) {
 #ifdef HAVE_X86
     static int cpu = -1;
     if (cpu < 0) {
         __builtin_cpu_init();
         cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-              __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512dq");
+                      __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512dq")
+                  ? LEVEL_AVX512
+              : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? LEVEL_AVX2
+                                                                                 : LEVEL_PORTABLE;
     }
-    return cpu && !portable_only && w->bits <= 4 && (w->scale_dtype == SCALE_NONE || (w->cols / w->nblocks) % 16 == 0);
+    int block = w->scale_dtype == SCALE_NONE ? 0 : (int)(w->cols / w->nblocks);
+    int best = cpu < max_level ? cpu : max_level;
+    if (w->bits > 4) return LEVEL_PORTABLE;
+    if (best == LEVEL_AVX512 && block % 16 == 0) return LEVEL_AVX512;
+    if (best >= LEVEL_AVX2 && block % 8 == 0) return LEVEL_AVX2;
 #else
     (void)w;
-    return 0;
 #endif
+    return LEVEL_PORTABLE;
 }
 
-static void one_row(const weight_t *w, int fast, int64_t r, const float *x, int64_t m, float *y, void *out) {
+static void one_row(const weight_t *w, int lvl, int64_t r, const float *x, int64_t m, float *y, void *out) {
     float acc[MAXM] = {0};
 #ifdef HAVE_X86
-    if (fast) {
-        rows_avx512[out ? 1 : m](w, r, x, acc, out);
-    } else
+    if (lvl == LEVEL_AVX512) rows_avx512[out ? 1 : m](w, r, x, acc, out);
+    else if (lvl == LEVEL_AVX2) rows_avx2[out ? 1 : m](w, r, x, acc, out);
+    else
 #endif
         row_portable(w, r, 0, x, m, acc, out);
-    (void)fast;
+    (void)lvl;
     if (!out)
         for (int64_t j = 0; j < m; j++) y[j * w->rows + r] = acc[j];
 }
 
 static void run(weight_t *w, const float *x, int64_t m, float *y, void *out, int threads) {
-    int fast = use_avx512(w);
+    int lvl = level(w);
     for (int k = 0; k < 8; k++)
         for (int t = 0; t < 8; t++) {
             w->spread[8 * k + t] = (int8_t)(w->bits * k + (t < w->bits ? t : 0));
@@ -224,7 +318,7 @@ static void run(weight_t *w, const float *x, int64_t m, float *y, void *out, int
         }
     (void)threads;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t r = 0; r < w->rows; r++) one_row(w, fast, r, x, m, y, out);
+    for (int64_t r = 0; r < w->rows; r++) one_row(w, lvl, r, x, m, y, out);
 }
 
 /* y[m, rows] = x[m, cols] @ W^T for m <= 8 tokens (float32 x and y). */
@@ -242,8 +336,8 @@ void lut_decode(const uint8_t *packed, int64_t rows, int64_t cols, int bits, con
     run(&w, 0, 0, 0, out, threads);
 }
 
-/* 1 when the AVX-512 loops serve a weight of `bits` bits on this CPU (reported in the log line). */
-int lut_simd(int bits) {
+/* The loops a weight of `bits` bits (no block scales) takes on this CPU: 2 AVX-512, 1 AVX2, 0 portable. */
+int lut_level(int bits) {
     weight_t w = {0, 1, 64, 1, 0, bits, 0, 0, SCALE_NONE, OUT_F32, {0}, {0}};
-    return use_avx512(&w);
+    return level(&w);
 }

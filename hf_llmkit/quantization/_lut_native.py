@@ -4,8 +4,10 @@ through ctypes.
 The C source is small and has no torch headers, so the build takes about a second (a torch C++ extension would take
 minutes). The library lands in `<hf_llmkit cache>/kernels/` under a name that carries the source's hash and the
 machine's architecture, is written to a private temporary and renamed into place, so concurrent processes never load
-a half-written one. It needs `cc` (or `$CC`); where there is none, or the build fails, `available()` is False, the
-reason is logged once, and `lut_gemv` takes its torch paths. Set `HF_LLMKIT_DKM_KERNEL=native` to make that an error.
+a half-written one. It needs `cc` (or `$CC`); where there is none, or the build fails, `library()` is None, the
+reason is logged once, and `lut_gemv` takes its torch paths (`HF_LLMKIT_DKM_KERNEL=native` makes that an error).
+Inside, the CPU picks the loops at run time: AVX-512 (with VBMI), AVX2 (with FMA), or portable C (any CPU, and
+tables over 16 entries).
 """
 
 from __future__ import annotations
@@ -73,8 +75,8 @@ def _load() -> ctypes.CDLL:
     common = [_P, _I64, _I64, _INT, _P, _I64, _P, _INT, _I64, _INT]
     lib.lut_gemv.argtypes = [*common, _P, _I64, _P, _INT]
     lib.lut_decode.argtypes = [*common, _P, _INT]
-    lib.lut_simd.argtypes = [_INT]
-    lib.lut_portable_only.argtypes = [_INT]
+    lib.lut_level.argtypes = [_INT]
+    lib.lut_max_level.argtypes = [_INT]
     for fn in (lib.lut_gemv, lib.lut_decode):
         fn.restype = None
     return lib
@@ -99,15 +101,19 @@ def unavailable_reason() -> str:
     return str(_state.get("error", ""))
 
 
-def simd(bits: int) -> bool:
-    """Whether this CPU runs a `bits`-bit weight through the kernel's AVX-512 loops (else its portable loops)."""
+LOOPS = ("portable", "avx2", "avx512")  # the C source's LEVEL_* order
+
+
+def loops(bits: int) -> str | None:
+    """The loops a `bits`-bit weight takes on this CPU: `avx512` (x86-64 with VBMI), `avx2` (with FMA), `portable`
+    (any CPU, and above 4 bits); None where the kernel did not build."""
     lib = library()
-    return bool(lib is not None and lib.lut_simd(bits))
+    return None if lib is None else LOOPS[lib.lut_level(bits)]
 
 
-def portable_only(on: bool) -> None:
-    """Send every weight through the kernel's portable loops (`on`), or let the CPU choose again (tests)."""
-    library().lut_portable_only(int(on))
+def cap_loops(name: str) -> None:
+    """Take at most the `name` loops from now on (`avx512` lets the CPU choose again): tests compare the loops."""
+    library().lut_max_level(LOOPS.index(name))
 
 
 def supports(layer, x: torch.Tensor | None = None) -> bool:

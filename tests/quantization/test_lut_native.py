@@ -1,7 +1,7 @@
 """The C kernel of the packed layers (`hf_llmkit.quantization._lut_native`) on this machine's CPU.
 
-Its decode is bit for bit the hard assignment's weight in float32, bfloat16 and float16, in both its loops (AVX-512
-where the CPU has VBMI, portable everywhere); its product is within float32 rounding of `F.linear` by that weight;
+Its decode is bit for bit the hard assignment's weight in float32, bfloat16 and float16, in each of its loops
+(AVX-512 where the CPU has VBMI, AVX2, portable); its product is within float32 rounding of `F.linear` by that weight;
 `auto` takes it on CPU; without a C compiler the layers answer through the torch paths with one warning, and asking
 for it by name is refused in one line.
 """
@@ -33,18 +33,17 @@ CASES = {  # name: (cols, DKMSettings.build options); 200 columns leave a tail o
     "5bit": (128, dict(bits=5)),
     "8bit_scales": (64, dict(bits=8, scale_block_size=32)),
 }
-LOOPS = ["simd", "portable"]
 
 
-@pytest.fixture(params=LOOPS)
+@pytest.fixture(params=native.LOOPS)
 def loops(request):
     if native.library() is None:
         pytest.fail(f"the C kernel did not build here: {native.unavailable_reason()}")
-    if request.param == "simd" and not native.simd(4):
-        pytest.skip("this CPU has no AVX-512 VBMI: only the portable loops run here")
-    native.portable_only(request.param == "portable")
+    if native.LOOPS.index(request.param) > native.LOOPS.index(native.loops(4)):
+        pytest.skip(f"this CPU cannot run the {request.param} loops")
+    native.cap_loops(request.param)
     yield request.param
-    native.portable_only(False)
+    native.cap_loops("avx512")
 
 
 def packed_pair(name: str) -> tuple[DKMLinear, PalettizedLinear]:
