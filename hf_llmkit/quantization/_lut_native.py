@@ -30,6 +30,7 @@ from hf_llmkit.corpus import default_cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("_lut_native.c")
+_TEXT = SOURCE.read_bytes()  # read once: a process builds and loads what it read at import, whatever edits follow
 MAX_TOKENS = 8  # tokens per pass over the weight (MAXM in the C source)
 _SCALE_CODES = {None: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 _OUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -49,21 +50,21 @@ def _build(target: Path) -> None:
         raise RuntimeError("no C compiler found (install gcc, or set $CC)")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(target)
-    base = [cc, "-O3", "-std=gnu11", "-shared", "-fPIC", str(SOURCE), "-o", str(tmp)]
+    base = [cc, "-O3", "-std=gnu11", "-shared", "-fPIC", "-x", "c", "-", "-o", str(tmp)]
     errors = ""
     for extra in (["-fopenmp"], []):
-        done = subprocess.run([*base[:2], *extra, *base[2:]], capture_output=True, text=True)
+        done = subprocess.run([*base[:2], *extra, *base[2:]], input=_TEXT, capture_output=True)
         if done.returncode == 0:
             os.replace(tmp, target)
             return
-        errors = done.stderr.strip()
+        errors = done.stderr.decode(errors="replace").strip()
     tmp.unlink(missing_ok=True)
     raise RuntimeError(f"{cc} failed: {errors.splitlines()[0] if errors else 'no message'}")
 
 
 def library_path() -> Path:
     """Where this machine's build of the kernel lives (it carries the source's hash)."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256(_TEXT).hexdigest()[:16]
     return default_cache_dir() / "kernels" / f"lut-{digest}-{sys.platform}-{platform.machine()}.so"
 
 
