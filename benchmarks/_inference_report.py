@@ -54,6 +54,7 @@ def summarize(size: dict) -> None:
                 ),
                 "load_s": statistics.median(r["load_s"] for r in ok),
                 "module": ok[0]["modules"],
+                "dkm_paths": sorted({p for r in ok for p in r.get("dkm_paths", [])}),  # how our layers multiplied
                 "rounds": len(ok),
             }
         for s in summary.values():
@@ -150,7 +151,7 @@ def table(size: dict, threads: str) -> str:
                 f"{v['decoder_weights_x_bf16']:.3f}",
                 f"{v['weight_bytes'] / MIB:,.1f}",
                 peak,
-                v["module"],
+                v["module"] + (f" ({', '.join(v['dkm_paths'])} path)" if v.get("dkm_paths") else ""),
             ]
         )
     for name, why in size.get("not_run", {}).items():
