@@ -34,6 +34,7 @@ from hf_llmkit.checkpoints.endings import RunEndingError, StopRequest, logged
 from hf_llmkit.checkpoints.lifecycle import CheckpointGuard
 from hf_llmkit.checkpoints.lock import hold_output_dir
 from hf_llmkit.checkpoints.names import MANIFEST_NAME, ROLLBACK_PREFIX, TRAINER_STATE, checkpoint_step
+from hf_llmkit.checkpoints.transaction import close_run
 from hf_llmkit.compat.accelerate import unwrap_optimizer
 from hf_llmkit.trainers.multi_node import agree_on_checkpoint, check_output_dir_sharing
 from hf_llmkit.trainers.resume import prepare_output_dir, resolve_resume, resume_step
@@ -185,3 +186,4 @@ def run_training(trainer, train: Callable[..., Any], resume_from_checkpoint=None
             lock.release()
         for guard in _guards(trainer):
             guard.close()  # signal handlers and hooks, also when training raised
+        close_run(trainer.args.output_dir)  # no checkpoint transaction outlives the call
