@@ -327,7 +327,7 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
         """The checkpoint's files are written: refuse non-finite weights, else complete its transaction (its part
         writers, then the manifest, then rotation)."""
         txn = transaction_of(checkpoint_folder(args.output_dir, state.global_step))
-        if txn is None:  # a save nobody announced (e.g. save_strategy="best"): complete it as it is
+        if txn is None or txn.state == "complete":  # a save nobody announced (save_strategy="best"): complete it
             txn = self._begin(args, state, marked=False)
         if not txn.is_open:
             return control
