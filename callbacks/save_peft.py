@@ -50,6 +50,7 @@ from transformers import TrainerCallback
 from hf_llmkit.checkpoints.manifest import write_manifest
 from hf_llmkit.checkpoints.names import CHECKPOINT_PREFIX, TMP_MARK, checkpoint_folder
 from hf_llmkit.checkpoints.transaction import (
+    CheckpointTransaction,
     PartWriter,
     attach_writer,
     detach_writer,
@@ -240,7 +241,7 @@ class SavePeftModelCallback(TrainerCallback, PartWriter):
                 peft_model.delete_adapter(name)
                 logger.info("removed the adapter %r the Trainer loaded from checkpoint/%s/ on resume", name, name)
 
-    def write_checkpoint_part(self, transaction, *, model=None, processing_class=None) -> None:
+    def write_checkpoint_part(self, transaction: CheckpointTransaction, *, model=None, processing_class=None) -> None:
         """The checkpoint's transaction asks for the adapter (every rank, before the checkpoint is complete)."""
         with transaction.part(self.checkpoint_part) as folder:
             self.save(folder, model=model, processing_class=processing_class, is_main_process=transaction.main)
