@@ -51,17 +51,13 @@ from transformers.trainer_callback import ExportableState
 from hf_llmkit.checkpoints.collectives import any_rank, barrier
 from hf_llmkit.checkpoints.endings import ResumeError, StopRequest, TrainingDivergedError, TrainingInterrupted, logged
 from hf_llmkit.checkpoints.exit_codes import EXIT_DIVERGED, EXIT_PREEMPTED
-from hf_llmkit.checkpoints.housekeeping import remove_checkpoint, tidy_above_latest, tidy_checkpoints
-from hf_llmkit.checkpoints.lifecycle import (
-    CheckpointGuard,
-    ManifestSettings,
-    begin_checkpoint,
-    complete_checkpoint,
-)
+from hf_llmkit.checkpoints.housekeeping import tidy_above_latest, tidy_checkpoints
+from hf_llmkit.checkpoints.lifecycle import CheckpointGuard, ManifestSettings
 from hf_llmkit.checkpoints.lock import OutputDirLock, hold_output_dir
 from hf_llmkit.checkpoints.loss_watch import LossWatch
 from hf_llmkit.checkpoints.names import checkpoint_folder
 from hf_llmkit.checkpoints.status import classify_checkpoint, latest_complete_checkpoint
+from hf_llmkit.checkpoints.transaction import GUARD, begin_save, close_run, transaction_of
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +185,8 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
             signal.signal(signum, handler)
         self._old_handlers.clear()
         self.watch.detach()
+        if self._lock is not None:
+            close_run(self._lock[0])  # a transaction left open by an exception is over
 
     # -- requests -------------------------------------------------------------------------------------------
     def _stop(self, control, request: StopRequest) -> None:
@@ -315,30 +313,39 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
         return control
 
     def _begin_save(self, args, state, control) -> None:
-        """The Trainer is about to write `checkpoint-N`: the marker goes in before its first byte, and a step whose
-        checkpoint already loads is not written again."""
+        """The Trainer is about to write `checkpoint-N`: its transaction begins (the marker goes in before the first
+        byte), and a step whose checkpoint already loads is not written again."""
         if control.should_save:
-            checkpoint = checkpoint_folder(args.output_dir, state.global_step)
-            control.should_save = begin_checkpoint(checkpoint, main=args.should_save, device=args.device)
+            txn = self._begin(args, state, marked=True)
+            control.should_save = txn.is_open
 
-    def on_save(self, args, state, control, model=None, **kwargs):
+    def _begin(self, args, state, *, marked: bool):
         checkpoint = checkpoint_folder(args.output_dir, state.global_step)
+        return begin_save(checkpoint, participant=GUARD, main=args.should_save, device=args.device, marked=marked)
+
+    def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
+        """The checkpoint's files are written: refuse non-finite weights, else complete its transaction (its part
+        writers, then the manifest, then rotation)."""
+        txn = transaction_of(checkpoint_folder(args.output_dir, state.global_step))
+        if txn is None or txn.state == "complete":  # a save nobody announced (save_strategy="best"): complete it
+            txn = self._begin(args, state, marked=False)
+        if not txn.is_open:
+            return control
+        txn.join(GUARD)
         if any_rank(self.check_weights_on_save and not self.watch.weights_finite(model), args.device):
-            barrier()
-            if state.is_world_process_zero:
-                remove_checkpoint(checkpoint)  # ours, never completed
+            txn.abandon()  # ours, never completed
             self._diverged(args, state, control, "non-finite weights at save time")
             return control
-        barrier()  # every rank has finished writing its part
-        if state.is_world_process_zero:
-            complete_checkpoint(
-                checkpoint,
-                output_dir=args.output_dir,
-                save_total_limit=args.save_total_limit,
-                keep=(state.best_model_checkpoint,),
-                manifest=self.manifest_settings,
-                extra={"world_size": args.world_size},
-            )
+        txn.finish(
+            GUARD,
+            output_dir=args.output_dir,
+            save_total_limit=args.save_total_limit,
+            keep=(state.best_model_checkpoint,),
+            manifest=self.manifest_settings,
+            extra={"world_size": args.world_size},
+            model=model,
+            processing_class=processing_class,
+        )
         return control
 
     def on_epoch_end(self, args, state, control, **kwargs):

@@ -47,8 +47,16 @@ import torch
 from safetensors import safe_open
 from transformers import TrainerCallback
 
-from hf_llmkit.checkpoints.manifest import add_to_manifest, write_manifest
-from hf_llmkit.checkpoints.names import TMP_MARK
+from hf_llmkit.checkpoints.manifest import write_manifest
+from hf_llmkit.checkpoints.names import CHECKPOINT_PREFIX, TMP_MARK, checkpoint_folder
+from hf_llmkit.checkpoints.transaction import (
+    CheckpointTransaction,
+    PartWriter,
+    attach_writer,
+    detach_writer,
+    register_contributor,
+    transaction_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +129,7 @@ def _replace_folder(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
-class SavePeftModelCallback(TrainerCallback):
+class SavePeftModelCallback(TrainerCallback, PartWriter):
     """Saves the PEFT adapter (+ processing class, optionally the merged model) at every save and at the end.
 
     Args:
@@ -143,7 +151,7 @@ class SavePeftModelCallback(TrainerCallback):
         save_at_train_end: bool = True,
     ):
         for name, value in (("subfolder", subfolder), ("merged_subfolder", merged_subfolder)):
-            if not value or os.sep in value or value.startswith(("checkpoint-", ".")) or TMP_MARK in value:
+            if not value or os.sep in value or value.startswith((f"{CHECKPOINT_PREFIX}-", ".")) or TMP_MARK in value:
                 raise ValueError(f"{name} must be a plain folder name such as 'adapter', got {value!r}")
         if subfolder == merged_subfolder:
             raise ValueError("subfolder and merged_subfolder must differ, e.g. 'adapter' and 'merged'")
@@ -152,6 +160,11 @@ class SavePeftModelCallback(TrainerCallback):
         self.save_at_train_end = save_at_train_end
         self._warned: set[str] = set()
         self._adapters_at_init: set[str] | None = None
+        # this callback's part of every checkpoint (hf_llmkit.checkpoints.transaction): its two folders
+        files = (f"{subfolder}/*", f"{merged_subfolder}/*")
+        self.checkpoint_part = register_contributor(
+            f"adapter {subfolder}/ {merged_subfolder}/", files=files, writer=__name__
+        ).name
 
     def _warn_once(self, key: str, message: str, *args, level: int = logging.WARNING) -> None:
         if key not in self._warned:
@@ -216,7 +229,9 @@ class SavePeftModelCallback(TrainerCallback):
         self._adapters_at_init = set(peft_model.peft_config) if peft_model is not None else None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        """Drop the copy of our checkpoint subfolder a plain Trainer's resume loaded as an extra adapter."""
+        """Write the adapter into every checkpoint's transaction from now on; drop the copy of our checkpoint
+        subfolder a plain Trainer's resume loaded as an extra adapter."""
+        attach_writer(args.output_dir, self)
         peft_model = _peft_model(model)
         if peft_model is None:
             return
@@ -226,18 +241,22 @@ class SavePeftModelCallback(TrainerCallback):
                 peft_model.delete_adapter(name)
                 logger.info("removed the adapter %r the Trainer loaded from checkpoint/%s/ on resume", name, name)
 
+    def write_checkpoint_part(self, transaction: CheckpointTransaction, *, model=None, processing_class=None) -> None:
+        """The checkpoint's transaction asks for the adapter (every rank, before the checkpoint is complete)."""
+        with transaction.part(self.checkpoint_part) as folder:
+            self.save(folder, model=model, processing_class=processing_class, is_main_process=transaction.main)
+
     def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
-        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        # Every rank gathers (a collective); the main process writes unless the checkpoint was discarded
-        # (a FaultToleranceCallback rollback removes it).
-        main = state.is_world_process_zero and checkpoint.is_dir()
-        if self.save(checkpoint, model=model, processing_class=processing_class, is_main_process=main) and main:
-            # A manifest already written by a FaultToleranceCallback earlier in the list now covers the adapter too.
-            for folder in (self.subfolder, self.merged_subfolder):
-                if (checkpoint / folder).is_dir():
-                    add_to_manifest(checkpoint, folder)
+        """A checkpoint written without a transaction (a plain Trainer without a guard) gets the adapter here; one
+        with a transaction got it from the transaction (or was skipped or abandoned)."""
+        checkpoint = checkpoint_folder(args.output_dir, state.global_step)
+        if transaction_of(checkpoint) is None:
+            self.save(
+                checkpoint, model=model, processing_class=processing_class, is_main_process=state.is_world_process_zero
+            )
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+        detach_writer(args.output_dir, self)
         if self.save_at_train_end:
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
             self.save(

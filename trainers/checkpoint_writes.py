@@ -1,17 +1,16 @@
 """How `LLMKitTrainer` writes a checkpoint and the final model folder.
 
-A checkpoint write (`save_checkpoint`, called from `_save_checkpoint`):
+A checkpoint write (`save_checkpoint`, called from `_save_checkpoint`) is this trainer's part of the checkpoint's
+transaction (`hf_llmkit.checkpoints.transaction`):
 
-1. A step whose `checkpoint-N` already loads is not written again (a same-step re-save would rewrite a complete
-   checkpoint in place). A leftover `checkpoint-N` is deleted if it is our interrupted write, else moved aside
-   (`hf_llmkit.checkpoints.lifecycle.clear_for_writing`).
-2. Every rank creates the writing marker before its first byte (`begin_checkpoint`).
-3. The Trainer writes, with its own `save_total_limit` rotation held off (it runs before the checkpoint is complete
-   and counts incomplete folders); transient I/O errors are retried on every rank together, and the run record
-   (`llmkit_run.json`) is written next to the Trainer's files.
-4. The checkpoint is made complete once per save by `complete_checkpoint`: in the `on_save` of the trainer's
-   `CheckpointGuard` (a `FaultToleranceCallback`: manifest, rotation), or here when it has none (marker removed,
-   rotation).
+1. It begins the transaction (or joins the one a `CheckpointGuard` began when the Trainer was about to save): a
+   step whose `checkpoint-N` already loads is not written again; a leftover folder is cleared; every rank marks it.
+2. The Trainer writes (part `trainer`), with its own `save_total_limit` rotation held off (it runs before the
+   checkpoint is complete and counts incomplete folders); transient I/O errors are retried on every rank together;
+   the run record (`llmkit_run.json`, part `run identity`) is written next to the Trainer's files.
+3. It finishes its part. The last party to finish completes the checkpoint: the guard's `on_save` when the trainer
+   has one (manifest), else this call (marker removed); the attached part writers (`SavePeftModelCallback`) write
+   first, rotation follows.
 
 A disk-full or permission error ends the run with `CheckpointWriteError`: one line saying so; the half-written
 folder (ours) is removed and the last complete checkpoint is left as it was.
@@ -30,36 +29,16 @@ from pathlib import Path
 
 from hf_llmkit.checkpoints.collectives import barrier
 from hf_llmkit.checkpoints.endings import CheckpointWriteError, logged
-from hf_llmkit.checkpoints.housekeeping import remove_checkpoint
-from hf_llmkit.checkpoints.lifecycle import CheckpointGuard, begin_checkpoint, complete_checkpoint
+from hf_llmkit.checkpoints.lifecycle import CheckpointGuard
 from hf_llmkit.checkpoints.manifest import mark_writing, payload_files, write_manifest
-from hf_llmkit.checkpoints.names import checkpoint_folder
+from hf_llmkit.checkpoints.names import MODEL_FILE_PATTERNS, checkpoint_folder
 from hf_llmkit.checkpoints.retries import describe_write_error, save_with_retries
+from hf_llmkit.checkpoints.transaction import GUARD, WRITER, begin_save
+from hf_llmkit.trainers.run_identity import RUN_IDENTITY_PART, write_run_identity
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["MODEL_FILE_PATTERNS", "save_checkpoint", "save_final_model"]
-
-# What a model / tokenizer / processor save writes at the top of a folder (the final model's manifest lists these,
-# plus anything the save created or changed, and never run outputs such as results or logs).
-MODEL_FILE_PATTERNS = (
-    "*.safetensors",
-    "*.safetensors.index.json",
-    "*.bin",
-    "*.bin.index.json",
-    "config.json",
-    "generation_config.json",
-    "adapter_config.json",
-    "tokenizer*",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.*",
-    "merges.txt",
-    "*.model",
-    "chat_template.*",
-    "preprocessor_config.json",
-    "processor_config.json",
-)
 
 
 @contextmanager
@@ -73,20 +52,23 @@ def _trainer_rotation_held_off(args):
 
 def save_checkpoint(trainer, write: Callable[[], None], identity: dict | None) -> None:
     """Write `checkpoint-{global_step}` through `write()` (the Trainer's `_save_checkpoint`) as described above."""
-    from hf_llmkit.trainers.run_identity import write_run_identity
-
     args, state = trainer.args, trainer.state
     folder = checkpoint_folder(args.output_dir, state.global_step)
     main = args.should_save
-    if not begin_checkpoint(folder, main=main, device=args.device):
+    txn = begin_save(folder, participant=WRITER, main=main, device=args.device)
+    if not txn.is_open:
         logger.info("%s already holds this step's checkpoint; not writing it again", folder)
         return
+    if any(isinstance(cb, CheckpointGuard) for cb in trainer.callback_handler.callbacks):
+        txn.join(GUARD)  # the guard's on_save completes it (also a save it did not announce)
     _register_stateful_callbacks(trainer)
 
     def attempt() -> None:
-        write()
+        with txn.part(WRITER):
+            write()
         if main and identity is not None:
-            write_run_identity(identity, folder)
+            with txn.part(RUN_IDENTITY_PART):
+                write_run_identity(identity, folder)
 
     try:
         with _trainer_rotation_held_off(args) as limit:
@@ -101,17 +83,17 @@ def save_checkpoint(trainer, write: Callable[[], None], identity: dict | None) -
         reason = describe_write_error(err, folder)
         if reason is None:
             raise
-        barrier()
-        if main:
-            remove_checkpoint(folder)  # ours and never completed; frees what it took
+        txn.abandon()  # ours and never completed; frees what it took
         message = f"could not write {folder}: {reason}; the last complete checkpoint is untouched"
         raise logged(CheckpointWriteError(message), is_main_process=main) from err
-    barrier()  # every rank's files are on disk
-    guarded = any(isinstance(cb, CheckpointGuard) for cb in trainer.callback_handler.callbacks)
-    if main and not guarded:  # else the guard's on_save completes it
-        complete_checkpoint(
-            folder, output_dir=args.output_dir, save_total_limit=limit, keep=(state.best_model_checkpoint,)
-        )
+    txn.finish(
+        WRITER,
+        output_dir=args.output_dir,
+        save_total_limit=limit,
+        keep=(state.best_model_checkpoint,),
+        model=trainer.model,
+        processing_class=trainer.processing_class,
+    )
 
 
 def _register_stateful_callbacks(trainer) -> None:

@@ -34,6 +34,8 @@ from hf_llmkit.checkpoints.endings import RunEndingError, StopRequest, logged
 from hf_llmkit.checkpoints.lifecycle import CheckpointGuard
 from hf_llmkit.checkpoints.lock import hold_output_dir
 from hf_llmkit.checkpoints.names import MANIFEST_NAME, ROLLBACK_PREFIX, TRAINER_STATE, checkpoint_step
+from hf_llmkit.checkpoints.resume_rule import resumes_latest
+from hf_llmkit.checkpoints.transaction import close_run
 from hf_llmkit.compat.accelerate import unwrap_optimizer
 from hf_llmkit.trainers.multi_node import agree_on_checkpoint, check_output_dir_sharing
 from hf_llmkit.trainers.resume import prepare_output_dir, resolve_resume, resume_step
@@ -122,16 +124,12 @@ def _say_what_the_loss_covers(output: TrainOutput, resumed_at: int) -> TrainOutp
     return TrainOutput(output.global_step, output.training_loss, metrics)
 
 
-def _auto_resume(args, resume_from_checkpoint) -> bool:
-    return resume_from_checkpoint is True or (resume_from_checkpoint is None and getattr(args, "auto_resume", False))
-
-
 def _resume_point(trainer, resume_from_checkpoint) -> str | None:
     """The checkpoint this call resumes from (None: from scratch), checked and with the way cleared for it."""
     args = trainer.args
     check_output_dir_sharing(args)  # several machines: one output folder they all see
     resume = resolve_resume(trainer, resume_from_checkpoint)
-    if _auto_resume(args, resume_from_checkpoint):  # every machine resumes rank 0's choice
+    if resumes_latest(resume_from_checkpoint, auto_resume=getattr(args, "auto_resume", False)):  # rank 0's choice
         resume = agree_on_checkpoint(args, resume, checksums=getattr(args, "resume_verify_checksums", True))
     if resume is not None:  # another run's checkpoint is refused; settings a resume may change take effect
         check_length(args.max_steps, resume_step(resume), resume, args.output_dir)
@@ -185,3 +183,4 @@ def run_training(trainer, train: Callable[..., Any], resume_from_checkpoint=None
             lock.release()
         for guard in _guards(trainer):
             guard.close()  # signal handlers and hooks, also when training raised
+        close_run(trainer.args.output_dir)  # no checkpoint transaction outlives the call

@@ -1,8 +1,7 @@
 """Where `LLMKitTrainer` resumes from, checked before any work, and how a PEFT checkpoint is loaded back.
 
-- `resolve_resume`: `auto_resume` / `resume_from_checkpoint=True` mean the newest checkpoint that can be resumed
-  from (complete, or without a manifest but loading: `latest_complete_checkpoint`); an explicit folder must be one
-  too, else a one-line `ResumeError` says what is wrong with it and which checkpoint would do.
+- `resolve_resume`: the trainer's arguments (`auto_resume`, `resume_verify_checksums`) put to the one resume rule,
+  `hf_llmkit.checkpoints.resume_rule.resolve_resume`.
 - `prepare_output_dir`: before the run writes anything, the main process clears the way (`tidy_checkpoints`):
   our interrupted writes go, corrupt checkpoints are moved aside, and checkpoints newer than the resume point are
   kept as `abandoned-checkpoint-N` until the run has written a complete checkpoint of its own.
@@ -22,7 +21,7 @@ from hf_llmkit.checkpoints.collectives import barrier
 from hf_llmkit.checkpoints.endings import ResumeError
 from hf_llmkit.checkpoints.housekeeping import remove_checkpoint, tidy_checkpoints
 from hf_llmkit.checkpoints.names import ROLLBACK_PREFIX, TRAINER_STATE, checkpoint_step
-from hf_llmkit.checkpoints.status import classify_checkpoint, latest_complete_checkpoint
+from hf_llmkit.checkpoints.resume_rule import resolve_resume as resolve_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -30,33 +29,15 @@ __all__ = ["ResumeError", "load_own_adapters", "prepare_output_dir", "resolve_re
 
 
 def resolve_resume(trainer, resume_from_checkpoint: str | bool | None) -> str | None:
-    """The checkpoint this `train()` call resumes from (None: from scratch); raises `ResumeError` on a bad one."""
+    """The checkpoint this `train()` call resumes from (None: from scratch), by the one rule
+    (`hf_llmkit.checkpoints.resume_rule`); raises `ResumeError` on a bad one."""
     args = trainer.args
-    if resume_from_checkpoint is False:
-        return None
-    if resume_from_checkpoint is True or (resume_from_checkpoint is None and getattr(args, "auto_resume", False)):
-        found = latest_complete_checkpoint(args.output_dir, checksums=getattr(args, "resume_verify_checksums", True))
-        if found is None and resume_from_checkpoint is True:
-            raise ResumeError(
-                f"no complete checkpoint in {args.output_dir}; train without resume_from_checkpoint=True, "
-                "or pass the path of a checkpoint folder"
-            )
-        if found is not None:
-            logger.info("resuming from the latest complete checkpoint %s", found)
-        return found
-    if resume_from_checkpoint is None:
-        return None
-    return _checked_folder(str(resume_from_checkpoint), args.output_dir)
-
-
-def _checked_folder(folder: str, output_dir: str) -> str:
-    verdict = classify_checkpoint(folder)
-    if verdict.resumable:
-        return folder
-    newest = latest_complete_checkpoint(output_dir) if Path(output_dir).is_dir() else None
-    hint = f"resume from {newest} instead" if newest else "omit resume_from_checkpoint to start from scratch"
-    what = "does not exist" if not Path(folder).exists() else f"is {verdict.state.value}: {verdict.reason}"
-    raise ResumeError(f"resume_from_checkpoint {folder} {what}; {hint}")
+    return resolve_checkpoint(
+        args.output_dir,
+        resume_from_checkpoint,
+        auto_resume=getattr(args, "auto_resume", False),
+        checksums=getattr(args, "resume_verify_checksums", True),
+    )
 
 
 def resume_step(checkpoint: str | os.PathLike | None) -> int:

@@ -29,6 +29,7 @@ from typing import Any
 
 from hf_llmkit.checkpoints.endings import ResumeError
 from hf_llmkit.checkpoints.names import RUN_RECORD
+from hf_llmkit.checkpoints.transaction import register_contributor
 from hf_llmkit.trainers.changed_settings import changed_settings, describe_changes, recorded_settings
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["RUN_IDENTITY_FILE", "check_length", "check_run_identity", "run_identity", "write_run_identity"]
 
 RUN_IDENTITY_FILE = RUN_RECORD
+# The run record is a part of every checkpoint LLMKitTrainer writes (hf_llmkit.checkpoints.transaction).
+RUN_IDENTITY_PART = register_contributor("run identity", files=(RUN_RECORD,), writer=__name__).name
 FORMAT = 1
 # Config fields that describe how a model runs, not which model it is (private "_" keys are dropped too).
 _VOLATILE = {

@@ -25,6 +25,7 @@ from pathlib import Path
 from hf_llmkit.checkpoints.manifest import mark_writing
 from hf_llmkit.checkpoints.names import (
     ABANDONED_PREFIX,
+    CHECKPOINT_PREFIX,
     CORRUPT_PREFIX,
     INCOMPLETE_PREFIX,
     MANIFEST_NAME,
@@ -170,7 +171,7 @@ def drop_abandoned(output_dir: str | os.PathLike) -> list[str]:
     root, dropped = Path(output_dir), []
     if not root.is_dir():
         return dropped
-    for folder in sorted(root.glob(f"{ABANDONED_PREFIX}checkpoint-*")):
+    for folder in sorted(root.glob(f"{ABANDONED_PREFIX}{CHECKPOINT_PREFIX}-*")):
         if remove_checkpoint(folder):
             dropped.append(folder.name)
             logger.info("deleted %s: this run has written a complete checkpoint", folder.name)

@@ -1,17 +1,11 @@
-"""How a `checkpoint-N` folder is written: begun (marked) before its first byte, completed after its last.
-
-Whichever Trainer writes the files (`transformers.Trainer._save_checkpoint`, `LLMKitTrainer`'s retrying writer),
-a checkpoint goes through the same two calls:
+"""The two ends of a `checkpoint-N` write: the folder cleared and marked before its first byte, completed after
+its last. Only `hf_llmkit.checkpoints.transaction` calls them (once per save, under any Trainer):
 
 1. `begin_checkpoint(folder, ...)` (every rank together, before the first byte): a step whose checkpoint already
    loads is not written again; a leftover folder is deleted when it is our interrupted write, else moved aside (a
-   symlink is removed, never written through); then every rank creates the writing marker. The
-   `FaultToleranceCallback` calls it when the Trainer is about to save (`on_step_end` / `on_epoch_end`),
-   `LLMKitTrainer` again in its write (a folder begun already is left as it is).
-2. `complete_checkpoint(...)` (main process, once every writer has finished): the manifest (or, without one, just
-   the marker removed), then `save_total_limit` rotation on the classifier's terms, then the `abandoned-`
-   checkpoints go. It runs once per save: in the `on_save` of the `CheckpointGuard` callback
-   (`FaultToleranceCallback`) under any Trainer, or, when the trainer has no guard, in `LLMKitTrainer`'s write.
+   symlink is removed, never written through); then every rank creates the writing marker.
+2. `complete_checkpoint(...)` (main process, once every part is written): the manifest (or, without one, just the
+   marker removed), then `save_total_limit` rotation on the classifier's terms, then the `abandoned-` checkpoints go.
 """
 
 from __future__ import annotations
@@ -43,7 +37,8 @@ __all__ = [
 
 
 class CheckpointGuard:
-    """A callback that completes every checkpoint in its `on_save` (`complete_checkpoint`) and may stop the run.
+    """A callback that takes part in every checkpoint transaction and completes it in its `on_save` (with a
+    manifest), and may stop the run.
 
     A trainer that finds one among its callbacks leaves completion to it, and calls `close()` (signal handlers,
     hooks, the output folder's lock) when training ends with an exception.

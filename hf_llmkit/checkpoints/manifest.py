@@ -30,7 +30,6 @@ _CHUNK = 4 << 20
 _NOT_PAYLOAD = {MANIFEST_NAME, WRITING_MARKER}
 
 __all__ = [
-    "add_to_manifest",
     "check_manifest",
     "clear_writing",
     "is_writing",
@@ -151,23 +150,6 @@ def write_manifest(
     path = _replace_manifest(folder, manifest, fsync)
     clear_writing(folder)
     return path
-
-
-def add_to_manifest(folder: str | os.PathLike, subfolder: str, *, fsync: bool = True) -> bool:
-    """Record the files of `folder/subfolder` in an existing manifest (atomically); False if there is none.
-
-    Lets a writer that runs after the manifest (another callback's `on_save`) keep the folder self-describing.
-    """
-    folder = Path(folder)
-    manifest = read_manifest(folder)
-    if manifest is None or not isinstance(manifest.get("files"), dict):
-        return False
-    algorithm = manifest.get("checksum")
-    paths = payload_files(folder / subfolder)
-    for path, entry in zip(paths, _describe(paths, algorithm, fsync)):
-        manifest["files"][path.relative_to(folder).as_posix()] = entry
-    _replace_manifest(folder, manifest, fsync)
-    return True
 
 
 # -- reading and checking manifests ------------------------------------------------------------------------

@@ -18,9 +18,11 @@ __all__ = [
     "INCOMPLETE_PREFIX",
     "LOCK_FILE",
     "MANIFEST_NAME",
+    "MODEL_FILE_PATTERNS",
     "ROLLBACK_PREFIX",
     "RUN_RECORD",
     "TMP_MARK",
+    "TRAINER_FILE_PATTERNS",
     "TRAINER_STATE",
     "WRITING_MARKER",
     "checkpoint_folder",
@@ -33,6 +35,47 @@ __all__ = [
 # transformers' names
 TRAINER_STATE = "trainer_state.json"
 CHECKPOINT_PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR: folders are `checkpoint-N`
+
+# What a model / tokenizer / processor save writes at the top of a folder (the final model's manifest lists these,
+# plus anything the save created or changed, and never run outputs such as results or logs).
+MODEL_FILE_PATTERNS = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "*.bin",
+    "*.bin.index.json",
+    "config.json",
+    "generation_config.json",
+    "adapter_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "chat_template.*",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
+# What the Trainer's `_save_checkpoint` writes into `checkpoint-N` besides the model (`fnmatch` patterns of paths
+# relative to it: `*` also matches `/`): the state, optimizer, scheduler, scaler, RNG, a PEFT model's card and its
+# named adapters' folders, DeepSpeed's and FSDP's sharded states.
+TRAINER_FILE_PATTERNS = (
+    *MODEL_FILE_PATTERNS,
+    "*/adapter_model.*",
+    "*/adapter_config.json",
+    "README.md",
+    "*/README.md",
+    TRAINER_STATE,
+    "training_args.bin",
+    "optimizer*",
+    "scheduler.pt",
+    "scaler.pt",
+    "rng_state*.pth",
+    "latest",
+    "zero_to_fp32.py",
+    "global_step*/*",
+    "pytorch_model_fsdp*",
+)
 
 # hf_llmkit's names inside a folder it writes
 MANIFEST_NAME = "llmkit_manifest.json"  # written last: the folder is complete

@@ -17,7 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from hf_llmkit.checkpoints.names import TRAINER_STATE, path_too_long, shown_path
+from hf_llmkit.checkpoints.names import TRAINER_STATE, list_checkpoints, path_too_long, shown_path
 
 __all__ = [
     "check_checkpoint_folder",
@@ -131,7 +131,7 @@ def check_checkpoint_folder(path: str | os.PathLike, *, flag: str = "--resume_fr
     folder = _existing_folder(path, flag=flag, fix="pass a checkpoint-N folder of an earlier run")
     state = folder / TRAINER_STATE
     if not state.is_file():
-        inside = sorted(p.name for p in folder.glob("checkpoint-*") if p.is_dir())
+        inside = [p.name for p in list_checkpoints(folder)]
         hint = f" (it holds {inside[-1]}: pass that)" if inside else ""
         raise ValueError(f"{flag} {path} is not a checkpoint: no trainer_state.json{hint}")
     _read_json(state, f"{flag}:")

@@ -28,6 +28,7 @@ from transformers import set_seed
 
 from hf_llmkit import LLMKitTrainingArguments
 from hf_llmkit.checkpoints.lock import hold_output_dir
+from hf_llmkit.checkpoints.resume_rule import will_resume
 from hf_llmkit.cli.arguments import SCRATCH_SIZES, ModelArguments, RunArguments
 from hf_llmkit.cli.checks import check_training_length
 from hf_llmkit.cli.errors import UsageError, exit_on_error, usage_errors
@@ -330,10 +331,9 @@ def build_trainer(args: Args, built: Model, train, evaluation, *, data_collator)
 
 
 def _resuming(training: LLMKitTrainingArguments) -> bool:
-    """Whether `train()` will resume: an explicit checkpoint, or auto-resume with a checkpoint in output_dir."""
-    if training.resume_from_checkpoint is not None:
-        return True
-    return training.auto_resume and any(path.is_dir() for path in Path(training.output_dir).glob("checkpoint-*"))
+    """Whether `train()` will resume (the one resume rule: an explicit checkpoint, or auto-resume with a resumable
+    checkpoint in output_dir; a half-written one is not resumed from)."""
+    return will_resume(training.output_dir, training.resume_from_checkpoint, auto_resume=training.auto_resume)
 
 
 def train_and_evaluate(args: Args, trainer: LLMKitTrainer) -> dict[str, Any]:

@@ -29,8 +29,13 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from hf_llmkit.checkpoints.transaction import WRITER, register_contributor
 from hf_llmkit.quantization.calibration import calibrate, check_calibratable, first_examples
 from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear
+
+# A part of every checkpoint while the callback runs: the latent weights and tables, inside the model's weights file
+# that the Trainer writes (hf_llmkit.checkpoints.transaction).
+register_contributor("dkm training state", files=(), writer=__name__, via=WRITER)
 
 
 def keep_training_state(model: nn.Module, enabled: bool = True) -> int:
