@@ -25,6 +25,10 @@ enum { SCALE_NONE = 0, SCALE_F32 = 1, SCALE_F16 = 2, SCALE_BF16 = 3 };
 enum { OUT_F32 = 0, OUT_BF16 = 1, OUT_F16 = 2 };
 #define MAXM 8 /* tokens multiplied per pass over the weight */
 
+/* Bytes of the index stream the SIMD loops ask the cache for ahead of the chunk they read: a weight streamed from
+ * memory (every layer of a generating model) otherwise runs at a fraction of the memory's speed. */
+#define PREFETCH_AHEAD 2048
+
 typedef struct {
     const uint8_t *packed;
     int64_t rows, cols, rows_per_group, nblocks;
@@ -34,6 +38,8 @@ typedef struct {
     int scale_dtype;
     int mode; /* OUT_*: the dtype each weight is rounded to */
     int8_t spread[64], shifts[64]; /* byte permute and multishift controls of the AVX-512 index unpacking */
+    int8_t wbytes[2][64];          /* bfloat16 loops: the two bytes that hold index 32h + j go to word j ... */
+    int16_t wshift[2][32];         /* ... and are shifted right by its bit offset */
 } weight_t;
 
 /* Floats per table: 2^bits, at least 16 (one AVX-512 register); the caller pads each table to this. */
@@ -65,8 +71,10 @@ static inline float weight_at(const weight_t *w, const float *table, int64_t r, 
     return v;
 }
 
-/* Portable: columns [c0, cols) of row r, 8 indices (one word) at a time. */
-static void row_portable(const weight_t *w, int64_t r, int64_t c0, const float *x, int64_t m, float *acc,
+static inline float bf16_value(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
+
+/* Portable: columns [c0, cols) of row r, 8 indices (one word) at a time; x is float32, or bfloat16 (x_bf16). */
+static void row_portable(const weight_t *w, int64_t r, int64_t c0, const void *x, int x_bf16, int64_t m, float *acc,
                          void *out) {
     const uint8_t *row = w->packed + r * w->cols * w->bits / 8;
     const float *table = w->lut + (r / w->rows_per_group) * table_stride(w->bits);
@@ -82,7 +90,10 @@ static void row_portable(const weight_t *w, int64_t r, int64_t c0, const float *
                 else if (w->mode == OUT_F16) ((_Float16 *)out)[o] = (_Float16)v;
                 else ((float *)out)[o] = v;
             } else {
-                for (int64_t j = 0; j < m; j++) acc[j] += v * x[j * w->cols + c + t];
+                for (int64_t j = 0; j < m; j++) {
+                    int64_t i = j * w->cols + c + t;
+                    acc[j] += v * (x_bf16 ? bf16_value(((const uint16_t *)x)[i]) : ((const float *)x)[i]);
+                }
             }
         }
     }
@@ -128,6 +139,7 @@ static inline AVX512 __attribute__((always_inline)) int64_t row_avx512(const wei
     /* One named accumulator per token: dead ones (j >= M) vanish once M is a constant. */
     __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
     for (int64_t c = 0; c < cols64; c += 64) {
+        _mm_prefetch((const char *)(row + c * bits / 8) + PREFETCH_AHEAD, _MM_HINT_T0);
         __m512i idx8 = chunk_indices(row + c * bits / 8, bits, spread, shifts);
         for (int q = 0; q < 4; q++) {
             int64_t col = c + 16 * q;
@@ -166,7 +178,7 @@ static inline AVX512 __attribute__((always_inline)) int64_t row_avx512(const wei
 #define ROWS_AVX512(M)                                                                                                \
     static AVX512 void rows_avx512_##M(const weight_t *w, int64_t r, const float *x, float *acc, void *out) {        \
         int64_t c0 = row_avx512(w, r, x, M, acc, out);                                                                \
-        row_portable(w, r, c0, x, M, acc, out);                                                                       \
+        row_portable(w, r, c0, x, 0, M, acc, out);                                                                    \
     }
 ROWS_AVX512(1)
 ROWS_AVX512(2)
@@ -179,6 +191,70 @@ ROWS_AVX512(8)
 static void (*const rows_avx512[MAXM + 1])(const weight_t *, int64_t, const float *, float *, void *) = {
     0, rows_avx512_1, rows_avx512_2, rows_avx512_3, rows_avx512_4,
     rows_avx512_5, rows_avx512_6, rows_avx512_7, rows_avx512_8};
+#endif
+
+#ifdef HAVE_X86
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bf16")))
+
+/* bfloat16 inputs times bfloat16-rounded weights (a bfloat16 model): 32 indices become words with one byte permute
+ * and one variable shift, one word permute looks all 32 up in a register-held bfloat16 table, and one dot-product
+ * instruction multiplies them by 32 inputs (the products are exact; float32 sums, in another order than F.linear's,
+ * with the instruction's flush of subnormal numbers to zero). */
+static inline AVX512BF16 __attribute__((always_inline)) int64_t row_bf16(const weight_t *w, int64_t r,
+                                                                        const uint16_t *x, const int M, float *acc) {
+    const int bits = w->bits;
+    const int64_t cols64 = w->cols / 64 * 64;
+    const uint8_t *row = w->packed + r * w->cols * bits / 8;
+    const __m512 raw_table = _mm512_loadu_ps(w->lut + (r / w->rows_per_group) * 16);
+    const int64_t block = w->scale_dtype == SCALE_NONE ? 0 : w->cols / w->nblocks;
+    const __m512i bytes0 = _mm512_loadu_si512(w->wbytes[0]), bytes1 = _mm512_loadu_si512(w->wbytes[1]);
+    const __m512i shift0 = _mm512_loadu_si512(w->wshift[0]), shift1 = _mm512_loadu_si512(w->wshift[1]);
+    const __m512i mask = _mm512_set1_epi16((short)((1 << bits) - 1));
+#define WORDS(v) _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)))
+    __m512i table = WORDS(round_vec(raw_table, OUT_BF16));
+    int64_t next_block = 0, b = -1;
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+    for (int64_t c = 0; c < cols64; c += 64) {
+        _mm_prefetch((const char *)(row + c * bits / 8) + PREFETCH_AHEAD, _MM_HINT_T0);
+        __m512i raw = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (8 * bits)) - 1), row + c * bits / 8);
+        for (int h = 0; h < 2; h++) {
+            int64_t col = c + 32 * h;
+            if (block && col == next_block) {
+                b++;
+                next_block += block;
+                __m512 scaled = _mm512_mul_ps(raw_table, _mm512_set1_ps(scale_at(w, r * w->nblocks + b)));
+                table = WORDS(round_vec(scaled, OUT_BF16));
+            }
+            __m512i idx = _mm512_permutexvar_epi8(h ? bytes1 : bytes0, raw);
+            idx = _mm512_and_si512(_mm512_srlv_epi16(idx, h ? shift1 : shift0), mask);
+            __m512bh v = (__m512bh)_mm512_permutexvar_epi16(idx, table);
+#define DOT(j) \
+    if (M > j) s##j = _mm512_dpbf16_ps(s##j, v, (__m512bh)_mm512_loadu_si512(x + j * w->cols + col))
+            DOT(0); DOT(1); DOT(2); DOT(3); DOT(4); DOT(5); DOT(6); DOT(7);
+#undef DOT
+        }
+    }
+#undef WORDS
+    const __m512 sums[MAXM] = {s0, s1, s2, s3, s4, s5, s6, s7};
+    for (int j = 0; j < M; j++) acc[j] = _mm512_reduce_add_ps(sums[j]);
+    return cols64;
+}
+
+#define ROWS_BF16(M)                                                                                                  \
+    static AVX512BF16 void rows_bf16_##M(const weight_t *w, int64_t r, const void *x, float *acc) {                  \
+        int64_t c0 = row_bf16(w, r, (const uint16_t *)x, M, acc);                                                     \
+        row_portable(w, r, c0, x, 1, M, acc, 0);                                                                      \
+    }
+ROWS_BF16(1)
+ROWS_BF16(2)
+ROWS_BF16(3)
+ROWS_BF16(4)
+ROWS_BF16(5)
+ROWS_BF16(6)
+ROWS_BF16(7)
+ROWS_BF16(8)
+static void (*const rows_bf16[MAXM + 1])(const weight_t *, int64_t, const void *, float *) = {
+    0, rows_bf16_1, rows_bf16_2, rows_bf16_3, rows_bf16_4, rows_bf16_5, rows_bf16_6, rows_bf16_7, rows_bf16_8};
 #endif
 
 #ifdef HAVE_X86
@@ -218,6 +294,7 @@ static inline AVX2 __attribute__((always_inline)) int64_t row_avx2(const weight_
             lo = round_vec8(_mm256_mul_ps(raw_lo, sc), w->mode);
             hi = round_vec8(_mm256_mul_ps(raw_hi, sc), w->mode);
         }
+        if ((c & 63) == 0) _mm_prefetch((const char *)(row + c * bits / 8) + PREFETCH_AHEAD, _MM_HINT_T0);
         uint32_t word = 0;
         memcpy(&word, row + c * bits / 8, (size_t)bits);
         __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), mask);
@@ -253,7 +330,7 @@ static inline AVX2 __attribute__((always_inline)) int64_t row_avx2(const weight_
 #define ROWS_AVX2(M)                                                                                                  \
     static AVX2 void rows_avx2_##M(const weight_t *w, int64_t r, const float *x, float *acc, void *out) {            \
         int64_t c0 = row_avx2(w, r, x, M, acc, out);                                                                  \
-        row_portable(w, r, c0, x, M, acc, out);                                                                       \
+        row_portable(w, r, c0, x, 0, M, acc, out);                                                                    \
     }
 ROWS_AVX2(1)
 ROWS_AVX2(2)
@@ -267,77 +344,95 @@ static void (*const rows_avx2[MAXM + 1])(const weight_t *, int64_t, const float 
     0, rows_avx2_1, rows_avx2_2, rows_avx2_3, rows_avx2_4, rows_avx2_5, rows_avx2_6, rows_avx2_7, rows_avx2_8};
 #endif
 
-enum { LEVEL_PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2 };
-static int max_level = LEVEL_AVX512; /* lut_max_level(n) caps the loops taken (tests compare them) */
+enum { LEVEL_PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_AVX512BF16 = 3 };
+static int max_level = LEVEL_AVX512BF16; /* lut_max_level(n) caps the loops taken (tests compare them) */
 
 void lut_max_level(int level) { max_level = level; }
 
-/* The loops this CPU and this weight take: AVX-512 (an x86-64 CPU with VBMI, block scales whole multiples of 16
- * columns), AVX2 (with FMA and F16C, block scales multiples of 8), else portable; SIMD only up to 4 bits. */
-static int level(const weight_t *w) {
+/* The loops this CPU and this weight take: with bfloat16 inputs (x_bf16), the AVX-512 BF16 loops (block scales
+ * multiples of 32 columns); else AVX-512 (an x86-64 CPU with VBMI, block scales multiples of 16 columns), AVX2
+ * (with FMA and F16C, block scales multiples of 8), or portable; SIMD only up to 4 bits. */
+static int level(const weight_t *w, int x_bf16) {
 #ifdef HAVE_X86
     static int cpu = -1;
     if (cpu < 0) {
         __builtin_cpu_init();
-        cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512dq")
-                  ? LEVEL_AVX512
+        int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                     __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512dq");
+        cpu = avx512 && __builtin_cpu_supports("avx512bf16") ? LEVEL_AVX512BF16
+              : avx512                                       ? LEVEL_AVX512
               : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? LEVEL_AVX2
                                                                                  : LEVEL_PORTABLE;
     }
     int block = w->scale_dtype == SCALE_NONE ? 0 : (int)(w->cols / w->nblocks);
     int best = cpu < max_level ? cpu : max_level;
     if (w->bits > 4) return LEVEL_PORTABLE;
-    if (best == LEVEL_AVX512 && block % 16 == 0) return LEVEL_AVX512;
+    if (x_bf16) return best == LEVEL_AVX512BF16 && block % 32 == 0 ? LEVEL_AVX512BF16 : LEVEL_PORTABLE;
+    if (best >= LEVEL_AVX512 && block % 16 == 0) return LEVEL_AVX512;
     if (best >= LEVEL_AVX2 && block % 8 == 0) return LEVEL_AVX2;
 #else
     (void)w;
+    (void)x_bf16;
 #endif
     return LEVEL_PORTABLE;
 }
 
-static void one_row(const weight_t *w, int lvl, int64_t r, const float *x, int64_t m, float *y, void *out) {
+static void one_row(const weight_t *w, int lvl, int64_t r, const void *x, int x_bf16, int64_t m, float *y,
+                    void *out) {
     float acc[MAXM] = {0};
 #ifdef HAVE_X86
-    if (lvl == LEVEL_AVX512) rows_avx512[out ? 1 : m](w, r, x, acc, out);
-    else if (lvl == LEVEL_AVX2) rows_avx2[out ? 1 : m](w, r, x, acc, out);
+    if (lvl == LEVEL_AVX512BF16) rows_bf16[m](w, r, x, acc);
+    else if (lvl == LEVEL_AVX512) rows_avx512[out ? 1 : m](w, r, (const float *)x, acc, out);
+    else if (lvl == LEVEL_AVX2) rows_avx2[out ? 1 : m](w, r, (const float *)x, acc, out);
     else
 #endif
-        row_portable(w, r, 0, x, m, acc, out);
+        row_portable(w, r, 0, x, x_bf16, m, acc, out);
     (void)lvl;
     if (!out)
         for (int64_t j = 0; j < m; j++) y[j * w->rows + r] = acc[j];
 }
 
-static void run(weight_t *w, const float *x, int64_t m, float *y, void *out, int threads) {
-    int lvl = level(w);
+static void run(weight_t *w, const void *x, int x_bf16, int64_t m, float *y, void *out, int threads) {
+    int lvl = level(w, x_bf16);
     for (int k = 0; k < 8; k++)
         for (int t = 0; t < 8; t++) {
             w->spread[8 * k + t] = (int8_t)(w->bits * k + (t < w->bits ? t : 0));
             w->shifts[8 * k + t] = (int8_t)(t * w->bits);
         }
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 32; j++) {
+            int bit = (32 * h + j) * w->bits;
+            w->wbytes[h][2 * j] = (int8_t)(bit / 8);
+            w->wbytes[h][2 * j + 1] = (int8_t)((bit / 8 + 1) & 63);
+            w->wshift[h][j] = (int16_t)(bit % 8);
+        }
     (void)threads;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t r = 0; r < w->rows; r++) one_row(w, lvl, r, x, m, y, out);
+    for (int64_t r = 0; r < w->rows; r++) one_row(w, lvl, r, x, x_bf16, m, y, out);
 }
 
-/* y[m, rows] = x[m, cols] @ W^T for m <= 8 tokens (float32 x and y). */
+#define WEIGHT {packed, rows, cols, rows_per_group, nblocks, bits, lut, scale, scale_dtype, mode, {0}, {0}, {{0}}, {{0}}}
+
+/* y[m, rows] = x[m, cols] @ W^T for m <= 8 tokens: float32 x (x_bf16 = 0) or bfloat16 x (x_bf16 = 1, with mode
+ * bfloat16), float32 y. */
 void lut_gemv(const uint8_t *packed, int64_t rows, int64_t cols, int bits, const float *lut, int64_t rows_per_group,
-              const void *scale, int scale_dtype, int64_t nblocks, int mode, const float *x, int64_t m, float *y,
-              int threads) {
-    weight_t w = {packed, rows, cols, rows_per_group, nblocks, bits, lut, scale, scale_dtype, mode, {0}, {0}};
-    run(&w, x, m, y, 0, threads);
+              const void *scale, int scale_dtype, int64_t nblocks, int mode, const void *x, int x_bf16, int64_t m,
+              float *y, int threads) {
+    weight_t w = WEIGHT;
+    run(&w, x, x_bf16, m, y, 0, threads);
 }
 
 /* out[rows, cols] = W in float32, bfloat16 or float16 (mode). */
 void lut_decode(const uint8_t *packed, int64_t rows, int64_t cols, int bits, const float *lut, int64_t rows_per_group,
                 const void *scale, int scale_dtype, int64_t nblocks, int mode, void *out, int threads) {
-    weight_t w = {packed, rows, cols, rows_per_group, nblocks, bits, lut, scale, scale_dtype, mode, {0}, {0}};
-    run(&w, 0, 0, 0, out, threads);
+    weight_t w = WEIGHT;
+    run(&w, 0, 0, 0, 0, out, threads);
 }
 
-/* The loops a weight of `bits` bits (no block scales) takes on this CPU: 2 AVX-512, 1 AVX2, 0 portable. */
-int lut_level(int bits) {
-    weight_t w = {0, 1, 64, 1, 0, bits, 0, 0, SCALE_NONE, OUT_F32, {0}, {0}};
-    return level(&w);
+/* The loops a weight of `bits` bits with blocks of `block` columns (0: no scales) takes on this CPU, for float32
+ * inputs or bfloat16 ones (x_bf16): 3 AVX-512 BF16, 2 AVX-512, 1 AVX2, 0 portable. */
+int lut_level(int bits, int block, int x_bf16) {
+    weight_t w = {0, 1, block ? block : 64, 1, block ? 1 : 0, bits, 0, 0, block ? SCALE_F32 : SCALE_NONE, OUT_F32,
+                  {0}, {0}, {{0}}, {{0}}};
+    return level(&w, x_bf16);
 }

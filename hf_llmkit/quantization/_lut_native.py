@@ -6,8 +6,8 @@ minutes). The library lands in `<hf_llmkit cache>/kernels/` under a name that ca
 machine's architecture, is written to a private temporary and renamed into place, so concurrent processes never load
 a half-written one. It needs `cc` (or `$CC`); where there is none, or the build fails, `library()` is None, the
 reason is logged once, and `lut_gemv` takes its torch paths (`HF_LLMKIT_DKM_KERNEL=native` makes that an error).
-Inside, the CPU picks the loops at run time: AVX-512 (with VBMI), AVX2 (with FMA), or portable C (any CPU, and
-tables over 16 entries).
+Inside, the CPU picks the loops at run time: AVX512-BF16 (bfloat16 inputs), AVX-512 (with VBMI), AVX2 (with FMA),
+or portable C (any CPU, and tables over 16 entries).
 """
 
 from __future__ import annotations
@@ -74,9 +74,9 @@ def _load() -> ctypes.CDLL:
         _build(path)
     lib = ctypes.CDLL(str(path))
     common = [_P, _I64, _I64, _INT, _P, _I64, _P, _INT, _I64, _INT]
-    lib.lut_gemv.argtypes = [*common, _P, _I64, _P, _INT]
+    lib.lut_gemv.argtypes = [*common, _P, _INT, _I64, _P, _INT]
     lib.lut_decode.argtypes = [*common, _P, _INT]
-    lib.lut_level.argtypes = [_INT]
+    lib.lut_level.argtypes = [_INT, _INT, _INT]
     lib.lut_max_level.argtypes = [_INT]
     for fn in (lib.lut_gemv, lib.lut_decode):
         fn.restype = None
@@ -102,18 +102,19 @@ def unavailable_reason() -> str:
     return str(_state.get("error", ""))
 
 
-LOOPS = ("portable", "avx2", "avx512")  # the C source's LEVEL_* order
+LOOPS = ("portable", "avx2", "avx512", "avx512_bf16")  # the C source's LEVEL_* order
 
 
-def loops(bits: int) -> str | None:
-    """The loops a `bits`-bit weight takes on this CPU: `avx512` (x86-64 with VBMI), `avx2` (with FMA), `portable`
-    (any CPU, and above 4 bits); None where the kernel did not build."""
+def loops(bits: int, block: int = 0, bf16_inputs: bool = False) -> str | None:
+    """The loops a `bits`-bit weight with scale blocks of `block` columns (0: none) takes on this CPU:
+    `avx512_bf16` (bfloat16 inputs, a CPU with AVX512-BF16), `avx512` (x86-64 with VBMI), `avx2` (with FMA),
+    `portable` (any CPU, and above 4 bits); None where the kernel did not build."""
     lib = library()
-    return None if lib is None else LOOPS[lib.lut_level(bits)]
+    return None if lib is None else LOOPS[lib.lut_level(bits, block, int(bf16_inputs))]
 
 
 def cap_loops(name: str) -> None:
-    """Take at most the `name` loops from now on (`avx512` lets the CPU choose again): tests compare the loops."""
+    """Take at most the `name` loops from now on (`avx512_bf16` lets the CPU choose again): tests compare them."""
     library().lut_max_level(LOOPS.index(name))
 
 
@@ -152,18 +153,23 @@ def _entry(layer) -> list | None:
 
 
 def gemv(layer, x: torch.Tensor, mode: torch.dtype) -> torch.Tensor:
-    """Float32 `x @ W^T` `[m, rows]` of float32 `x` `[m, cols]`, each weight rounded to `mode` first (the dtype the
-    decoded path multiplies in), reading the weight once per `MAX_TOKENS` tokens."""
+    """Float32 `x @ W^T` `[m, rows]` of `x` `[m, cols]` in the compute dtype `mode`, each weight rounded to `mode`
+    first (the dtype the decoded path multiplies in), reading the weight once per `MAX_TOKENS` tokens. bfloat16
+    inputs go to the AVX512-BF16 loops where they serve, every other input is widened to float32."""
     args = [*_entry(layer), _OUT_CODES[mode]]
-    x = x.contiguous()
+    lib = _state["lib"]
+    scale = layer.weight_scale
+    block = 0 if scale is None else layer.weight_shape[1] // scale.shape[1]
+    bf16 = x.dtype == mode == torch.bfloat16 and lib.lut_level(layer.settings.bits, block, 1) == 3
+    x = x.contiguous() if bf16 else x.float().contiguous()
     y = torch.empty(x.shape[0], layer.weight_shape[0], dtype=torch.float32)
-    threads, lib = torch.get_num_threads(), _state["lib"]
+    threads = torch.get_num_threads()
     if x.shape[0] <= MAX_TOKENS:
-        lib.lut_gemv(*args, x.data_ptr(), x.shape[0], y.data_ptr(), threads)
+        lib.lut_gemv(*args, x.data_ptr(), int(bf16), x.shape[0], y.data_ptr(), threads)
         return y
     for start in range(0, x.shape[0], MAX_TOKENS):
         part, out = x[start : start + MAX_TOKENS], y[start : start + MAX_TOKENS]
-        lib.lut_gemv(*args, part.data_ptr(), part.shape[0], out.data_ptr(), threads)
+        lib.lut_gemv(*args, part.data_ptr(), int(bf16), part.shape[0], out.data_ptr(), threads)
     return y
 
 

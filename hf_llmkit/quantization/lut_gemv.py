@@ -179,7 +179,7 @@ def linear(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, decode_weight(layer, dtype), None if bias is None else bias.to(dtype))
     x2 = x.reshape(tokens, x.shape[-1])
     if path == "native" and not torch.compiler.is_compiling():
-        y = native.gemv(layer, x2.float(), dtype)
+        y = native.gemv(layer, x2, dtype)
         if bias is not None:
             y = y + bias.float()
         return y.to(dtype).reshape(*x.shape[:-1], layer.weight_shape[0])

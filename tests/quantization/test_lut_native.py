@@ -39,11 +39,12 @@ CASES = {  # name: (cols, DKMSettings.build options); 200 columns leave a tail o
 def loops(request):
     if native.library() is None:
         pytest.fail(f"the C kernel did not build here: {native.unavailable_reason()}")
-    if native.LOOPS.index(request.param) > native.LOOPS.index(native.loops(4)):
+    best = max(native.LOOPS.index(native.loops(4, bf16_inputs=b)) for b in (False, True))
+    if native.LOOPS.index(request.param) > best:
         pytest.skip(f"this CPU cannot run the {request.param} loops")
     native.cap_loops(request.param)
     yield request.param
-    native.cap_loops("avx512")
+    native.cap_loops(native.LOOPS[-1])
 
 
 def packed_pair(name: str) -> tuple[DKMLinear, PalettizedLinear]:
@@ -70,13 +71,15 @@ def test_decode_is_the_hard_assignment_bitwise(name, loops):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_product_is_the_decoded_linear_within_float32_rounding(name, loops):
-    """1 to 11 tokens (over 8 takes two passes); each weight rounded to the compute dtype, as the decoded path's."""
+    """1 to 11 tokens (over 8 takes two passes) in each compute dtype (bfloat16 inputs take the AVX512-BF16 loops
+    where the CPU has them); each weight rounded to that dtype, as the decoded path's."""
     dkm, packed = packed_pair(name)
     for dtype in native.DECODE_DTYPES:
         w = dkm.hard_weight(dtype).float()
         for tokens in (1, 2, 5, 8, 11):
-            x = torch.randn(tokens, w.shape[1]).to(dtype).float()
-            torch.testing.assert_close(native.gemv(packed, x, dtype), x @ w.T, rtol=1e-5, atol=1e-5)
+            x = torch.randn(tokens, w.shape[1]).to(dtype)
+            want = x.float() @ w.T
+            torch.testing.assert_close(native.gemv(packed, x, dtype), want, rtol=1e-5, atol=1e-5)
 
 
 def test_auto_takes_the_kernel_on_cpu_and_the_layer_agrees(monkeypatch, caplog):
