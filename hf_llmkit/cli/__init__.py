@@ -15,7 +15,7 @@
 - `output`: quiet, rank-0 console output (narrow filters for known upstream noise).
 - `results`: perplexity, results files as transformers' run_clm writes them, the results table.
 
-The user's data files are checked by `hf_llmkit.data_files`. This package depends on the features; no feature
+The user's data files are checked by `hf_llmkit.data.files`. This package depends on the features; no feature
 imports it (tests/cli/test_import_direction.py).
 """
 

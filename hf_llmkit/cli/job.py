@@ -56,7 +56,7 @@ from hf_llmkit.cli.results import (
     save_results,
 )
 from hf_llmkit.cli.run_folder import settle_output_dir, write_flag_record
-from hf_llmkit.corpus import default_cache_dir
+from hf_llmkit.data.corpus import default_cache_dir
 from hf_llmkit.trainers import LLMKitTrainer
 from hf_llmkit.tuners.ptuning import PTuningTemplate
 

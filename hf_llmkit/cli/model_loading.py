@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from hf_llmkit.corpus import corpus_tokenizer
+from hf_llmkit.data.corpus import corpus_tokenizer
 
 __all__ = [
     "SIZE_FLAGS", "causal_lm_config", "check_scratch_config", "context_length", "load_model", "load_tokenizer",
