@@ -9,7 +9,8 @@
 - `arguments`: `ModelArguments`, `DataArguments`, `RunArguments` of a causal-LM training command; `peft`
   (`PeftArguments`, from `hf_llmkit.tuners.PEFT_METHODS`), `quantization` (`DKMArguments` from `DKMConfig`,
   `KbitArguments`), `moe` (`MoEArguments`, from `upcycle_to_moe`).
-- `job`: what the main jobs (`run_clm.py`, `run_sft.py`) share: parsing, model, trainer, results, `main()`.
+- `job`: what the main jobs (`run_clm.py`, `run_sft.py`) share: parsing, model, trainer, results, `main()`; a fixed
+  pipeline over `features` (one object per feature: flags, checks, folder suffix, model stage, callbacks, results).
 - `folders`: output / cache / model / tokenizer / checkpoint folder checks made before any work.
 - `model_loading`: the tokenizer and model to train (pretrained folder, or `--model_type` from a config).
 - `output`: quiet, rank-0 console output (narrow filters for known upstream noise).

@@ -25,23 +25,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# fmt: off
 _NAMES = {
     "blocks": ("build_lm_datasets", "validation_block_count"),
     "cache": ("publish_once", "remove_stale_temporaries", "temporary_sibling"),
     "corpus": ("corpus_texts", "corpus_tokenizer", "default_cache_dir", "write_corpus_files"),
     "files": ("TextFiles", "find_data_files", "read_file_rows", "read_text_rows", "split_long_text"),
     "instructions": ("instruction_records", "write_instruction_file"),
-    "sft": (
-        "InstructionCollator",
-        "PromptTemplate",
-        "TruncationReport",
-        "check_length_budget",
-        "pack_examples",
-        "read_instruction_records",
-        "tokenize_record",
-        "tokenize_records",
-    ),
+    "sft": ("InstructionCollator", "PromptTemplate", "TruncationReport", "check_length_budget", "pack_examples",
+            "read_instruction_records", "tokenize_record", "tokenize_records"),
 }
+# fmt: on
 _MODULE_OF = {name: module for module, names in _NAMES.items() for name in names}
 
 __all__ = sorted(_MODULE_OF)
