@@ -132,3 +132,24 @@ def test_each_option_has_one_default_rule():
     assert (
         features.derived_defaults({"overwrite_output_dir": True, "warmup_ratio": None}, set())["auto_resume"] is False
     )
+
+
+def test_the_dkm_config_is_built_once_and_quantize_model_called_from_one_place(run_clm, tmp_path):
+    """The run's DKMConfig is built when the arguments are (checked before any work) and that same object quantizes
+    the model; in the main jobs only the DKM feature's stage calls `quantize_model`."""
+    import re
+    from pathlib import Path
+
+    import hf_llmkit.cli as cli
+
+    args = run_clm.parse_args([*TINY, "--quantization", "dkm", "--dkm_bits", "2", "--output_dir", str(tmp_path)])
+    config = args.dkm.build_config()
+    assert config is args.dkm.build_config() and config.bits == 2
+    built = run_clm.job.build_model(args, run_clm.load_tokenizer(args.model))
+    assert built.model.config.quantization_config is config
+    calls = {
+        path.relative_to(Path(cli.__file__).parent).as_posix()
+        for path in Path(cli.__file__).parent.rglob("*.py")
+        if re.search(r"\bquantize_model\(", path.read_text())
+    }
+    assert calls == {"features/dkm.py"}
