@@ -23,7 +23,7 @@ CALIBRATION_SAMPLES = 128  # training sentences / blocks the calibrated methods 
 
 
 def _sentences() -> tuple[list[str], list[str]]:
-    from hf_llmkit.corpus import corpus_texts
+    from hf_llmkit.data.corpus import corpus_texts
 
     sents = []
     for text in corpus_texts():
@@ -137,8 +137,8 @@ class CausalLM:
     def _blocks(self, n_eval: int):
         from transformers import AutoConfig
 
-        from hf_llmkit.corpus import corpus_texts, default_cache_dir
-        from hf_llmkit.lm_data import build_lm_datasets
+        from hf_llmkit.data.blocks import build_lm_datasets
+        from hf_llmkit.data.corpus import corpus_texts, default_cache_dir
 
         clm = _run_clm()
         tok = clm.load_tokenizer(clm.ModelArguments(model_name_or_path=str(self.model_dir)))

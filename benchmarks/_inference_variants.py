@@ -109,7 +109,7 @@ def prepare(spec: dict) -> None:
 def _dense_checkpoint(spec: dict, out: Path) -> None:
     from transformers import LlamaForCausalLM
 
-    from hf_llmkit.corpus import corpus_tokenizer
+    from hf_llmkit.data.corpus import corpus_tokenizer
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config(spec["shape"])).to(torch.bfloat16)
@@ -121,7 +121,7 @@ def _dense_checkpoint(spec: dict, out: Path) -> None:
 def _gptq_prepare(spec: dict, out: Path) -> None:
     from gptqmodel import GPTQModel, QuantizeConfig
 
-    from hf_llmkit.corpus import corpus_tokenizer
+    from hf_llmkit.data.corpus import corpus_tokenizer
     from hf_llmkit.testing import corpus_texts
 
     tokenizer = corpus_tokenizer(vocab_size=4096)

@@ -53,8 +53,8 @@ def _blocks(model_dir: Path, n_eval: int):
     """(tokenizer, train blocks, first `n_eval` validation blocks) exactly as the example builds them."""
     from transformers import AutoConfig
 
-    from hf_llmkit.corpus import corpus_texts, default_cache_dir
-    from hf_llmkit.lm_data import build_lm_datasets
+    from hf_llmkit.data.blocks import build_lm_datasets
+    from hf_llmkit.data.corpus import corpus_texts, default_cache_dir
 
     clm = _run_clm()
     tok = clm.load_tokenizer(clm.ModelArguments(model_name_or_path=str(model_dir)))

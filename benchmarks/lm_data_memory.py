@@ -1,7 +1,7 @@
 """Peak resident memory of tokenizing a single-line text file into cached blocks, as the main jobs do.
 
 Each size runs in a fresh process: it writes one line of SIZE megabytes (the embedded corpus repeated, newlines
-made spaces), then `hf_llmkit.lm_data.build_lm_datasets` (block size 128, the corpus tokenizer, a cache folder, the
+made spaces), then `hf_llmkit.data.blocks.build_lm_datasets` (block size 128, the corpus tokenizer, a cache folder, the
 5% seeded split) tokenizes it. Reported per size: the peak resident memory (`ru_maxrss`: the process's own memory
 and the mapped pages of files, what reading data through a memory map leaves resident included), what the build
 added to it over the imports and the tokenizer, the build's seconds and megabytes of text per second. The files are
@@ -39,11 +39,11 @@ def _peak_mb() -> float:
 
 
 def child(size_mb: float, workdir: Path) -> dict:
-    """One measurement, in this (fresh) process; the cache folder is workdir/cache. (tests/test_lm_data.py runs it
+    """One measurement, in this (fresh) process; the cache folder is workdir/cache. (tests/data/test_blocks.py runs it
     too: `python benchmarks/lm_data_memory.py --child SIZE_MB WORKDIR` prints the result as one JSON line.)"""
-    from hf_llmkit.corpus import corpus_texts, corpus_tokenizer
-    from hf_llmkit.data_files import TextFiles
-    from hf_llmkit.lm_data import build_lm_datasets
+    from hf_llmkit.data.blocks import build_lm_datasets
+    from hf_llmkit.data.corpus import corpus_texts, corpus_tokenizer
+    from hf_llmkit.data.files import TextFiles
 
     workdir.mkdir(parents=True, exist_ok=True)
     path, text = workdir / "one-line.txt", " ".join(corpus_texts()).replace("\n", " ").encode()

@@ -320,7 +320,7 @@ def train_upcycled(steps: int, aux_coef: float, device: str) -> dict:
     from transformers import LlamaForCausalLM, PrinterCallback
 
     from hf_llmkit import LLMKitTrainingArguments
-    from hf_llmkit.lm_data import build_lm_datasets
+    from hf_llmkit.data.blocks import build_lm_datasets
     from hf_llmkit.parallel import upcycle_to_moe
     from hf_llmkit.trainers import LLMKitTrainer
 

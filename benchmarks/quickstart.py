@@ -35,8 +35,8 @@ def peer(output_dir: str, steps: int, device: str, eval_blocks: int | None = Non
     """The quickstart on the plain transformers Trainer (same model, data, schedule, evaluations, checkpoints)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, default_data_collator, set_seed
 
-    from hf_llmkit.corpus import corpus_texts, corpus_tokenizer, default_cache_dir
-    from hf_llmkit.lm_data import build_lm_datasets
+    from hf_llmkit.data.blocks import build_lm_datasets
+    from hf_llmkit.data.corpus import corpus_texts, corpus_tokenizer, default_cache_dir
 
     set_seed(42)
     tokenizer = corpus_tokenizer(vocab_size=4096)

@@ -58,6 +58,7 @@ from hf_llmkit.checkpoints.loss_watch import LossWatch
 from hf_llmkit.checkpoints.names import checkpoint_folder
 from hf_llmkit.checkpoints.status import classify_checkpoint, latest_complete_checkpoint
 from hf_llmkit.checkpoints.transaction import GUARD, begin_save, close_run, transaction_of
+from hf_llmkit.compat.transformers import saved_callback_state
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +292,7 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
         # Resumed from a checkpoint saved without this callback, the Trainer's save would fail with KeyError on
         # the missing `stateful_callbacks` entry (transformers 5.23): give it one. Resumed from one saved with it,
         # the entry holds this callback's saved attributes (rollback count, loss average): restore them.
-        self._restore(state.stateful_callbacks.setdefault(name, self.state()))
+        self._restore(saved_callback_state(state, name, self.state()))
         self._signal, self._pending = None, None
         self._install_signals()
         self.watch.attach(model)

@@ -34,9 +34,9 @@ from hf_llmkit.cli.arguments import DataArguments, ModelArguments, resolve_block
 from hf_llmkit.cli.checks import at_most
 from hf_llmkit.cli.job import Args, Model
 from hf_llmkit.cli.model_loading import load_model, load_tokenizer  # noqa: F401 (tests build the same model)
-from hf_llmkit.corpus import corpus_texts, default_cache_dir
-from hf_llmkit.data_files import TextFiles, find_data_files
-from hf_llmkit.lm_data import build_lm_datasets
+from hf_llmkit.data.blocks import build_lm_datasets
+from hf_llmkit.data.corpus import corpus_texts, default_cache_dir
+from hf_llmkit.data.files import TextFiles, find_data_files
 
 logger = logging.getLogger("run_clm")
 

@@ -39,7 +39,7 @@ if [ ! -f "$pretrained_model/config.json" ]; then
     exit 2
 fi
 if [ ! -d "$dataset_dir" ]; then  # the embedded English corpus as a folder of .txt files
-    "$PYTHON" -m hf_llmkit.corpus "$dataset_dir" 8
+    "$PYTHON" -m hf_llmkit.data.corpus "$dataset_dir" 8
 fi
 precision=${PRECISION:-$("$PYTHON" -c 'import torch; print("fp16" if torch.cuda.is_available() else "fp32")')}
 case "$precision" in

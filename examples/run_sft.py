@@ -35,9 +35,9 @@ from hf_llmkit.cli.arguments import InstructionDataArguments
 from hf_llmkit.cli.checks import at_most
 from hf_llmkit.cli.job import Args, Model
 from hf_llmkit.cli.model_loading import context_length
-from hf_llmkit.data_files import find_data_files
-from hf_llmkit.instruction_corpus import instruction_records
-from hf_llmkit.sft_data import (
+from hf_llmkit.data.files import find_data_files
+from hf_llmkit.data.instructions import instruction_records
+from hf_llmkit.data.sft import (
     InstructionCollator,
     check_length_budget,
     pack_examples,

@@ -17,6 +17,7 @@ import torch
 from transformers import TrainingArguments
 
 from hf_llmkit.checkpoints.exit_codes import EXIT_DIVERGED, EXIT_PREEMPTED
+from hf_llmkit.parallel.dims import ParallelDims
 from hf_llmkit.parallel.elastic import check_elastic_restarts
 
 logger = logging.getLogger(__name__)
@@ -187,12 +188,6 @@ class LLMKitTrainingArguments(TrainingArguments):
         for name in ("moe_aux_loss_coef", "moe_z_loss_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 disables that MoE loss), got {getattr(self, name)}")
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if self.sequence_parallel_size < 1 or world % self.sequence_parallel_size:
-            raise ValueError(
-                f"sequence_parallel_size={self.sequence_parallel_size} must be >= 1 and divide the number of ranks "
-                f"({world}); launch a multiple of it (e.g. --num_processes {max(self.sequence_parallel_size, 1)})"
-            )
         if self.tiled_loss_chunk_size < 1:
             raise ValueError(f"tiled_loss_chunk_size must be >= 1 positions, got {self.tiled_loss_chunk_size}")
         if self.tiled_mlp_chunk_size < 0:
@@ -200,11 +195,8 @@ class LLMKitTrainingArguments(TrainingArguments):
                 f"tiled_mlp_chunk_size must be >= 1 positions (or 0 for the hidden size), "
                 f"got {self.tiled_mlp_chunk_size}"
             )
-        if self.expert_parallel_size < 1 or world % self.expert_parallel_size:
-            raise ValueError(
-                f"expert_parallel_size={self.expert_parallel_size} must be >= 1 and divide the number of ranks "
-                f"({world}); launch a multiple of it (e.g. --num_processes {max(self.expert_parallel_size, 1)})"
-            )
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        ParallelDims(world=world, sp=self.sequence_parallel_size, ep=self.expert_parallel_size)  # before any work
         multi_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1
         check_elastic_restarts()  # a torchrun restart must not meet the previous round's process-group addresses
         if self.deepspeed and not _has_accelerator():

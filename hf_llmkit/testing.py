@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hf_llmkit.corpus import corpus_texts, corpus_tokenizer
+from hf_llmkit.data.corpus import corpus_texts, corpus_tokenizer
 
 __all__ = [
     "DistributedRunError",

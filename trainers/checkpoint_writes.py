@@ -34,6 +34,7 @@ from hf_llmkit.checkpoints.manifest import mark_writing, payload_files, write_ma
 from hf_llmkit.checkpoints.names import MODEL_FILE_PATTERNS, checkpoint_folder
 from hf_llmkit.checkpoints.retries import describe_write_error, save_with_retries
 from hf_llmkit.checkpoints.transaction import GUARD, WRITER, begin_save
+from hf_llmkit.compat.transformers import saved_callback_state
 from hf_llmkit.trainers.run_identity import RUN_IDENTITY_PART, write_run_identity
 
 logger = logging.getLogger(__name__)
@@ -104,10 +105,9 @@ def _register_stateful_callbacks(trainer) -> None:
     """
     from transformers.trainer_callback import ExportableState
 
-    stateful = trainer.state.stateful_callbacks
     for callback in [*trainer.callback_handler.callbacks, trainer.control]:
         if isinstance(callback, ExportableState):
-            stateful.setdefault(type(callback).__name__, callback.state())
+            saved_callback_state(trainer.state, type(callback).__name__, callback.state())
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int, int]]:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 
 from hf_llmkit.compat.accelerate import replace_ddp_handler, unwrap_optimizer
+from hf_llmkit.parallel.dims import ParallelDims
 from hf_llmkit.parallel.groups import ExpertParallelGroups, new_expert_parallel_groups
 from hf_llmkit.parallel.moe.expert_parallel import (
     apply_expert_parallel,
@@ -71,13 +72,7 @@ class TrainerExpertParallel:
         if size <= 1:
             return None
         args, world = trainer.args, trainer.args.world_size
-        if world % size:
-            raise ValueError(
-                f"expert_parallel_size={size} needs a multiple of {size} ranks, got {world}; "
-                f"launch with torchrun / accelerate launch --num_processes {size}"
-            )
-        if getattr(args, "sequence_parallel_size", 1) > 1:
-            raise ValueError("expert_parallel_size > 1 cannot be combined with sequence_parallel_size > 1; pick one")
+        ParallelDims(world=world, sp=getattr(args, "sequence_parallel_size", 1), ep=size)
         if trainer.is_fsdp_enabled:
             raise ValueError("expert_parallel_size > 1 is not supported with FSDP; use DDP or DeepSpeed ZeRO-2")
         if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:

@@ -37,6 +37,7 @@ from hf_llmkit.checkpoints.names import MANIFEST_NAME, ROLLBACK_PREFIX, TRAINER_
 from hf_llmkit.checkpoints.resume_rule import resumes_latest
 from hf_llmkit.checkpoints.transaction import close_run
 from hf_llmkit.compat.accelerate import unwrap_optimizer
+from hf_llmkit.compat.transformers import add_saved_callback_states
 from hf_llmkit.trainers.multi_node import agree_on_checkpoint, check_output_dir_sharing
 from hf_llmkit.trainers.resume import prepare_output_dir, resolve_resume, resume_step
 from hf_llmkit.trainers.run_identity import check_length, check_run_identity, run_identity
@@ -89,7 +90,7 @@ def prepare_rollback_checkpoint(request: StopRequest, output_dir: str | os.PathL
     state_file.unlink()  # a hard link: write a fresh file, never the good checkpoint's
     state = json.loads((source / TRAINER_STATE).read_text(encoding="utf-8"))
     state["global_step"] = request.step
-    state.setdefault("stateful_callbacks", {}).update(exported_callback_states(callbacks))
+    add_saved_callback_states(state, exported_callback_states(callbacks))
     state_file.write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
     return str(target)
 

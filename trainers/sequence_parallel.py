@@ -22,6 +22,7 @@ import torch
 from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
 from torch.utils.data import DataLoader
 
+from hf_llmkit.parallel.dims import ParallelDims
 from hf_llmkit.parallel.groups import SequenceParallelGroups, new_sequence_parallel_groups
 from hf_llmkit.parallel.sequence.data import SequenceParallelCollator
 from hf_llmkit.parallel.sequence.loss import sequence_parallel_loss, sequence_parallel_mean
@@ -44,11 +45,7 @@ class TrainerSequenceParallel:
         size = getattr(trainer.args, "sequence_parallel_size", 1)
         if size <= 1:
             return None
-        if trainer.args.world_size % size:
-            raise ValueError(
-                f"sequence_parallel_size={size} needs a multiple of {size} ranks, got {trainer.args.world_size}; "
-                f"launch with torchrun / accelerate launch --num_processes {size}"
-            )
+        ParallelDims(world=trainer.args.world_size, sp=size, ep=getattr(trainer.args, "expert_parallel_size", 1))
         if trainer.compute_loss_func is not None:
             raise ValueError(
                 "compute_loss_func is not supported with sequence_parallel_size > 1 (the loss is sharded); drop it"

@@ -9,13 +9,14 @@
 - `arguments`: `ModelArguments`, `DataArguments`, `RunArguments` of a causal-LM training command; `peft`
   (`PeftArguments`, from `hf_llmkit.tuners.PEFT_METHODS`), `quantization` (`DKMArguments` from `DKMConfig`,
   `KbitArguments`), `moe` (`MoEArguments`, from `upcycle_to_moe`).
-- `job`: what the main jobs (`run_clm.py`, `run_sft.py`) share: parsing, model, trainer, results, `main()`.
+- `job`: what the main jobs (`run_clm.py`, `run_sft.py`) share: parsing, model, trainer, results, `main()`; a fixed
+  pipeline over `features` (one object per feature: flags, checks, folder suffix, model stage, callbacks, results).
 - `folders`: output / cache / model / tokenizer / checkpoint folder checks made before any work.
 - `model_loading`: the tokenizer and model to train (pretrained folder, or `--model_type` from a config).
 - `output`: quiet, rank-0 console output (narrow filters for known upstream noise).
 - `results`: perplexity, results files as transformers' run_clm writes them, the results table.
 
-The user's data files are checked by `hf_llmkit.data_files`. This package depends on the features; no feature
+The user's data files are checked by `hf_llmkit.data.files`. This package depends on the features; no feature
 imports it (tests/cli/test_import_direction.py).
 """
 

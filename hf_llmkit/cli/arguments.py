@@ -144,11 +144,11 @@ class DataArguments:
 
 @dataclass
 class InstructionDataArguments:
-    """What a supervised fine-tuning command trains on (`examples/run_sft.py`; `hf_llmkit.sft_data`).
+    """What a supervised fine-tuning command trains on (`examples/run_sft.py`; `hf_llmkit.data.sft`).
 
     Args:
         train_file: A .json (array) or .jsonl file of `{"instruction", "input", "output"}` records ("input" may be
-            left out); default: the embedded instruction set (`hf_llmkit.instruction_corpus`).
+            left out); default: the embedded instruction set (`hf_llmkit.data.instructions`).
         validation_file: Held-out records to evaluate on (instead of splitting the training records).
         prompt_template: "alpaca" (Stanford Alpaca's prompt, with and without an input), or a format string with
             `{instruction}` and `{input}`; the response follows it.
@@ -183,7 +183,7 @@ class InstructionDataArguments:
     )
 
     def __post_init__(self):
-        from hf_llmkit.sft_data import PromptTemplate
+        from hf_llmkit.data.sft import PromptTemplate
 
         self.template = PromptTemplate.parse(self.prompt_template)  # a bad template stops here, before any work
 

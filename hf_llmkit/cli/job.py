@@ -13,7 +13,6 @@ after training, results files and the results table, and `main()` with its exit 
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import time
@@ -23,16 +22,16 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from peft import get_peft_model
 from transformers import set_seed
 
 from hf_llmkit import LLMKitTrainingArguments
 from hf_llmkit.checkpoints.lock import hold_output_dir
 from hf_llmkit.checkpoints.resume_rule import will_resume
-from hf_llmkit.cli.arguments import SCRATCH_SIZES, ModelArguments, RunArguments
+from hf_llmkit.cli import features
+from hf_llmkit.cli.arguments import SCRATCH_SIZES, ModelArguments
 from hf_llmkit.cli.checks import check_training_length
-from hf_llmkit.cli.errors import UsageError, exit_on_error, usage_errors
-from hf_llmkit.cli.feature_flags import FlagGroup
+from hf_llmkit.cli.errors import exit_on_error, usage_errors
+from hf_llmkit.cli.features import BuildState, adapter_base_dir
 from hf_llmkit.cli.folders import (
     check_checkpoint_folder,
     check_json_file,
@@ -41,12 +40,9 @@ from hf_llmkit.cli.folders import (
     check_writable_folder,
 )
 from hf_llmkit.cli.help import HelpLayout
-from hf_llmkit.cli.model_loading import check_scratch_config, load_model, load_tokenizer, ties_embeddings
-from hf_llmkit.cli.moe import MoEArguments
+from hf_llmkit.cli.model_loading import check_scratch_config, load_model, load_tokenizer
 from hf_llmkit.cli.output import configure_console, keep_tensorboard_in_output_dir
 from hf_llmkit.cli.parser import CommandLineParser
-from hf_llmkit.cli.peft import PeftArguments
-from hf_llmkit.cli.quantization import DKMArguments, KbitArguments
 from hf_llmkit.cli.results import (
     ResumePoint,
     count_parameters,
@@ -57,9 +53,8 @@ from hf_llmkit.cli.results import (
     save_results,
 )
 from hf_llmkit.cli.run_folder import settle_output_dir, write_flag_record
-from hf_llmkit.corpus import default_cache_dir
+from hf_llmkit.data.corpus import default_cache_dir
 from hf_llmkit.trainers import LLMKitTrainer
-from hf_llmkit.tuners.ptuning import PTuningTemplate
 
 __all__ = [
     "EMBEDDED_DEFAULTS", "Args", "DataSteps", "Job", "Model", "adapter_base_dir", "build_model", "build_trainer",
@@ -80,9 +75,8 @@ GROUP_ORDER = ("model", "quantization", "DKM quantization", "data", "PEFT", "mix
                "sequence parallel", "long sequences", "fault tolerance", "training")  # fmt: skip
 # The seed recipe's spellings that transformers 5 deprecated: same meaning, no deprecation warning.
 SEED_SPELLINGS = {"--gradient_checkpointing": "--activation_checkpointing"}
-CROSS_FLAGS = (FlagGroup("--upcycle_moe true", ("moe_aux_loss_coef", "moe_z_loss_coef"), lambda v: v["upcycle_moe"]),)
-FEATURE_TYPES = (PeftArguments, DKMArguments, KbitArguments, MoEArguments, RunArguments)
-# What the main jobs do with no flags, besides their own length and cadence (each one can be overridden).
+# What the main jobs do with no flags, besides their own length and cadence (each one can be overridden; a feature's
+# own defaults are the feature's: `hf_llmkit.cli.features`).
 EMBEDDED_DEFAULTS = dict(
     do_train=True,
     do_eval=True,
@@ -96,7 +90,6 @@ EMBEDDED_DEFAULTS = dict(
     disable_tqdm=False,
     dataloader_pin_memory=torch.cuda.is_available(),
     seed=42,
-    auto_resume=True,
     ddp_find_unused_parameters=False,  # every trainable weight takes part in each step (MoE experts are fused tensors)
 )
 
@@ -117,34 +110,26 @@ class Job:
 
 
 class Args(NamedTuple):
-    """Every parsed argument of one run, and the flags the user typed."""
+    """Every parsed argument of one run, and the flags the user typed. A feature's arguments are an attribute
+    named after it (`args.peft`, `args.dkm`, `args.run`...: `hf_llmkit.cli.features.FEATURES`)."""
 
     model: ModelArguments
     data: Any
-    peft: Any
-    dkm: Any
-    kbit: KbitArguments
-    moe: Any
-    run: RunArguments
+    features: Mapping[str, Any]
     training: LLMKitTrainingArguments
     given: frozenset[str] = frozenset()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.features[name]
+        except KeyError:
+            raise AttributeError(f"Args has no attribute {name!r}") from None
 
 
 def default_output_dir(root: str, values: Mapping[str, Any]) -> str:
     """`root`, plus one suffix per switched-on feature, so different runs never share a folder."""
-    parts = []
-    if values["model_name_or_path"]:
-        parts.append(Path(values["model_name_or_path"]).name)
-    if values["peft_method"] != "none":
-        parts.append(values["peft_method"])
-    if values["quantization"]:
-        parts.append(values["quantization"])
-    if values["load_in_kbits"] != 16:
-        parts.append(f"{values['load_in_kbits']}bit")
-    if values["upcycle_moe"]:
-        parts.append("moe")
-    if values["sequence_parallel_size"] > 1:
-        parts.append(f"sp{values['sequence_parallel_size']}")
+    parts = [Path(values["model_name_or_path"]).name] if values["model_name_or_path"] else []
+    parts += features.folder_suffixes(values)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         parts.append(f"{world}ranks")
@@ -154,16 +139,12 @@ def default_output_dir(root: str, values: Mapping[str, Any]) -> str:
 def _derived_defaults(job: Job):
     def derive(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
         """Defaults that follow from what was typed (a typed flag always wins)."""
-        if "warmup_ratio" in given and "warmup_steps" in given:
-            raise UsageError("pass --warmup_ratio or --warmup_steps, not both (a --warmup_steps below 1 is a ratio)")
         derived = {
             "output_dir": default_output_dir(job.output_root, values),
-            "auto_resume": not values["overwrite_output_dir"],
+            **features.derived_defaults(values, given),
         }
         if "num_train_epochs" in given:
             derived["max_steps"] = -1  # the epochs decide the length, not the embedded default number of steps
-        if values["warmup_ratio"] is not None:
-            derived["warmup_steps"] = values["warmup_ratio"]
         return derived
 
     return derive
@@ -177,12 +158,13 @@ def _check_deepspeed_file(values: Mapping[str, Any]) -> None:
 def parser_for(job: Job) -> CommandLineParser:
     """The job's command-line parser (grouped `--help`, JSON flag files, one-line errors)."""
     layout = HelpLayout(order=GROUP_ORDER, training_title="training", training_flags=TRAINING_FLAGS)
-    types = [ModelArguments, job.data_type, *FEATURE_TYPES, LLMKitTrainingArguments]
+    types = [ModelArguments, job.data_type, *features.argument_types(), LLMKitTrainingArguments]
     parser = CommandLineParser(
-        types, layout=layout, flag_groups=CROSS_FLAGS, prog=job.prog, description=job.description,
+        types, layout=layout, flag_groups=features.flag_groups(), prog=job.prog, description=job.description,
         renamed_flags=SEED_SPELLINGS,
     )  # fmt: skip
-    parser.set_defaults(**{"output_dir": job.output_root, **EMBEDDED_DEFAULTS, **job.defaults})
+    defaults = {"output_dir": job.output_root, **EMBEDDED_DEFAULTS, **features.default_values(), **job.defaults}
+    parser.set_defaults(**defaults)
     return parser
 
 
@@ -191,8 +173,9 @@ def parse_args(job: Job, argv: list[str] | None = None) -> Args:
     parsed, given = parser_for(job).parse(
         argv, derived_defaults=_derived_defaults(job), prechecks=[_check_deepspeed_file, check_training_length]
     )
-    model, data, *features, training = parsed
-    args = Args(model, data, *features, training, given=frozenset(given))
+    model, data, *parts, training = parsed
+    named = dict(zip([f.name for f in features.FEATURES if f.arguments is not None], parts, strict=True))
+    args = Args(model, data, {f.name: named.get(f.name) for f in features.FEATURES}, training, given=frozenset(given))
     with usage_errors():
         check_combinations(args)
         check_scratch_config(args.model, required=[name for name in SCRATCH_SIZES if name in given])
@@ -201,7 +184,8 @@ def parse_args(job: Job, argv: list[str] | None = None) -> Args:
 
 def check_combinations(args: Args) -> None:
     """Features that cannot work together stop here, before any work (the library refuses each of these pairs with
-    a `ValueError` later, once the model or the trainer is built)."""
+    a `ValueError` later, once the model or the trainer is built): the training arguments' own pairs, then each
+    feature's `check`."""
     training = args.training
     on_cpu = training.use_cpu or torch.accelerator.current_accelerator() is None
     if training.fp16 and on_cpu and not training.deepspeed:  # DeepSpeed runs fp16 itself (or refuses it)
@@ -209,31 +193,12 @@ def check_combinations(args: Args) -> None:
             "--fp16 true needs a GPU: on CPU accelerate makes neither fp16 autocast nor a loss scaler, and the run "
             "would train in fp32; drop --fp16 (or --bf16 true, on a CPU that supports it)"
         )
-    if args.moe.upcycle_moe and training.tiled_mlp:
-        raise ValueError(
-            "--tiled_mlp does not tile mixture-of-experts blocks (routing statistics and auxiliary losses are per "
-            "call), and --upcycle_moe true makes every MLP one; drop one of them"
-        )
     if training.tiled_loss and training.label_smoothing_factor:
         raise ValueError(
             "--tiled_loss computes the plain causal-LM cross-entropy itself; drop --label_smoothing_factor or "
             "--tiled_loss"
         )
-    if args.kbit.load_in_kbits != 16:
-        if args.peft.peft_method == "none":
-            raise ValueError(
-                f"--load_in_kbits {args.kbit.load_in_kbits} freezes the quantized base: train an adapter on it "
-                "with --peft_method (e.g. lora), or drop --load_in_kbits"
-            )
-        if args.dkm.quantization is not None:
-            raise ValueError("--load_in_kbits 4/8 and --quantization dkm both quantize the weights; choose one")
-        if args.moe.upcycle_moe:
-            raise ValueError(
-                "--upcycle_moe copies full-precision MLP weights into experts, --load_in_kbits 4/8 loads them "
-                "quantized; drop one"
-            )
-        if args.model.model_name_or_path is None:
-            raise ValueError("--load_in_kbits 4/8 quantizes a pretrained model: add --model_name_or_path")
+    features.check_combinations(args)
 
 
 def check_folders(args: Args) -> None:
@@ -260,63 +225,21 @@ class Model(NamedTuple):
     base: Any = None  # from-scratch PEFT runs: (base model, tokenizer) the adapter trains on (write_adapter_base)
 
 
-def adapter_base_dir(args: Args) -> Path | None:
-    """output_dir/base for a PEFT run on a model built from scratch (the base exists nowhere else), else None."""
-    if args.peft.peft_method == "none" or args.model.model_name_or_path is not None:
-        return None
-    return Path(args.training.output_dir) / "base"
-
-
 def build_model(args: Args, tokenizer) -> Model:
-    """Load or build the model, then quantize, upcycle and wrap it in the PEFT adapter, as the flags say."""
-    model_args = args.model
-    quantization = args.dkm.build_config()
-    if quantization is None and args.kbit.load_in_kbits != 16:
-        compute = getattr(torch, model_args.torch_dtype) if model_args.torch_dtype not in (None, "auto") else None
-        quantization = args.kbit.build_config(
-            compute_dtype=compute or torch.float32, skip_modules=args.peft.modules_to_save
-        )
+    """Load or build the model (quantized while loading when a feature asks), then run each feature's model stage
+    in order: upcycle, quantize, check, prepare, wrap in the PEFT adapter (`hf_llmkit.cli.features`)."""
     required = [name for name in SCRATCH_SIZES if name in args.given]
-    # Experts are copies of full-precision MLPs: with --upcycle_moe, DKM clusters the upcycled model.
-    dkm_after_upcycle = args.dkm.quantization is not None and args.moe.upcycle_moe
-    loaded_with = None if dkm_after_upcycle else quantization
-    model = load_model(model_args, tokenizer, quantization_config=loaded_with, required=required)
-    model = args.moe.apply(model)  # --upcycle_moe: dense -> Mixtral / Qwen2-MoE experts
-    if dkm_after_upcycle:
-        from hf_llmkit.quantization import quantize_model
-
-        model = quantize_model(model, quantization)
-    if args.training.sequence_parallel_size > 1:
-        from hf_llmkit.parallel.sequence.ulysses import kv_replication
-
-        heads = model.config.num_attention_heads  # the heads must split over the ranks of a sequence
-        kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
-        kv_replication(heads, kv_heads, args.training.sequence_parallel_size)
-    peft_config = args.peft.build_config(tied_embeddings=ties_embeddings(model))
-    if peft_config is None:
-        return Model(model, tokenizer)
-    base_dir = adapter_base_dir(args)
-    base = None
-    if base_dir is not None:  # the adapter's config points at the base saved next to it
-        model.name_or_path = str(base_dir.resolve())
-        base = (copy.deepcopy(model), copy.deepcopy(tokenizer))
-    # P-tuning v1: the virtual tokens [P0].. join the tokenizer (saved with the adapter) before injection
-    template = PTuningTemplate(tokenizer, peft_config) if args.peft.peft_method == "ptuning" else None
-    if args.kbit.load_in_kbits != 16:
-        from peft import prepare_model_for_kbit_training
-
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=args.training.activation_checkpointing
-        )
-    model = get_peft_model(model, peft_config)
-    return Model(model, tokenizer, template, base)
+    loaded_with = features.load_config(args)
+    model = load_model(args.model, tokenizer, quantization_config=loaded_with, required=required)
+    state = features.build_stages(args, BuildState(model, tokenizer, loaded_with=loaded_with))
+    return Model(state.model, tokenizer, state.template, state.base)
 
 
 def build_trainer(args: Args, built: Model, train, evaluation, *, data_collator) -> LLMKitTrainer:
     """`LLMKitTrainer` with the callbacks the flags switch on (and `ResumePoint`, for the results); a DKM model's
     `DKMTrainingStateCallback` is LLMKitTrainer's own."""
-    run, training = args.run, args.training
-    callbacks = [ResumePoint(), *run.build_callbacks(peft=args.peft.peft_method != "none", fp16=training.fp16)]
+    training = args.training
+    callbacks = [ResumePoint(), *features.callbacks(args)]
     trainer = LLMKitTrainer(
         model=built.model,
         args=training,
@@ -351,7 +274,10 @@ def train_and_evaluate(args: Args, trainer: LLMKitTrainer) -> dict[str, Any]:
         results.update(global_step=trainer.state.global_step, resumed_at=start, resumed_from=trainer.resumed_from)
         if start and start == trainer.state.global_step:  # resumed at its end: its recorded results stay
             return _finished(args, trainer, results)
-        done = {"train_samples": len(trainer.train_dataset), **args.dkm.calibration(len(trainer.train_dataset))}
+        done = {
+            "train_samples": len(trainer.train_dataset),
+            **features.train_results(args, len(trainer.train_dataset)),
+        }
         metrics = save_results(trainer, "train", {**outcome.metrics, **done})
         trainer.save_state()
         results.update(train_loss=metrics["train_loss"], **done)
@@ -425,7 +351,7 @@ def run_job(job: Job, steps: DataSteps, argv: list[str] | None = None) -> dict[s
     built = built._replace(base=None)  # the snapshot is on disk now
     with usage_errors():  # a pair of features the trainer refuses (check_combinations names the known ones)
         trainer = build_trainer(args, built, train, evaluation, data_collator=steps.collator(built))
-    args.dkm.calibration(len(train), warn=True)  # more calibration samples than examples: one warning line
+    features.train_results(args, len(train), warn=True)  # e.g. more DKM calibration samples than examples: warned
     total, trainable = count_parameters(built.model)
     results: dict[str, Any] = {"parameters": total, "trainable_parameters": trainable}
     results.update(train_and_evaluate(args, trainer))

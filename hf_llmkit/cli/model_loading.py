@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from hf_llmkit.corpus import corpus_tokenizer
+from hf_llmkit.data.corpus import corpus_tokenizer
 
 __all__ = [
     "SIZE_FLAGS", "causal_lm_config", "check_scratch_config", "context_length", "load_model", "load_tokenizer",
@@ -134,14 +134,17 @@ def _dtype(name: str | None) -> Any:
 def load_model(model_args: Any, tokenizer: Any, *, quantization_config: Any = None, required: Iterable[str] = ()):
     """The model to train: `model_args.model_name_or_path` (a local folder), or a new `model_args.model_type`.
 
-    `quantization_config` (a `DKMConfig` or `BitsAndBytesConfig`) quantizes the weights; a new model can only be
-    DKM-quantized. `required` lists the size flags the user typed (see `causal_lm_config`).
+    `quantization_config` (a `DKMConfig` or `BitsAndBytesConfig`) quantizes a pretrained model's weights while
+    they load; a new model is quantized afterwards (`quantize_model`, the DKM feature's stage in the main jobs).
+    `required` lists the size flags the user typed (see `causal_lm_config`).
     """
     dtype = _dtype(model_args.torch_dtype)
     kwargs: dict[str, Any] = {"dtype": dtype} if dtype is not None else {}
     if model_args.attn_implementation:
         kwargs["attn_implementation"] = model_args.attn_implementation
     if model_args.model_name_or_path is None:
+        if quantization_config is not None:
+            raise ValueError("a model built from scratch is quantized after it is built: use quantize_model")
         config = causal_lm_config(
             model_args.model_type, tokenizer=tokenizer, sizes=_scratch_sizes(model_args),
             overrides=model_args.config_overrides,
@@ -154,10 +157,6 @@ def load_model(model_args: Any, tokenizer: Any, *, quantization_config: Any = No
                 f"transformers cannot build a {config.model_type} model from this config ({_describe(err)}); "
                 "fix --config_overrides or the size flags"
             ) from None
-        if quantization_config is not None:
-            from hf_llmkit.quantization import quantize_model
-
-            model = quantize_model(model, quantization_config)
         return model
     config = AutoConfig.from_pretrained(model_args.model_name_or_path)
     if getattr(config, "is_decoder", True) is False:

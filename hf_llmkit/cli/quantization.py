@@ -28,14 +28,14 @@ _SWITCH = Option(
 
 
 def _post_init(self) -> None:
-    self.build_config()  # DKMConfig checks its own values, before any work
+    # The run's one DKMConfig, built here: it checks its own values before any work (bad values raise ValueError
+    # naming the flags), and the model is loaded or quantized with this same object.
+    self.dkm_config = build_from(DKMConfig, DKM_OPTIONS, vars(self)) if self.quantization == "dkm" else None
 
 
 def _build_config(self) -> Any | None:
-    """The `DKMConfig` of `--quantization dkm` (None without it); bad values raise ValueError naming the fix."""
-    if self.quantization != "dkm":
-        return None
-    return build_from(DKMConfig, DKM_OPTIONS, vars(self))
+    """The `DKMConfig` of `--quantization dkm` (None without it), built once when the arguments were."""
+    return self.dkm_config
 
 
 def _describe(self) -> str | None:

@@ -103,14 +103,9 @@ def _logical_numel(param: Any) -> int:
 def describe_setup(args: Any) -> list[tuple[str, str]]:
     """The results table's rows that say what was trained, from a main job's parsed arguments
     (`hf_llmkit.cli.job.Args`)."""
-    sp = args.training.sequence_parallel_size
-    return [
-        ("method", args.peft.describe()),
-        ("quantization", args.dkm.describe() or args.kbit.describe() or "none"),
-        ("mixture of experts", args.moe.describe() or "none"),
-        ("sequence parallel", f"{sp} ranks per sequence" if sp > 1 else "off"),
-        ("ranks", str(args.training.world_size)),
-    ]
+    from hf_llmkit.cli.features import setup_rows
+
+    return [*setup_rows(args), ("ranks", str(args.training.world_size))]
 
 
 def results_table(setup: list[tuple[str, str]], results: dict[str, Any], *, loss_of: str | None = None) -> str:

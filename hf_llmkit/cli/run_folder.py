@@ -59,7 +59,10 @@ def _plain(value: Any) -> Any:
 def flag_identity(args, prog: str) -> dict[str, Any]:
     """The flags (by field name) that make `args` this run; `prog` is the job ("run_clm.py")."""
     identity: dict[str, Any] = {"job": prog, "ranks": int(os.environ.get("WORLD_SIZE", "1"))}
-    for part in (args.model, args.data, args.peft, args.dkm, args.kbit, args.moe):
+    from hf_llmkit.cli import features
+
+    parts = [args.features[f.name] for f in features.FEATURES if f.in_run_identity and f.arguments is not None]
+    for part in (args.model, args.data, *parts):
         for f in dataclasses.fields(part):
             if f.init and f.name not in FREE:
                 value = getattr(part, f.name)

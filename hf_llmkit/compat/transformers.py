@@ -42,6 +42,20 @@ docstrings say); `from_pretrained` hands the first one `checkpoint_files`, which
   reports on load. A DKM Trainer checkpoint holds two representations of each clustered layer (the training state
   and the packed export); the representation the loaded layer does not use is expected, not unexpected.
 
+- `transformers.core_model_loading.ConversionOps`: the base class of a weight-loading operation, which
+  `get_quantize_ops` must return (`DKMInitTables`); the module is not part of the documented API.
+- `transformers.quantizers.quantizers_utils.get_module_from_name` / `should_convert_module`: the helpers every
+  built-in quantizer uses to find a parameter's module and to apply `modules_to_not_convert` patterns the same way.
+- `transformers.quantizers.auto.AUTO_QUANTIZATION_CONFIG_MAPPING` / `AUTO_QUANTIZER_MAPPING`: the registries
+  `register_quantization_config` / `register_quantizer` fill; reading them is the only way to know whether "dkm" is
+  registered already (registering twice raises), so importing hf_llmkit twice stays a no-op.
+
+**Callback states in a checkpoint.** The Trainer saves each `ExportableState` callback's `state()` under
+`TrainerState.stateful_callbacks[<class name>]` and, on save, indexes that dict by name: resumed from a checkpoint
+saved without one of them, the save fails with a KeyError (transformers 5.23). `saved_callback_state` gives a
+callback its entry (the saved attributes on resume); `add_saved_callback_states` writes entries into a
+`trainer_state.json` dict as the Trainer would (the fault-tolerance rollback copy).
+
 **Renamed keywords.** transformers 5.24 renames the KV-cache keyword of every model's forward from
 `past_key_values` to `cache` (the old name is deprecated until 5.40). `cache_keyword(model)` is the name the
 installed transformers takes, so code and tests that pass a cache work on both sides of the rename.
@@ -62,6 +76,9 @@ import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from transformers.core_model_loading import ConversionOps
+from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 
 CHECKED_AGAINST = "5.23.0"
 
@@ -90,14 +107,20 @@ __all__ = [
     "TRAINER_PRIVATE_HOOKS",
     "TRAINER_PRIVATE_PARAMETERS",
     "ConfigReportingKernel",
+    "ConversionOps",
+    "add_saved_callback_states",
     "cache_keyword",
     "configured_attention",
+    "get_module_from_name",
     "ignore_unexpected_keys",
     "keep_in_fp32_modules",
     "missing_quantizer_internals",
     "missing_trainer_internals",
     "model_eager_attention",
+    "quantization_method_registered",
     "record_router_logits",
+    "saved_callback_state",
+    "should_convert_module",
 ]
 
 
@@ -171,6 +194,27 @@ def ignore_unexpected_keys(model, patterns: list[str]) -> None:
     """Add regex `patterns` to the keys a load of `model` does not report as unexpected."""
     current = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
     model._keys_to_ignore_on_load_unexpected = current | set(patterns)
+
+
+def quantization_method_registered(name: str) -> tuple[bool, bool]:
+    """Whether `name` is registered with transformers as (a quantization config, a quantizer)."""
+    from transformers.quantizers import auto
+
+    return name in auto.AUTO_QUANTIZATION_CONFIG_MAPPING, name in auto.AUTO_QUANTIZER_MAPPING
+
+
+# --- callback states in a checkpoint ------------------------------------------------------------------------------
+
+
+def saved_callback_state(state: Any, name: str, default: Any) -> Any:
+    """The entry `name` of `state.stateful_callbacks` (what a checkpoint saved for that callback), set to `default`
+    first when the checkpoint had none (else the Trainer's next save fails on the missing key)."""
+    return state.stateful_callbacks.setdefault(name, default)
+
+
+def add_saved_callback_states(saved_state: dict[str, Any], states: dict[str, Any]) -> None:
+    """Write `states` (callback class name -> `state()`) into a `trainer_state.json` dict as the Trainer saves them."""
+    saved_state.setdefault("stateful_callbacks", {}).update(states)
 
 
 def cache_keyword(model: Any) -> str:

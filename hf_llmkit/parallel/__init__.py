@@ -3,6 +3,7 @@ sequence parallelism (`apply_sequence_parallel`, `shard_sequence_batch`, `sequen
 long-sequence pieces (`TiledLoss`, `TiledMLP`, `offload_saved_activations`). Attention wrappers share one stack:
 `hf_llmkit.parallel.attention`."""
 
+from hf_llmkit.parallel.dims import MeshGroups, ParallelDims
 from hf_llmkit.parallel.groups import (
     ExpertParallelGroups,
     SequenceParallelGroups,
@@ -38,8 +39,10 @@ from hf_llmkit.parallel.sequence import (
 
 __all__ = [
     "ExpertParallelGroups",
+    "MeshGroups",
     "MoEAux",
     "MoELayer",
+    "ParallelDims",
     "SequenceParallelCollator",
     "SequenceParallelGroups",
     "TiledLoss",

@@ -1,10 +1,13 @@
-"""Process-group helpers shared by hf_llmkit's parallelisms (plain functions, keyword-only arguments)."""
+"""Process-group helpers shared by hf_llmkit's parallelisms (plain functions, keyword-only arguments): each is a view
+of the one layout `hf_llmkit.parallel.dims.ParallelDims` validates and builds (world = dp x sp x ep)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+from hf_llmkit.parallel.dims import ParallelDims
 
 
 def new_expert_parallel_group(*, ep_size: int) -> dist.ProcessGroup:
@@ -13,16 +16,7 @@ def new_expert_parallel_group(*, ep_size: int) -> dist.ProcessGroup:
     Collective: every rank of the default group must call it (each block's group is created on all ranks,
     as `torch.distributed.new_group` requires). With `ep_size == world_size` it is the whole world.
     """
-    _check_initialised("new_expert_parallel_group")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if ep_size < 1 or world % ep_size:
-        raise ValueError(f"ep_size={ep_size} must be >= 1 and divide the world size {world}")
-    mine = None
-    for start in range(0, world, ep_size):
-        group = dist.new_group(list(range(start, start + ep_size)))
-        if start <= rank < start + ep_size:
-            mine = group
-    return mine
+    return ParallelDims.of_world(ep=ep_size).block_groups()[dist.get_rank() // ep_size]
 
 
 @dataclass(frozen=True)
@@ -48,42 +42,11 @@ def new_expert_parallel_groups(*, ep_size: int) -> ExpertParallelGroups:
 
     Collective: every rank of the default group must call it, in the same order as its other `new_group` calls.
     """
-    _check_initialised("new_expert_parallel_groups")
-    ep_group, replica_group = _blocks_and_strides(size=ep_size, flag="expert_parallel_size")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = ParallelDims.of_world(ep=ep_size).groups()
     return ExpertParallelGroups(
-        ep_group=ep_group,
-        replica_group=replica_group,
-        ep_rank=rank % ep_size,
-        ep_size=ep_size,
-        replica_rank=rank // ep_size,
-        num_replicas=world // ep_size,
-    )
-
-
-def _check_initialised(what: str) -> None:
-    if not dist.is_initialized():
-        raise ValueError(f"{what} needs torch.distributed initialised (init_process_group first)")
-
-
-def _blocks_and_strides(*, size: int, flag: str) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's block of `size` consecutive ranks and its group of ranks `size` apart (same place in a block).
-
-    Collective: creates every block group, then every strided group, on all ranks (`new_group` requires it).
-    """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if size < 1 or world % size:
-        raise ValueError(
-            f"{flag}={size} must be >= 1 and divide the world size {world}; "
-            f"launch a multiple of {size} ranks or pick a divisor of {world}"
-        )
-    block = new_expert_parallel_group(ep_size=size)
-    strided = None
-    for offset in range(size):
-        group = dist.new_group(list(range(offset, world, size)))
-        if rank % size == offset:
-            strided = group
-    return block, strided
+        ep_group=mesh.block, replica_group=mesh.stride, ep_rank=mesh.block_rank, ep_size=mesh.block_size,
+        replica_rank=mesh.stride_rank, num_replicas=mesh.stride_size,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -107,14 +70,8 @@ def new_sequence_parallel_groups(*, sp_size: int) -> SequenceParallelGroups:
 
     Collective: every rank of the default group must call it, in the same order as its other `new_group` calls.
     """
-    _check_initialised("new_sequence_parallel_groups")
-    sp_group, dp_group = _blocks_and_strides(size=sp_size, flag="sequence_parallel_size")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = ParallelDims.of_world(sp=sp_size).groups()
     return SequenceParallelGroups(
-        sp_group=sp_group,
-        dp_group=dp_group,
-        sp_rank=rank % sp_size,
-        sp_size=sp_size,
-        dp_rank=rank // sp_size,
-        dp_size=world // sp_size,
-    )
+        sp_group=mesh.block, dp_group=mesh.stride, sp_rank=mesh.block_rank, sp_size=mesh.block_size,
+        dp_rank=mesh.stride_rank, dp_size=mesh.stride_size,
+    )  # fmt: skip

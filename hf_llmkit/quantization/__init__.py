@@ -23,11 +23,14 @@ from hf_llmkit.quantization.training_state import DKMTrainingStateCallback, keep
 
 def register_dkm() -> None:
     """Register the "dkm" method with transformers; a no-op when it is already registered."""
-    from transformers.quantizers import auto, register_quantization_config, register_quantizer
+    from transformers.quantizers import register_quantization_config, register_quantizer
 
-    if "dkm" not in auto.AUTO_QUANTIZATION_CONFIG_MAPPING:
+    from hf_llmkit.compat.transformers import quantization_method_registered
+
+    config_registered, quantizer_registered = quantization_method_registered("dkm")
+    if not config_registered:
         register_quantization_config("dkm")(DKMConfig)
-    if "dkm" not in auto.AUTO_QUANTIZER_MAPPING:
+    if not quantizer_registered:
         register_quantizer("dkm")(DKMHfQuantizer)
 
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from hf_llmkit.cache_folder import temporary_sibling
-from hf_llmkit.corpus import default_cache_dir
+from hf_llmkit.data.cache import temporary_sibling
+from hf_llmkit.data.corpus import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,11 @@ from typing import Any
 import torch
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from hf_llmkit.quantization import engines
+from hf_llmkit.quantization.engines import ENGINES
+
 GRANULARITIES = ("per_tensor", "per_grouped_channel")
 LUT_DTYPES = ("float32", "float16", "bfloat16")
-ENGINES = ("auto", "naive", "table", "bucketed", "interval")
 RECIPES = ("dkm", "calibrated")
 # recipe="calibrated": QAT from the best post-training state (the fields a user left at their defaults)
 CALIBRATED_RECIPE = {"scale_block_size": 64, "lut_dtype": "float16", "calibration_refit": True,
@@ -207,12 +209,9 @@ class DKMConfig(QuantizationConfigMixin):
             raise ValueError(f"DKMConfig.epsilon must be > 0 (try 1e-4), got {self.epsilon!r}.")
         if self.engine not in ENGINES:
             raise ValueError(f"DKMConfig.engine must be one of {ENGINES}, got {self.engine!r}.")
-        if self.shard and self.engine in ("naive", "bucketed", "interval"):
-            raise ValueError(f"DKMConfig(engine={self.engine!r}) does not shard: use engine='table' or shard=False.")
-        if self.cluster_dim != 1 and self.engine in ("bucketed", "interval"):
-            raise ValueError(
-                f"DKMConfig(engine={self.engine!r}) clusters scalars: use cluster_dim=1 or engine='table'."
-            )
+        reason = engines.unsupported(self.engine, None, self.cluster_dim, self.shard)  # the engines' own rules
+        if reason is not None:
+            raise ValueError(f"DKMConfig(engine={self.engine!r}) {reason}.")
         if self.modules_to_not_convert is None:
             self.modules_to_not_convert = ["lm_head"]
         elif isinstance(self.modules_to_not_convert, str):

@@ -22,10 +22,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
-from transformers.core_model_loading import ConversionOps
-from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 
-from hf_llmkit.compat.transformers import ignore_unexpected_keys
+from hf_llmkit.compat.transformers import (
+    ConversionOps,
+    get_module_from_name,
+    ignore_unexpected_keys,
+    should_convert_module,
+)
 from hf_llmkit.quantization import engines, steps
 from hf_llmkit.quantization.config import DKMConfig
 from hf_llmkit.quantization.layers import (
@@ -102,7 +105,7 @@ def replace_with_dkm_layers(
         if not as_packed and config.engine != "auto":
             reason = engines.unsupported(config.engine, dtype, config.cluster_dim, config.shard)
             if reason is not None:
-                raise ValueError(f"DKMConfig(engine={config.engine!r}) cannot train {name!r}: {reason}.")
+                raise ValueError(f"DKMConfig(engine={config.engine!r}) cannot train {name!r}: it {reason}.")
         if kind == "linear":
             cls = PalettizedLinear if as_packed else DKMLinear
             new = cls(cols, rows, module.bias is not None, settings, device=device, dtype=dtype)

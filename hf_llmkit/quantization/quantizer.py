@@ -17,9 +17,8 @@ import contextlib
 from collections.abc import Iterator
 
 from transformers.quantizers.base import HfQuantizer
-from transformers.quantizers.quantizers_utils import get_module_from_name
 
-from hf_llmkit.compat.transformers import keep_in_fp32_modules
+from hf_llmkit.compat.transformers import get_module_from_name, keep_in_fp32_modules
 from hf_llmkit.quantization import integration
 from hf_llmkit.quantization.config import DKMConfig
 from hf_llmkit.quantization.training_state import guard_training_state

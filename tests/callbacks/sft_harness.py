@@ -33,7 +33,7 @@ from trl import SFTConfig, SFTTrainer
 
 from hf_llmkit.callbacks import FaultToleranceCallback
 from hf_llmkit.checkpoints.names import MANIFEST_NAME, checkpoint_folder
-from hf_llmkit.corpus import corpus_texts, corpus_tokenizer
+from hf_llmkit.data.corpus import corpus_texts, corpus_tokenizer
 from hf_llmkit.testing import tiny_llama
 
 MAX_STEPS, SAVE_STEPS = 8, 2

@@ -45,3 +45,24 @@ def test_cache_keyword_is_the_one_models_take():
         assert cache.get_seq_length() == ids.shape[1] - 1  # the model filled the cache it was handed
         last = model(input_ids=ids[:, -1:], use_cache=True, **{keyword: cache}).logits[:, -1]
     torch.testing.assert_close(last, full, rtol=1e-5, atol=1e-5)
+
+
+def test_callback_states_are_where_the_trainer_saves_and_reads_them():
+    """The Trainer's save indexes `state.stateful_callbacks` by class name and its resume reads it back; the compat
+    helpers write the same entries, in a live state and in a `trainer_state.json` dict."""
+    import inspect
+
+    from transformers import Trainer, TrainerState
+
+    from hf_llmkit.compat.transformers import add_saved_callback_states, saved_callback_state
+
+    hint = f"transformers {transformers.__version__} changed stateful_callbacks (checked against {CHECKED_AGAINST})"
+    assert "self.state.stateful_callbacks[cb_name]" in inspect.getsource(Trainer._save_checkpoint), hint
+    assert "self.state.stateful_callbacks" in inspect.getsource(Trainer._load_callback_state), hint
+    state = TrainerState(stateful_callbacks={"Kept": {"args": {}, "attributes": {"n": 1}}})
+    assert saved_callback_state(state, "Kept", {"fresh": True}) == {"args": {}, "attributes": {"n": 1}}
+    assert saved_callback_state(state, "New", {"fresh": True}) == {"fresh": True}
+    assert state.stateful_callbacks["New"] == {"fresh": True}
+    saved = {"global_step": 3}
+    add_saved_callback_states(saved, {"A": {"attributes": {}}})
+    assert TrainerState(**saved).stateful_callbacks == {"A": {"attributes": {}}}

@@ -38,3 +38,33 @@ def test_ignored_unexpected_keys_are_dropped_from_the_load_report():
 def test_quantizer_hooks_are_still_called_with_the_checkpoint_files():
     missing = missing_quantizer_internals()
     assert not missing, f"{missing}: {HINT}"
+
+
+def test_quantizer_helpers_are_still_transformers_own():
+    """`get_quantize_ops` returns a `ConversionOps`, and the helpers behave as the built-in quantizers rely on."""
+    import transformers.core_model_loading as loading
+    import transformers.quantizers.quantizers_utils as utils
+
+    from hf_llmkit.compat.transformers import ConversionOps, get_module_from_name, should_convert_module
+    from hf_llmkit.quantization.integration import DKMInitTables
+
+    assert ConversionOps is loading.ConversionOps and issubclass(DKMInitTables, ConversionOps), HINT
+    assert get_module_from_name is utils.get_module_from_name, HINT
+    model = tiny_llama()
+    module, tensor = get_module_from_name(model, "model.layers.0.mlp.down_proj.weight")
+    assert module is model.model.layers[0].mlp.down_proj and tensor == "weight", HINT
+    assert should_convert_module("model.layers.0.mlp.down_proj", ["q_proj"]), HINT
+    assert not should_convert_module("lm_head", ["lm_head"]), HINT
+
+
+def test_the_registries_say_dkm_is_registered():
+    from transformers.quantizers import auto
+
+    from hf_llmkit.compat.transformers import quantization_method_registered
+    from hf_llmkit.quantization import DKMConfig, DKMHfQuantizer, register_dkm
+
+    assert quantization_method_registered("dkm") == (True, True), HINT
+    assert auto.AUTO_QUANTIZATION_CONFIG_MAPPING["dkm"] is DKMConfig, HINT
+    assert auto.AUTO_QUANTIZER_MAPPING["dkm"] is DKMHfQuantizer, HINT
+    assert quantization_method_registered("no-such-method") == (False, False)
+    register_dkm()  # registering twice raises in transformers: the registry check keeps it a no-op

@@ -99,7 +99,7 @@ def train_trl_cell(setup: Setup, out_dir: Path, common: dict[str, Any], model, r
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from hf_llmkit.corpus import corpus_tokenizer
+    from hf_llmkit.data.corpus import corpus_tokenizer
 
     common = {k: v for k, v in common.items() if k != "gradient_checkpointing"}  # TRL's default (on) applies
     args = SFTConfig(**common, seed=ADAPTER_SEED, save_strategy="steps", save_steps=common["max_steps"])

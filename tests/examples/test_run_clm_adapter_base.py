@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_llmkit.corpus import corpus_texts
+from hf_llmkit.data.corpus import corpus_texts
 from tests.examples.test_run_clm_peft import TINY
 
 RELOAD = """
@@ -23,7 +23,7 @@ import torch
 import hf_llmkit
 from peft import AutoPeftModelForCausalLM, PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from hf_llmkit.lm_data import build_lm_datasets
+from hf_llmkit.data.blocks import build_lm_datasets
 
 out, held = Path(sys.argv[1]), Path(sys.argv[2]).read_text().splitlines()
 model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"), out / "adapter").eval()

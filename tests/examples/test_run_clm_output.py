@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_llmkit.corpus import corpus_texts
+from hf_llmkit.data.corpus import corpus_texts
 from tests.conftest import EXAMPLES
 from tests.examples.test_run_clm import TINY
 from tests.examples.test_seed_recipe import UNACTIONABLE

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_llmkit.corpus import corpus_tokenizer
-from hf_llmkit.sft_data import (
+from hf_llmkit.data.corpus import corpus_tokenizer
+from hf_llmkit.data.sft import (
     ALPACA,
     IGNORE_INDEX,
     InstructionCollator,

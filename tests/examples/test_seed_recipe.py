@@ -63,7 +63,7 @@ def test_tied_parameters_are_counted_once(run_clm, tied_model, tmp_path):
 
 
 def test_dataset_dir_of_many_files_with_seed_data_flags(run_clm, tmp_path):
-    from hf_llmkit.corpus import write_corpus_files
+    from hf_llmkit.data.corpus import write_corpus_files
 
     files = write_corpus_files(tmp_path / "dataset", files=6)
     flags = ["--dataset_dir", str(tmp_path / "dataset"), "--data_cache_dir", str(tmp_path / "cache"),
@@ -123,7 +123,7 @@ def test_the_seed_script_itself_trains_lora_under_zero2_on_two_ranks(tmp_path):
     run_pt.sh's flags: torchrun on 2 CPU ranks, DeepSpeed ZeRO-2, LoRA on every projection with embed_tokens and
     lm_head trained in full, gradient checkpointing, a per-file block cache -- and our SavePeftModelCallback
     writing an adapter that reloads in this process."""
-    from hf_llmkit.corpus import write_corpus_files
+    from hf_llmkit.data.corpus import write_corpus_files
     from hf_llmkit.testing import launch_script
 
     model = tmp_path / "pretrained"

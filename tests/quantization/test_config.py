@@ -10,6 +10,7 @@ from transformers.quantizers import auto
 
 import hf_llmkit
 from hf_llmkit import DKMConfig
+from hf_llmkit.compat.transformers import quantization_method_registered
 from hf_llmkit.quantization import DKMHfQuantizer, register_dkm
 
 
@@ -69,8 +70,8 @@ def test_defaults_and_json_round_trip():
 
 
 def test_registered_and_idempotent():
-    assert auto.AUTO_QUANTIZATION_CONFIG_MAPPING["dkm"] is DKMConfig
-    assert auto.AUTO_QUANTIZER_MAPPING["dkm"] is DKMHfQuantizer
+    assert quantization_method_registered("dkm") == (True, True)
+    assert type(auto.AutoQuantizationConfig.from_dict({"quant_method": "dkm"})) is DKMConfig
     register_dkm()
     register_dkm()
     importlib.reload(importlib.import_module("hf_llmkit"))

@@ -5,6 +5,7 @@ that cannot run says what to change; the eDKM shard group exists once the model 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -140,3 +141,18 @@ def test_options_are_declared_once():
     assert [f.name for f in dataclasses.fields(DKMSettings)] == ["config", "bits", "groups"]
     settings = DKMSettings.from_config(DKMConfig(embedding_bits=6, granularity="per_grouped_channel"), "embedding", 64)
     assert (settings.bits, settings.groups, settings.cluster_dim) == (6, 2, 1)
+
+
+@pytest.mark.parametrize("engine", ["auto", "naive", "table", "bucketed", "interval"])
+@pytest.mark.parametrize(("cluster_dim", "shard"), [(1, False), (1, True), (2, False), (2, True)])
+def test_the_config_refuses_exactly_what_the_engines_cannot_do(engine, cluster_dim, shard):
+    """The capability rules live in `quantization/engines` only: DKMConfig refuses a combination exactly when
+    `engines.unsupported` (asked without a dtype) names a reason, and its message carries that reason."""
+    from hf_llmkit.quantization import engines
+
+    reason = engines.unsupported(engine, None, cluster_dim, shard)
+    if reason is None:
+        DKMConfig(engine=engine, cluster_dim=cluster_dim, shard=shard)
+    else:
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            DKMConfig(engine=engine, cluster_dim=cluster_dim, shard=shard)

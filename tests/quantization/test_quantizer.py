@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_llmkit import DKMConfig
-from hf_llmkit.corpus import corpus_texts
+from hf_llmkit.data.corpus import corpus_texts
 from hf_llmkit.quantization import DKMEmbedding, DKMLinear, DKMOptimumQuantizer, PalettizedLinear
 from hf_llmkit.testing import tiny_llama
 

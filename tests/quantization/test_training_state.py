@@ -205,7 +205,7 @@ def test_trl_sft_trainer_with_the_callback_calibrates_once(tmp_path, monkeypatch
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from hf_llmkit.corpus import corpus_tokenizer
+    from hf_llmkit.data.corpus import corpus_tokenizer
     from hf_llmkit.quantization import quantize_model, training_state
 
     calls = []

@@ -30,6 +30,7 @@ from hf_llmkit.quantization.engines import bucketed, interval, naive, table
 BUCKETED_FROM = 1 << 22
 
 RUN = {"naive": naive.run, "table": table.run, "bucketed": bucketed.run, "interval": interval.run}
+ENGINES = ("auto", *RUN)  # what `DKMConfig(engine=...)` accepts
 
 
 def all_finite(weight: torch.Tensor) -> bool:
@@ -38,19 +39,19 @@ def all_finite(weight: torch.Tensor) -> bool:
     return bool(torch.isfinite(weight.sum())) or bool(torch.isfinite(weight).all())
 
 
-def unsupported(engine: str, dtype: torch.dtype, cluster_dim: int, sharded: bool) -> str | None:
-    """Why `engine` cannot cluster such a layer (None when it can); a pinned engine that cannot raises early."""
-    if engine in ("naive", "interval") and sharded:
-        return f"the {engine} engine does not shard (use engine='table' or shard=False)"
-    if engine == "interval" and cluster_dim != 1:
-        return "the interval engine clusters scalars (cluster_dim=1; use engine='table' or 'auto' for vectors)"
-    if engine == "bucketed":
-        if dtype != torch.float32:
-            return f"the bucketed engine clusters float32 weights, these are {dtype} (use engine='table' or 'auto')"
-        if cluster_dim != 1:
-            return "the bucketed engine clusters scalars (cluster_dim=1; use engine='table' or 'auto' for vectors)"
-        if sharded:
-            return "the bucketed engine does not shard (use engine='table' or shard=False)"
+def unsupported(engine: str, dtype: torch.dtype | None, cluster_dim: int, sharded: bool) -> str | None:
+    """Why `engine` cannot cluster such a layer (None when it can): the one statement of what each engine supports.
+
+    `DKMConfig` asks with `dtype=None` (any dtype: what a config alone can rule out), the layer swap and `resolve`
+    with the layer's dtype; a pinned engine that cannot raises early, "auto" never does."""
+    if engine == "auto":
+        return None
+    if sharded and engine != "table":
+        return "does not shard: use engine='table' or shard=False"
+    if cluster_dim != 1 and engine in ("bucketed", "interval"):
+        return "clusters scalars: use cluster_dim=1 or engine='table'"
+    if dtype is not None and engine == "bucketed" and dtype != torch.float32:
+        return f"clusters float32 weights, these are {dtype}: use engine='table' or 'auto'"
     return None
 
 
@@ -77,9 +78,9 @@ def resolve(settings, weight: torch.Tensor, group) -> str:
         return "table"
     reason = unsupported(cfg.engine, weight.dtype, settings.cluster_dim, sharded)
     if reason is None and cfg.engine in ("bucketed", "interval") and not all_finite(weight):
-        reason = f"the weights hold NaN/Inf and the {cfg.engine} engine needs finite ones (engine='auto' uses 'table')"
+        reason = "cannot train weights holding NaN/Inf: it needs finite ones (engine='auto' uses 'table')"
     if reason is not None:
-        raise ValueError(f"DKMConfig(engine={cfg.engine!r}): {reason}.")
+        raise ValueError(f"DKMConfig(engine={cfg.engine!r}) {reason}.")
     return cfg.engine
 
 

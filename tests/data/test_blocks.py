@@ -20,11 +20,11 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from hf_llmkit import lm_data
-from hf_llmkit.data_files import TextFiles
-from hf_llmkit.lm_data import build_lm_datasets, validation_block_count
+from hf_llmkit.data import blocks
+from hf_llmkit.data.blocks import build_lm_datasets, validation_block_count
+from hf_llmkit.data.files import TextFiles
 
-MEMORY_RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "lm_data_memory.py"  # its --child mode
+MEMORY_RUN = Path(__file__).resolve().parents[2] / "benchmarks" / "lm_data_memory.py"  # its --child mode
 
 
 def _tokenizer() -> PreTrainedTokenizerFast:
@@ -76,7 +76,7 @@ def test_cache_key_covers_the_split_seed_and_the_held_out_text(tmp_path):
 def test_the_split_is_a_seeded_uniform_choice_in_text_order_the_same_bits_from_every_build(tmp_path, monkeypatch):
     """3,000 rows of one distinct word each: 3,000 distinct blocks, read by the split in record batches of 1,024 and
     1,976 blocks."""
-    monkeypatch.setattr(lm_data, "_READ_TOKENS", 2048)  # 1,024 blocks of 2 tokens
+    monkeypatch.setattr(blocks, "_READ_TOKENS", 2048)  # 1,024 blocks of 2 tokens
     vocab = {"[UNK]": 0, "[EOS]": 1, **{f"w{i}": i + 2 for i in range(3000)}}
     core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -118,7 +118,7 @@ def test_the_blocks_are_the_recipes_whatever_the_group_token_cap(tmp_path, monke
     for start in range(0, len(rows), 2000):
         ids = [i for row in rows[start : start + 2000] for i in [*tokenizer(row)["input_ids"], 1]]
         expected += [tuple(ids[i : i + block]) for i in range(0, len(ids) // block * block, block)]
-    monkeypatch.setattr(lm_data, "GROUP_TOKENS", cap)
+    monkeypatch.setattr(blocks, "GROUP_TOKENS", cap)
     data = build_lm_datasets(tokenizer=tokenizer, block_size=block, files=[corpus], validation_texts=["w1 " * 9])
     assert [tuple(row) for row in data["train"]["input_ids"]] == expected
 

@@ -5,7 +5,7 @@ concatenate, cut into `block_size` blocks (labels = inputs; the model shifts the
 held-out validation text). Rows are grouped 2,000 at a time, as the recipe's `datasets.map(batch_size=2000)` does
 (the tail of each group, under one block, is dropped).
 
-Memory does not grow with the data: the rows are streamed (`hf_llmkit.data_files.TextFiles`; a row longer than
+Memory does not grow with the data: the rows are streamed (`hf_llmkit.data.files.TextFiles`; a row longer than
 `PIECE_CHARS` characters is tokenized in pieces), tokenized a bounded batch at a time, and the blocks are written to
 an Arrow file as they come (a group of huge rows `GROUP_TOKENS` tokens at a time: the same blocks). The split then
 streams that file one record batch at a time through plain reads into the two split files, and the result is
@@ -20,7 +20,7 @@ end-of-text token), the block size, and either the validation text's content or 
 So a second run (or the other ranks) reuses it and nothing else is ever served from it. A cache entry is a folder of
 two Arrow files (`train.arrow`, `validation.arrow`), published whole by a rename. `max_train_samples` /
 `max_eval_samples` select from the loaded splits afterwards. A write killed half way leaves a temporary folder that
-the next build in the same cache folder removes (`hf_llmkit.cache_folder`).
+the next build in the same cache folder removes (`hf_llmkit.data.cache`).
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ import pyarrow as pa
 from datasets import Dataset, DatasetDict, NamedSplit
 from transformers import PreTrainedTokenizerBase
 
-from hf_llmkit.cache_folder import publish_once, remove_stale_temporaries
 from hf_llmkit.checkpoints.names import path_too_long, shown_path
 from hf_llmkit.checkpoints.retries import describe_write_error, write_errno
-from hf_llmkit.data_files import TextFiles, split_long_text
+from hf_llmkit.data.cache import publish_once, remove_stale_temporaries
+from hf_llmkit.data.files import TextFiles, split_long_text
 
 __all__ = ["build_lm_datasets", "validation_block_count"]
 

@@ -1,7 +1,7 @@
 """The user's text data: find the files and read their rows, rejecting bad files before any work starts.
 
 `.txt` files give one row per non-blank line; `.json` / `.jsonl` files hold JSON lines (split on "\\n" only) or one
-JSON array (read strictly, `hf_llmkit.json_text`), each row an object with a string `text` field. A file that is
+JSON array (read strictly, `hf_llmkit.data.json_text`), each row an object with a string `text` field. A file that is
 empty, not UTF-8 (binary, reported by line number), malformed, or has a row without a string `text` raises
 `ValueError` naming the file, the line and the fix; a `--dataset_dir` is walked without recursion or symlinked
 folders, to a bounded depth.
@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from hf_llmkit.checkpoints.names import path_too_long, shown_path
-from hf_llmkit.json_text import json_array_values, line_content
+from hf_llmkit.data.json_text import json_array_values, line_content
 
 __all__ = [
     "MAX_FOLDER_DEPTH",

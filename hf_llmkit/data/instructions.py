@@ -9,7 +9,7 @@ Each topic gives a few `{"instruction", "input", "output"}` records, in a fixed 
   paragraph, up to three per topic);
 - "List the subsections of "<title>"." -> their titles, where the section has some.
 
-`write_instruction_file(path)` (or `python -m hf_llmkit.instruction_corpus FILE`) writes them as JSON lines, a
+`write_instruction_file(path)` (or `python -m hf_llmkit.data.instructions FILE`) writes them as JSON lines, a
 `--train_file` like a user's.
 """
 

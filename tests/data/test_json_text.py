@@ -1,5 +1,5 @@
 """JSON and JSON lines are read as the JSON standard says, by both main jobs' readers (run_clm's
-`hf_llmkit.data_files`, run_sft's `hf_llmkit.sft_data`): a malformed array is refused naming its line and column
+`hf_llmkit.data.files`, run_sft's `hf_llmkit.data.sft`): a malformed array is refused naming its line and column
 (Python's `json.load` rejects the same files), and JSON lines split on "\\n" only, so U+2028, U+0085 and the other
 characters `str.splitlines` breaks on are data inside a string."""
 
@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from hf_llmkit.data_files import read_file_rows
-from hf_llmkit.json_text import json_array_values, json_lines
-from hf_llmkit.sft_data import read_instruction_records
+from hf_llmkit.data.files import read_file_rows
+from hf_llmkit.data.json_text import json_array_values, json_lines
+from hf_llmkit.data.sft import read_instruction_records
 
 RECORDS = [{"instruction": f"Say {i}.", "input": "", "output": f"word {i}"} for i in range(4)]
 WHOLE = json.dumps(RECORDS, indent=1)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hf_llmkit.json_text import JSON_WHITESPACE, json_array_values, json_lines
+from hf_llmkit.data.json_text import JSON_WHITESPACE, json_array_values, json_lines
 
 __all__ = [
     "ALPACA",

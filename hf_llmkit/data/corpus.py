@@ -4,7 +4,7 @@ Every CPython ships `pydoc_data.topics.topics`: about 465K characters of English
 (the text behind `help()`). `corpus_texts()` splits it into paragraphs; `corpus_tokenizer()` trains a
 byte-level BPE tokenizer on it once with the `tokenizers` library and caches it as a regular
 `PreTrainedTokenizerFast` folder, which `AutoTokenizer.from_pretrained` reloads. `write_corpus_files(dir)` (or
-`python -m hf_llmkit.corpus DIR`) writes it as a folder of .txt files, a `--dataset_dir` like the seed recipe's.
+`python -m hf_llmkit.data.corpus DIR`) writes it as a folder of .txt files, a `--dataset_dir` like the seed recipe's.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
-from hf_llmkit.cache_folder import publish_once, remove_stale_temporaries
+from hf_llmkit.data.cache import publish_once, remove_stale_temporaries
+
+__all__ = ["corpus_texts", "corpus_tokenizer", "default_cache_dir", "write_corpus_files"]
 
 BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
 DEFAULT_VOCAB_SIZE = 4096
@@ -100,10 +102,10 @@ def write_corpus_files(folder: str | os.PathLike, *, files: int = 8) -> list[Pat
     return paths
 
 
-if __name__ == "__main__":  # python -m hf_llmkit.corpus DIR [FILES]: write the corpus as a folder of .txt files
+if __name__ == "__main__":  # python -m hf_llmkit.data.corpus DIR [FILES]: write the corpus as a folder of .txt files
     import sys
 
     if len(sys.argv) not in (2, 3):
-        sys.exit("usage: python -m hf_llmkit.corpus DIR [FILES]   (writes the embedded corpus as FILES .txt files)")
+        sys.exit("usage: python -m hf_llmkit.data.corpus DIR [FILES]  (writes the embedded corpus as .txt files)")
     written = write_corpus_files(sys.argv[1], files=int(sys.argv[2]) if len(sys.argv) == 3 else 8)
     print(f"wrote {len(written)} files to {sys.argv[1]}")

@@ -1,4 +1,4 @@
-"""hf_llmkit.data_files: every bad data file is refused with one sentence naming the file, the place (its line
+"""hf_llmkit.data.files: every bad data file is refused with one sentence naming the file, the place (its line
 number, also deep in a large file) and the fix; files are streamed, a long row in pieces."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hf_llmkit.data_files import (
+from hf_llmkit.data.files import (
     MAX_FOLDER_DEPTH,
     PIECE_CHARS,
     TextFiles,
@@ -123,7 +123,7 @@ def test_rows_are_streamed_in_pieces_that_join_to_the_rows(tmp_path):
 
 
 def test_json_parsed_whole_has_a_size_limit_named_with_the_fix(tmp_path, monkeypatch):
-    import hf_llmkit.data_files as data_files
+    import hf_llmkit.data.files as data_files
 
     monkeypatch.setattr(data_files, "MAX_JSON_BYTES", 64)
     (tmp_path / "a.json").write_text(json.dumps([{"text": "x" * 100}]))
