@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 
 from hf_llmkit.data.cache import temporary_sibling
-from hf_llmkit.data.corpus import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +63,8 @@ def _build(target: Path) -> None:
 
 def library_path() -> Path:
     """Where this machine's build of the kernel lives (it carries the source's hash)."""
+    from hf_llmkit.data.corpus import default_cache_dir  # here: `python -m hf_llmkit.data.corpus` runs it once
+
     digest = hashlib.sha256(_TEXT).hexdigest()[:16]
     return default_cache_dir() / "kernels" / f"lut-{digest}-{sys.platform}-{platform.machine()}.so"
 
