@@ -204,8 +204,8 @@ class _Clustered:
     def _trained_weight(self, dtype: torch.dtype) -> torch.Tensor | None:
         """`recipe="calibrated"`, training forward: the hard-assigned weight (evaluation's and the saved model's, bit
         for bit) with a straight-through gradient to the latent weight; None otherwise. DKM's soft assignment would
-        blend two entries for the many GPTQ-compensated latent weights between them: training would improve that
-        blend while the rounded model drifts (docs/dkm.md)."""
+        blend two entries for the many GPTQ-compensated latent weights between them: training would optimise that
+        blend, not the rounded model (docs/dkm.md)."""
         if self.settings.config.recipe != "calibrated" or not self._use_soft():
             return None
         return self.hard_weight(dtype) + (self.weight - self.weight.detach()).to(dtype)  # adds an exact zero
