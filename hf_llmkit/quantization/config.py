@@ -74,7 +74,9 @@ class DKMConfig(QuantizationConfigMixin):
             calibrates before the first step (refit tables, GPTQ-rounded latent weights); training then keeps the
             tables and block scales of that start (`dkm_iters=0`: DKM's unweighted centroid updates would undo the
             sensitivity-weighted refit) and moves only the latent weights, whose nearest-entry rounding is the
-            final model (no second calibration: it would take the trained latents for full-precision weights).
+            final model (no second calibration: it would take the trained latents for full-precision weights). Its
+            training forward is that rounding itself, the saved model's forward, with straight-through gradients to
+            the latent weights (DKM's soft assignment would blend the entries around GPTQ-compensated weights).
         kmeans_iters (`int`, defaults to 50):
             Lloyd iterations of the k-means that initialises the tables after the weights are loaded (it stops
             once converged).

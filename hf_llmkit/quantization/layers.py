@@ -201,6 +201,15 @@ class _Clustered:
     def _use_soft(self) -> bool:
         return self.training and torch.is_grad_enabled() and self.weight.requires_grad
 
+    def _trained_weight(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """`recipe="calibrated"`, training forward: the hard-assigned weight (evaluation's and the saved model's, bit
+        for bit) with a straight-through gradient to the latent weight; None otherwise. DKM's soft assignment would
+        blend two entries for the many GPTQ-compensated latent weights between them: training would optimise that
+        blend, not the rounded model (docs/dkm.md)."""
+        if self.settings.config.recipe != "calibrated" or not self._use_soft():
+            return None
+        return self.hard_weight(dtype) + (self.weight - self.weight.detach()).to(dtype)  # adds an exact zero
+
     def _soft(self, x: torch.Tensor | None) -> torch.Tensor:
         """Soft-clustered `x @ W_c^T` (Linear) or `W_c` (x is None), updating the centroids (DKM keeps them).
 
@@ -297,6 +306,9 @@ class DKMLinear(nn.Linear, _Clustered):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense_forward:
             return F.linear(x, self.weight.to(compute_dtype(x)), self.bias)
+        trained = self._trained_weight(compute_dtype(x))
+        if trained is not None:
+            return F.linear(x, trained, self.bias)
         if self._use_soft():
             y = self._soft(x)
             return y + self.bias.to(y.dtype) if self.bias is not None else y
@@ -316,7 +328,9 @@ class DKMEmbedding(nn.Embedding, _Clustered):
         self._init_table(settings, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        weight = self._soft(None) if self._use_soft() else self.hard_weight(self.weight.dtype)
+        weight = self._trained_weight(self.weight.dtype)
+        if weight is None:
+            weight = self._soft(None) if self._use_soft() else self.hard_weight(self.weight.dtype)
         return F.embedding(ids, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq)
 
 
