@@ -33,7 +33,8 @@ typedef struct {
     const uint8_t *packed;
     int64_t rows, cols, rows_per_group, nblocks;
     int bits;
-    const float *lut; /* [groups, 1 << bits] */
+    const void *lut; /* [groups, 1 << bits] in float32, float16 or bfloat16 (lut_dtype: the SCALE_* codes) */
+    int lut_dtype;
     const void *scale;
     int scale_dtype;
     int mode; /* OUT_*: the dtype each weight is rounded to */
@@ -42,7 +43,7 @@ typedef struct {
     int16_t wshift[2][32];         /* ... and are shifted right by its bit offset */
 } weight_t;
 
-/* Floats per table: 2^bits, at least 16 (one AVX-512 register); the caller pads each table to this. */
+/* Floats per row table: 2^bits, at least 16 (one AVX-512 register), padded with zeros. */
 static inline int64_t table_stride(int bits) { return bits <= 4 ? 16 : (int64_t)1 << bits; }
 
 static inline float f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -54,13 +55,23 @@ static inline uint16_t bf16_round(float w) { /* round to nearest even, as torch'
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline float scale_at(const weight_t *w, int64_t i) {
-    if (w->scale_dtype == SCALE_F32) return ((const float *)w->scale)[i];
-    uint16_t h = ((const uint16_t *)w->scale)[i];
-    if (w->scale_dtype == SCALE_BF16) return f32_from_bits((uint32_t)h << 16);
+static inline float value_at(const void *p, int dtype, int64_t i);
+static inline float scale_at(const weight_t *w, int64_t i) { return value_at(w->scale, w->scale_dtype, i); }
+
+static inline float value_at(const void *p, int dtype, int64_t i) {
+    if (dtype == SCALE_F32) return ((const float *)p)[i];
+    uint16_t h = ((const uint16_t *)p)[i];
+    if (dtype == SCALE_BF16) return f32_from_bits((uint32_t)h << 16);
     _Float16 v;
     memcpy(&v, &h, 2);
     return (float)v;
+}
+
+/* Row r's table as float32, padded with zeros to table_stride(bits) entries (read as saved: no widened copy). */
+static inline void row_table(const weight_t *w, int64_t r, float *out) {
+    int64_t k = (int64_t)1 << w->bits, first = (r / w->rows_per_group) * k;
+    for (int64_t i = 0; i < k; i++) out[i] = value_at(w->lut, w->lut_dtype, first + i);
+    for (int64_t i = k; i < table_stride(w->bits); i++) out[i] = 0.0f;
 }
 
 static inline float weight_at(const weight_t *w, const float *table, int64_t r, int64_t c, uint32_t idx) {
@@ -77,7 +88,8 @@ static inline float bf16_value(uint16_t h) { return f32_from_bits((uint32_t)h <<
 static void row_portable(const weight_t *w, int64_t r, int64_t c0, const void *x, int x_bf16, int64_t m, float *acc,
                          void *out) {
     const uint8_t *row = w->packed + r * w->cols * w->bits / 8;
-    const float *table = w->lut + (r / w->rows_per_group) * table_stride(w->bits);
+    float table[256];
+    row_table(w, r, table);
     const uint64_t mask = (1u << w->bits) - 1;
     for (int64_t c = c0; c < w->cols; c += 8) {
         uint64_t word = 0;
@@ -101,6 +113,16 @@ static void row_portable(const weight_t *w, int64_t r, int64_t c0, const void *x
 
 #ifdef HAVE_X86
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,f16c")))
+
+/* Row r's table (at most 16 entries) widened to float32 in one register, zeros past its end. */
+static inline AVX512 __m512 table512(const weight_t *w, int64_t r) {
+    const int64_t k = (int64_t)1 << w->bits, first = (r / w->rows_per_group) * k;
+    const __mmask16 m = (__mmask16)((1u << k) - 1);
+    if (w->lut_dtype == SCALE_F32) return _mm512_maskz_loadu_ps(m, (const float *)w->lut + first);
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)w->lut + first);
+    if (w->lut_dtype == SCALE_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
 
 /* The 64 indices of one chunk as bytes: lane k of 8 gets the chunk's word k, then byte t of the lane is shifted
  * from bit t*bits of it (multishift) and masked. */
@@ -131,7 +153,7 @@ static inline AVX512 __attribute__((always_inline)) int64_t row_avx512(const wei
     const __m512i spread = _mm512_loadu_si512(w->spread), shifts = _mm512_loadu_si512(w->shifts);
     /* Scaling and rounding commute with the lookup: round(T[i] * s) is entry i of round(T * s), so each block's
      * table is scaled and rounded once, not each weight. */
-    const __m512 raw_table = _mm512_loadu_ps(w->lut + (r / w->rows_per_group) * 16); /* bits <= 4: 16 floats */
+    const __m512 raw_table = table512(w, r);
     const int64_t block = w->scale_dtype == SCALE_NONE ? 0 : w->cols / w->nblocks;
     const int64_t first_scale = r * w->nblocks;
     __m512 table = round_vec(raw_table, w->mode);
@@ -205,7 +227,7 @@ static inline AVX512BF16 __attribute__((always_inline)) int64_t row_bf16(const w
     const int bits = w->bits;
     const int64_t cols64 = w->cols / 64 * 64;
     const uint8_t *row = w->packed + r * w->cols * bits / 8;
-    const __m512 raw_table = _mm512_loadu_ps(w->lut + (r / w->rows_per_group) * 16);
+    const __m512 raw_table = table512(w, r);
     const int64_t block = w->scale_dtype == SCALE_NONE ? 0 : w->cols / w->nblocks;
     const __m512i bytes0 = _mm512_loadu_si512(w->wbytes[0]), bytes1 = _mm512_loadu_si512(w->wbytes[1]);
     const __m512i shift0 = _mm512_loadu_si512(w->wshift[0]), shift1 = _mm512_loadu_si512(w->wshift[1]);
@@ -278,7 +300,8 @@ static inline AVX2 __attribute__((always_inline)) int64_t row_avx2(const weight_
     const int bits = w->bits;
     const int64_t cols8 = w->cols / 8 * 8;
     const uint8_t *row = w->packed + r * w->cols * bits / 8;
-    const float *t = w->lut + (r / w->rows_per_group) * 16;
+    float t[16];
+    row_table(w, r, t);
     const __m256 raw_lo = _mm256_loadu_ps(t), raw_hi = _mm256_loadu_ps(t + 8);
     const __m256i shifts = _mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 4 * bits, 5 * bits, 6 * bits, 7 * bits);
     const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
@@ -411,20 +434,21 @@ static void run(weight_t *w, const void *x, int x_bf16, int64_t m, float *y, voi
     for (int64_t r = 0; r < w->rows; r++) one_row(w, lvl, r, x, x_bf16, m, y, out);
 }
 
-#define WEIGHT {packed, rows, cols, rows_per_group, nblocks, bits, lut, scale, scale_dtype, mode, {0}, {0}, {{0}}, {{0}}}
+#define WEIGHT                                                                                                        \
+    {packed, rows, cols, rows_per_group, nblocks, bits, lut, lut_dtype, scale, scale_dtype, mode, {0}, {0}, {{0}}, {{0}}}
 
 /* y[m, rows] = x[m, cols] @ W^T for m <= 8 tokens: float32 x (x_bf16 = 0) or bfloat16 x (x_bf16 = 1, with mode
  * bfloat16), float32 y. */
-void lut_gemv(const uint8_t *packed, int64_t rows, int64_t cols, int bits, const float *lut, int64_t rows_per_group,
-              const void *scale, int scale_dtype, int64_t nblocks, int mode, const void *x, int x_bf16, int64_t m,
+void lut_gemv(const uint8_t *packed, int64_t rows, int64_t cols, int bits, const void *lut, int lut_dtype,
+              int64_t rows_per_group, const void *scale, int scale_dtype, int64_t nblocks, int mode, const void *x, int x_bf16, int64_t m,
               float *y, int threads) {
     weight_t w = WEIGHT;
     run(&w, x, x_bf16, m, y, 0, threads);
 }
 
 /* out[rows, cols] = W in float32, bfloat16 or float16 (mode). */
-void lut_decode(const uint8_t *packed, int64_t rows, int64_t cols, int bits, const float *lut, int64_t rows_per_group,
-                const void *scale, int scale_dtype, int64_t nblocks, int mode, void *out, int threads) {
+void lut_decode(const uint8_t *packed, int64_t rows, int64_t cols, int bits, const void *lut, int lut_dtype,
+                int64_t rows_per_group, const void *scale, int scale_dtype, int64_t nblocks, int mode, void *out, int threads) {
     weight_t w = WEIGHT;
     run(&w, 0, 0, 0, 0, out, threads);
 }
@@ -432,7 +456,7 @@ void lut_decode(const uint8_t *packed, int64_t rows, int64_t cols, int bits, con
 /* The loops a weight of `bits` bits with blocks of `block` columns (0: no scales) takes on this CPU, for float32
  * inputs or bfloat16 ones (x_bf16): 3 AVX-512 BF16, 2 AVX-512, 1 AVX2, 0 portable. */
 int lut_level(int bits, int block, int x_bf16) {
-    weight_t w = {0, 1, block ? block : 64, 1, block ? 1 : 0, bits, 0, 0, block ? SCALE_F32 : SCALE_NONE, OUT_F32,
-                  {0}, {0}, {{0}}, {{0}}};
+    weight_t w = {0,         1, block ? block : 64, 1, block ? 1 : 0, bits, 0, SCALE_F32, 0,
+                  block ? SCALE_F32 : SCALE_NONE, OUT_F32, {0}, {0}, {{0}}, {{0}}};
     return level(&w, x_bf16);
 }

@@ -74,7 +74,7 @@ def _load() -> ctypes.CDLL:
     if not path.is_file():
         _build(path)
     lib = ctypes.CDLL(str(path))
-    common = [_P, _I64, _I64, _INT, _P, _I64, _P, _INT, _I64, _INT]
+    common = [_P, _I64, _I64, _INT, _P, _INT, _I64, _P, _INT, _I64, _INT]
     lib.lut_gemv.argtypes = [*common, _P, _INT, _I64, _P, _INT]
     lib.lut_decode.argtypes = [*common, _P, _INT]
     lib.lut_level.argtypes = [_INT, _INT, _INT]
@@ -125,8 +125,8 @@ def supports(layer, x: torch.Tensor | None = None) -> bool:
 
 
 def _entry(layer) -> list | None:
-    """The C weight arguments of `layer` (None where the kernel does not serve it), kept on the layer with the padded
-    tables they point into until one of its tensors is replaced or changed in place."""
+    """The C weight arguments of `layer` (None where the kernel does not serve it): pointers into its own tensors
+    (nothing is copied), kept on the layer until one of them is replaced or changed in place."""
     packed, lut, scale = layer.weight_packed, layer.weight_lut, layer.weight_scale
     key = (packed.data_ptr(), packed._version, lut.data_ptr(), lut._version)
     key += () if scale is None else (scale.data_ptr(), scale._version)
@@ -136,20 +136,19 @@ def _entry(layer) -> list | None:
     s = layer.settings
     rows, cols = layer.weight_shape
     tensors = (packed, lut) + (() if scale is None else (scale,))
-    args = table = None
+    args = None
     if (
         all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
         and s.cluster_dim == 1
         and cols % 8 == 0
         and rows % s.groups == 0
+        and lut.dtype in _SCALE_CODES
         and (scale is None or scale.dtype in _SCALE_CODES)
         and library() is not None
     ):
-        stride = max(16, 1 << s.bits)  # the C source's table_stride
-        table = torch.nn.functional.pad(lut.float().reshape(s.groups, -1), (0, stride - (1 << s.bits))).contiguous()
-        args = [packed.data_ptr(), rows, cols, s.bits, table.data_ptr(), rows // s.groups]
+        args = [packed.data_ptr(), rows, cols, s.bits, lut.data_ptr(), _SCALE_CODES[lut.dtype], rows // s.groups]
         args += [None, 0, 0] if scale is None else [scale.data_ptr(), _SCALE_CODES[scale.dtype], scale.shape[1]]
-    layer.__dict__["_native"] = (key, args, table)
+    layer.__dict__["_native"] = (key, args)
     return args
 
 
