@@ -18,4 +18,7 @@ for name, folder in MAPPED.items():
     for sub in find_packages(where=folder):
         packages.append(f"{name}.{sub}")
 
-setup(packages=packages, package_dir=package_dir)
+# The packed DKM layers' CPU kernel: C source compiled on the user's machine at first use (_lut_native.py)
+package_data = {"hf_llmkit.quantization": ["_lut_native.c"]}
+
+setup(packages=packages, package_dir=package_dir, package_data=package_data)

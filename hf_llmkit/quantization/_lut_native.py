@@ -29,7 +29,8 @@ from hf_llmkit.data.cache import temporary_sibling
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("_lut_native.c")
-_TEXT = SOURCE.read_bytes()  # read once: a process builds and loads what it read at import, whatever edits follow
+# read once: a process builds and loads what it read at import, whatever edits follow (empty: an install without it)
+_TEXT = SOURCE.read_bytes() if SOURCE.is_file() else b""
 MAX_TOKENS = 8  # tokens per pass over the weight (MAXM in the C source)
 _SCALE_CODES = {None: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 _OUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -88,6 +89,8 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernel, built on first use; None (and one log line saying why) where it cannot be built."""
     if "lib" not in _state:
         try:
+            if not _TEXT:
+                raise RuntimeError(f"{SOURCE.name} is missing from this installation of hf_llmkit")
             if sys.byteorder != "little":
                 raise RuntimeError("the index stream is read as little-endian words")
             _state["lib"] = _load()
