@@ -24,6 +24,9 @@
 enum { SCALE_NONE = 0, SCALE_F32 = 1, SCALE_F16 = 2, SCALE_BF16 = 3 };
 enum { OUT_F32 = 0, OUT_BF16 = 1, OUT_F16 = 2 };
 #define MAXM 8 /* tokens multiplied per pass over the weight */
+/* Each loop family is compiled once per token count 1..MAXM (the count a constant, the accumulators registers). */
+#define EACH_M(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8)
+#define BY_M(name) {0, name##_1, name##_2, name##_3, name##_4, name##_5, name##_6, name##_7, name##_8}
 
 /* Bytes of the index stream the SIMD loops ask the cache for ahead of the chunk they read: a weight streamed from
  * memory (every layer of a generating model) otherwise runs at a fraction of the memory's speed. */
@@ -202,17 +205,9 @@ static inline AVX512 __attribute__((always_inline)) int64_t row_avx512(const wei
         int64_t c0 = row_avx512(w, r, x, M, acc, out);                                                                \
         row_portable(w, r, c0, x, 0, M, acc, out);                                                                    \
     }
-ROWS_AVX512(1)
-ROWS_AVX512(2)
-ROWS_AVX512(3)
-ROWS_AVX512(4)
-ROWS_AVX512(5)
-ROWS_AVX512(6)
-ROWS_AVX512(7)
-ROWS_AVX512(8)
-static void (*const rows_avx512[MAXM + 1])(const weight_t *, int64_t, const float *, float *, void *) = {
-    0, rows_avx512_1, rows_avx512_2, rows_avx512_3, rows_avx512_4,
-    rows_avx512_5, rows_avx512_6, rows_avx512_7, rows_avx512_8};
+EACH_M(ROWS_AVX512)
+static void (*const rows_avx512[MAXM + 1])(const weight_t *, int64_t, const float *, float *, void *) =
+    BY_M(rows_avx512);
 #endif
 
 #ifdef HAVE_X86
@@ -267,16 +262,9 @@ static inline AVX512BF16 __attribute__((always_inline)) int64_t row_bf16(const w
         int64_t c0 = row_bf16(w, r, (const uint16_t *)x, M, acc);                                                     \
         row_portable(w, r, c0, x, 1, M, acc, 0);                                                                      \
     }
-ROWS_BF16(1)
-ROWS_BF16(2)
-ROWS_BF16(3)
-ROWS_BF16(4)
-ROWS_BF16(5)
-ROWS_BF16(6)
-ROWS_BF16(7)
-ROWS_BF16(8)
-static void (*const rows_bf16[MAXM + 1])(const weight_t *, int64_t, const void *, float *) = {
-    0, rows_bf16_1, rows_bf16_2, rows_bf16_3, rows_bf16_4, rows_bf16_5, rows_bf16_6, rows_bf16_7, rows_bf16_8};
+EACH_M(ROWS_BF16)
+static void (*const rows_bf16[MAXM + 1])(const weight_t *, int64_t, const void *, float *) =
+    BY_M(rows_bf16);
 #endif
 
 #ifdef HAVE_X86
@@ -323,7 +311,8 @@ static inline AVX2 __attribute__((always_inline)) int64_t row_avx2(const weight_
         __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), mask);
         __m256 v = _mm256_permutevar8x32_ps(lo, idx);
         if (bits == 4)
-            v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(hi, idx), _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+            v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(hi, idx),
+                                 _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
         if (out) {
             int64_t o = r * w->cols + c;
             if (w->mode == OUT_BF16) {
@@ -355,16 +344,9 @@ static inline AVX2 __attribute__((always_inline)) int64_t row_avx2(const weight_
         int64_t c0 = row_avx2(w, r, x, M, acc, out);                                                                  \
         row_portable(w, r, c0, x, 0, M, acc, out);                                                                    \
     }
-ROWS_AVX2(1)
-ROWS_AVX2(2)
-ROWS_AVX2(3)
-ROWS_AVX2(4)
-ROWS_AVX2(5)
-ROWS_AVX2(6)
-ROWS_AVX2(7)
-ROWS_AVX2(8)
-static void (*const rows_avx2[MAXM + 1])(const weight_t *, int64_t, const float *, float *, void *) = {
-    0, rows_avx2_1, rows_avx2_2, rows_avx2_3, rows_avx2_4, rows_avx2_5, rows_avx2_6, rows_avx2_7, rows_avx2_8};
+EACH_M(ROWS_AVX2)
+static void (*const rows_avx2[MAXM + 1])(const weight_t *, int64_t, const float *, float *, void *) =
+    BY_M(rows_avx2);
 #endif
 
 enum { LEVEL_PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_AVX512BF16 = 3 };
@@ -435,20 +417,25 @@ static void run(weight_t *w, const void *x, int x_bf16, int64_t m, float *y, voi
 }
 
 #define WEIGHT                                                                                                        \
-    {packed, rows, cols, rows_per_group, nblocks, bits, lut, lut_dtype, scale, scale_dtype, mode, {0}, {0}, {{0}}, {{0}}}
+    {packed, rows, cols, rows_per_group, nblocks, bits, lut, lut_dtype, scale, scale_dtype, mode,                  \
+     {0},    {0},  {{0}}, {{0}}}
 
-/* y[m, rows] = x[m, cols] @ W^T for m <= 8 tokens: float32 x (x_bf16 = 0) or bfloat16 x (x_bf16 = 1, with mode
+/* y[m, rows] = x[m, cols] @ W^T for any m tokens: float32 x (x_bf16 = 0) or bfloat16 x (x_bf16 = 1, with mode
  * bfloat16), float32 y. */
 void lut_gemv(const uint8_t *packed, int64_t rows, int64_t cols, int bits, const void *lut, int lut_dtype,
-              int64_t rows_per_group, const void *scale, int scale_dtype, int64_t nblocks, int mode, const void *x, int x_bf16, int64_t m,
-              float *y, int threads) {
+              int64_t rows_per_group, const void *scale, int scale_dtype, int64_t nblocks, int mode, const void *x,
+              int x_bf16, int64_t m, float *y, int threads) {
     weight_t w = WEIGHT;
-    run(&w, x, x_bf16, m, y, 0, threads);
+    const size_t item = x_bf16 ? 2 : 4;
+    for (int64_t j = 0; j < m; j += MAXM) /* the weight is read once per MAXM tokens */
+        run(&w, (const char *)x + (size_t)(j * cols) * item, x_bf16, m - j < MAXM ? m - j : MAXM, y + j * rows, 0,
+            threads);
 }
 
 /* out[rows, cols] = W in float32, bfloat16 or float16 (mode). */
 void lut_decode(const uint8_t *packed, int64_t rows, int64_t cols, int bits, const void *lut, int lut_dtype,
-                int64_t rows_per_group, const void *scale, int scale_dtype, int64_t nblocks, int mode, void *out, int threads) {
+                int64_t rows_per_group, const void *scale, int scale_dtype, int64_t nblocks, int mode, void *out,
+                int threads) {
     weight_t w = WEIGHT;
     run(&w, 0, 0, 0, 0, out, threads);
 }

@@ -31,8 +31,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("_lut_native.c")
 # read once: a process builds and loads what it read at import, whatever edits follow (empty: an install without it)
 _TEXT = SOURCE.read_bytes() if SOURCE.is_file() else b""
-MAX_TOKENS = 8  # tokens per pass over the weight (MAXM in the C source)
-_SCALE_CODES = {None: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+# the C source's SCALE_* codes, for tables and scales alike
+_DTYPE_CODES = {None: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 _OUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DECODE_DTYPES = tuple(_OUT_CODES)
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -145,34 +145,28 @@ def _entry(layer) -> list | None:
         and s.cluster_dim == 1
         and cols % 8 == 0
         and rows % s.groups == 0
-        and lut.dtype in _SCALE_CODES
-        and (scale is None or scale.dtype in _SCALE_CODES)
+        and lut.dtype in _DTYPE_CODES
+        and (scale is None or scale.dtype in _DTYPE_CODES)
         and library() is not None
     ):
-        args = [packed.data_ptr(), rows, cols, s.bits, lut.data_ptr(), _SCALE_CODES[lut.dtype], rows // s.groups]
-        args += [None, 0, 0] if scale is None else [scale.data_ptr(), _SCALE_CODES[scale.dtype], scale.shape[1]]
+        args = [packed.data_ptr(), rows, cols, s.bits, lut.data_ptr(), _DTYPE_CODES[lut.dtype], rows // s.groups]
+        args += [None, 0, 0] if scale is None else [scale.data_ptr(), _DTYPE_CODES[scale.dtype], scale.shape[1]]
     layer.__dict__["_native"] = (key, args)
     return args
 
 
 def gemv(layer, x: torch.Tensor, mode: torch.dtype) -> torch.Tensor:
     """Float32 `x @ W^T` `[m, rows]` of `x` `[m, cols]` in the compute dtype `mode`, each weight rounded to `mode`
-    first (the dtype the decoded path multiplies in), reading the weight once per `MAX_TOKENS` tokens. bfloat16
+    first (the dtype the decoded path multiplies in), reading the weight once per 8 tokens (MAXM in C). bfloat16
     inputs go to the AVX512-BF16 loops where they serve, every other input is widened to float32."""
     args = [*_entry(layer), _OUT_CODES[mode]]
     lib = _state["lib"]
     scale = layer.weight_scale
     block = 0 if scale is None else layer.weight_shape[1] // scale.shape[1]
-    bf16 = x.dtype == mode == torch.bfloat16 and lib.lut_level(layer.settings.bits, block, 1) == 3
+    bf16 = x.dtype == mode == torch.bfloat16 and LOOPS[lib.lut_level(layer.settings.bits, block, 1)] == "avx512_bf16"
     x = x.contiguous() if bf16 else x.float().contiguous()
     y = torch.empty(x.shape[0], layer.weight_shape[0], dtype=torch.float32)
-    threads = torch.get_num_threads()
-    if x.shape[0] <= MAX_TOKENS:
-        lib.lut_gemv(*args, x.data_ptr(), int(bf16), x.shape[0], y.data_ptr(), threads)
-        return y
-    for start in range(0, x.shape[0], MAX_TOKENS):
-        part, out = x[start : start + MAX_TOKENS], y[start : start + MAX_TOKENS]
-        lib.lut_gemv(*args, part.data_ptr(), int(bf16), part.shape[0], out.data_ptr(), threads)
+    lib.lut_gemv(*args, x.data_ptr(), int(bf16), x.shape[0], y.data_ptr(), torch.get_num_threads())
     return y
 
 

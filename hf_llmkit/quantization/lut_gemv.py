@@ -180,15 +180,13 @@ def linear(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     x2 = x.reshape(tokens, x.shape[-1])
     if path == "native" and not torch.compiler.is_compiling():
         y = native.gemv(layer, x2, dtype)
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(dtype).reshape(*x.shape[:-1], layer.weight_shape[0])
-    scale = None if layer.weight_scale is None else layer.weight_scale.float()
-    args = (x2, layer.weight_packed, layer.weight_lut.float(), scale, layer.weight_shape[0], layer.settings.bits)
-    with torch.autocast(x.device.type, enabled=False):
-        y = _fused(path, args)
-    if y is None:
-        return F.linear(x, decode_weight(layer, dtype), None if bias is None else bias.to(dtype))
+    else:
+        scale = None if layer.weight_scale is None else layer.weight_scale.float()
+        args = (x2, layer.weight_packed, layer.weight_lut.float(), scale, layer.weight_shape[0], layer.settings.bits)
+        with torch.autocast(x.device.type, enabled=False):
+            y = _fused(path, args)
+        if y is None:
+            return F.linear(x, decode_weight(layer, dtype), None if bias is None else bias.to(dtype))
     if bias is not None:
         y = y + bias.float()
     return y.to(dtype).reshape(*x.shape[:-1], layer.weight_shape[0])
