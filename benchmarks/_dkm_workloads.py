@@ -219,14 +219,21 @@ def _run_clm():
 def make_trainer(workload, steps: int, lr: float):
     """`train(model, step_hook=None)`: `steps` AdamW steps of the workload's distillation loss (the same batches
     for every trained method) on the Linear layers' weights and biases (embeddings and norms stay: the quantized
-    matrices are what QAT adapts; Adam's first steps move every trained tensor by about `lr`)."""
+    matrices are what QAT adapts; Adam's first steps move every trained tensor by about `lr`). Dropout is off: the
+    teacher runs without it, and a student trained under it learns to match a noisier copy of itself."""
+
+    from hf_llmkit.quantization import scale_latent_lr
 
     def train(model, step_hook=None) -> None:
         linear_params = {id(p) for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()}
         params = [p for p in model.parameters() if p.requires_grad and id(p) in linear_params]
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-        torch.manual_seed(0)  # the same dropout masks for every trained method
+        scale_latent_lr(opt, model)  # what LLMKitTrainer does: DKMConfig.latent_lr_scale (no-op for other models)
+        torch.manual_seed(0)  # every trained method starts from the same generator state
         model.train()
+        for module in model.modules():  # the student matches the teacher's deterministic output: no dropout
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
         for batch in workload.batches(steps):
             loss = workload.loss(model, batch)
             opt.zero_grad()

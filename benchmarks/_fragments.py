@@ -488,7 +488,8 @@ def dkm_quality(results: dict) -> str:
         verdict += _dkm_verdict(name, metrics, w["rows"])
     head = (
         f"Every trained method: the same {data['steps']} AdamW steps (learning rate {data['lr']:g}) of distillation "
-        "from the fp32 model on the same batches. Bits per weight over the quantized matrices, tables, scales and "
+        f"from the fp32 model on the same batches{', dropout off' if data.get('dropout') == 0 else ''}. "
+        "Bits per weight over the quantized matrices, tables, scales and "
         "zero points included (peers' scales and zeros at 16 bits, our tables at the width they are saved in: 32 "
         "bits, 16 for the rows with 16-bit tables)."
     )

@@ -242,8 +242,14 @@ def main() -> None:
     args.extra_skip = tuple(quick_skip) if args.quick else ()
     sections = args.only or (["minilm"] if args.quick else ["minilm", "lm", "steps"])
     logging.getLogger("llmcompressor").setLevel(logging.ERROR)
-    results = {"machine_before": machine_state(), "steps": args.steps, "lr": args.lr, "workloads": {},
-               "calibration_samples": CALIBRATION_SAMPLES}  # fmt: skip
+    results = {
+        "machine_before": machine_state(),
+        "steps": args.steps,
+        "lr": args.lr,
+        "workloads": {},
+        "calibration_samples": CALIBRATION_SAMPLES,
+        "dropout": 0,
+    }  # fmt: skip (make_trainer turns dropout off)
     start = time.perf_counter()
     if "minilm" in sections:
         w = MiniLM(quick=args.quick)

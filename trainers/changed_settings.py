@@ -72,9 +72,10 @@ def apply_optimizer_changes(optimizer, scheduler, changes: list[tuple[str, Any, 
     """Continue on the schedule the new arguments describe, at the restored step.
 
     A new learning rate replaces the base rate of every parameter group that started from the recorded one (and
-    the schedule's); after any schedule change each group's current rate is recomputed from the new schedule at the
-    restored step (the Trainer's schedules are `LambdaLR`s), so the next update uses the rate an uninterrupted run
-    with the new settings would use."""
+    the schedule's), and a group that ran at a fixed fraction of it (`lr_scale`, DKM's latent weights) runs at
+    that fraction of the new one; after any schedule change each group's current rate is recomputed from the new
+    schedule at the restored step (the Trainer's schedules are `LambdaLR`s), so the next update uses the rate an
+    uninterrupted run with the new settings would use."""
     names = {name for name, _, _ in changes}
     if optimizer is None or not names & _SCHEDULE:
         return
@@ -82,9 +83,10 @@ def apply_optimizer_changes(optimizer, scheduler, changes: list[tuple[str, Any, 
     base_lrs, lambdas = getattr(scheduler, "base_lrs", None), getattr(scheduler, "lr_lambdas", None)
     old, new = next(((old, new) for name, old, new in changes if name == "learning_rate"), (None, None))
     for index, group in enumerate(optimizer.param_groups):
-        if old and math.isclose(group.get("initial_lr", old), old):  # a group that started from the recorded rate
-            group["lr"], group["initial_lr"] = group["lr"] * new / old, new
+        factor = group.get("lr_scale", 1.0)  # a group at a fixed fraction of the rate (DKM's latent weights) keeps it
+        if old and math.isclose(group.get("initial_lr", old * factor), old * factor):  # started from the recorded rate
+            group["lr"], group["initial_lr"] = group["lr"] * new / old, new * factor
             if base_lrs is not None and index < len(base_lrs):
-                base_lrs[index] = new
+                base_lrs[index] = new * factor
         if base_lrs is not None and lambdas is not None and index < len(lambdas):
             group["lr"] = base_lrs[index] * lambdas[index](scheduler.last_epoch)

@@ -105,9 +105,13 @@ class LLMKitTrainer(Trainer):
         loader = super().get_eval_dataloader(eval_dataset)
         return self._sequence_parallel.shard_loader(loader) if self._sequence_parallel is not None else loader
 
-    # Expert parallelism (hf_llmkit.trainers.expert_parallel): only its DDP case needs these hooks.
+    # Expert parallelism (hf_llmkit.trainers.expert_parallel): only its DDP case needs these hooks. DKM: the latent
+    # weights' learning-rate factor (DKMConfig.latent_lr_scale), set before the scheduler reads the groups' rates.
     def create_optimizer(self, model=None):
+        from hf_llmkit.quantization.training_state import scale_latent_lr
+
         optimizer = super().create_optimizer(model)
+        scale_latent_lr(optimizer, self.model if model is None else model)
         if self._expert_parallel is not None:
             self._expert_parallel.attach_optimizer(optimizer)  # checkpoints hold full expert states
         return optimizer

@@ -18,7 +18,7 @@ from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear, DKMSettings, 
 from hf_llmkit.quantization.marshal import MarshalHooks
 from hf_llmkit.quantization.optimum import DKMOptimumQuantizer
 from hf_llmkit.quantization.quantizer import DKMHfQuantizer, quantize_model
-from hf_llmkit.quantization.training_state import DKMTrainingStateCallback, keep_training_state
+from hf_llmkit.quantization.training_state import DKMTrainingStateCallback, keep_training_state, scale_latent_lr
 
 
 def register_dkm() -> None:
@@ -51,6 +51,7 @@ __all__ = [
     "export_coreml",
     "export_onnx",
     "keep_training_state",
+    "scale_latent_lr",
     "quantize_model",
     "register_dkm",
     "replace_with_dkm_layers",

@@ -22,6 +22,9 @@ RECIPES = ("dkm", "calibrated")
 # recipe="calibrated": QAT from the best post-training state (the fields a user left at their defaults)
 CALIBRATED_RECIPE = {"scale_block_size": 64, "lut_dtype": "float16", "calibration_refit": True,
                      "calibration_samples": 128, "dkm_iters": 0}  # fmt: skip
+# ... and from 4 bits on, a tenth of the learning rate for the latent weights (their table's cells are narrow: at the
+# full rate, 40 distillation steps re-rounded enough GPTQ-compensated weights to undo the start; docs/dkm.md)
+CALIBRATED_LATENT_LR_SCALE = {4: 0.1}  # bits at and above which the factor applies: factor
 
 
 @dataclass
@@ -77,6 +80,11 @@ class DKMConfig(QuantizationConfigMixin):
             final model (no second calibration: it would take the trained latents for full-precision weights). Its
             training forward is that rounding itself, the saved model's forward, with straight-through gradients to
             the latent weights (DKM's soft assignment would blend the entries around GPTQ-compensated weights).
+        latent_lr_scale (`float`, defaults to 1.0):
+            Factor on the learning rate of the DKM layers' latent weights, applied by `LLMKitTrainer` (and so the
+            main jobs) and by `hf_llmkit.quantization.scale_latent_lr(optimizer, model)` in a loop of your own; a
+            plain `Trainer` with `DKMTrainingStateCallback` trains them at the full rate and warns once. Left at 1.0,
+            `recipe="calibrated"` sets 0.1 from 4 bits on (1.0 below).
         kmeans_iters (`int`, defaults to 50):
             Lloyd iterations of the k-means that initialises the tables after the weights are loaded (it stops
             once converged).
@@ -142,6 +150,9 @@ class DKMConfig(QuantizationConfigMixin):
         default="dkm",
         metadata={"help": "'dkm' or 'calibrated' (QAT from refit + GPTQ-calibrated tables, block scales, 16-bit)."},
     )
+    latent_lr_scale: float = field(
+        default=1.0, metadata={"help": "Learning-rate factor of latent weights (recipe 'calibrated': 0.1 at 4+ bits)."}
+    )
     kmeans_iters: int = field(default=50, metadata={"help": "Lloyd iterations of the k-means table initialisation."})
     kmeans_sample: int = field(
         default=65536, metadata={"help": "At most this many weight vectors per table feed the initial k-means."}
@@ -205,6 +216,9 @@ class DKMConfig(QuantizationConfigMixin):
             raise ValueError(f"DKMConfig.lut_dtype must be one of {LUT_DTYPES}, got {self.lut_dtype!r}.")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"DKMConfig.granularity must be one of {GRANULARITIES}, got {self.granularity!r}.")
+        scale = self.latent_lr_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+            raise ValueError(f"DKMConfig.latent_lr_scale must be a positive number (try 0.1), got {scale!r}.")
         if not self.temperature > 0:
             raise ValueError(f"DKMConfig.temperature must be > 0 (try 0.02), got {self.temperature!r}.")
         if not self.epsilon > 0:
@@ -227,6 +241,8 @@ class DKMConfig(QuantizationConfigMixin):
         for name, value in CALIBRATED_RECIPE.items():
             if getattr(self, name) == defaults[name]:
                 setattr(self, name, value)
+        if self.latent_lr_scale == defaults["latent_lr_scale"]:
+            self.latent_lr_scale = next((f for b, f in CALIBRATED_LATENT_LR_SCALE.items() if self.bits >= b), 1.0)
         if self.dkm_iters != 0:
             raise ValueError(
                 f"DKMConfig(recipe='calibrated') keeps its calibrated tables: set dkm_iters=0, got {self.dkm_iters}."

@@ -65,6 +65,7 @@ class DKMTrainingStateCallback(TrainerCallback):
         if model is None:
             return
         keep_training_state(model, True)
+        _warn_unscaled(model, kwargs.get("optimizer"))
         if not _calibration_samples(model):
             return
         check_calibratable(model)  # fail before training, not after it
@@ -77,6 +78,55 @@ class DKMTrainingStateCallback(TrainerCallback):
         keep_training_state(model, False)
         if _calibration_samples(model) and _recipe(model) == "dkm" and train_dataloader is not None:
             _calibrate_on(model, train_dataloader, args)
+
+
+LATENT_GROUP = "dkm_latent_weights"  # the key that marks a parameter group of latent weights (value: the factor)
+
+
+def scale_latent_lr(optimizer: torch.optim.Optimizer, model: nn.Module) -> int:
+    """Give the trainable latent weights of `model`'s DKM layers their own parameter groups, at their config's
+    `latent_lr_scale` times the rate of the group they were in (before the first step and before a scheduler is
+    made from the optimizer: `LLMKitTrainer.create_optimizer` calls it); returns how many weights moved. Idempotent;
+    nothing moves at a factor of 1."""
+    scale = {id(m.weight): m.settings.config.latent_lr_scale for m in _layers(model) if m.weight.requires_grad}
+    scale = {key: factor for key, factor in scale.items() if factor != 1.0}
+    groups, moved = [], 0
+    for group in optimizer.param_groups:
+        if LATENT_GROUP in group:
+            groups.append(group)
+            continue
+        by_factor: dict[float, list] = {}
+        for p in group["params"]:
+            by_factor.setdefault(scale.get(id(p), 1.0), []).append(p)
+        for factor, params in sorted(by_factor.items(), reverse=True):
+            if factor == 1.0:
+                groups.append({**group, "params": params})
+                continue
+            moved += len(params)
+            lr = group["lr"] * factor
+            groups.append({**group, "params": params, "lr": lr, "lr_scale": factor, LATENT_GROUP: factor})
+    if moved:
+        optimizer.param_groups.clear()
+        for group in groups:
+            optimizer.add_param_group(group)
+    return moved
+
+
+def _warn_unscaled(model: nn.Module, optimizer) -> None:
+    factors = {m.settings.config.latent_lr_scale for m in _layers(model) if m.weight.requires_grad}
+    if optimizer is None or factors <= {1.0}:
+        return
+    if not any(LATENT_GROUP in group for group in optimizer.param_groups):
+        warnings.warn(
+            f"DKMConfig.latent_lr_scale={min(factors)} is not applied by this Trainer: the latent weights train at "
+            "the full learning rate. Use hf_llmkit's LLMKitTrainer, or call "
+            "hf_llmkit.quantization.scale_latent_lr(optimizer, model) on the optimizer you pass in `optimizers`.",
+            stacklevel=2,
+        )
+
+
+def _layers(model: nn.Module) -> list:
+    return [m for m in model.modules() if isinstance(m, (DKMLinear, DKMEmbedding))]
 
 
 def _calibrate_on(model: nn.Module, train_dataloader, args) -> None:

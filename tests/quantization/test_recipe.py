@@ -23,6 +23,11 @@ def test_the_recipe_fills_the_defaults_and_round_trips():
     assert DKMConfig(**config.to_dict()) == config
     mine = DKMConfig(recipe="calibrated", scale_block_size=32, calibration_samples=16)
     assert (mine.scale_block_size, mine.calibration_samples) == (32, 16)  # what the user set is kept
+    assert (config.latent_lr_scale, DKMConfig(bits=3, recipe="calibrated").latent_lr_scale) == (0.1, 1.0)
+    assert DKMConfig(bits=4, recipe="calibrated", latent_lr_scale=0.5).latent_lr_scale == 0.5
+    assert DKMConfig(bits=4).latent_lr_scale == 1.0  # the dkm recipe trains them at the full rate
+    with pytest.raises(ValueError, match="latent_lr_scale must be a positive number"):
+        DKMConfig(latent_lr_scale=0)
     with pytest.raises(ValueError, match="recipe must be one of"):
         DKMConfig(recipe="best")
     with pytest.raises(ValueError, match="keeps its calibrated tables: set dkm_iters=0"):
@@ -108,3 +113,45 @@ def test_the_training_forward_is_the_saved_models_forward_with_straight_through_
             for name, layer in layers.items():
                 torch.testing.assert_close(layer.weight.grad, dense.get_submodule(name).weight.grad)
     assert outputs == {"calibrated": True, "dkm": False}
+
+
+def _latent_groups(optimizer) -> list[dict]:
+    return [g for g in optimizer.param_groups if training_state.LATENT_GROUP in g]
+
+
+def test_llmkit_trainer_trains_the_latent_weights_at_their_factor_through_the_schedule(tmp_path):
+    from hf_llmkit.trainers import LLMKitTrainer
+
+    torch.manual_seed(0)
+    model = quantize_model(tiny_llama(), DKMConfig(bits=4, recipe="calibrated", scale_block_size=16))
+    latents = {id(m.weight) for m in model.modules() if isinstance(m, DKMLinear)}
+    args = TrainingArguments(str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
+                             warmup_steps=1, use_cpu=True, report_to=[], save_strategy="no")  # fmt: skip
+    trainer = LLMKitTrainer(model=model, args=args, train_dataset=_Rows())
+    trainer.create_optimizer_and_scheduler(num_training_steps=2)
+    (group,) = _latent_groups(trainer.optimizer)
+    assert {id(p) for p in group["params"]} == latents  # exactly the latent weights, nothing else
+    assert group["lr_scale"] == 0.1
+    others = [g for g in trainer.optimizer.param_groups if g is not group]
+    assert all(id(p) not in latents for g in others for p in g["params"])
+    rates = dict(zip(map(id, trainer.optimizer.param_groups), trainer.lr_scheduler.base_lrs))
+    assert rates[id(group)] == pytest.approx(1e-4) and all(rates[id(g)] == 1e-3 for g in others)
+    assert training_state.scale_latent_lr(trainer.optimizer, model) == 0  # idempotent
+    trainer.optimizer = trainer.lr_scheduler = None
+    trainer.train()  # the Trainer makes its own optimizer: the factor is there, through warm-up and decay
+    (group,) = _latent_groups(trainer.optimizer)
+    assert group["initial_lr"] == pytest.approx(1e-4)
+
+
+def test_a_plain_trainer_says_in_one_line_that_it_trains_the_latents_at_the_full_rate(tmp_path):
+    torch.manual_seed(0)
+    model = quantize_model(tiny_llama(), DKMConfig(bits=4, latent_lr_scale=0.25))
+    args = TrainingArguments(str(tmp_path), max_steps=1, per_device_train_batch_size=4, use_cpu=True, report_to=[],
+                             save_strategy="no")  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=_Rows(), callbacks=[DKMTrainingStateCallback()])
+    with pytest.warns(UserWarning, match=r"latent_lr_scale=0.25 is not applied by this Trainer.*LLMKitTrainer"):
+        trainer.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # a loop of your own
+    moved = training_state.scale_latent_lr(optimizer, model)
+    assert moved == sum(isinstance(m, DKMLinear) for m in model.modules())
+    assert _latent_groups(optimizer)[0]["lr"] == pytest.approx(2.5e-4)

@@ -91,3 +91,17 @@ def test_logging_and_save_cadence_take_effect_and_are_said_in_one_line(run, capl
     assert line.endswith("with changed settings: logging_steps 1 -> 2; max_steps 2 -> 4; save_steps 2 -> 1"), line
     assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [1, 2, 4]
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3", "checkpoint-4"]
+
+
+def test_a_new_learning_rate_keeps_a_groups_fixed_fraction_of_it():
+    import torch
+
+    from hf_llmkit.trainers.changed_settings import apply_optimizer_changes
+
+    full, latent = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([{"params": [full]}, {"params": [latent], "lr": 5e-4, "lr_scale": 0.1}], lr=5e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / 4)
+    optimizer.step(), scheduler.step()  # at step 1 of 4
+    apply_optimizer_changes(optimizer, scheduler, [("learning_rate", 5e-3, 1e-3)])
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([7.5e-4, 7.5e-5])  # DKM's latent weights
+    assert scheduler.base_lrs == pytest.approx([1e-3, 1e-4])
