@@ -50,6 +50,16 @@ SCALE_NAMES = {"packed": "weight_scale", "train": "scales"}
 LOADED_NAMES = (*PACKED_NAMES, SCALE_NAMES["packed"])  # the tensors packed layers load
 
 
+STAND_IN_DTYPE = "U8"  # its safetensors dtype: a clustered module's `weight` saved so is no dense weight
+
+
+def stand_in_weight() -> torch.Tensor:
+    """What a compact checkpoint holds under a packed layer's `weight`: one byte. transformers without hf_llmkit
+    imported skips the unknown "dkm" method with a warning and would load such a model with freshly initialised
+    weights where the packed ones are; a `weight` of the wrong size makes that load fail instead."""
+    return torch.zeros(1, dtype=torch.uint8)
+
+
 def tied_modules(model: nn.Module) -> list[str]:
     """Modules whose weight is tied to another's (never clustered: the tie would break)."""
     tied = getattr(model, "all_tied_weights_keys", None) or {}
@@ -264,8 +274,9 @@ def verify_loaded(model: nn.Module, pre_quantized: bool) -> None:
 
 
 def dkm_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The state dict `save_pretrained` writes: packed indices + lookup tables for every DKM layer, plus the latent
-    weight and centroids of the layers that keep their training state.
+    """The state dict `save_pretrained` writes: packed indices + lookup tables for every DKM layer (and a one-byte
+    `stand_in_weight` in place of its dense weight), or the latent weight and centroids of the layers that keep their
+    training state, next to their packed export.
 
     `full_state`: the model's full state dict as a Trainer gathered it on every rank for the save (FSDP2, ZeRO-3:
     each rank holds only a shard of the weights, see `DKMHfQuantizer.exporting_from`); the layers are packed from its
@@ -283,14 +294,17 @@ def dkm_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor] | None 
             "model.hf_quantizer.exporting_from(full_state_dict)."
         )
     for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, PACKED):
+            state[prefix + "weight"] = stand_in_weight()
         if isinstance(module, TRAINABLE):
-            prefix = f"{name}." if name else ""
             weight = state.get(prefix + "weight", module.weight)
             centroids = state.get(prefix + "centroids", module.centroids)
             scales = state.get(prefix + "scales", module.scales)
             if not module.keep_training_state:
                 for name_ in (*TRAINING_NAMES, SCALE_NAMES["train"]):
                     state.pop(prefix + name_, None)
+                state[prefix + "weight"] = stand_in_weight()
             else:
                 state.update(steps.step_state(module, prefix))
             state.update({prefix + k: v for k, v in module.export(weight, centroids, scales).items()})
@@ -306,7 +320,8 @@ def read_layout(model: nn.Module, checkpoint_files, targets: list[str], config: 
         return None
     prefix, scaled = getattr(model, "base_model_prefix", ""), bool(config.scale_block_size)
     check_table_dtypes(keys, config.lut_dtype, targets, prefix)
-    layout, patterns = checkpoint_layout(set(keys), targets, prefix, scaled)
+    names = {k for k, dtype in keys.items() if not (k.endswith(".weight") and dtype == STAND_IN_DTYPE)}
+    layout, patterns = checkpoint_layout(names, targets, prefix, scaled)
     if patterns:
         ignore_unexpected_keys(model, patterns)
     return layout

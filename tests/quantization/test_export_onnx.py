@@ -75,6 +75,8 @@ def test_logits_match_and_the_file_is_compact(tmp_path):
     stored = {i.name.removeprefix("m."): onnx.numpy_helper.to_array(i) for i in graph.initializer}
     with safe_open(tmp_path / "ckpt" / "model.safetensors", "np") as saved:
         checkpoint_tensors = {name: saved.get_tensor(name) for name in saved.keys()}  # noqa: SIM118
+    # the one-byte stand-ins for the dense weights (integration.stand_in_weight) have nothing to do in the graph
+    checkpoint_tensors = {n: t for n, t in checkpoint_tensors.items() if not (n.endswith(".weight") and t.size == 1)}
     for name, tensor in checkpoint_tensors.items():
         assert stored[name].tobytes() == tensor.tobytes(), name  # reshaped at most
     extra = sum(v.nbytes for name, v in stored.items() if name not in checkpoint_tensors)

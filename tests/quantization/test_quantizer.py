@@ -140,7 +140,8 @@ def test_checkpoint_is_packed_and_small(trained, base_dir):
         keys = set(f.keys())
         packed = f.get_tensor("model.layers.0.mlp.down_proj.weight_packed")
         lut = f.get_tensor("model.layers.0.mlp.down_proj.weight_lut")
-    assert "model.layers.0.mlp.down_proj.weight" not in keys and "model.layers.0.mlp.down_proj.centroids" not in keys
+        stand_in = f.get_tensor("model.layers.0.mlp.down_proj.weight")  # one byte, not the dense weight
+    assert stand_in.shape == (1,) and "model.layers.0.mlp.down_proj.centroids" not in keys
     assert packed.dtype == torch.uint8 and packed.numel() == (64 * 128 // 2 * 3 + 7) // 8
     assert lut.shape == (1, 8, 2)
     # The 14 target matrices take 3 bits per 2 weights instead of 32 bits per weight.
@@ -265,8 +266,8 @@ def test_trainer_resumes_from_a_compact_checkpoint_with_a_warning(base_dir, tmp_
         trainer.train()
     with safe_open(tmp_path / "checkpoint-2" / "model.safetensors", framework="pt") as f:
         keys = set(f.keys())
-    assert "model.layers.0.self_attn.q_proj.weight_packed" in keys
-    assert "model.layers.0.self_attn.q_proj.weight" not in keys
+        stand_in = f.get_slice("model.layers.0.self_attn.q_proj.weight").get_shape()
+    assert "model.layers.0.self_attn.q_proj.weight_packed" in keys and stand_in == [1]  # no latent weight
     fresh = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=DKMConfig(bits=3))
     args.max_steps = 3
     with caplog.at_level(logging.WARNING):
@@ -332,3 +333,13 @@ def test_block_scales_train_save_small_and_reload_exactly(base_dir, tmp_path):
     assert scale.dtype == torch.float16 and scale.shape == (64, 8)
     assert not any(k.endswith((".scales", ".centroids", ".weight_packed.weight")) for k in keys)
     _assert_reloads_exactly(model, out, tmp_path)
+
+
+def test_a_checkpoint_loaded_without_hf_llmkit_fails_instead_of_initialising_fresh_weights(trained, tmp_path):
+    """transformers skips an unknown quantization method with a warning: without the one-byte stand-in `weight`s it
+    would load the packed layers as freshly initialised Linear layers and return a model that runs."""
+    _, _, _, out = trained
+    script = f"from transformers import AutoModelForCausalLM\nAutoModelForCausalLM.from_pretrained({str(out)!r})\n"
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode != 0 and "size mismatch" in done.stdout + done.stderr, done.stderr[-2000:]
