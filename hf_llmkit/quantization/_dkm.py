@@ -49,13 +49,27 @@ def group_std(vectors: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def hard_assign(vectors: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Index `[G, n]` (int64) of the nearest centroid of every vector, computed in chunks."""
+    """Index `[G, n]` (int64) of the nearest centroid of every vector: scalars by a search among the midpoints of
+    the sorted table (a value exactly at a midpoint takes the smaller entry; equal entries, the first), vectors by
+    distances to every centroid, in chunks (the smallest index among equally near ones)."""
+    if vectors.shape[-1] == 1:
+        return _nearest_scalar(vectors[..., 0], centroids[..., 0])
     c = centroids.float()
     out = torch.empty(vectors.shape[:2], dtype=torch.long, device=vectors.device)
     for start in range(0, vectors.shape[1], ASSIGN_CHUNK):
         chunk = vectors[:, start : start + ASSIGN_CHUNK].float()
         out[:, start : start + ASSIGN_CHUNK] = torch.cdist(chunk, c).argmin(-1)
     return out
+
+
+def _nearest_scalar(values: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Nearest entry of `table` `[G, K]` for each of `values` `[G, n]`, exactly (no distance arithmetic)."""
+    table = table.float()
+    order = table.argsort(dim=1, stable=True)
+    ranked = table.gather(1, order)
+    midpoints = (ranked[:, 1:] + ranked[:, :-1]) / 2
+    first = order.gather(1, torch.searchsorted(ranked, ranked))  # each rank's first entry of its value
+    return first.gather(1, torch.searchsorted(midpoints.contiguous(), values.float().contiguous()))
 
 
 def lookup(centroids: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,23 @@ def test_kmeans_beats_uniform_grid_and_is_fast():
     assert elapsed < 30  # a generous bound: it is a fraction of a second, never minutes
 
 
+def test_hard_assignment_of_scalars_is_the_exactly_nearest_entry_of_an_unsorted_table():
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(3, 16, 1, generator=gen)
+    table[1, 5] = table[1, 9]  # equal entries: the first
+    values = torch.randn(3, 5000, 1, generator=gen) * 1.5
+    values[0, :4, 0] = (table[0, 2, 0] + table[0, 7, 0]) / 2  # a tie at some midpoint (possibly not neighbours)
+    distance = (values - table.transpose(1, 2)).abs()  # [G, n, K]: exact in float32 for these magnitudes
+    nearest = distance.argmin(-1)
+    got = dkm.hard_assign(values, table)
+    assert torch.equal(distance.gather(2, got.unsqueeze(-1)), distance.gather(2, nearest.unsqueeze(-1)))
+    assert (got[1] == 5).any() and not (got[1] == 9).any()  # of two equal entries, the first is taken
+    ranked = table[..., 0].sort(dim=1).values
+    mid = (ranked[:, 1:] + ranked[:, :-1]) / 2
+    at_mid = mid[0, 3].expand(1, 1, 1)  # exactly between the 4th and 5th smallest entries: the smaller
+    assert table[0, dkm.hard_assign(at_mid, table[:1])[0, 0], 0] == ranked[0, 3]
+
+
 def _layer(dtype, uniquify, d=1, groups=1, seed=0, rows=64, cols=96, shard=False, offload=False):
     torch.manual_seed(seed)
     settings = DKMSettings.build(
