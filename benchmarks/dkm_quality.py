@@ -155,13 +155,17 @@ def main_job_row(workload, bits: int, args) -> dict:
 
 
 def step_times(args) -> dict:
-    """One distillation step of MiniLM: plain fp32 vs DKM with fp32 and bf16 latent weights, 3 and 4 bits."""
+    """One distillation step of MiniLM: plain fp32 vs DKM with fp32 and bf16 latent weights, 3 and 4 bits, and the
+    calibrated recipe's (hard assignment with straight-through gradients)."""
     workload = MiniLM(quick=args.quick)
     variants = {}
     per_channel = {"granularity": "per_grouped_channel", "group_size": 1}
     plan = [("plain fp32", None, None, {}), ("DKM 3-bit fp32", 3, None, {}), ("DKM 4-bit fp32", 4, None, {})]
     plan += [("DKM 3-bit fp32, a table per channel", 3, None, per_channel)]
     plan += [("DKM 3-bit bf16", 3, torch.bfloat16, {}), ("DKM 4-bit bf16", 4, torch.bfloat16, {})]
+    calibrated = {"recipe": "calibrated", "calibration": None}  # its training forward: the hard assignment + STE
+    plan += [("DKM 3-bit fp32, recipe='calibrated'", 3, None, calibrated)]
+    plan += [("DKM 4-bit fp32, recipe='calibrated'", 4, None, calibrated)]
     for label, bits, dtype, options in plan:
         model = workload.load()
         if bits is not None:
