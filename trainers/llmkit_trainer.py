@@ -106,12 +106,15 @@ class LLMKitTrainer(Trainer):
         return self._sequence_parallel.shard_loader(loader) if self._sequence_parallel is not None else loader
 
     # Expert parallelism (hf_llmkit.trainers.expert_parallel): only its DDP case needs these hooks. DKM: the latent
-    # weights' learning-rate factor (DKMConfig.latent_lr_scale), set before the scheduler reads the groups' rates.
+    # weights' learning-rate factor (DKMConfig.latent_lr_scale), set before the scheduler reads the groups' rates, on
+    # an optimizer made here only (one passed in `optimizers` may come with its scheduler: the callback warns).
     def create_optimizer(self, model=None):
         from hf_llmkit.quantization.training_state import scale_latent_lr
 
+        made_here = self.optimizer is None
         optimizer = super().create_optimizer(model)
-        scale_latent_lr(optimizer, self.model if model is None else model)
+        if made_here:
+            scale_latent_lr(optimizer, self.model if model is None else model)
         if self._expert_parallel is not None:
             self._expert_parallel.attach_optimizer(optimizer)  # checkpoints hold full expert states
         return optimizer

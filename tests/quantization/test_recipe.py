@@ -155,3 +155,20 @@ def test_a_plain_trainer_says_in_one_line_that_it_trains_the_latents_at_the_full
     moved = training_state.scale_latent_lr(optimizer, model)
     assert moved == sum(isinstance(m, DKMLinear) for m in model.modules())
     assert _latent_groups(optimizer)[0]["lr"] == pytest.approx(2.5e-4)
+
+
+def test_an_optimizer_passed_in_with_its_scheduler_is_left_as_it_is_and_the_run_says_so(tmp_path):
+    """Splitting the groups of a user's optimizer after its scheduler was made would leave the new group off the
+    schedule: LLMKitTrainer scales only an optimizer it made, and the callback warns."""
+    from hf_llmkit.trainers import LLMKitTrainer
+
+    torch.manual_seed(0)
+    model = quantize_model(tiny_llama(), DKMConfig(bits=4, latent_lr_scale=0.5))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    args = TrainingArguments(str(tmp_path), max_steps=1, per_device_train_batch_size=4, use_cpu=True, report_to=[],
+                             save_strategy="no")  # fmt: skip
+    trainer = LLMKitTrainer(model=model, args=args, train_dataset=_Rows(), optimizers=(optimizer, scheduler))
+    with pytest.warns(UserWarning, match=r"latent_lr_scale=0.5 is not applied by this Trainer"):
+        trainer.train()
+    assert len(optimizer.param_groups) == len(scheduler.base_lrs) == 1
