@@ -24,7 +24,7 @@ CALIBRATED_RECIPE = {"scale_block_size": 64, "lut_dtype": "float16", "calibratio
                      "calibration_samples": 128, "dkm_iters": 0}  # fmt: skip
 # ... and from 4 bits on, a tenth of the learning rate for the latent weights (their table's cells are narrow: at the
 # full rate, 40 distillation steps re-rounded enough GPTQ-compensated weights to undo the start; docs/dkm.md)
-CALIBRATED_LATENT_LR_SCALE = {4: 0.1}  # bits at and above which the factor applies: factor
+CALIBRATED_NARROW_BITS, CALIBRATED_LATENT_LR_SCALE = 4, 0.1
 
 
 @dataclass
@@ -242,7 +242,7 @@ class DKMConfig(QuantizationConfigMixin):
             if getattr(self, name) == defaults[name]:
                 setattr(self, name, value)
         if self.latent_lr_scale == defaults["latent_lr_scale"]:
-            self.latent_lr_scale = next((f for b, f in CALIBRATED_LATENT_LR_SCALE.items() if self.bits >= b), 1.0)
+            self.latent_lr_scale = CALIBRATED_LATENT_LR_SCALE if self.bits >= CALIBRATED_NARROW_BITS else 1.0
         if self.dkm_iters != 0:
             raise ValueError(
                 f"DKMConfig(recipe='calibrated') keeps its calibrated tables: set dkm_iters=0, got {self.dkm_iters}."

@@ -40,7 +40,7 @@ register_contributor("dkm training state", files=(), writer=__name__, via=WRITER
 
 def keep_training_state(model: nn.Module, enabled: bool = True) -> int:
     """Make `save_pretrained` of `model` also write its DKM layers' training state; returns the number of layers."""
-    layers = [m for m in model.modules() if isinstance(m, (DKMLinear, DKMEmbedding))]
+    layers = _layers(model)
     for layer in layers:
         layer.keep_training_state = enabled
     return len(layers)
@@ -89,7 +89,6 @@ def scale_latent_lr(optimizer: torch.optim.Optimizer, model: nn.Module) -> int:
     made from the optimizer: `LLMKitTrainer.create_optimizer` calls it); returns how many weights moved. Idempotent;
     nothing moves at a factor of 1."""
     scale = {id(m.weight): m.settings.config.latent_lr_scale for m in _layers(model) if m.weight.requires_grad}
-    scale = {key: factor for key, factor in scale.items() if factor != 1.0}
     groups, moved = [], 0
     for group in optimizer.param_groups:
         if LATENT_GROUP in group:
