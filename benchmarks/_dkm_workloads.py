@@ -36,7 +36,9 @@ class MiniLM:
     skip = ("pooler.dense",)  # unused by mean pooling
     metrics = ("mean_cos", "min_cos", "spearman")
 
-    def __init__(self, quick: bool = False):
+    def __init__(self, quick: bool = False, seed: int = 0):
+        import random
+
         from transformers import AutoTokenizer
 
         from hf_llmkit.testing import minilm_path
@@ -44,6 +46,8 @@ class MiniLM:
         self.path = minilm_path()
         self.tok = AutoTokenizer.from_pretrained(self.path)
         self.train_sents, held_out = _sentences()
+        if seed:  # another order of the same training sentences: other batches, other calibration sentences
+            random.Random(seed).shuffle(self.train_sents)
         self.held_out = held_out[:16] if quick else held_out
         self.teacher = self.load().eval()
         self.reference = self.embed(self.teacher, self.held_out)
@@ -115,8 +119,8 @@ class CausalLM:
     skip = ("lm_head",)
     metrics = ("ppl", "worst_block_ratio")
 
-    def __init__(self, model_dir: Path, quick: bool = False, n_eval: int = 32):
-        self.model_dir = Path(model_dir)
+    def __init__(self, model_dir: Path, quick: bool = False, n_eval: int = 32, seed: int = 0):
+        self.model_dir, self.seed = Path(model_dir), seed
         self.train, self.val = self._blocks(n_eval if not quick else 4)
         self.teacher = self.load().eval()
         self.reference = self._block_losses(self.teacher)
@@ -169,7 +173,7 @@ class CausalLM:
         }
 
     def batches(self, steps: int, size: int = 8):
-        gen = torch.Generator().manual_seed(0)
+        gen = torch.Generator().manual_seed(self.seed)
         for _ in range(steps):
             yield self.train[torch.randint(len(self.train), (size,), generator=gen)][:, :128]
 
@@ -203,8 +207,10 @@ class CausalLM:
         return model, stored / sum(m.in_features * m.out_features for m in layers), shown
 
     def calibration(self, n: int = CALIBRATION_SAMPLES) -> dict[str, torch.Tensor]:
-        """The first `n` training blocks (128 tokens each) for the calibrated methods (GPTQ, ours)."""
-        ids = self.train[:n, :128]
+        """The first `n` training blocks (128 tokens each; `n` random ones for a seed other than 0) for the
+        calibrated methods (GPTQ, ours)."""
+        pick = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(self.seed))[:n]
+        ids = self.train[:n, :128] if not self.seed else self.train[pick, :128]
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
@@ -216,7 +222,7 @@ def _run_clm():
     return run_clm
 
 
-def make_trainer(workload, steps: int, lr: float):
+def make_trainer(workload, steps: int, lr: float, seed: int = 0):
     """`train(model, step_hook=None)`: `steps` AdamW steps of the workload's distillation loss (the same batches
     for every trained method) on the Linear layers' weights and biases (embeddings and norms stay: the quantized
     matrices are what QAT adapts; Adam's first steps move every trained tensor by about `lr`). Dropout is off: the
@@ -229,7 +235,7 @@ def make_trainer(workload, steps: int, lr: float):
         params = [p for p in model.parameters() if p.requires_grad and id(p) in linear_params]
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
         scale_latent_lr(opt, model)  # what LLMKitTrainer does: DKMConfig.latent_lr_scale (no-op for other models)
-        torch.manual_seed(0)  # every trained method starts from the same generator state
+        torch.manual_seed(seed)  # every trained method starts from the same generator state
         model.train()
         for module in model.modules():  # the student matches the teacher's deterministic output: no dropout
             if isinstance(module, torch.nn.Dropout):

@@ -461,6 +461,46 @@ def _training_verdict(name: str, bits: int, metrics: list[str], rows: list[dict]
     return [f"- {name}, DKM {bits}-bit: training from the calibrated start {verdict} it: " + ", ".join(parts)]
 
 
+def _seed_spread(data: dict) -> str:
+    """The rows measured again with another seed (`--seed`): each beside its seed-0 value, and per width whether our
+    trained row (recipe='calibrated') beats every peer by more than the two seeds' spread."""
+    parts = []
+    for name, runs in data.get("seeds", {}).items():
+        main = {r["method"]: r for r in data["workloads"].get(name, {}).get("rows", []) if "error" not in r}
+        for seed, run in runs.items():
+            metrics = list(run["metrics"])
+            same = [(main[r["method"]], r) for r in run["rows"] if r["method"] in main and "error" not in r
+                    and r.get("bits") != 32]  # fmt: skip
+            if not same:
+                continue
+            table = [["method", "bits/weight", *(f"{m}: seed 0 / seed {seed}" for m in metrics)]]
+            for a, b in same:
+                method = f"**{a['method']}**" if "(ours)" in a["method"] else a["method"]
+                table.append([method, f"{a['bpw']:.2f}", *(f"{a[m]:.4f} / {b[m]:.4f}" for m in metrics)])
+            lines = []
+            for bits in sorted({a["bits"] for a, _ in same}):
+                ours = next(((a, b) for a, b in same if a["bits"] == bits and "recipe='calibrated'" in a["method"]),
+                            None)  # fmt: skip
+                rivals = [(a, b) for a, b in same if a["bits"] == bits and "(ours)" not in a["method"]]
+                if ours is None or not rivals:
+                    continue
+                said = []
+                for m in metrics:
+                    sign = -1 if m in ("ppl", "worst_block_ratio") else 1  # margins are positive when we are ahead
+                    margin = min(sign * (ours[i][m] - max(rivals, key=lambda r: sign * r[i][m])[i][m]) for i in (0, 1))
+                    spread = max(abs(a[m] - b[m]) for a, b in [ours, *rivals])
+                    verdict = "larger than" if margin > spread else "NOT larger than"
+                    said.append(f"{m} margin {margin:.4f} over the best peer at either seed, {verdict} the largest "
+                                f"seed-to-seed spread {spread:.4f}")  # fmt: skip
+                lines.append(f"- {name}, {bits}-bit, trained from the calibrated start: " + "; ".join(said))
+            when = run.get("measured")
+            when = f" (`{when['command']}`, {when['date']})" if when else ""
+            parts.append(f"**{name}**, seed 0 (the table above) against seed {seed}{when}: another order of the "
+                         "training data and other calibration samples:\n\n" + markdown_table(table)
+                         + ("\n\n" + "\n".join(lines) if lines else ""))  # fmt: skip
+    return "\n\n".join(parts)
+
+
 @fragment("dkm_quality", "dkm_quality")
 def dkm_quality(results: dict) -> str:
     """benchmarks/dkm_quality.py: quality per bit against real peers on two workloads, and the step-time ratio."""
@@ -504,14 +544,46 @@ def dkm_quality(results: dict) -> str:
         text += "\n\nOur best DKM row (trained, or refit and calibrated) against the best peer (bits per weight in "
         text += "brackets):\n\n"
         text += "\n".join(verdict)
+    seeds = _seed_spread(data)
+    if seeds:
+        text += "\n\n" + seeds
     steps = data.get("step_times")
     if steps:
         rows = [["one MiniLM training step", "min s", "median s", "x plain fp32 (min / median)"]]
         for label, s in steps["summary"].items():
             ratio = f"{s['ratio_min']:.2f} / {s['ratio_median']:.2f}" if "ratio_min" in s else "-"
             rows.append([label, f"{s['min_s']:.3f}", f"{s['median_s']:.3f}", ratio])
-        text += "\n\n" + markdown_table(rows)
+        when = steps.get("measured")
+        when = f"\n\nThese rows: {when['date']}, `{when['command']}`." if when else ""
+        text += "\n\n" + markdown_table(rows) + when
     return text + "\n\n" + measured(data)
+
+
+@fragment("dkm_job", "dkm_quality")
+def dkm_job(results: dict) -> str:
+    """benchmarks/dkm_quality.py --only job: where the main job's time goes at Llama shapes, DKM against full
+    fine-tuning (benchmarks/_dkm_job.py)."""
+    data = results["dkm_quality"].get("job_times")
+    if not data:
+        return "Not measured yet: `python benchmarks/dkm_quality.py --only job`."
+    rows = [["shape (parameters)", "job", "wall s", "model build s (k-means s)", "2 steps s", "2 evaluations s",
+             "final save s", "the rest s", "peak RSS GiB", "wall x full fine-tuning"]]  # fmt: skip
+    plain = {r["shape"]: r for r in data["rows"] if "error" not in r and not r["method"].startswith("DKM")}
+    for r in data["rows"]:
+        if "error" in r:
+            rows.append([r["shape"], r["method"], *["-"] * 7, f"did not run: {r['error'][:80]}"])
+            continue
+        base = plain.get(r["shape"])
+        ratio = f"{r['wall_s'] / base['wall_s']:.2f}" if base else "-"
+        rows.append([f"{r['shape']} ({r['parameters'] / 1e6:,.0f}M)", r["method"], f"{r['wall_s']:.0f}",
+                     f"{r['build']:.1f} ({r['kmeans']:.1f})", f"{r['train']:.1f}", f"{r['evaluate']:.1f}",
+                     f"{r['save']:.1f}", f"{r['other_s']:.1f}", f"{r['peak_rss_mb'] / 1024:.1f}", ratio])  # fmt: skip
+    return (
+        "`python examples/run_clm.py` on a Llama shape built from scratch (bf16 weights and autocast, batch 1 x 128 "
+        "tokens, 2 steps, `--save_strategy no`; its evaluations before and after training and its final save "
+        "included), each job in a fresh process; the rest is the interpreter's start, the imports and the cached "
+        "tokenized data:\n\n" + markdown_table(rows) + "\n\n" + measured({"recorded": data["measured"]})
+    )  # the section's own record: a later run of another section rewrites the file's
 
 
 SIZE_NAMES = {"issue": "issue's model", "1b": "~1B-parameter shape"}

@@ -34,6 +34,7 @@ import time
 import traceback
 from pathlib import Path
 
+import _dkm_job as job_section
 import _dkm_peers as peers
 import torch
 from _common import (
@@ -61,8 +62,14 @@ def save(results: dict) -> Path:
     if path.is_file():
         earlier = json.loads(path.read_text())
         results = {**earlier, **results, "workloads": {**earlier.get("workloads", {}), **results["workloads"]}}
-        if "step_times" not in results and "step_times" in earlier:
-            results["step_times"] = earlier["step_times"]
+        for section in ("step_times", "job_times"):
+            if section not in results and section in earlier:
+                results[section] = earlier[section]
+        seeds = {**earlier.get("seeds", {})}
+        for name, runs in results.get("seeds", {}).items():
+            seeds[name] = {**seeds.get(name, {}), **runs}
+        if seeds:
+            results["seeds"] = seeds
     return write_results("dkm_quality", results)
 
 
@@ -107,10 +114,10 @@ def methods(bits: int, args, workload) -> dict[str, tuple]:
 
 
 def run_workload(workload, args) -> list[dict]:
-    train = make_trainer(workload, args.steps, args.lr)
+    train = make_trainer(workload, args.steps, args.lr, args.seed)
     rows = [{"method": "fp32 (reference)", "bits": 32, "bpw": 32.0, **workload.evaluate(workload.teacher)}]
     skip = workload.skip + args.extra_skip
-    for bits in QUICK_BITS if args.quick else BITS:
+    for bits in args.bits or (QUICK_BITS if args.quick else BITS):
         for name, (fn, trained, extra) in methods(bits, args, workload).items():
             if "calibration" in extra:
                 extra = {**extra, "calibration": workload.calibration(16 if args.quick else CALIBRATION_SAMPLES)}
@@ -130,7 +137,7 @@ def run_workload(workload, args) -> list[dict]:
             shown = {k: round(v, 4) for k, v in row.items() if isinstance(v, float)}
             print(f"  {workload.name}: {name}: {shown} {row.get('error', '')}", file=sys.stderr, flush=True)
             del model
-    if hasattr(workload, "main_job") and not args.quick:
+    if hasattr(workload, "main_job") and not args.quick and not args.bits and not args.seed:
         rows += [main_job_row(workload, bits, args) for bits in (3, 4)]
     return rows
 
@@ -184,6 +191,21 @@ def step_times(args) -> dict:
     return timings.to_json()
 
 
+def job_times(args) -> list[dict]:
+    """The main job at Llama shapes, DKM against full fine-tuning, each in a fresh process (`_dkm_job.py`)."""
+    import tempfile
+
+    rows = []
+    for shape in args.job_shapes or (["tiny"] if args.quick else ["280M", "1B"]):
+        for method in job_section.METHODS:
+            with tempfile.TemporaryDirectory(prefix="dkm_quality_job_") as work:
+                row = job_section.run(shape, method, Path(work))
+            shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}
+            print(f"  job: {shown}", file=sys.stderr, flush=True)
+            rows.append(row)
+    return rows
+
+
 def print_table(name: str, metrics: tuple[str, ...], rows: list[dict]) -> None:
     head = ["method", "bits/weight", *metrics, "seconds", "peak MB"]
     table = [head]
@@ -209,6 +231,8 @@ def plot(results: dict) -> Path | None:
     from _common import save_figure
 
     panels = [(w, r) for w, r in results["workloads"].items() if r["rows"]]
+    if not panels:  # a run of another seed only: nothing for the main plot
+        return None
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
     for ax, (name, res) in zip(axes[0], panels):
         metric = res["metrics"][0]
@@ -233,18 +257,24 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu"], help="CPU only (the peers' CPU paths)")
     parser.add_argument("--steps", type=int, default=None, help="training steps of every trained method")
     parser.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate of every trained method")
-    parser.add_argument("--only", nargs="*", choices=["minilm", "lm", "steps"], default=None)
+    parser.add_argument("--only", nargs="*", choices=["minilm", "lm", "steps", "job"], default=None)
     parser.add_argument("--lm-dir", type=Path, default=None, help="pretrained causal LM (trained there if missing)")
     parser.add_argument("--lm-size", default="22m", choices=["22m", "5m"], help="the causal LM's size")
     parser.add_argument("--lm-pretrain-steps", type=int, default=300, help="steps of the causal LM's pretraining")
     parser.add_argument("--coreml-dkm", action="store_true", help="also train coremltools' DKMPalettizer (slow)")
     parser.add_argument("--step-rounds", type=int, default=3, help="timed rounds of the step-time section")
+    parser.add_argument("--job-shapes", nargs="*", default=None, choices=list(job_section.SHAPES),
+                        help="the job section's Llama shapes (default 280M and 1B; --quick: tiny)")  # fmt: skip
+    parser.add_argument("--bits", type=int, nargs="*", choices=BITS, default=None, help="only these widths")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="another order of the training data and calibration samples; a seed other than 0 "
+                             "is kept beside the main tables (the seed-spread table), not in them")  # fmt: skip
     args = parser.parse_args()
     args.steps = args.steps if args.steps is not None else (1 if args.quick else 40)
     # --quick: only the first encoder layer's intermediate.dense is quantized (everything else is skipped)
     quick_skip = [f"layer.{i}.{s}" for i in range(6) for s in _BERT_LINEARS if (i, s) != (0, "intermediate.dense")]
     args.extra_skip = tuple(quick_skip) if args.quick else ()
-    sections = args.only or (["minilm"] if args.quick else ["minilm", "lm", "steps"])
+    sections = args.only or (["minilm", "job"] if args.quick else ["minilm", "lm", "steps", "job"])
     logging.getLogger("llmcompressor").setLevel(logging.ERROR)
     results = {
         "machine_before": machine_state(),
@@ -255,36 +285,46 @@ def main() -> None:
         "dropout": 0,
     }  # fmt: skip (make_trainer turns dropout off)
     start = time.perf_counter()
+
+    def keep(name: str, section: dict) -> None:
+        """A finished workload's section goes into the results at once (a seed other than 0: beside them)."""
+        if args.seed:
+            results.setdefault("seeds", {})[name] = {str(args.seed): section}
+        else:
+            results["workloads"][name] = section
+        save(results)
+
     if "minilm" in sections:
-        w = MiniLM(quick=args.quick)
+        w = MiniLM(quick=args.quick, seed=args.seed)
         rows = run_workload(w, args)
-        results["workloads"][w.name] = {
+        keep(w.name, {
             "metrics": w.metrics,
             "rows": rows,
             "held_out": len(w.held_out),
             "measured": run_record(),  # when, by which command (kept by a later --only run)
-        }
+        })  # fmt: skip
         print_table(w.name, w.metrics, rows)
-        save(results)  # each finished section is kept
     if "lm" in sections:
         lm_dir = args.lm_dir or LM_DIR.with_name(f"{LM_DIR.name}_{args.lm_size}")
         model_dir = CausalLM.ensure(lm_dir, args.lm_pretrain_steps, args.lm_size)
-        w = CausalLM(model_dir, quick=args.quick)
+        w = CausalLM(model_dir, quick=args.quick, seed=args.seed)
         rows = run_workload(w, args)
         flags = lm_recipe(Path("<dir>"), args.lm_pretrain_steps, args.lm_size)
         params = sum(p.numel() for p in w.teacher.parameters())
         w.name = f"{w.name} ({params / 1e6:.1f}M parameters)"
-        results["workloads"][w.name] = {
+        keep(w.name, {
             "metrics": w.metrics,
             "rows": rows,
             "recipe": "python examples/run_clm.py " + " ".join(flags),
             "eval_blocks": len(w.val),
             "measured": run_record(),  # when, by which command (kept by a later --only run)
-        }
+        })  # fmt: skip
         print_table(w.name, w.metrics, rows)
-        save(results)
     if "steps" in sections:
-        results["step_times"] = step_times(args)
+        results["step_times"] = {**step_times(args), "measured": run_record()}  # kept by a later --only run
+    if "job" in sections:
+        results["job_times"] = {"rows": job_times(args), "measured": run_record()}
+        save(results)
     results["machine_after"] = machine_state()
     results["seconds"] = time.perf_counter() - start
     out = save(results)

@@ -28,6 +28,7 @@ from hf_llmkit import LLMKitTrainingArguments
 from hf_llmkit.checkpoints.lock import hold_output_dir
 from hf_llmkit.checkpoints.resume_rule import will_resume
 from hf_llmkit.cli import features
+from hf_llmkit.cli.allocator import keep_freed_blocks
 from hf_llmkit.cli.arguments import SCRATCH_SIZES, ModelArguments
 from hf_llmkit.cli.checks import check_training_length
 from hf_llmkit.cli.errors import exit_on_error, usage_errors
@@ -364,7 +365,9 @@ def run_job(job: Job, steps: DataSteps, argv: list[str] | None = None) -> dict[s
 
 def main(run, *, prog: str) -> None:
     """Run `run()` as a command: bad input ends in one line and exit status 2; a run-ending error (diverged,
-    preempted) ends with the exit status its arguments set (`--divergence_exit_code`, `--preemption_exit_code`)."""
+    preempted) ends with the exit status its arguments set (`--divergence_exit_code`, `--preemption_exit_code`).
+    The process keeps freed large blocks for reuse (`allocator.keep_freed_blocks`: a job owns its process)."""
+    keep_freed_blocks()
     try:
         exit_on_error(run, prog=prog)
     finally:

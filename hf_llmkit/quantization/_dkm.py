@@ -53,6 +53,8 @@ def hard_assign(vectors: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     the sorted table (a value exactly at a midpoint takes the smaller entry; equal entries, the first), vectors by
     distances to every centroid, in chunks (the smallest index among equally near ones)."""
     if vectors.shape[-1] == 1:
+        if _by_pattern(vectors):
+            return _nearest_by_pattern(vectors[..., 0], centroids[..., 0])
         return _nearest_scalar(vectors[..., 0], centroids[..., 0])
     c = centroids.float()
     out = torch.empty(vectors.shape[:2], dtype=torch.long, device=vectors.device)
@@ -70,6 +72,39 @@ def _nearest_scalar(values: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     midpoints = (ranked[:, 1:] + ranked[:, :-1]) / 2
     first = order.gather(1, torch.searchsorted(ranked, ranked))  # each rank's first entry of its value
     return first.gather(1, torch.searchsorted(midpoints.contiguous(), values.float().contiguous()))
+
+
+PATTERNS = 1 << 16  # the values a 16-bit float can hold
+
+
+def _by_pattern(vectors: torch.Tensor) -> bool:
+    """Whether 16-bit scalars are assigned faster through their bit patterns: each table's answer for all 65,536
+    patterns costs as much as that many weights, so only tables of at least four times as many weights take it."""
+    return vectors.element_size() == 2 and vectors.is_floating_point() and vectors.shape[1] >= 4 * PATTERNS
+
+
+def _nearest_by_pattern(values: torch.Tensor, table: torch.Tensor, decoded: bool = False) -> torch.Tensor:
+    """`_nearest_scalar` of 16-bit `values` `[G, n]`, bit for bit (or, `decoded`, the float32 table entries it
+    picks): the answer for every possible bit pattern, then one lookup per weight by its pattern (a 16-bit float
+    widens to float32 exactly, so each weight gets the answer its own value would; a search per weight costs
+    several times more)."""
+    groups = values.shape[0]
+    patterns = torch.arange(PATTERNS, dtype=torch.int32, device=values.device).to(torch.int16).view(values.dtype)
+    answers = _nearest_scalar(patterns.expand(groups, -1), table)  # [G, 65536]
+    if decoded:
+        answers = table.float().gather(1, answers)
+    key = values.contiguous().view(torch.int16).to(torch.int32) & (PATTERNS - 1)
+    if groups > 1:
+        key += torch.arange(groups, dtype=torch.int32, device=values.device).unsqueeze(1) * PATTERNS
+    return answers.reshape(-1).index_select(0, key.reshape(-1)).reshape(values.shape)
+
+
+def hard_decode(vectors: torch.Tensor, table: torch.Tensor, shape, scales: torch.Tensor | None) -> torch.Tensor:
+    """`decode(table, hard_assign(vectors, table), shape, scales)`, bit for bit; 16-bit scalars without scales in a
+    large table in one lookup per weight (`_nearest_by_pattern`), no index tensor."""
+    if scales is None and vectors.shape[-1] == 1 and _by_pattern(vectors):
+        return _nearest_by_pattern(vectors[..., 0], table[..., 0], decoded=True).reshape(shape)
+    return decode(table, hard_assign(vectors, table), shape, scales)
 
 
 def lookup(centroids: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

@@ -176,7 +176,10 @@ class _Clustered:
         tensors = [t for t in (self.weight, self.centroids, self.scales) if t is not None]
         key = (*((version_counter(t), t.data_ptr()) for t in tensors), dtype)
         if self._hard_cache is None or self._hard_cache[0] != key:
-            w = dkm.decode(self.lookup_table(), self.hard_indices(), self.weight.shape, self.lookup_scales())
+            w, s = self.weight.detach(), self.lookup_scales()
+            s = None if s is None else s.to(w.device)
+            vectors = self._vectors(self._normalized(w, s))
+            w = dkm.hard_decode(vectors, self.lookup_table().to(w.device), w.shape, s)
             self._hard_cache = (key, w.to(dtype))
         return self._hard_cache[1]
 

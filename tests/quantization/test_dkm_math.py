@@ -59,6 +59,24 @@ def test_hard_assignment_of_scalars_is_the_exactly_nearest_entry_of_an_unsorted_
     assert table[0, dkm.hard_assign(at_mid, table[:1])[0, 0], 0] == ranked[0, 3]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_large_16_bit_tables_are_assigned_by_bit_pattern_with_the_same_answer_as_the_search(dtype):
+    """Tables of at least 4 x 65,536 16-bit weights take the pattern lookup; it answers what the search does for
+    every weight: NaN, infinities, both zeros, values at a midpoint, equal entries, each group its own table."""
+    gen = torch.Generator().manual_seed(1)
+    table = torch.randn(3, 8, 1, generator=gen) * 0.02
+    table[2, 1] = table[2, 6]  # equal entries
+    values = (torch.randn(3, 4 * dkm.PATTERNS, generator=gen) * 0.03).to(dtype)
+    values[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])
+    ranked = table[..., 0].sort(dim=1).values
+    values[1, 5:8] = ((ranked[1, 2] + ranked[1, 3]) / 2).to(dtype)  # near (or at) a midpoint
+    assert dkm._by_pattern(values.unsqueeze(-1)) and not dkm._by_pattern(values[:, :-1].unsqueeze(-1))
+    assert not dkm._by_pattern(values.float().unsqueeze(-1))
+    by_pattern = dkm.hard_assign(values.unsqueeze(-1), table)
+    assert torch.equal(by_pattern, dkm._nearest_scalar(values, table[..., 0]))
+    assert torch.equal(by_pattern[:, :-1], dkm.hard_assign(values[:, :-1].unsqueeze(-1), table))  # the search
+
+
 def _layer(dtype, uniquify, d=1, groups=1, seed=0, rows=64, cols=96, shard=False, offload=False):
     torch.manual_seed(seed)
     settings = DKMSettings.build(
@@ -158,3 +176,14 @@ def test_embedding_soft_and_hard():
     assert emb.weight.grad is not None and emb.weight.grad.abs().sum() > 0
     emb.eval()
     assert emb(ids).reshape(-1, 2).unique(dim=0).shape[0] <= 16
+
+
+@pytest.mark.parametrize("scales", [False, True])
+def test_hard_decode_of_a_large_16_bit_table_is_the_decoded_search(scales):
+    gen = torch.Generator().manual_seed(2)
+    weight = (torch.randn(256, 1024, generator=gen) * 0.02).to(torch.bfloat16)  # 4 x 65,536 weights, one table
+    table = torch.randn(1, 8, 1, generator=gen) * 0.02
+    s = dkm.block_scales(weight, 64, torch.float16) if scales else None
+    vectors = (weight.float() / dkm.expand_scales(s, 1024) if scales else weight).reshape(1, -1, 1)
+    expected = dkm.decode(table, dkm._nearest_scalar(vectors[..., 0], table[..., 0]), weight.shape, s)
+    assert torch.equal(dkm.hard_decode(vectors, table, weight.shape, s), expected)

@@ -1,0 +1,58 @@
+"""The main jobs keep freed large blocks for reuse (hf_llmkit.cli.allocator): a weight-sized temporary allocated
+again after it was freed comes back from the heap instead of fresh pages, one page fault each."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+# Allocates and frees a 64 MiB tensor 4 times; prints the page faults of the last 3 (the first maps the memory):
+# bare ("default"), after keep_freed_blocks ("keep"), or as the run of a main job ("job": hf_llmkit.cli.job.main).
+PROBE = """
+import resource, sys, torch
+from hf_llmkit.cli import job
+from hf_llmkit.cli.allocator import keep_freed_blocks
+
+def run():
+    torch.ones(1 << 24).sum()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(3):
+        torch.ones(1 << 24).sum()
+    print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+kept = keep_freed_blocks() if sys.argv[1] == "keep" else None
+job.main(run, prog="probe") if sys.argv[1] == "job" else run()
+"""
+
+
+def probe(mode: str, **env) -> tuple[str, int]:
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True,
+                         env={**os.environ, **env}).stdout.split()  # fmt: skip
+    return out[0], int(out[1])
+
+
+PAGES = 3 * (1 << 26) // 4096  # three 64 MiB tensors
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_a_freed_weight_sized_block_is_reused_instead_of_faulted_in_again():
+    env = {"GLIBC_TUNABLES": ""}
+    kept, faults_kept = probe("keep", **env)
+    _, faults_default = probe("default", **env)
+    assert kept == "True"
+    assert faults_default > PAGES // 2, faults_default  # by default each one is mapped afresh
+    assert faults_kept < PAGES // 20, faults_kept  # kept: the heap hands the same block back
+
+
+def test_the_users_own_malloc_tunables_are_left_alone():
+    kept, _ = probe("keep", GLIBC_TUNABLES="glibc.malloc.trim_threshold=131072")
+    assert kept == "False"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_a_main_job_runs_with_freed_blocks_kept():
+    _, faults = probe("job", GLIBC_TUNABLES="")
+    assert faults < PAGES // 20, faults
