@@ -195,9 +195,12 @@ def job_times(args) -> list[dict]:
     """The main job at Llama shapes, DKM against full fine-tuning, each in a fresh process (`_dkm_job.py`)."""
     import tempfile
 
-    rows = []
+    rows, methods = [], list(job_section.METHODS)[: 2 if args.quick else None]  # --quick: plain and DKM
+    if not args.quick:
+        with tempfile.TemporaryDirectory(prefix="dkm_quality_job_") as work:  # not recorded: warms the file caches
+            job_section.run("tiny", methods[0], Path(work))  # and the tokenized data for the first row
     for shape in args.job_shapes or (["tiny"] if args.quick else ["280M", "1B"]):
-        for method in job_section.METHODS:
+        for method in methods:
             with tempfile.TemporaryDirectory(prefix="dkm_quality_job_") as work:
                 row = job_section.run(shape, method, Path(work))
             shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}

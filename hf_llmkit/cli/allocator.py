@@ -3,10 +3,11 @@
 glibc hands every block above its mmap threshold back to the kernel when it is freed, and that threshold adapts up
 to 32 MiB at most. A training step that allocates weight-sized temporaries larger than that (DKM's soft assignment
 of a 2048 x 5632 matrix: float32 copies of 46 MB) gets fresh pages for each of them, every step, and the kernel
-zeroes and maps them one page fault at a time: about half the step on 2 CPU cores. The jobs raise the threshold and
-the heap's trim threshold to 1 GiB, so those blocks come back from the heap (what that costs in peak resident
-memory and saves in time: benchmarks/dkm_quality.py `--only job`, docs/dkm.md). A `GLIBC_TUNABLES` that sets any
-malloc tunable is the user's own choice and is left alone; other C libraries are left alone.
+zeroes and maps them one page fault at a time (over a third of a 1B Llama's DKM steps on 2 CPU cores). The jobs
+raise the threshold and the heap's trim threshold to 1 GiB, so those blocks come back from the heap (what that
+costs in peak resident memory and saves in time: benchmarks/dkm_quality.py `--only job`, docs/dkm.md). A
+`GLIBC_TUNABLES` that sets any malloc tunable is the user's own choice and is left alone; other C libraries are
+left alone.
 """
 
 from __future__ import annotations
