@@ -209,8 +209,11 @@ class CausalLM:
     def calibration(self, n: int = CALIBRATION_SAMPLES) -> dict[str, torch.Tensor]:
         """The first `n` training blocks (128 tokens each; `n` random ones for a seed other than 0) for the
         calibrated methods (GPTQ, ours)."""
-        pick = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(self.seed))[:n]
-        ids = self.train[:n, :128] if not self.seed else self.train[pick, :128]
+        if self.seed:
+            ids = self.train[torch.randperm(len(self.train), generator=torch.Generator().manual_seed(self.seed))[:n]]
+        else:
+            ids = self.train[:n]
+        ids = ids[:, :128]
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 

@@ -166,20 +166,24 @@ class _Clustered:
     ) -> torch.Tensor:
         """Nearest-entry index of every (scaled) weight vector in the lookup table, `[G, n]` (of the layer's own
         weight, table and scales, or of the full ones given, e.g. gathered from FSDP2 shards)."""
+        vectors, table, _ = self._hard_inputs(weight, centroids, scales)
+        return dkm.hard_assign(vectors, table)
+
+    def _hard_inputs(self, weight=None, centroids=None, scales=None):
+        """(the weight vectors the table clusters, the lookup table, the lookup scales or None), on the weight's
+        device: what the hard assignment reads."""
         w = (self.weight if weight is None else weight).detach()
         s = self.lookup_scales(scales)
-        vectors = self._vectors(self._normalized(w, None if s is None else s.to(w.device)))
-        return dkm.hard_assign(vectors, self.lookup_table(centroids).to(w.device))
+        s = None if s is None else s.to(w.device)
+        return self._vectors(self._normalized(w, s)), self.lookup_table(centroids).to(w.device), s
 
     def hard_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The hard-assigned weight (what evaluation, inference and the saved checkpoint use), cached."""
         tensors = [t for t in (self.weight, self.centroids, self.scales) if t is not None]
         key = (*((version_counter(t), t.data_ptr()) for t in tensors), dtype)
         if self._hard_cache is None or self._hard_cache[0] != key:
-            w, s = self.weight.detach(), self.lookup_scales()
-            s = None if s is None else s.to(w.device)
-            vectors = self._vectors(self._normalized(w, s))
-            w = dkm.hard_decode(vectors, self.lookup_table().to(w.device), w.shape, s)
+            vectors, table, scales = self._hard_inputs()
+            w = dkm.hard_decode(vectors, table, self.weight.shape, scales)
             self._hard_cache = (key, w.to(dtype))
         return self._hard_cache[1]
 
