@@ -187,6 +187,7 @@ def sp_time(results: dict) -> str:
 # -- MoE ----------------------------------------------------------------------------------------------------------
 
 FLOOR, OURS, TRAFFIC = "dense MLP x2 (floor)", "hf_llmkit MoELayer dropless", "E experts' weight traffic only"
+ROW_COPIES, TORCH_OPS = f"{OURS}, row copies", f"{OURS}, torch elementwise"
 
 
 @fragment("moe_layers", "moe")
@@ -234,12 +235,32 @@ def moe_summary(results: dict) -> str:
         f"- faster than every dropless peer at the median in {len(wins)} of {len(layers)} configurations;",
         f"- ours / E dense MLPs on even rows: {span(even)} (above 1: what routing, sorting and scatter-back cost);",
         f"- the weight traffic alone at {max_experts(layers)} experts: {span(traffic)} of the floor;",
+        *undone_lines(layers, span),
         f"- outputs and input gradients against Mixtral eager on the same input: max |diff| "
         f"{max(max(d['output'], d['grad_input']) for d in diffs):.1e}."
         if diffs
         else "",
     ]
     return "\n".join(line for line in lines if line) + "\n\n" + measured(results["moe"])
+
+
+def undone_lines(layers: list[dict], span) -> list[str]:
+    """What two of ours's choices are worth: ours against ours with the choice undone (medians; below 1: it helps)."""
+
+    def undone(name: str, rows: list[dict]) -> list[float]:
+        return [r["ours_vs_undone"][name]["median"] for r in rows if name in r.get("ours_vs_undone", {})]
+
+    kernel = undone(TORCH_OPS, layers)
+    routed = undone(ROW_COPIES, [r for r in layers if r.get("routed")])
+    return [
+        f"- ours / ours on torch's elementwise ops (what the C SwiGLU kernel is worth): {span(kernel)};"
+        if kernel
+        else "",
+        f"- ours / ours with row copies, where each tile gathers its own rows (256 or more per expert): "
+        f"{span(routed)};"
+        if routed
+        else "",
+    ]
 
 
 def max_experts(layers: list[dict]) -> int:

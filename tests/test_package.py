@@ -51,8 +51,8 @@ def test_import_order_does_not_matter(order):
 
 
 def test_regular_install_wheel_contains_mapped_packages(tmp_path):
-    """A non-editable build puts callbacks/ and trainers/ under hf_llmkit/ in the wheel, and the packed DKM layers'
-    C source beside the module that compiles it."""
+    """A non-editable build puts callbacks/ and trainers/ under hf_llmkit/ in the wheel, and the
+    C kernels' sources beside the modules that compile them."""
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-w", str(tmp_path)],
         capture_output=True,
@@ -62,7 +62,10 @@ def test_regular_install_wheel_contains_mapped_packages(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (wheel,) = tmp_path.glob("hf_llmkit-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    required_files = ("__init__.py", "callbacks/__init__.py", "trainers/__init__.py", "quantization/_lut_native.c")
+    required_files = (
+        "__init__.py", "callbacks/__init__.py", "trainers/__init__.py", "quantization/_lut_native.c",
+        "parallel/moe/_swiglu_native.c",
+    )  # fmt: skip
     for required in (f"hf_llmkit/{name}" for name in required_files):
         assert required in names
     assert not any(name.startswith(("callbacks/", "trainers/", "tests/", "examples/")) for name in names)

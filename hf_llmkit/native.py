@@ -1,0 +1,111 @@
+"""The package's small C kernels: each a C source shipped with hf_llmkit, built once per machine with the C compiler
+and loaded through ctypes (`CLibrary`).
+
+A source is small and has no torch headers, so its build takes about a second (a torch C++ extension would take
+minutes). The library lands in `<hf_llmkit cache>/kernels/` under a name that carries the source's hash and the
+machine's architecture, is written to a private temporary and renamed into place, so concurrent processes never load
+a half-written one. It needs `cc` (or `$CC`); where there is none, or the build fails, `library()` is None, the
+reason is logged once, and the caller takes its torch path. Users: the packed DKM layers
+(`quantization/_lut_native.py`) and the MoE experts' SwiGLU (`parallel/moe/swiglu_kernel.py`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from hf_llmkit.data.cache import temporary_sibling
+
+logger = logging.getLogger(__name__)
+
+P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int  # the argument types the kernels take
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+class CLibrary:
+    """The C source `source` as a loaded library, built on first use.
+
+    Args:
+        source: the `.c` file (read once, at construction: a process builds and loads what it read, whatever
+            edits follow; a missing file is an installation without it).
+        stem: the built library's name prefix.
+        what: how the one warning names it ("The DKM CPU kernel").
+        fallback: what serves instead, for the warning ("packed layers use torch paths").
+        declare: sets the functions' `argtypes` / `restype` on the loaded library.
+        flags: compiler flags besides `-O3` (and `-fopenmp` where the compiler has it).
+    """
+
+    def __init__(
+        self,
+        source: Path,
+        stem: str,
+        what: str,
+        fallback: str,
+        declare: Callable[[ctypes.CDLL], None],
+        flags: tuple[str, ...] = (),
+    ):
+        self.source, self.stem, self.what, self.fallback, self.declare = source, stem, what, fallback, declare
+        self.flags = flags
+        self.text = source.read_bytes() if source.is_file() else b""
+        self._lib: ctypes.CDLL | None = None
+        self._error: str | None = None  # None: not tried yet
+
+    def path(self) -> Path:
+        """Where this machine's build lives (the name carries the source's hash)."""
+        from hf_llmkit.data.corpus import default_cache_dir  # here: `python -m hf_llmkit.data.corpus` runs it once
+
+        digest = hashlib.sha256(self.text + " ".join(self.flags).encode()).hexdigest()[:16]
+        return default_cache_dir() / "kernels" / f"{self.stem}-{digest}-{sys.platform}-{platform.machine()}.so"
+
+    def _build(self, target: Path) -> None:
+        """Compile the source into `target` (with OpenMP where the compiler has it), atomically."""
+        cc = compiler()
+        if cc is None:
+            raise RuntimeError("no C compiler found (install gcc, or set $CC)")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temporary_sibling(target)
+        base = [cc, "-O3", *self.flags, "-std=gnu11", "-shared", "-fPIC", "-x", "c", "-", "-o", str(tmp)]
+        errors = ""
+        for extra in (["-fopenmp"], []):
+            done = subprocess.run([*base[:2], *extra, *base[2:]], input=self.text, capture_output=True)
+            if done.returncode == 0:
+                os.replace(tmp, target)
+                return
+            errors = done.stderr.decode(errors="replace").strip()
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{cc} failed: {errors.splitlines()[0] if errors else 'no message'}")
+
+    def library(self) -> ctypes.CDLL | None:
+        """The loaded library, built on first use; None (and one log line saying why) where it cannot be built."""
+        if self._error is None:
+            try:
+                if not self.text:
+                    raise RuntimeError(f"{self.source.name} is missing from this installation of hf_llmkit")
+                if sys.byteorder != "little":
+                    raise RuntimeError("the kernels read little-endian words")
+                path = self.path()
+                if not path.is_file():
+                    self._build(path)
+                lib = ctypes.CDLL(str(path))
+                self.declare(lib)
+                self._lib, self._error = lib, ""
+            except Exception as error:  # noqa: BLE001 - no compiler, read-only cache, odd platform: torch paths serve
+                self._error = str(error).strip().splitlines()[0] if str(error).strip() else "unknown error"
+                logger.warning("%s is not available (%s); %s", self.what, self._error, self.fallback)
+        return self._lib
+
+    def unavailable_reason(self) -> str:
+        """Why `library()` is None ('' when it loaded)."""
+        self.library()
+        return self._error or ""
