@@ -49,22 +49,24 @@ def test_forward_and_backward_are_torchs_ops_within_float32_rounding(loops, rows
         g = torch.Generator().manual_seed(rows * 1000 + inter)
         h = torch.randn(rows, 2 * inter, generator=g) * 4  # pre-activations well into both tails of silu
         da = torch.randn(rows, inter, generator=g)
-        act, hidden = kernel.forward(h)
-        dh = kernel.backward(h, da)
+        hidden = kernel.forward(h)
+        dh, again = kernel.backward(h, da)
     finally:
         torch.set_num_threads(before)
-    for got, want in zip((act, hidden, dh), torch_ops(h, da)):
+    _, want_hidden, want_dh = torch_ops(h, da)
+    for got, want in ((hidden, want_hidden), (again, want_hidden), (dh, want_dh)):
         torch.testing.assert_close(got, want, rtol=4e-6, atol=1e-6)
+    assert torch.equal(hidden, again)  # backward's recomputation is forward's, bit for bit
 
 
 def test_nan_stays_nan_and_large_pre_activations_saturate_like_torch(loops):
     gate = torch.tensor([[float("nan"), 0.0, -100.0, 100.0, -87.5, 88.5, 1e-30, -3.0]])
     h = torch.cat([gate, torch.full_like(gate, 2.0)], dim=1)
     da = torch.ones_like(gate)
-    act, hidden = kernel.forward(h)
-    dh = kernel.backward(h, da)
-    ref_act, ref_hidden, ref_dh = torch_ops(h, da)
-    for got, want in ((act, ref_act), (hidden, ref_hidden), (dh, ref_dh)):
+    hidden = kernel.forward(h)
+    dh, _ = kernel.backward(h, da)
+    _, ref_hidden, ref_dh = torch_ops(h, da)
+    for got, want in ((hidden, ref_hidden), (dh, ref_dh)):
         assert torch.isnan(got[0, 0]) and torch.isnan(want[0, 0])
         torch.testing.assert_close(got[:, 1:8], want[:, 1:8], rtol=4e-6, atol=1e-30)
     assert torch.isnan(dh[0, 8])  # d up of the NaN column
@@ -98,6 +100,34 @@ def test_a_layer_with_the_kernel_equals_the_layer_on_torch_ops(routed_min_rows, 
         layer.zero_grad(set_to_none=True)
     for got, want in zip(*grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("routed_min_rows", [0, 10**9], ids=["routed", "rows"])
+def test_with_the_kernel_backward_keeps_neither_the_activation_nor_the_hidden_rows(routed_min_rows, monkeypatch):
+    import hf_llmkit.parallel.moe.layer as layer_module
+
+    monkeypatch.setattr(layer_module, "ROUTED_MIN_ROWS", routed_min_rows)
+    torch.manual_seed(0)
+    inter, tokens = 48, 60
+    layer = MoELayer(32, inter, num_experts=4, top_k=2)
+    x = torch.randn(tokens, 32)
+
+    def saved_bytes() -> int:
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(x)
+        return sum(seen.values())
+
+    assert kernel.serves(torch.empty(1, 2))
+    with_kernel = saved_bytes()
+    monkeypatch.setattr(kernel, "serves", lambda h: False)
+    # torch's ops keep silu(gate) and silu(gate) * up for each routed row: 2 * [tokens * top_k, inter] float32
+    assert saved_bytes() - with_kernel == 2 * tokens * 2 * inter * 4
 
 
 NO_COMPILER = """

@@ -1,11 +1,12 @@
 /* SwiGLU's elementwise work for the MoE experts on the CPU (float32), one pass over memory each way.
  *
  * h[rows, 2I] holds each row's gate pre-activation g (columns [0, I)) and up projection u (columns [I, 2I)).
- *   forward:  act = silu(g) = g / (1 + exp(-g)),  hidden = act * u
+ *   forward:  hidden = act * u,  act = silu(g) = g / (1 + exp(-g))
  *   backward: from da = d loss / d hidden,  dh = [da * u * silu'(g) | da * act],
- *             silu'(g) = s * (1 + g * (1 - s)),  s = 1 / (1 + exp(-g))
+ *             silu'(g) = s * (1 + g * (1 - s)),  s = 1 / (1 + exp(-g)),  and hidden again
  * torch runs these as two ops forward and three backward, each a pass over [rows, I] tensors that do not fit in the
- * cache; here each direction reads its inputs once and writes its outputs once. exp is Cephes' expf (range reduction
+ * cache, and keeps act and hidden from forward to backward; here each direction reads its inputs once and writes its
+ * outputs once, and backward recomputes act and hidden from h (the exp it needs anyway) instead of reading them. exp is Cephes' expf (range reduction
  * to |r| <= ln2 / 2, a degree-7 polynomial, 2^n through the exponent bits), within 2 ulp of the exact value for
  * |x| <= 87; beyond it the argument is clamped (silu is then g or a denormal, as torch's is); NaN stays NaN.
  * The same loops are compiled twice, for AVX2 with FMA (chosen at run time) and portably; the compiler vectorizes
@@ -33,43 +34,41 @@ static inline __attribute__((always_inline)) float exp_f32(float x) {
 }
 
 static inline __attribute__((always_inline)) void forward_row(const float *restrict g, const float *restrict u,
-                                                               float *restrict act, float *restrict hidden,
-                                                               int64_t inter) {
-    for (int64_t i = 0; i < inter; i++) {
-        float a = g[i] / (1.0f + exp_f32(-g[i]));
-        act[i] = a;
-        hidden[i] = a * u[i];
-    }
+                                                               float *restrict hidden, int64_t inter) {
+    for (int64_t i = 0; i < inter; i++) hidden[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
 }
 
 static inline __attribute__((always_inline)) void backward_row(const float *restrict g, const float *restrict u,
                                                                 const float *restrict da, float *restrict dg,
-                                                                float *restrict du, int64_t inter) {
+                                                                float *restrict du, float *restrict hidden,
+                                                                int64_t inter) {
     for (int64_t i = 0; i < inter; i++) {
         float e = 1.0f + exp_f32(-g[i]);
-        float s = 1.0f / e;
-        du[i] = da[i] * (g[i] / e);
+        float s = 1.0f / e, act = g[i] / e;
+        hidden[i] = act * u[i];
+        du[i] = da[i] * act;
         dg[i] = (da[i] * u[i]) * (s * (1.0f + g[i] * (1.0f - s)));
     }
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define HAVE_X86 1
-__attribute__((target("avx2,fma"))) static void forward_avx2(const float *g, const float *u, float *act,
-                                                              float *hidden, int64_t inter) {
-    forward_row(g, u, act, hidden, inter);
+__attribute__((target("avx2,fma"))) static void forward_avx2(const float *g, const float *u, float *hidden,
+                                                              int64_t inter) {
+    forward_row(g, u, hidden, inter);
 }
 __attribute__((target("avx2,fma"))) static void backward_avx2(const float *g, const float *u, const float *da,
-                                                               float *dg, float *du, int64_t inter) {
-    backward_row(g, u, da, dg, du, inter);
+                                                               float *dg, float *du, float *hidden, int64_t inter) {
+    backward_row(g, u, da, dg, du, hidden, inter);
 }
 #endif
 
-static void forward_portable(const float *g, const float *u, float *act, float *hidden, int64_t inter) {
-    forward_row(g, u, act, hidden, inter);
+static void forward_portable(const float *g, const float *u, float *hidden, int64_t inter) {
+    forward_row(g, u, hidden, inter);
 }
-static void backward_portable(const float *g, const float *u, const float *da, float *dg, float *du, int64_t inter) {
-    backward_row(g, u, da, dg, du, inter);
+static void backward_portable(const float *g, const float *u, const float *da, float *dg, float *du, float *hidden,
+                              int64_t inter) {
+    backward_row(g, u, da, dg, du, hidden, inter);
 }
 
 static int max_level = 1; /* swiglu_max_level(0) keeps the portable loops (tests compare them) */
@@ -90,9 +89,8 @@ int swiglu_level(void) {
 #endif
 }
 
-/* act, hidden [rows, inter] from h [rows, 2 * inter] (rows `ldh` floats apart). */
-void swiglu_forward(const float *h, int64_t rows, int64_t inter, int64_t ldh, float *act, float *hidden,
-                    int threads) {
+/* hidden [rows, inter] from h [rows, 2 * inter] (rows `ldh` floats apart). */
+void swiglu_forward(const float *h, int64_t rows, int64_t inter, int64_t ldh, float *hidden, int threads) {
     int avx2 = swiglu_level();
     (void)threads;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 1)
@@ -100,18 +98,19 @@ void swiglu_forward(const float *h, int64_t rows, int64_t inter, int64_t ldh, fl
         const float *g = h + r * ldh;
 #ifdef HAVE_X86
         if (avx2) {
-            forward_avx2(g, g + inter, act + r * inter, hidden + r * inter, inter);
+            forward_avx2(g, g + inter, hidden + r * inter, inter);
             continue;
         }
 #endif
         (void)avx2;
-        forward_portable(g, g + inter, act + r * inter, hidden + r * inter, inter);
+        forward_portable(g, g + inter, hidden + r * inter, inter);
     }
 }
 
-/* dh [rows, 2 * inter] from h [rows, 2 * inter] (rows `ldh` floats apart) and da [rows, inter]. */
+/* dh [rows, 2 * inter] and hidden [rows, inter] again from h [rows, 2 * inter] (rows `ldh` floats apart) and
+ * da [rows, inter]. */
 void swiglu_backward(const float *h, const float *da, int64_t rows, int64_t inter, int64_t ldh, float *dh,
-                     int threads) {
+                     float *hidden, int threads) {
     int avx2 = swiglu_level();
     (void)threads;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 1)
@@ -120,11 +119,11 @@ void swiglu_backward(const float *h, const float *da, int64_t rows, int64_t inte
         float *dg = dh + r * 2 * inter;
 #ifdef HAVE_X86
         if (avx2) {
-            backward_avx2(g, g + inter, da + r * inter, dg, dg + inter, inter);
+            backward_avx2(g, g + inter, da + r * inter, dg, dg + inter, hidden + r * inter, inter);
             continue;
         }
 #endif
         (void)avx2;
-        backward_portable(g, g + inter, da + r * inter, dg, dg + inter, inter);
+        backward_portable(g, g + inter, da + r * inter, dg, dg + inter, hidden + r * inter, inter);
     }
 }

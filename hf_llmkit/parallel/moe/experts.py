@@ -92,12 +92,11 @@ def _forward_tile(tile: _Tile, x_t, gate_up, down, act_name: str, out: torch.Ten
     the input rows, the pre-activations `[rows, 2I]`, act(gate) and act(gate) * up `[rows, I]`."""
     inter = down.shape[-1]
     h = tile.matmul(x_t, gate_up, transpose=True)  # [rows, 2I]: gate | up
-    if act_name == "silu" and swiglu_kernel.serves(h):
-        act, hidden = swiglu_kernel.forward(h)
-    else:
-        gate, up = h[:, :inter], h[:, inter:]
-        act = torch.nn.functional.silu(gate) if act_name == "silu" else ACT2FN[act_name](gate)
-        hidden = act * up
+    if act_name == "silu" and swiglu_kernel.serves(h):  # backward recomputes act and hidden from h in the kernel
+        return tile.matmul(swiglu_kernel.forward(h), down, transpose=True, out=out), (x_t, h, None, None)
+    gate, up = h[:, :inter], h[:, inter:]
+    act = torch.nn.functional.silu(gate) if act_name == "silu" else ACT2FN[act_name](gate)
+    hidden = act * up
     return tile.matmul(hidden, down, transpose=True, out=out), (x_t, h, act, hidden)  # [rows, H]
 
 
@@ -107,14 +106,15 @@ def _backward_tile(tile: _Tile, dy_t, saved, gate_up, down, act_name: str, grads
     x_t, h, act, hidden = saved
     d_gate_up, d_down = grads
     inter = down.shape[-1]
+    dh = None
+    if hidden is None:  # the C kernel's forward kept only h; its backward gives dh and the hidden rows again
+        dh, hidden = swiglu_kernel.backward(h, tile.matmul(dy_t, down, transpose=False))
     if d_down is not None:
         tile.weight_grad_into(d_down, dy_t, hidden)  # [H, I] per expert
     if not (need_x or d_gate_up is not None):
         return None
-    da = tile.matmul(dy_t, down, transpose=False)  # [rows, I]: d hidden
-    if act_name == "silu" and swiglu_kernel.serves(h) and da.dtype == h.dtype:
-        dh = swiglu_kernel.backward(h, da)  # [rows, 2I]: d gate | d up
-    else:
+    if dh is None:
+        da = tile.matmul(dy_t, down, transpose=False)  # [rows, I]: d hidden
         gate, up = h[:, :inter], h[:, inter:]
         dh = torch.empty_like(h)
         if act_name == "silu":

@@ -1,9 +1,11 @@
 """SwiGLU's elementwise work for the experts on the CPU: `_swiglu_native.c` (built once per machine,
-`hf_llmkit.native.CLibrary`), one pass over memory each way instead of torch's two ops forward and three backward.
+`hf_llmkit.native.CLibrary`), one pass over memory each way instead of torch's two ops forward and three backward,
+and a tile keeps only its input rows and `h = [gate | up]` for backward (torch's ops also keep `silu(gate)` and
+`silu(gate) * up`: at I = 4H, 9H floats per row instead of 17H).
 
 It serves float32 CPU tensors; everything else (bfloat16 under autocast, GPUs, other activations, a machine without
-a C compiler) takes the torch ops in `experts.py`. Measured with benchmarks/moe.py: ~8% of the layer's forward +
-backward at 8 experts, 2,048 tokens, 1 thread.
+a C compiler) takes the torch ops in `experts.py`. `benchmarks/moe.py` times the layer without it (its
+`TORCH_OPS` row).
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from hf_llmkit.native import I64, INT, CLibrary, P
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.swiglu_forward.argtypes = [P, I64, I64, I64, P, P, INT]
-    lib.swiglu_backward.argtypes = [P, P, I64, I64, I64, P, INT]
+    lib.swiglu_forward.argtypes = [P, I64, I64, I64, P, INT]
+    lib.swiglu_backward.argtypes = [P, P, I64, I64, I64, P, P, INT]
     lib.swiglu_max_level.argtypes = [INT]
     for fn in (lib.swiglu_forward, lib.swiglu_backward, lib.swiglu_max_level):
         fn.restype = None
@@ -52,23 +54,24 @@ def cap_loops(name: str) -> None:
     library().swiglu_max_level(LOOPS.index(name))
 
 
-def forward(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`act = silu(gate)` and `hidden = act * up` `[rows, I]` from `h = [gate | up]` `[rows, 2I]`."""
+def forward(h: torch.Tensor) -> torch.Tensor:
+    """`hidden = silu(gate) * up` `[rows, I]` from `h = [gate | up]` `[rows, 2I]` (nothing else is kept: backward
+    recomputes what it needs from `h`)."""
     rows, inter = h.shape[0], h.shape[1] // 2
-    act, hidden = h.new_empty(rows, inter), h.new_empty(rows, inter)
-    library().swiglu_forward(
-        h.data_ptr(), rows, inter, h.shape[1], act.data_ptr(), hidden.data_ptr(), torch.get_num_threads()
-    )
-    return act, hidden
+    hidden = h.new_empty(rows, inter)
+    library().swiglu_forward(h.data_ptr(), rows, inter, h.shape[1], hidden.data_ptr(), torch.get_num_threads())
+    return hidden
 
 
-def backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
-    """`[d gate | d up]` `[rows, 2I]` from `h = [gate | up]` and the gradient `da [rows, I]` of `silu(gate) * up`."""
+def backward(h: torch.Tensor, da: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[d gate | d up]` `[rows, 2I]` from `h = [gate | up]` and the gradient `da [rows, I]` of `silu(gate) * up`,
+    and `silu(gate) * up` again (for the down projection's weight gradient)."""
     da = da.contiguous()
-    if da.dtype != torch.float32 or da.shape != (h.shape[0], h.shape[1] // 2):
-        raise ValueError(f"da must be float32 [{h.shape[0]}, {h.shape[1] // 2}], got {da.dtype} {list(da.shape)}")
-    dh = torch.empty_like(h)
+    rows, inter = h.shape[0], h.shape[1] // 2
+    if da.dtype != torch.float32 or da.shape != (rows, inter):
+        raise ValueError(f"da must be float32 [{rows}, {inter}], got {da.dtype} {list(da.shape)}")
+    dh, hidden = torch.empty_like(h), h.new_empty(rows, inter)
     library().swiglu_backward(
-        h.data_ptr(), da.data_ptr(), h.shape[0], h.shape[1] // 2, h.shape[1], dh.data_ptr(), torch.get_num_threads()
+        h.data_ptr(), da.data_ptr(), rows, inter, h.shape[1], dh.data_ptr(), hidden.data_ptr(), torch.get_num_threads()
     )
-    return dh
+    return dh, hidden
