@@ -187,7 +187,7 @@ def sp_time(results: dict) -> str:
 # -- MoE ----------------------------------------------------------------------------------------------------------
 
 FLOOR, OURS, TRAFFIC = "dense MLP x2 (floor)", "hf_llmkit MoELayer dropless", "E experts' weight traffic only"
-ROW_COPIES, TORCH_OPS = f"{OURS}, row copies", f"{OURS}, torch elementwise"
+TORCH_OPS = f"{OURS}, torch elementwise"
 
 
 @fragment("moe_layers", "moe")
@@ -245,22 +245,11 @@ def moe_summary(results: dict) -> str:
 
 
 def undone_lines(layers: list[dict], span) -> list[str]:
-    """What two of ours's choices are worth: ours against ours with the choice undone (medians; below 1: it helps)."""
-
-    def undone(name: str, rows: list[dict]) -> list[float]:
-        return [r["ours_vs_undone"][name]["median"] for r in rows if name in r.get("ours_vs_undone", {})]
-
-    kernel = undone(TORCH_OPS, layers)
-    routed = undone(ROW_COPIES, [r for r in layers if r.get("routed")])
-    return [
-        f"- ours / ours on torch's elementwise ops (what the C SwiGLU kernel is worth): {span(kernel)};"
-        if kernel
-        else "",
-        f"- ours / ours with row copies, where each tile gathers its own rows (256 or more per expert): "
-        f"{span(routed)};"
-        if routed
-        else "",
-    ]
+    """What the C SwiGLU kernel is worth: ours against ours on torch's elementwise ops (medians; below 1: it helps)."""
+    kernel = [r["ours_vs_undone"][TORCH_OPS]["median"] for r in layers if TORCH_OPS in r.get("ours_vs_undone", {})]
+    if not kernel:
+        return []
+    return [f"- ours / ours on torch's elementwise ops (what the C SwiGLU kernel is worth): {span(kernel)};"]
 
 
 def max_experts(layers: list[dict]) -> int:

@@ -6,8 +6,8 @@ a dense SwiGLU MLP of the same width applied twice (top-2 routing does two MLPs'
 loaded with the same weights: `MoELayer` dropless (and with capacity factor 1.0, for reference); transformers'
 `MixtralSparseMoeBlock` with each experts implementation that runs on CPU (eager, grouped_mm, and batched_mm when
 its per-token weight copies fit in `--batched-mm-gib`); DeepSpeed's `MoE` dropless and with capacity factor 1.0.
-Two more rows undo one choice of ours each
-(`ROW_COPIES`, `TORCH_OPS`: what the in-tile gathering and the C SwiGLU kernel are worth). Each configuration runs
+One more row runs ours
+on torch's elementwise ops (`TORCH_OPS`: what the C SwiGLU kernel is worth). Each configuration runs
 at 1 and 2 torch threads over an expert sweep (8, 16, 64 experts at 2,048 tokens) and a
 token sweep (512, 2,048, 8,192 tokens at 8 experts), with `_common.Bench`: variants interleaved, order rotated each
 round, min and median of per-round ratios, load average before and after. Outputs and gradients of `MoELayer`
@@ -41,16 +41,14 @@ import torch
 from _common import Bench, add_device_argument, markdown_table, pick_device, plot_lines, synchronizer, write_results
 from torch import nn
 
-import hf_llmkit.parallel.moe.layer as moe_layer
 from hf_llmkit.parallel import MoELayer
 from hf_llmkit.parallel.moe import swiglu_kernel
 from hf_llmkit.parallel.moe.grad_buffers import GradientBuffer
 from hf_llmkit.testing import corpus_texts, corpus_tokenizer, distributed_backend, free_port, tiny_llama_config
 
 FLOOR, OURS = "dense MLP x2 (floor)", "hf_llmkit MoELayer dropless"
-# Ours with one of its choices undone, so the table shows what each is worth: the experts' rows copied out and back
-# (no gathering inside the tiles), and SwiGLU's elementwise work on torch ops instead of the C kernel (CPU only).
-ROW_COPIES, TORCH_OPS = f"{OURS}, row copies", f"{OURS}, torch elementwise"
+# Ours with SwiGLU's elementwise work on torch ops instead of the C kernel (CPU, float32): what the kernel is worth.
+TORCH_OPS = f"{OURS}, torch elementwise"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EVEN = "E dense MLPs, even rows (no routing)"
 TRAFFIC = "E experts' weight traffic only"
@@ -171,9 +169,8 @@ def build_systems(shape: dict, *, batched_mm_budget: float, deepspeed: bool) -> 
     capacity = MoELayer(hidden, inter, num_experts=experts, top_k=2, capacity_factor=1.0)
     capacity.load_state_dict(state)
     systems = {FLOOR: SwiGLU(hidden, inter), EVEN: EvenExperts(hidden, inter, experts), OURS: ours}
-    for name in (ROW_COPIES, TORCH_OPS):
-        systems[name] = MoELayer(hidden, inter, num_experts=experts, top_k=2)
-        systems[name].load_state_dict(state)
+    systems[TORCH_OPS] = MoELayer(hidden, inter, num_experts=experts, top_k=2)
+    systems[TORCH_OPS].load_state_dict(state)
     systems[TRAFFIC] = WeightTraffic(hidden, inter, experts)
     systems["hf_llmkit MoELayer capacity 1.0"] = capacity
     implementations = ["eager", "grouped_mm"] + (["batched_mm"] if batched_mm_gib(shape) <= batched_mm_budget else [])
@@ -195,16 +192,14 @@ def forward(name: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def undone(name: str):
-    """`ROW_COPIES` / `TORCH_OPS`: ours with that choice undone for the duration (forward and backward)."""
-    saved = moe_layer.ROUTED_MIN_ROWS, swiglu_kernel.serves
-    if name == ROW_COPIES:
-        moe_layer.ROUTED_MIN_ROWS = float("inf")
-    elif name == TORCH_OPS:
+    """`TORCH_OPS`: ours on torch's elementwise ops for the duration (forward and backward)."""
+    serves = swiglu_kernel.serves
+    if name == TORCH_OPS:
         swiglu_kernel.serves = lambda h: False
     try:
         yield
     finally:
-        moe_layer.ROUTED_MIN_ROWS, swiglu_kernel.serves = saved
+        swiglu_kernel.serves = serves
 
 
 def step(name: str, module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
@@ -278,11 +273,10 @@ def bench_config(shape: dict, threads: int, args) -> dict:
         print(f"Mixtral batched_mm skipped: it needs ~{need:.0f} GiB (> --batched-mm-gib {budget})")
     print("max |diff| vs Mixtral eager: " + ", ".join(f"{n}: {d}" for n, d in diffs.items()))
     vs_even = ratio_stats(secs[OURS], secs[EVEN])
-    vs_undone = {name: ratio_stats(secs[OURS], secs[name]) for name in (ROW_COPIES, TORCH_OPS) if name in secs}
+    vs_undone = {TORCH_OPS: ratio_stats(secs[OURS], secs[TORCH_OPS])} if TORCH_OPS in secs else {}
     return {
         **shape, "threads": threads, "timings": timings.to_json(), "ours_vs_peers": vs_peers, "ours_vs_even": vs_even,
-        "ours_vs_undone": vs_undone, "routed": 2 * shape["tokens"] >= moe_layer.ROUTED_MIN_ROWS * shape["experts"],
-        "diffs": diffs, "slow_single_call_vs_floor": slow,
+        "ours_vs_undone": vs_undone, "diffs": diffs, "slow_single_call_vs_floor": slow,
     }  # fmt: skip
 
 

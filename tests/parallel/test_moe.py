@@ -13,21 +13,12 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
 import hf_llmkit.parallel.moe.experts as experts_module
-import hf_llmkit.parallel.moe.layer as layer_module
 from hf_llmkit.parallel import MoELayer
 from hf_llmkit.parallel.moe.dispatch import rows_to_tokens, slot_positions, tokens_to_rows
-from hf_llmkit.parallel.moe.experts import GroupedSwiGLU, RoutedSwiGLU
+from hf_llmkit.parallel.moe.experts import GroupedSwiGLU
 from hf_llmkit.parallel.moe.grad_buffers import GradientBuffer
 
 H, INTER, E = 16, 24, 4
-
-
-@pytest.fixture(params=["routed", "rows"])
-def routing(request, monkeypatch):
-    """The layer's two local paths: the experts gather and combine rows themselves (`RoutedSwiGLU`, from
-    `ROUTED_MIN_ROWS` rows per expert), or through expert-sorted row copies (`GroupedSwiGLU`)."""
-    monkeypatch.setattr(layer_module, "ROUTED_MIN_ROWS", 0 if request.param == "routed" else 10**9)
-    return request.param
 
 
 def per_token_reference(layer: MoELayer, x: torch.Tensor, *, act: str = "silu") -> torch.Tensor:
@@ -51,7 +42,7 @@ def per_token_reference(layer: MoELayer, x: torch.Tensor, *, act: str = "silu") 
 @pytest.mark.parametrize(
     ("top_k", "normalize", "act"), [(1, False, "silu"), (2, True, "silu"), (3, False, "gelu")], ids=str
 )
-def test_output_and_gradients_match_per_token_definition(top_k, normalize, act, routing):
+def test_output_and_gradients_match_per_token_definition(top_k, normalize, act):
     torch.manual_seed(0)
     layer = MoELayer(H, INTER, num_experts=E, top_k=top_k, normalize_top_k=normalize, hidden_act=act)
     x = torch.randn(3, 7, H, requires_grad=True)
@@ -109,32 +100,7 @@ def test_row_routing_gradcheck(kept):
     torch.testing.assert_close(fn(x, weights), expected)
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu"])
-@pytest.mark.parametrize("kept", [None, [0, 3, 4, 6, 9, 11, 13]], ids=["dropless", "dropping"])
-def test_routed_experts_gradcheck(act, kept, monkeypatch):
-    """Tokens in, weighted tokens out, rows gathered per tile; with dropped (token, slot) pairs and split tiles."""
-    monkeypatch.setattr(experts_module, "ROW_TILE", 2)
-    torch.manual_seed(0)
-    tokens, k, experts = 7, 2, 3
-    x = torch.randn(tokens, 4, dtype=torch.double, requires_grad=True)
-    weights = torch.rand(tokens, k, dtype=torch.double, requires_grad=True)
-    choice = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])  # distinct experts per token
-    flat = choice.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    if kept is not None:
-        order = order[torch.tensor(kept)]
-    counts = tuple(torch.bincount(flat[order], minlength=experts).tolist())
-    gate_up = torch.randn(experts, 6, 4, dtype=torch.double, requires_grad=True)
-    down = torch.randn(experts, 4, 3, dtype=torch.double, requires_grad=True)
-    buffers = (GradientBuffer(), GradientBuffer())
-    fn = lambda a, w, b, c: RoutedSwiGLU.apply(a, w, b, c, order, counts, act, buffers)  # noqa: E731
-    assert torch.autograd.gradcheck(fn, (x, weights, gate_up, down))
-    pos = slot_positions(order, tokens * k)
-    rows = GroupedSwiGLU.apply(tokens_to_rows(x, order, pos, k), gate_up, down, counts, act, buffers)
-    torch.testing.assert_close(fn(x, weights, gate_up, down), rows_to_tokens(rows, weights, order, pos))
-
-
-def test_capacity_factor_drops_overflow_in_token_order_and_reports_it(routing):
+def test_capacity_factor_drops_overflow_in_token_order_and_reports_it():
     torch.manual_seed(0)
     layer = MoELayer(H, INTER, num_experts=E, top_k=2, capacity_factor=0.5)
     x = torch.randn(40, H)

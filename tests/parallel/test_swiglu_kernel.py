@@ -79,11 +79,7 @@ def test_bad_gradient_is_refused_in_one_line():
         kernel.backward(torch.randn(3, 8), torch.randn(3, 4, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("routed_min_rows", [0, 10**9], ids=["routed", "rows"])
-def test_a_layer_with_the_kernel_equals_the_layer_on_torch_ops(routed_min_rows, monkeypatch):
-    import hf_llmkit.parallel.moe.layer as layer_module
-
-    monkeypatch.setattr(layer_module, "ROUTED_MIN_ROWS", routed_min_rows)
+def test_a_layer_with_the_kernel_equals_the_layer_on_torch_ops(monkeypatch):
     torch.manual_seed(0)
     layer = MoELayer(32, 48, num_experts=4, top_k=2)
     x = torch.randn(2, 50, 32)
@@ -102,11 +98,7 @@ def test_a_layer_with_the_kernel_equals_the_layer_on_torch_ops(routed_min_rows, 
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("routed_min_rows", [0, 10**9], ids=["routed", "rows"])
-def test_with_the_kernel_backward_keeps_neither_the_activation_nor_the_hidden_rows(routed_min_rows, monkeypatch):
-    import hf_llmkit.parallel.moe.layer as layer_module
-
-    monkeypatch.setattr(layer_module, "ROUTED_MIN_ROWS", routed_min_rows)
+def test_with_the_kernel_backward_keeps_neither_the_activation_nor_the_hidden_rows(monkeypatch):
     torch.manual_seed(0)
     inter, tokens = 48, 60
     layer = MoELayer(32, inter, num_experts=4, top_k=2)

@@ -20,16 +20,15 @@ How the work is laid out (each choice measured on CPU with benchmarks/moe.py):
 - Weight gradients go to reused memory (`GradientBuffer`): a fresh `[E, ., .]` gradient each step faulted in
   new pages, ~13% of the layer at 64 experts.
 - Forward keeps what a dense MLP's autograd keeps (input, the gate and up pre-activations, the activation
-  and the gated hidden), so backward recomputes nothing; a tile's weight gradients are written in place.
-- SwiGLU's elementwise work on float32 CPU tiles runs in one C pass each way (`swiglu_kernel`): torch's two ops
-  forward and three backward each streamed a `[rows, I]` tensor from memory; the kernel is 4-7% of the layer.
-- `MoELayer` hands in tokens rather than rows where experts have many rows (`RoutedSwiGLU`): each tile gathers
-  its tokens and adds its weighted outputs into the result itself.
+  and the gated hidden), so backward recomputes no matmul; a tile's weight gradients are written in place.
+- SwiGLU's elementwise work on float32 CPU tiles runs in one C pass each way (`swiglu_kernel`; torch's two ops
+  forward and three backward each streamed a `[rows, I]` tensor from memory), and its backward recomputes the
+  activation and the gated hidden from the pre-activations, so such a tile keeps only its input and `[gate | up]`.
+  `benchmarks/moe.py` times the layer without it (`TORCH_OPS`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -128,23 +127,6 @@ def _backward_tile(tile: _Tile, dy_t, saved, gate_up, down, act_name: str, grads
     return tile.matmul(dh, gate_up, transpose=False, out=dx) if need_x else None
 
 
-def _weight_grads(ctx, gate_up, down, tiles: list[_Tile]):
-    """Gradient tensors for gate_up and down (None where not needed) in the experts' reused memory; an expert
-    without rows gets a zero gradient, the others are written by their first tile."""
-    need_gu, need_down = ctx.needs_input_grad[ctx.weight_inputs[0]], ctx.needs_input_grad[ctx.weight_inputs[1]]
-    grads = (
-        ctx.buffers[0].empty_like(gate_up) if need_gu else None,
-        ctx.buffers[1].empty_like(down) if need_down else None,
-    )
-    used = {t.expert for t in tiles}
-    for e in range(gate_up.shape[0]):
-        if e not in used:
-            for grad in grads:
-                if grad is not None:
-                    grad[e].zero_()
-    return grads
-
-
 class GroupedSwiGLU(torch.autograd.Function):
     """`y = down_e(act(gate_e x) * up_e x)` for rows of `x [N, H]` grouped by expert (`counts[e]` rows each)."""
 
@@ -157,73 +139,29 @@ class GroupedSwiGLU(torch.autograd.Function):
         for tile in tiles:
             saved += _forward_tile(tile, x[tile.lo : tile.hi], gate_up, down, act_name, out=y)[1]
         ctx.save_for_backward(gate_up, down, *saved)
-        ctx.tiles, ctx.act_name, ctx.buffers, ctx.weight_inputs = tiles, act_name, buffers, (1, 2)
+        ctx.tiles, ctx.act_name, ctx.buffers = tiles, act_name, buffers
         return y
 
     @staticmethod
     def backward(ctx, dy):
         gate_up, down, *saved = ctx.saved_tensors
-        need_x = ctx.needs_input_grad[0]
+        need_x, need_gu, need_down = ctx.needs_input_grad[:3]
         dy = dy.contiguous()
         dx = dy.new_empty(dy.shape) if need_x else None
-        grads = _weight_grads(ctx, gate_up, down, ctx.tiles)
+        grads = (
+            ctx.buffers[0].empty_like(gate_up) if need_gu else None,
+            ctx.buffers[1].empty_like(down) if need_down else None,
+        )
+        used = {t.expert for t in ctx.tiles}
+        for e in range(gate_up.shape[0]):
+            if e not in used:  # an expert without rows gets a zero gradient
+                for grad in grads:
+                    if grad is not None:
+                        grad[e].zero_()
         for i, tile in enumerate(ctx.tiles):
             dy_t = dy[tile.lo : tile.hi]
             _backward_tile(tile, dy_t, saved[4 * i : 4 * i + 4], gate_up, down, ctx.act_name, grads, need_x, dx)
         return dx, *grads, None, None, None
-
-
-class RoutedSwiGLU(torch.autograd.Function):
-    """`out[t] = sum_j weights[t, j] * expert_{e(t, j)}(x[t])`: `MoELayer`'s whole local path in one function.
-
-    `order [N]` lists the routed (token, slot) pairs `t * K + j` grouped by expert (`counts[e]` each; dropped
-    pairs are absent). Each tile gathers its tokens' rows itself and adds its weighted outputs into `out` with
-    `index_add_` (a token appears at most once per expert, so the adds never collide), and backward gathers
-    the output gradient's rows the same way: no `[N, H]` copies of the tokens, of the routed gradient or of the
-    input gradient are made, and no separate routing nodes run (~5% of the layer at 8 experts, 2,048 tokens).
-    The tile outputs are kept (the router weights' gradient is their dot product with the output gradient).
-    """
-
-    @staticmethod
-    def forward(ctx, x, weights, gate_up, down, order, counts: tuple[int, ...], act_name: str, buffers):
-        tiles, k = _tiles(counts), weights.shape[1]
-        row_tokens = order // k  # [N]: the token of each routed row
-        row_weights = weights.reshape(-1).index_select(0, order).unsqueeze(1)  # [N, 1]
-        out = x.new_zeros(x.shape)  # [T, H]
-        saved = []
-        for tile in tiles:
-            tokens = row_tokens[tile.lo : tile.hi]
-            y_t, chain = _forward_tile(tile, x.index_select(0, tokens), gate_up, down, act_name)
-            out.index_add_(0, tokens, y_t * row_weights[tile.lo : tile.hi])
-            saved += (*chain, y_t)
-        ctx.save_for_backward(gate_up, down, order, row_tokens, row_weights, *saved)
-        ctx.tiles, ctx.act_name, ctx.buffers, ctx.weight_inputs = tiles, act_name, buffers, (2, 3)
-        ctx.weights_shape = weights.shape
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out):
-        gate_up, down, order, row_tokens, row_weights, *saved = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[:2]
-        d_out = d_out.contiguous()
-        dx = d_out.new_zeros(d_out.shape) if need_x else None
-        d_row_weights = d_out.new_empty(order.numel()) if need_w else None
-        grads = _weight_grads(ctx, gate_up, down, ctx.tiles)
-        for i, tile in enumerate(ctx.tiles):
-            tokens = row_tokens[tile.lo : tile.hi]
-            chain, y_t = saved[5 * i : 5 * i + 4], saved[5 * i + 4]
-            g_t = d_out.index_select(0, tokens)  # [rows, H]: the output gradient of each row's token
-            if need_w:
-                torch.linalg.vecdot(y_t, g_t, out=d_row_weights[tile.lo : tile.hi])
-            dy_t = g_t * row_weights[tile.lo : tile.hi]
-            dx_t = _backward_tile(tile, dy_t, chain, gate_up, down, ctx.act_name, grads, need_x)
-            if need_x:
-                dx.index_add_(0, tokens, dx_t)
-        d_weights = None
-        if need_w:  # dropped (token, slot) pairs get zero
-            d_weights = d_out.new_zeros(ctx.weights_shape).view(-1).index_copy_(0, order, d_row_weights)
-            d_weights = d_weights.view(ctx.weights_shape)
-        return dx, d_weights, *grads, None, None, None, None
 
 
 class FusedExperts(nn.Module):
@@ -268,24 +206,14 @@ class FusedExperts(nn.Module):
         self.num_experts = count
 
     def forward(
-        self,
-        sorted_tokens: torch.Tensor,
-        counts: list[int] | tuple[int, ...],
-        *,
-        first_expert: int = 0,
-        routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self, sorted_tokens: torch.Tensor, counts: list[int] | tuple[int, ...], *, first_expert: int = 0
     ) -> torch.Tensor:
         """Apply expert `first_expert + e` to the e-th segment of `sorted_tokens [N, H]` (`counts[e]` rows).
 
         `counts` covers every expert held here, or with `first_expert` a consecutive subset of them (the ones
         this rank computes when the weights are replicated over an expert-parallel group). Returns `[N, H]`.
-
-        With `routing=(weights [T, K], order [N])` the first argument is the tokens `[T, H]` themselves: row i
-        is token `order[i] // K`, weighted by `weights.view(-1)[order[i]]`, and the result is each token's
-        weighted sum of its experts' outputs, `[T, H]` (`RoutedSwiGLU`: the rows are never materialised).
         """
-        rows = sorted_tokens.shape[0] if routing is None else routing[1].numel()
-        used = len(counts)
+        rows, used = sorted_tokens.shape[0], len(counts)
         if sum(counts) != rows or first_expert < 0 or first_expert + used > self.num_experts:
             raise ValueError(
                 f"counts {list(counts)} from expert {first_expert} do not split {rows} rows over "
@@ -294,17 +222,15 @@ class FusedExperts(nn.Module):
         gate_up, down = self.gate_up_proj, self.down_proj
         if used != self.num_experts:
             gate_up, down = gate_up.narrow(0, first_expert, used), down.narrow(0, first_expert, used)
-        device, autocast = sorted_tokens.device.type, torch.is_autocast_enabled(sorted_tokens.device.type)
-        tensors = (sorted_tokens, gate_up, down) if routing is None else (sorted_tokens, routing[0], gate_up, down)
-        if autocast:
-            # Under autocast the experts run like autocast runs a Linear: inputs and weights cast to the autocast
-            # dtype (the casts' backward brings the weight gradients back to the weights' dtype), matmuls in it.
-            dtype = torch.get_autocast_dtype(device)
-            tensors = tuple(t.to(dtype) for t in tensors)
-        with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
-            if routing is None:
-                return GroupedSwiGLU.apply(*tensors, tuple(counts), self.hidden_act, self._grad_buffers)
-            return RoutedSwiGLU.apply(*tensors, routing[1], tuple(counts), self.hidden_act, self._grad_buffers)
+        device, buffers = sorted_tokens.device.type, self._grad_buffers
+        if not torch.is_autocast_enabled(device):
+            return GroupedSwiGLU.apply(sorted_tokens, gate_up, down, tuple(counts), self.hidden_act, buffers)
+        # Under autocast the experts run like autocast runs a Linear: inputs and weights cast to the autocast dtype
+        # (the casts' backward brings the weight gradients back to the weights' dtype), matmuls in that dtype.
+        dtype = torch.get_autocast_dtype(device)
+        args = (sorted_tokens.to(dtype), gate_up.to(dtype), down.to(dtype))
+        with torch.autocast(device, enabled=False):
+            return GroupedSwiGLU.apply(*args, tuple(counts), self.hidden_act, buffers)
 
     def extra_repr(self) -> str:
         return (

@@ -31,12 +31,6 @@ from hf_llmkit.parallel.moe.dispatch import combine, dispatch, rows_to_tokens, s
 from hf_llmkit.parallel.moe.experts import FusedExperts
 from hf_llmkit.parallel.moe.router import TopKRouter, load_balancing_loss, router_z_loss
 
-# Average routed rows per expert from which the experts gather their rows and add their weighted outputs themselves,
-# tile by tile (`RoutedSwiGLU`), instead of through `[N, H]` copies of the tokens (`tokens_to_rows` /
-# `rows_to_tokens`). Measured with benchmarks/moe.py at 1 thread: 3% faster at 512 rows per expert (8 experts,
-# 2,048 tokens), 5% slower at 64 (64 experts), where eight small ops per tile outweigh the copies they avoid.
-ROUTED_MIN_ROWS = 256
-
 
 @dataclass
 class MoEAux:
@@ -180,21 +174,17 @@ class MoELayer(nn.Module):
                 rank_in_expert = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
                 order = order[rank_in_expert < capacity]
                 counts = load.clamp(max=capacity)
+            pos = slot_positions(order, flat.numel())  # [T*K] row of each (token, slot)
         dropped = 1.0 - order.numel() / max(flat.numel(), 1)
 
-        if self.ep_group is None and order.numel() >= ROUTED_MIN_ROWS * self.num_experts:
-            out = self.experts(x, counts.tolist(), routing=(weights, order))  # gather and combine inside, per tile
+        rows = tokens_to_rows(x, order, pos, k)  # [N, H] sorted by expert
+        if self.ep_group is None:
+            out_rows = self.experts(rows, counts.tolist())
         else:
-            pos = slot_positions(order, flat.numel())  # [T*K] row of each (token, slot)
-            rows = tokens_to_rows(x, order, pos, k)  # [N, H] sorted by expert
-            if self.ep_group is None:
-                out_rows = self.experts(rows, counts.tolist())
-            else:
-                local_rows, local_counts, plan = dispatch(rows, counts, group=self.ep_group)
-                first = self.ep_rank * self.num_local_experts if self.replicated_experts else 0
-                local_out = self.experts(local_rows, local_counts, first_expert=first)
-                out_rows = combine(local_out, plan, group=self.ep_group)
-            out = rows_to_tokens(out_rows, weights, order, pos)  # [T, H] weighted sum over each token's K slots
+            local_rows, local_counts, plan = dispatch(rows, counts, group=self.ep_group)
+            first = self.ep_rank * self.num_local_experts if self.replicated_experts else 0
+            out_rows = combine(self.experts(local_rows, local_counts, first_expert=first), plan, group=self.ep_group)
+        out = rows_to_tokens(out_rows, weights, order, pos)  # [T, H] weighted sum over each token's K slots
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
