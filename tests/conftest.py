@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -31,6 +33,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 # plain file, so any build attempt, in this process or a rank it starts, fails at once with this file's name.
 _NO_BUILDS = Path(tempfile.mkdtemp(prefix="hf_llmkit_tests_")) / "jit-op-builds-are-not-allowed-in-tests"
 _NO_BUILDS.write_text("tests/conftest.py: a test tried to JIT-compile a torch / DeepSpeed C++ op\n")
+atexit.register(shutil.rmtree, _NO_BUILDS.parent, ignore_errors=True)  # every pytest process made one: leave none
 os.environ["TORCH_EXTENSIONS_DIR"] = str(_NO_BUILDS)
 
 
