@@ -6,9 +6,8 @@ a dense SwiGLU MLP of the same width applied twice (top-2 routing does two MLPs'
 loaded with the same weights: `MoELayer` dropless (and with capacity factor 1.0, for reference); transformers'
 `MixtralSparseMoeBlock` with each experts implementation that runs on CPU (eager, grouped_mm, and batched_mm when
 its per-token weight copies fit in `--batched-mm-gib`); DeepSpeed's `MoE` dropless and with capacity factor 1.0.
-One more row runs ours
-on torch's elementwise ops (`TORCH_OPS`: what the C SwiGLU kernel is worth). Each configuration runs
-at 1 and 2 torch threads over an expert sweep (8, 16, 64 experts at 2,048 tokens) and a
+One more row runs ours on torch's elementwise ops (`TORCH_OPS`: what the C SwiGLU kernel is worth). Each
+configuration runs at 1 and 2 torch threads over an expert sweep (8, 16, 64 experts at 2,048 tokens) and a
 token sweep (512, 2,048, 8,192 tokens at 8 experts), with `_common.Bench`: variants interleaved, order rotated each
 round, min and median of per-round ratios, load average before and after. Outputs and gradients of `MoELayer`
 and DeepSpeed are checked against Mixtral eager on the same input.

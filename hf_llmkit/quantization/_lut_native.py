@@ -12,8 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hf_llmkit.native import I64, INT, CLibrary
-from hf_llmkit.native import P as _P
+from hf_llmkit.native import I64, INT, CLibrary, P
 
 SOURCE = Path(__file__).with_name("_lut_native.c")
 # the C source's SCALE_* codes, for tables and scales alike
@@ -23,9 +22,9 @@ DECODE_DTYPES = tuple(_OUT_CODES)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    common = [_P, I64, I64, INT, _P, INT, I64, _P, INT, I64, INT]
-    lib.lut_gemv.argtypes = [*common, _P, INT, I64, _P, INT]
-    lib.lut_decode.argtypes = [*common, _P, INT]
+    common = [P, I64, I64, INT, P, INT, I64, P, INT, I64, INT]
+    lib.lut_gemv.argtypes = [*common, P, INT, I64, P, INT]
+    lib.lut_decode.argtypes = [*common, P, INT]
     lib.lut_level.argtypes = [INT, INT, INT]
     lib.lut_max_level.argtypes = [INT]
     for fn in (lib.lut_gemv, lib.lut_decode):

@@ -88,7 +88,8 @@ def _act_and_grad(gate: torch.Tensor, act_name: str) -> tuple[torch.Tensor, torc
 
 def _forward_tile(tile: _Tile, x_t, gate_up, down, act_name: str, out: torch.Tensor | None = None):
     """One tile's `down_e(act(gate_e x_t) * up_e x_t)` (into `out[lo:hi]` when given) and what its backward keeps:
-    the input rows, the pre-activations `[rows, 2I]`, act(gate) and act(gate) * up `[rows, I]`."""
+    the input rows, the pre-activations `[rows, 2I]`, act(gate) and act(gate) * up `[rows, I]` (these two None
+    where the C kernel serves: its backward recomputes them)."""
     inter = down.shape[-1]
     h = tile.matmul(x_t, gate_up, transpose=True)  # [rows, 2I]: gate | up
     if act_name == "silu" and swiglu_kernel.serves(h):  # backward recomputes act and hidden from h in the kernel
