@@ -187,7 +187,7 @@ def sp_time(results: dict) -> str:
 # -- MoE ----------------------------------------------------------------------------------------------------------
 
 FLOOR, OURS, TRAFFIC = "dense MLP x2 (floor)", "hf_llmkit MoELayer dropless", "E experts' weight traffic only"
-TORCH_OPS = f"{OURS}, torch elementwise"
+TORCH_OPS = f"{OURS}, torch ops"
 
 
 @fragment("moe_layers", "moe")
@@ -245,11 +245,11 @@ def moe_summary(results: dict) -> str:
 
 
 def undone_lines(layers: list[dict], span) -> list[str]:
-    """What the C SwiGLU kernel is worth: ours against ours on torch's elementwise ops (medians; below 1: it helps)."""
+    """What the C kernels are worth: ours against ours on torch's ops (medians; below 1: they help)."""
     kernel = [r["ours_vs_undone"][TORCH_OPS]["median"] for r in layers if TORCH_OPS in r.get("ours_vs_undone", {})]
     if not kernel:
         return []
-    return [f"- ours / ours on torch's elementwise ops (what the C SwiGLU kernel is worth): {span(kernel)};"]
+    return [f"- ours / ours on torch's ops (what the C SwiGLU and routing kernels are worth): {span(kernel)};"]
 
 
 def max_experts(layers: list[dict]) -> int:

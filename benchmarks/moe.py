@@ -6,7 +6,7 @@ a dense SwiGLU MLP of the same width applied twice (top-2 routing does two MLPs'
 loaded with the same weights: `MoELayer` dropless (and with capacity factor 1.0, for reference); transformers'
 `MixtralSparseMoeBlock` with each experts implementation that runs on CPU (eager, grouped_mm, and batched_mm when
 its per-token weight copies fit in `--batched-mm-gib`); DeepSpeed's `MoE` dropless and with capacity factor 1.0.
-One more row runs ours on torch's elementwise ops (`TORCH_OPS`: what the C SwiGLU kernel is worth). Each
+One more row runs ours on torch's ops (`TORCH_OPS`: what the C SwiGLU and routing kernels are worth). Each
 configuration runs at 1 and 2 torch threads over an expert sweep (8, 16, 64 experts at 2,048 tokens) and a
 token sweep (512, 2,048, 8,192 tokens at 8 experts), with `_common.Bench`: variants interleaved, order rotated each
 round, min and median of per-round ratios, load average before and after. Outputs and gradients of `MoELayer`
@@ -41,13 +41,13 @@ from _common import Bench, add_device_argument, markdown_table, pick_device, plo
 from torch import nn
 
 from hf_llmkit.parallel import MoELayer
-from hf_llmkit.parallel.moe import swiglu_kernel
+from hf_llmkit.parallel.moe import dispatch, swiglu_kernel
 from hf_llmkit.parallel.moe.grad_buffers import GradientBuffer
 from hf_llmkit.testing import corpus_texts, corpus_tokenizer, distributed_backend, free_port, tiny_llama_config
 
 FLOOR, OURS = "dense MLP x2 (floor)", "hf_llmkit MoELayer dropless"
-# Ours with SwiGLU's elementwise work on torch ops instead of the C kernel (CPU, float32): what the kernel is worth.
-TORCH_OPS = f"{OURS}, torch elementwise"
+# Ours on torch ops instead of the C SwiGLU and routing kernels (CPU, float32): what the kernels are worth.
+TORCH_OPS = f"{OURS}, torch ops"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EVEN = "E dense MLPs, even rows (no routing)"
 TRAFFIC = "E experts' weight traffic only"
@@ -191,14 +191,14 @@ def forward(name: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def undone(name: str):
-    """`TORCH_OPS`: ours on torch's elementwise ops for the duration (forward and backward)."""
-    serves = swiglu_kernel.serves
+    """`TORCH_OPS`: ours on torch's ops, without the C kernels, for the duration (forward and backward)."""
+    serves, routing = swiglu_kernel.serves, dispatch.kernel_serves
     if name == TORCH_OPS:
-        swiglu_kernel.serves = lambda h: False
+        swiglu_kernel.serves, dispatch.kernel_serves = (lambda h: False), (lambda *tensors: False)
     try:
         yield
     finally:
-        swiglu_kernel.serves = serves
+        swiglu_kernel.serves, dispatch.kernel_serves = serves, routing
 
 
 def step(name: str, module: nn.Module, x: torch.Tensor) -> Callable[[], None]:

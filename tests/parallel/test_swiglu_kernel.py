@@ -3,7 +3,8 @@
 In each of its loops (AVX2 where the CPU has it, portable) and at 1 and 2 threads, forward and backward are within
 float32 rounding of torch's ops (`silu`, `mul`, `silu_backward`) on the same tile; NaN stays NaN and large
 pre-activations saturate as torch's do; a `MoELayer` gives the same outputs and gradients with and without it; and
-without a C compiler the layer answers through torch's ops with one warning.
+without a C compiler the layer answers through torch's ops with one warning per kernel (this one's and the routing
+kernel's).
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ def test_a_layer_with_the_kernel_equals_the_layer_on_torch_ops(monkeypatch):
         out.square().sum().backward()
         grads.append([out.detach(), xi.grad, *(p.grad.clone() for p in layer.parameters())])
         layer.zero_grad(set_to_none=True)
-    for got, want in zip(*grads):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(*grads):  # the router's gradient sums over tokens: float32 rounding, scaled
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def test_with_the_kernel_backward_keeps_neither_the_activation_nor_the_hidden_rows(monkeypatch):
@@ -140,4 +141,5 @@ def test_without_a_c_compiler_the_layer_runs_on_torch_ops_and_says_so_once(tmp_p
     env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), HF_LLMKIT_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run([sys.executable, "-c", NO_COMPILER], env=env, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0 and "TORCH OPS OK" in proc.stdout, proc.stderr[-3000:]
-    assert proc.stderr.count("The MoE experts' CPU kernel is not available (") == 1, proc.stderr[-3000:]
+    for kernel_name in ("The MoE experts' CPU kernel", "The MoE routing CPU kernel"):
+        assert proc.stderr.count(f"{kernel_name} is not available (") == 1, proc.stderr[-3000:]

@@ -4,6 +4,9 @@ Local routing: `tokens_to_rows` copies each token once per chosen expert into ex
 `rows_to_tokens` gathers each token's expert outputs back and sums them weighted by the router. Both
 directions of both are row gathers (`index_select`) through `order` (row -> slot) and its inverse `pos`
 (slot -> row), so no `index_add` (a serial scatter-add on CPU) and no zero-filled scatter buffer is used.
+On float32 CPU tensors the combine (both directions) and the gather's backward run in `_routing_native.c` (built
+once per machine, `hf_llmkit.native.CLibrary`): one pass each, with no `[T, K, H]` per-slot copy; elsewhere (GPUs,
+bfloat16, a machine without a C compiler) torch's ops above serve.
 
 Expert parallelism:
 Each rank of an expert-parallel group holds `E / P` consecutive experts. A rank's routed rows, sorted by
@@ -14,10 +17,36 @@ of an all-to-all is the all-to-all with the splits swapped.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from hf_llmkit.native import I64, INT, CLibrary, P
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.routing_combine_forward.argtypes = [P, P, P, I64, I64, I64, I64, P, INT]
+    lib.routing_combine_backward.argtypes = [P, P, P, P, I64, I64, I64, I64, P, P, INT]
+    lib.routing_gather_backward.argtypes = [P, P, I64, I64, I64, I64, P, INT]
+    for fn in (lib.routing_combine_forward, lib.routing_combine_backward, lib.routing_gather_backward):
+        fn.restype = None
+
+
+_KERNEL = CLibrary(
+    Path(__file__).with_name("_routing_native.c"), "moe_routing", "The MoE routing CPU kernel",
+    "routing uses torch ops", _declare,
+)  # fmt: skip
+
+
+def kernel_serves(pos: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether `_routing_native.c` takes these tensors: `pos` int64 and the rest float32, all on the CPU (and the
+    kernel built)."""
+    on_cpu = all(t.device.type == "cpu" for t in (pos, *tensors))
+    typed = pos.dtype == torch.int64 and all(t.dtype == torch.float32 for t in tensors)
+    return on_cpu and typed and _KERNEL.library() is not None
 
 
 class AllToAll(torch.autograd.Function):
@@ -54,7 +83,8 @@ class TokensToRows(torch.autograd.Function):
     """Copy each token once per routed slot, in expert-sorted order: `rows[i] = x[order[i] // k]`.
 
     Backward sums each token's k row gradients through the inverse map `pos` (slot -> row; dropped slots
-    point past the last row and read zero), so no serial scatter-add (`index_add`) runs.
+    point past the last row and read zero), so no serial scatter-add (`index_add`) runs (in one C pass where the
+    routing kernel serves).
     """
 
     @staticmethod
@@ -66,6 +96,15 @@ class TokensToRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_rows):
         (pos,) = ctx.saved_tensors
+        if kernel_serves(pos, d_rows):
+            pos, d_rows = pos.contiguous(), d_rows.contiguous()
+            tokens, k, hidden = ctx.num_tokens, ctx.k, d_rows.shape[1]
+            d_x = d_rows.new_empty(tokens, hidden)
+            _KERNEL.library().routing_gather_backward(
+                d_rows.data_ptr(), pos.data_ptr(), tokens, k, hidden, d_rows.shape[0], d_x.data_ptr(),
+                torch.get_num_threads(),
+            )  # fmt: skip
+            return d_x, None, None, None
         if ctx.dropped:
             d_rows = torch.cat([d_rows, d_rows.new_zeros(1, d_rows.shape[1])])
         per_slot = d_rows.index_select(0, pos).view(ctx.num_tokens, ctx.k, -1)  # [T, K, H]
@@ -77,12 +116,23 @@ class RowsToTokens(torch.autograd.Function):
     """Weighted sum of each token's expert outputs: `out[t] = sum_k weights[t, k] * rows[pos[t * k + j]]`.
 
     `pos [T*K]` maps each (token, slot) to its row of `rows [N, H]` (N = T*K dropless; a dropped slot points at
-    row N, read as zero). Forward and backward are row gathers (`index_select`) plus one product each.
+    row N, read as zero). On torch's ops forward and backward are row gathers (`index_select`) plus one product
+    each; the C kernel does each in one pass and keeps `rows` itself for backward instead of a `[T, K, H]` copy.
     """
 
     @staticmethod
     def forward(ctx, rows, weights, order, pos):
         num_tokens, k = weights.shape
+        ctx.kernel = kernel_serves(pos, rows, weights)
+        if ctx.kernel:  # rows are kept as they are (the experts' output): backward reads them through pos
+            rows, weights, pos = rows.contiguous(), weights.contiguous(), pos.contiguous()
+            out = rows.new_empty(num_tokens, rows.shape[1])
+            _KERNEL.library().routing_combine_forward(
+                rows.data_ptr(), weights.data_ptr(), pos.data_ptr(), num_tokens, k, rows.shape[1], rows.shape[0],
+                out.data_ptr(), torch.get_num_threads(),
+            )  # fmt: skip
+            ctx.save_for_backward(rows, weights, pos)
+            return out
         if order.numel() < pos.numel():
             rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
         per_slot = rows.index_select(0, pos).view(num_tokens, k, -1)  # [T, K, H]
@@ -91,6 +141,15 @@ class RowsToTokens(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out):
+        if ctx.kernel:
+            rows, weights, pos = ctx.saved_tensors
+            d_out, (tokens, k), hidden = d_out.contiguous(), weights.shape, rows.shape[1]
+            d_rows, d_weights = torch.empty_like(rows), torch.empty_like(weights)
+            _KERNEL.library().routing_combine_backward(
+                rows.data_ptr(), weights.data_ptr(), pos.data_ptr(), d_out.data_ptr(), tokens, k, hidden,
+                rows.shape[0], d_rows.data_ptr(), d_weights.data_ptr(), torch.get_num_threads(),
+            )  # fmt: skip
+            return d_rows, d_weights, None, None
         per_slot, weights, order = ctx.saved_tensors
         d_rows = d_weights = None
         if ctx.needs_input_grad[0]:
