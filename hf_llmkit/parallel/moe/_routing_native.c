@@ -11,6 +11,7 @@
  * no atomics. Sums run in slot order k = 0, 1, ... (what torch's sum over K does); a dot product runs in 8 lanes
  * (the compiler vectorizes it), so dw differs from torch's by float32 rounding.
  */
+#include <stddef.h>
 #include <stdint.h>
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
@@ -23,7 +24,8 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return sum;
 }
 
-/* out [T, H] = each token's weighted sum of its K rows (rows [N, H], w [T, K], pos [T * K]). */
+/* out [T, H] = each token's weighted sum of its K rows (rows [N, H], w [T, K] or NULL for weights of 1,
+ * pos [T * K]). */
 void routing_combine_forward(const float *rows, const float *w, const int64_t *pos, int64_t tokens, int64_t k,
                              int64_t hidden, int64_t n, float *out, int threads) {
     (void)threads;
@@ -35,6 +37,10 @@ void routing_combine_forward(const float *rows, const float *w, const int64_t *p
             int64_t p = pos[t * k + j];
             if (p >= n) continue;
             const float *restrict r = rows + p * hidden;
+            if (w == NULL) {
+                for (int64_t i = 0; i < hidden; i++) o[i] += r[i];
+                continue;
+            }
             float wt = w[t * k + j];
             for (int64_t i = 0; i < hidden; i++) o[i] += wt * r[i];
         }
@@ -66,16 +72,5 @@ void routing_combine_backward(const float *rows, const float *w, const int64_t *
 /* dx [T, H] = the sum of each token's K row gradients (drows [N, H]). */
 void routing_gather_backward(const float *drows, const int64_t *pos, int64_t tokens, int64_t k, int64_t hidden,
                              int64_t n, float *dx, int threads) {
-    (void)threads;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tokens > 1)
-    for (int64_t t = 0; t < tokens; t++) {
-        float *restrict o = dx + t * hidden;
-        for (int64_t i = 0; i < hidden; i++) o[i] = 0.0f;
-        for (int64_t j = 0; j < k; j++) {
-            int64_t p = pos[t * k + j];
-            if (p >= n) continue;
-            const float *restrict r = drows + p * hidden;
-            for (int64_t i = 0; i < hidden; i++) o[i] += r[i];
-        }
-    }
+    routing_combine_forward(drows, NULL, pos, tokens, k, hidden, n, dx, threads);
 }
