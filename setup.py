@@ -18,8 +18,11 @@ for name, folder in MAPPED.items():
     for sub in find_packages(where=folder):
         packages.append(f"{name}.{sub}")
 
-# The C kernels (the packed DKM layers', the MoE experts'): sources compiled on the user's machine at first use
-# (hf_llmkit/native.py)
-package_data = {"hf_llmkit.quantization": ["_lut_native.c"], "hf_llmkit.parallel.moe": ["_swiglu_native.c", "_routing_native.c"]}
+# The C kernels (the packed DKM layers', the MoE experts' and routing's): sources compiled on the user's machine at
+# first use (hf_llmkit/native.py)
+package_data = {
+    "hf_llmkit.quantization": ["_lut_native.c"],
+    "hf_llmkit.parallel.moe": ["_swiglu_native.c", "_routing_native.c"],
+}
 
 setup(packages=packages, package_dir=package_dir, package_data=package_data)
