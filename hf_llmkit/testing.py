@@ -305,6 +305,12 @@ def _worker(work: Path) -> None:
         if dist.is_initialized():  # also groups `fn` created itself (e.g. through the Trainer): exit cleanly
             dist.destroy_process_group()
     (work / f"result{os.environ['RANK']}.pkl").write_bytes(pickle.dumps(result))
+    # The result is on disk: leave without interpreter finalisation, where a process group some library still
+    # references (DeepSpeed's, a sequence-parallel one) is destroyed last and gloo can abort the rank ("terminate
+    # called without an active exception", seen once in a CI rehearsal of the sequence-parallel benchmark).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,14 @@ def _sleep_forever() -> None:
     time.sleep(3600)
 
 
+def _abort_at_finalisation() -> int:
+    """What a library's group destroyed at interpreter exit can do to a rank: abort it after its work is done."""
+    import atexit
+
+    atexit.register(os.abort)
+    return dist.get_rank()
+
+
 def test_launch_runs_real_gloo_ranks():
     results = launch(_all_reduce_rank, nprocs=2, timeout=120)
     backend = distributed_backend(2)  # "gloo" here; NCCL joins it on a machine with a GPU per rank (tests/gpu)
@@ -50,6 +58,10 @@ def test_failure_reports_every_rank():
         launch(_fail_on_rank_one, "boom-from-rank-one", nprocs=2, timeout=60)
     text = str(info.value)
     assert "boom-from-rank-one" in text and "rank 0" in text and "rank 1" in text
+
+
+def test_a_rank_that_returned_is_not_failed_by_its_interpreter_finalisation():
+    assert launch(_abort_at_finalisation, nprocs=2, timeout=120) == [0, 1]
 
 
 def test_timeout_is_bounded():
