@@ -23,7 +23,14 @@ import torch
 from torch import nn
 
 from hf_llmkit.quantization.export import _onnx_lut as lut_op
-from hf_llmkit.quantization.export._common import check_causal_lm, check_output, export_copy, palettized_weights, staging
+from hf_llmkit.quantization.export._common import (
+    check_causal_lm,
+    check_output,
+    dense_module,
+    export_copy,
+    palettized_weights,
+    staging,
+)
 
 OPSET = 18
 MODEL_FILE = "model.onnx"  # the name optimum's ORTModelForCausalLM looks for in a folder
@@ -72,12 +79,20 @@ def io_names(layers: int) -> tuple[list[str], list[str]]:
     return inputs, ["logits"] + [n.format("present") for n in kv]
 
 
-def export_onnx(model: nn.Module, path: str | Path, *, opset: int = OPSET, external_data: bool | None = None) -> Path:
+def export_onnx(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    opset: int = OPSET,
+    external_data: bool | None = None,
+    dense: bool = False,
+) -> Path:
     """Write `model` (a DKM causal LM: a reloaded compact checkpoint or a live DKM model) as an ONNX decoder with a
     key/value cache (module docstring). `path` ending in `.onnx`: that file (and `<path>.data` with external data);
     any other path: a new folder holding `model.onnx`, `config.json` and `generation_config.json`, which optimum's
     `ORTModelForCausalLM.from_pretrained(path)` generates from. `external_data`: None decides by size
-    (`EXTERNAL_DATA_ABOVE`). Nothing is written until the export succeeded. Returns the file's or folder's path."""
+    (`EXTERNAL_DATA_ABOVE`). `dense`: store the decoded float32 weights instead (8-10x the bytes; what a runtime
+    without our kernels serves fastest). Nothing is written until the export succeeded. Returns the output's path."""
     check_causal_lm(model, "export_onnx")
     path = Path(path)
     if isinstance(opset, bool) or not isinstance(opset, int) or opset < OPSET:
@@ -86,7 +101,7 @@ def export_onnx(model: nn.Module, path: str | Path, *, opset: int = OPSET, exter
     check_output(path, "export_onnx", kind="file" if path.suffix == ".onnx" else "folder")
     weights = palettized_weights(model, caller="export_onnx")
     layers, kv_heads, head_dim = cache_shapes(model.config)
-    wrapper = CausalLMWithCache(export_copy(model, weights, lut_op.OnnxPalettized).m).eval()
+    wrapper = CausalLMWithCache(export_copy(model, weights, dense_module if dense else lut_op.OnnxPalettized).m).eval()
     batch, past, seq = 2, 3, 4
     args = (
         torch.ones(batch, seq, dtype=torch.long),
