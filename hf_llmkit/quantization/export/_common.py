@@ -107,6 +107,12 @@ def check_causal_lm(model: nn.Module, caller: str) -> None:
             f"{caller}: expected a transformers causal LM (e.g. AutoModelForCausalLM.from_pretrained(<DKM "
             f"checkpoint>)), got {type(model).__name__}."
         )
+    if any(type(m).__module__.startswith("hf_llmkit.parallel.moe") for m in model.modules()):
+        raise ValueError(
+            f"{caller}: the model holds hf_llmkit MoELayer blocks (a live upcycled model), whose dropless dispatch "
+            "does not trace: save it with save_pretrained and export AutoModelForCausalLM.from_pretrained(<folder>) "
+            "(transformers' native MoE class)."
+        )
 
 
 def causal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -159,6 +165,10 @@ def export_copy(model: nn.Module, weights: list[PaletteWeight], swap) -> CausalL
         parent, _, leaf = w.name.rpartition(".")
         setattr(twin.get_submodule(parent), leaf, swap(dkm_layers[w.name], w))
     twin.set_attn_implementation(EXPORT_ATTENTION)
+    if getattr(twin.config, "_experts_implementation", None) not in (None, "batched_mm") and hasattr(
+        twin, "set_experts_implementation"
+    ):  # MoE experts: the batched product is standard ops (grouped_mm's CPU fallback and histc do not convert)
+        twin.set_experts_implementation("batched_mm")
     return CausalLogits(twin).eval()
 
 
