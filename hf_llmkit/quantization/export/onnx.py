@@ -86,13 +86,16 @@ def export_onnx(
     opset: int = OPSET,
     external_data: bool | None = None,
     dense: bool = False,
+    tokenizer_from: str | Path | None = None,
 ) -> Path:
     """Write `model` (a DKM causal LM: a reloaded compact checkpoint or a live DKM model) as an ONNX decoder with a
     key/value cache (module docstring). `path` ending in `.onnx`: that file (and `<path>.data` with external data);
     any other path: a new folder holding `model.onnx`, `config.json` and `generation_config.json`, which optimum's
     `ORTModelForCausalLM.from_pretrained(path)` generates from. `external_data`: None decides by size
     (`EXTERNAL_DATA_ABOVE`). `dense`: store the decoded float32 weights instead (8-10x the bytes; what a runtime
-    without our kernels serves fastest). Nothing is written until the export succeeded. Returns the output's path."""
+    without our kernels serves fastest). `tokenizer_from`: a checkpoint folder whose tokenizer files the output
+    folder gets too (what generating from it needs). Nothing is written until the export succeeded. Returns the
+    output's path."""
     check_causal_lm(model, "export_onnx")
     path = Path(path)
     if isinstance(opset, bool) or not isinstance(opset, int) or opset < OPSET:
@@ -138,6 +141,8 @@ def export_onnx(
         if folder:
             model.config.to_json_file(tmp / "config.json")
             _generation_config(model, tmp)
+            if tokenizer_from is not None:
+                copy_tokenizer(Path(tokenizer_from), tmp)
     return path
 
 
@@ -183,6 +188,12 @@ def _generation_config(model: nn.Module, folder: Path) -> None:
 
 def copy_tokenizer(checkpoint: Path, folder: Path) -> None:
     """Copy a checkpoint's tokenizer files into an exported folder (what `generate` needs beside the model)."""
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.model",
+        "chat_template.jinja",
+    ):
         if (checkpoint / name).is_file():
             shutil.copy2(checkpoint / name, folder / name)
