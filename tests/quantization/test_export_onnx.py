@@ -142,7 +142,7 @@ def test_the_file_holds_the_checkpoint_tensors_and_onnxruntime_folds_nothing_wei
     for name, tensor in checkpoint_tensors.items():
         assert stored[name].tobytes() == tensor.tobytes(), name  # reshaped at most ([n / 8, bits] bytes)
     extra = sum(v.nbytes for name, v in stored.items() if name not in checkpoint_tensors)
-    assert extra <= 128 * len(palettized_weights(model))  # the decode constants
+    assert extra <= 160 * len(palettized_weights(model)) + 512  # the decode constants (132 bytes a layer), RoPE
     for weight in palettized_weights(model):
         assert weight.name + ".weight" not in stored  # no dense copy of a clustered weight
     # onnxruntime's optimized graph (constant folding on) holds no more initializer bytes than the file
@@ -191,7 +191,9 @@ def test_generation_round_trips_on_the_real_model_slice(tmp_path):
     AutoModelForCausalLM.from_pretrained(path, quantization_config=config).eval().save_pretrained(tmp_path / "dkm")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "dkm")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    batch = tokenizer(["The capital of France is", "Python is a"], return_tensors="pt", padding=True, padding_side="left")
+    batch = tokenizer(
+        ["The capital of France is", "Python is a"], return_tensors="pt", padding=True, padding_side="left"
+    )
     assert batch["attention_mask"].min() == 0  # the second prompt is padded
     with torch.no_grad():
         ours = model.generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)

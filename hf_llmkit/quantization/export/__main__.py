@@ -32,9 +32,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a broken or half-removed installation counts as missing
+        return False
+
+
 def _check(args) -> str | None:
     """The one-line reason the command cannot run (before any work), or None."""
-    missing = [name for name in NEEDS[args.format] if importlib.util.find_spec(name) is None]
+    missing = [name for name in NEEDS[args.format] if not _installed(name)]
     if missing:
         return f"the {args.format} export needs {', '.join(missing)} (not installed): pip install 'hf_llmkit[export]'"
     if args.format == "onnx" and (args.seq_len is not None or args.batch_size is not None):
