@@ -181,7 +181,8 @@ def test_optimum_ort_model_generates_from_the_folder_with_its_cache(exported, tm
 
 def test_generation_round_trips_on_the_real_model_slice(tmp_path):
     """Issue 42 part 3: SmolLM2-135M's first two layers, DKM 4-bit, reloaded, exported; greedy generation from
-    onnxruntime (standard ops and our kernel) equals ours token for token on a left-padded batch of real prompts."""
+    onnxruntime (our kernel; the standard-op nodes are checked bitwise above) equals ours token for token on a
+    left-padded batch of real prompts."""
     from transformers import AutoTokenizer
 
     from hf_llmkit.testing import smollm2_path
@@ -201,8 +202,6 @@ def test_generation_round_trips_on_the_real_model_slice(tmp_path):
     ids, mask = batch["input_ids"].numpy(), batch["attention_mask"].numpy()
     got = greedy_generate(onnxruntime_session(file), ids, mask, max_new_tokens=6)
     assert np.array_equal(got, ours.numpy())
-    plain = greedy_generate(ort.InferenceSession(str(file)), ids, mask, max_new_tokens=2)  # standard ops: slower
-    assert np.array_equal(plain, ours[:, : ids.shape[1] + 2].numpy())
 
 
 def test_external_data_above_the_threshold(tmp_path, monkeypatch):
@@ -242,15 +241,21 @@ def test_bad_input_is_one_value_error_before_any_work(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.onnx", "file", "full"]  # nothing written
 
 
-def test_an_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
-    def fail(*args, **kwargs):
-        raise RuntimeError("disk full")
+@pytest.mark.parametrize("folder", [True, False])
+def test_an_interrupted_write_leaves_nothing_and_a_finished_one_replaces_the_target(tmp_path, folder):
+    """`staging`, which every export writes through: an error half-way leaves nothing under the target's name."""
+    from hf_llmkit.quantization.export._common import staging
 
-    monkeypatch.setattr(onnx_export, "_save", fail)
-    model = quantize_model(tiny_llama(num_hidden_layers=1), DKMConfig(bits=3)).eval()
-    with pytest.raises(RuntimeError, match="disk full"):
-        export_onnx(model, tmp_path / "folder")
+    target = tmp_path / ("served" if folder else "model.onnx")
+    with pytest.raises(RuntimeError, match="disk full"), staging(target, folder=folder) as tmp:
+        (tmp / "model.onnx").write_bytes(b"half")
+        raise RuntimeError("disk full")
     assert list(tmp_path.iterdir()) == []
+    with staging(target, folder=folder) as tmp:
+        (tmp / "model.onnx").write_bytes(b"whole")
+        (tmp / "model.onnx.data").write_bytes(b"data")
+    written = target / "model.onnx" if folder else target
+    assert written.read_bytes() == b"whole" and not list(tmp_path.glob(".*partial*"))
 
 
 def test_command_exports_a_folder_that_generates_like_the_model(tmp_path):

@@ -53,16 +53,22 @@ def _check(args) -> str | None:
     output = Path(args.output)
     try:
         if args.format == "onnx":
+            from hf_llmkit.quantization.export._common import check_output
             from hf_llmkit.quantization.export.onnx import check_onnx_target
 
             check_onnx_target(output)
+            check_output(output, "export_onnx", kind="file" if output.suffix == ".onnx" else "folder")
         else:
             from hf_llmkit.quantization.export.coreml import check_coreml_options
 
-            check_coreml_options(output, args.seq_len or 512, args.batch_size or 1)
+            check_coreml_options(output, *_coreml_sizes(args))
     except ValueError as error:
         return str(error)
     return None
+
+
+def _coreml_sizes(args) -> tuple[int, int]:
+    return (512 if args.seq_len is None else args.seq_len), (1 if args.batch_size is None else args.batch_size)
 
 
 def _one_line(error: BaseException) -> str:
@@ -93,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.format == "coreml":
-            path = export_coreml(model, args.output, seq_len=args.seq_len or 512, batch_size=args.batch_size or 1)
+            seq_len, batch_size = _coreml_sizes(args)
+            path = export_coreml(model, args.output, seq_len=seq_len, batch_size=batch_size)
         else:
             path = export_onnx(model, args.output, tokenizer_from=Path(args.checkpoint))
     except ValueError as error:  # ours: the message names the fix
