@@ -29,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import machine_state, write_results  # noqa: E402
+from _common import add_device_argument, machine_state, write_results  # noqa: E402
 
 SHAPES = {
     "tiny": dict(hidden=128, layers=2, intermediate=384, vocab=4096, heads=4),
@@ -194,6 +194,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens timed (dense and our kernel)")
     parser.add_argument("--slow-tokens", type=int, default=2, help="tokens timed on the standard-op path")
     parser.add_argument("--prefill", type=int, default=128, help="tokens of the prefill forward")
+    add_device_argument(parser)
     parser.add_argument("--prepare", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -204,6 +205,8 @@ def main() -> None:
     if args.measure:
         Path(args.out).write_text(json.dumps(measure(json.loads(args.measure))))
         return
+    if args.device not in (None, "cpu"):
+        parser.error("onnxruntime runs here on the CPU: --device cpu (or leave it out)")
     sizes = args.sizes or (["tiny"] if args.quick else ["issue", "smollm2"])
     if args.quick:
         args.rounds, args.new_tokens, args.slow_tokens, args.prefill = 1, 4, 2, 16

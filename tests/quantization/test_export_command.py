@@ -58,6 +58,10 @@ def test_damaged_checkpoint_is_one_line(tmp_path, capsys, checkpoint):
         (["onnx", "{ckpt}", "{tmp}/file/m.onnx"], "is not a folder"),
         (["onnx", "{ckpt}", "{tmp}/m.onnx", "--seq_len", "128"], "apply to coreml only"),
         (["coreml", "{ckpt}", "{tmp}/m.mlpackage", "--seq_len", "0"], "seq_len must be an integer in"),
+        (["coreml", "{ckpt}", "{tmp}/m.mlpackage", "--seq_len", "100000"], "seq_len must be an integer in"),
+        (["coreml", "{ckpt}", "{tmp}/m.mlpackage", "--batch_size", "0"], "batch_size must be an integer in"),
+        (["coreml", "{ckpt}", "{tmp}/file"], "path must end in .mlpackage"),
+        (["onnx", "{ckpt}", "{tmp}/model.v1.2"], "must be an .onnx file or a new folder (no suffix)"),
         (["onnx", "{tmp}/nowhere", "{tmp}/m.onnx"], "does not exist: pass the folder save_pretrained wrote"),
         (["onnx", "{tmp}", "{tmp}/m.onnx"], "has no config.json"),
     ],
@@ -78,6 +82,25 @@ def test_bad_output_or_option_is_refused_before_the_checkpoint_is_read(argv, mes
     code, errors = _run(capsys, *[a.format(ckpt=ckpt, tmp=tmp_path) for a in argv])
     assert code == 2 and len(errors) == 1 and message in errors[0], errors
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_an_unreadable_config_is_one_line(tmp_path, capsys):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{not json")
+    code, errors = _run(capsys, "onnx", tmp_path / "ckpt", tmp_path / "out.onnx")
+    assert code == 2 and len(errors) == 1 and errors[0].startswith("error: cannot load the checkpoint"), errors
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_a_session_without_onnxruntime_extensions_names_the_package(monkeypatch):
+    import sys
+
+    from hf_llmkit.quantization.export import onnx_runtime
+
+    monkeypatch.setattr(onnx_runtime, "_REGISTERED", False)
+    monkeypatch.setitem(sys.modules, "onnxruntime_extensions", None)  # as if not installed
+    with pytest.raises(ImportError, match="pip install onnxruntime-extensions"):
+        onnx_runtime.onnxruntime_session("model.onnx")
 
 
 def test_a_converter_failure_of_any_type_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch, checkpoint):

@@ -101,9 +101,10 @@ def onnxruntime_session(path, options=None, **kwargs):
     """An `onnxruntime.InferenceSession` of an exported file whose palettized nodes run our C kernel
     (`register_kernels`); `options`: the `SessionOptions` to add the kernels to; other arguments go to the session."""
     import onnxruntime
+
+    register_kernels()  # first: names the package where it is missing
     from onnxruntime_extensions import get_library_path
 
-    register_kernels()
     options = options or onnxruntime.SessionOptions()
     options.register_custom_ops_library(get_library_path())
     return onnxruntime.InferenceSession(str(path), options, **kwargs)
