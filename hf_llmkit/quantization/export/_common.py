@@ -165,9 +165,9 @@ def export_copy(model: nn.Module, weights: list[PaletteWeight], swap) -> CausalL
         parent, _, leaf = w.name.rpartition(".")
         setattr(twin.get_submodule(parent), leaf, swap(dkm_layers[w.name], w))
     twin.set_attn_implementation(EXPORT_ATTENTION)
-    if getattr(twin.config, "_experts_implementation", None) not in (None, "batched_mm") and hasattr(
-        twin, "set_experts_implementation"
-    ):  # MoE experts: the batched product is standard ops (grouped_mm's CPU fallback and histc do not convert)
+    text = twin.config.get_text_config(decoder=True)
+    if getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None):
+        # MoE experts: the batched product is standard ops (grouped_mm's CPU fallback and histc do not convert)
         twin.set_experts_implementation("batched_mm")
     return CausalLogits(twin).eval()
 
