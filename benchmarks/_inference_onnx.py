@@ -15,6 +15,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from _inference_worker import _status_kib
+
 FILE = "model.onnx"
 
 
@@ -30,13 +32,6 @@ def prepare(spec: dict) -> None:
     model.eval().save_pretrained(out / "checkpoint")
     model = AutoModelForCausalLM.from_pretrained(out / "checkpoint")
     export_onnx(model, out / "exported", dense=spec["onnx_file"] == "dense")
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
 
 
 def initializer_bytes(path: Path) -> dict[str, int]:
