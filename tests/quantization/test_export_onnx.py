@@ -120,6 +120,22 @@ def test_left_padded_prompts_give_the_unpadded_prompts_last_logits(exported):
         assert np.abs(single[0, -1] - ours).max() <= 1e-5
 
 
+def test_greedy_generate_refuses_a_file_without_a_cache_and_negative_lengths(exported, tmp_path):
+    from onnx import TensorProto, helper
+
+    model, folder, _ = exported
+    node = helper.make_node("Identity", ["input_ids"], ["logits"])
+    ids_type = helper.make_tensor_value_info("input_ids", TensorProto.INT64, None)
+    graph = helper.make_graph(
+        [node], "old", [ids_type], [helper.make_tensor_value_info("logits", TensorProto.INT64, None)]
+    )
+    onnx.save(helper.make_model(graph), str(tmp_path / "old.onnx"))
+    with pytest.raises(ValueError, match="no key/value cache inputs"):
+        greedy_generate(ort.InferenceSession(str(tmp_path / "old.onnx")), np.ones((1, 2), np.int64), max_new_tokens=1)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0"):
+        greedy_generate(ort.InferenceSession(str(folder / "model.onnx")), np.ones((1, 2), np.int64), max_new_tokens=-1)
+
+
 def test_cached_steps_match_the_model_and_the_kernel_session(exported):
     model, folder, _ = exported
     ids = torch.tensor([[5, 9, 33, 2, 7], [0, 0, 11, 4, 90]])
@@ -238,6 +254,8 @@ def test_bad_input_is_one_value_error_before_any_work(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is not a folder"):
         export_onnx(model, tmp_path / "file" / "m.onnx")
+    with pytest.raises(ValueError, match="external_data must be True or False"):
+        export_onnx(model, tmp_path / "m.onnx", external_data="yes")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.onnx", "file", "full"]  # nothing written
 
 
@@ -256,6 +274,15 @@ def test_an_interrupted_write_leaves_nothing_and_a_finished_one_replaces_the_tar
         (tmp / "model.onnx.data").write_bytes(b"data")
     written = target / "model.onnx" if folder else target
     assert written.read_bytes() == b"whole" and not list(tmp_path.glob(".*partial*"))
+    if folder:  # another writer filled the folder meanwhile: refused, the other's files kept
+        (tmp_path / "again").mkdir()
+        with (
+            pytest.raises(ValueError, match="written by something else"),
+            staging(tmp_path / "again", folder=True) as t,
+        ):
+            (t / "model.onnx").write_bytes(b"mine")
+            (tmp_path / "again" / "theirs").write_text("x")
+        assert [p.name for p in (tmp_path / "again").iterdir()] == ["theirs"]
 
 
 def test_command_exports_a_folder_that_generates_like_the_model(tmp_path):

@@ -218,8 +218,10 @@ def staging(path: Path, *, folder: bool):
     try:
         yield tmp
         if folder:
+            if path.exists() and (not path.is_dir() or any(path.iterdir())):
+                raise ValueError(f"{str(path)!r} was written by something else during the export: name a new folder.")
             if path.is_dir():
-                path.rmdir()  # empty (check_output)
+                path.rmdir()  # empty
             os.replace(tmp, path)
             return
         for item in sorted(tmp.iterdir(), key=lambda p: p.name == path.name):

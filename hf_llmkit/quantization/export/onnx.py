@@ -100,6 +100,9 @@ def export_onnx(
     path = Path(path)
     if isinstance(opset, bool) or not isinstance(opset, int) or opset < OPSET:
         raise ValueError(f"export_onnx: opset must be an integer >= {OPSET}, got {opset!r}.")
+    for name, value in (("external_data", external_data), ("dense", dense)):
+        if not (isinstance(value, bool) or (value is None and name == "external_data")):
+            raise ValueError(f"export_onnx: {name} must be True or False, got {value!r}.")
     check_onnx_target(path)
     check_output(path, "export_onnx", kind="file" if path.suffix == ".onnx" else "folder")
     weights = palettized_weights(model, caller="export_onnx")

@@ -114,6 +114,13 @@ def greedy_generate(session, input_ids, attention_mask=None, *, max_new_tokens: 
     """Greedy decoding with an exported file's session, its key/value cache carried between calls, as
     transformers' `generate(do_sample=False)` does: `input_ids` / `attention_mask` int64 `[batch, prompt]`
     (left-padded rows: 0 in the mask), positions counted over the real tokens. Returns `[batch, prompt + new]`."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"greedy_generate: max_new_tokens must be an integer >= 0, got {max_new_tokens!r}.")
+    if not any(i.name.startswith("past_key_values.") for i in session.get_inputs()):
+        raise ValueError(
+            "greedy_generate: the file has no key/value cache inputs (an export of an older hf_llmkit): export it "
+            "again with export_onnx."
+        )
     ids = np.asarray(input_ids, dtype=np.int64)
     mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, dtype=np.int64)
     names = [i.name for i in session.get_inputs()]
