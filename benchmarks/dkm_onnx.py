@@ -219,7 +219,8 @@ def main() -> None:
     for size in sizes:
         with tempfile.TemporaryDirectory(prefix=f"dkm_onnx_{size}_") as tmp:
             results["sizes"][size] = run_size(size, args, Path(tmp))
-    results["seconds"] = time.perf_counter() - started
+        results["seconds"] = time.perf_counter() - started
+        write_results("dkm_onnx", results)  # after each size: a long run stopped later keeps the sizes it finished
     for size, data in results["sizes"].items():
         print(f"\n{size}: " + json.dumps(data["summary"], indent=1))
     print(f"\nwrote {write_results('dkm_onnx', results)}")
