@@ -156,6 +156,7 @@ def run_size(size: str, args, work: Path) -> dict:
             print(f"[{size}, round {r + 1}] {name}: {got['tokens_per_s_b1']:.2f} tokens/s", flush=True)
             if not got["tokens_equal"]:
                 raise SystemExit(f"error: {name} generated other tokens than the PyTorch model")
+    prepared = {k: v for k, v in prepared.items() if k != "files"}  # paths of this machine's temporary folder
     return {"prepared": prepared, "runs": runs, "summary": summarize(runs), "before": before, "after": machine_state()}
 
 
