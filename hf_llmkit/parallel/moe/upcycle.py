@@ -28,6 +28,7 @@ from torch import nn
 
 from hf_llmkit.compat.transformers import configured_attention
 from hf_llmkit.parallel.moe.layer import MoELayer
+from hf_llmkit.parallel.moe.registry import register_experts_implementation
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,12 @@ def _target_for(model: nn.Module) -> tuple[_Target, type]:
     return target, moe_cls
 
 
-def _moe_config(config, target: _Target, *, num_experts: int, top_k: int, jitter_noise: float, shared: int):
+def _moe_config(
+    config, target: _Target, *, num_experts: int, top_k: int, jitter_noise: float, shared: int, experts: str | None
+):
     values = {key: getattr(config, key) for key in target.carried if hasattr(config, key)}
+    if experts is not None:
+        values["experts_implementation"] = experts  # through the constructor, like the attention's
     values[target.expert_count_key] = num_experts
     values.update(num_experts_per_tok=top_k, output_router_logits=False)
     values["attn_implementation"] = configured_attention(config)  # the dense model's, through the constructor
@@ -193,17 +198,22 @@ def upcycle_to_moe(
                 module, dense_config, num_experts=num_experts, top_k=top_k, shared=shared,
                 capacity_factor=capacity_factor, jitter_noise=jitter_noise,
             )  # fmt: skip
+    native = capacity_factor is None  # transformers' own blocks, our experts through its registry
     moe_config = _moe_config(
-        dense_config, target, num_experts=num_experts, top_k=top_k, jitter_noise=jitter_noise, shared=shared or 0
-    )
+        dense_config, target, num_experts=num_experts, top_k=top_k, jitter_noise=jitter_noise, shared=shared or 0,
+        experts=register_experts_implementation() if native else None,
+    )  # fmt: skip
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
         moe_model = moe_cls(moe_config)
+    state = {k: v for k, v in model.state_dict().items() if not any(k.startswith(n + ".") for n in blocks)}
     for name, block in blocks.items():
-        moe_model.set_submodule(name, block)
-    dense_state = {k: v for k, v in model.state_dict().items() if not any(k.startswith(n + ".") for n in blocks)}
-    missing, unexpected = moe_model.load_state_dict(dense_state, strict=False, assign=True)
-    missing = [k for k in missing if not any(k.startswith(n + ".") for n in blocks)]
+        if native:  # MoELayer's state dict is the native block's: its tensors move into the native block
+            state.update({f"{name}.{key}": value for key, value in block.state_dict().items()})
+        else:
+            moe_model.set_submodule(name, block)
+    missing, unexpected = moe_model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if native or not any(k.startswith(n + ".") for n in blocks)]
     if unexpected or missing:  # the architectures drifted apart: refuse rather than leave random tensors
         raise ValueError(f"cannot map {type(model).__name__} onto {moe_cls.__name__}: {missing=} {unexpected=}")
     _rebuild_meta_buffers(moe_model, device=next(model.parameters()).device)
