@@ -184,6 +184,29 @@ def sp_time(results: dict) -> str:
     return head + markdown_table(rows) + "\n\n" + summary + "\n\n" + measured(data, _sp_threads(data))
 
 
+@fragment("sp_offload", "sequence_parallel_offload")
+def sp_offload(results: dict) -> str:
+    data = results["sequence_parallel_offload"]
+    rows = [["design", "MiB per step", "x one layer input [B, S, H]"]]
+    for name, got in data["designs"].items():
+        if "error" in got:
+            rows.append([name, "did not run", got["error"][:80]])
+        else:
+            rows.append([name, f"{got['bytes'] / 2**20:.2f}", f"{got['x_layer_input']:.2f}"])
+    head = (
+        f"Bytes each activation-offload design copies to host memory in one step ({data['seq']} tokens, "
+        f"{data['layers']} checkpointed layers, {data['device']}; on an accelerator they go to the host in the "
+        "forward and come back in the backward):\n\n"
+    )
+    tail = ""
+    if data["device"] == "cpu":
+        tail = (
+            "\n\nOn this CPU-only run DeepSpeed's offload copies nothing: its engine skips tensors that are not on "
+            "an accelerator (its design keeps the last checkpoint input on the device and moves the others)."
+        )
+    return head + markdown_table(rows) + tail + "\n\n" + measured(data)
+
+
 # -- MoE ----------------------------------------------------------------------------------------------------------
 
 FLOOR, OURS, TRAFFIC = "dense MLP x2 (floor)", "hf_llmkit MoELayer dropless", "E experts' weight traffic only"

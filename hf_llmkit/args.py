@@ -17,8 +17,10 @@ import torch
 from transformers import TrainingArguments
 
 from hf_llmkit.checkpoints.exit_codes import EXIT_DIVERGED, EXIT_PREEMPTED
+from hf_llmkit.compat.accelerate import launcher_parallelism_config
 from hf_llmkit.parallel.dims import ParallelDims
 from hf_llmkit.parallel.elastic import check_elastic_restarts
+from hf_llmkit.parallel.host_clashes import check_sequence_parallel_config
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +94,10 @@ class LLMKitTrainingArguments(TrainingArguments):
         tiled_mlp: Long sequences (ALST). Run each decoder layer's MLP in chunks of `tiled_mlp_chunk_size` positions,
             each under checkpointing, so the `[sequence, intermediate]` activations are never kept (dense MLPs only).
         tiled_mlp_chunk_size: Long sequences. Positions (per rank) per tiled-MLP chunk; 0 = the model's hidden size.
-        offload_activation_checkpoints: Long sequences (ALST). Keep what autograd saves between checkpointed layers
-            (each layer's input) in pinned host memory instead of accelerator memory; needs
-            `activation_checkpointing` (`gradient_checkpointing`). A no-op on CPU-only machines.
+        offload_activation_checkpoints: Long sequences (ALST). Keep each checkpointed layer's input in pinned host
+            memory instead of accelerator memory; needs `activation_checkpointing` (`gradient_checkpointing`). It is
+            transformers' own per-checkpoint offload (`activation_checkpointing_kwargs={"offload": True}`, set
+            here); without an accelerator it copies host memory to host memory.
     """
 
     # `--help` of a command built on `hf_llmkit.cli.CommandLineParser` lists these fields under these titles (a test
@@ -173,7 +176,7 @@ class LLMKitTrainingArguments(TrainingArguments):
         default=False,
         metadata={
             "help": "Keep activation-checkpoint inputs in pinned host memory (needs --gradient_checkpointing; "
-            "a no-op without an accelerator)."
+            "transformers' per-checkpoint offload)."
         },
     )
 
@@ -195,6 +198,11 @@ class LLMKitTrainingArguments(TrainingArguments):
                 f"tiled_mlp_chunk_size must be >= 1 positions (or 0 for the hidden size), "
                 f"got {self.tiled_mlp_chunk_size}"
             )
+        for config, source in (
+            (self.parallelism_config, "the parallelism_config argument's"),
+            (launcher_parallelism_config(), "accelerate launch's"),
+        ):
+            check_sequence_parallel_config(self.sequence_parallel_size, config, source=source)  # one splitter only
         world = int(os.environ.get("WORLD_SIZE", "1"))
         ParallelDims(world=world, sp=self.sequence_parallel_size, ep=self.expert_parallel_size)  # before any work
         multi_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -212,8 +220,21 @@ class LLMKitTrainingArguments(TrainingArguments):
             if self.accelerator_config is None or isinstance(self.accelerator_config, dict):
                 self.accelerator_config = {**(self.accelerator_config or {}), "use_configured_state": True}
         super().__post_init__()
-        if self.offload_activation_checkpoints and not self.activation_checkpointing:
+        if self.offload_activation_checkpoints:
+            self._delegate_offload()
+
+    def _delegate_offload(self) -> None:
+        """`offload_activation_checkpoints` is transformers' own per-checkpoint offload (`save_on_cpu` around each
+        checkpointed layer's call: only the layers' inputs move), asked for in `activation_checkpointing_kwargs`."""
+        if not self.activation_checkpointing:
             raise ValueError(
                 "offload_activation_checkpoints moves activation-checkpoint inputs to host memory, so it needs "
                 "checkpointing: add --gradient_checkpointing true (or drop --offload_activation_checkpoints)"
             )
+        kwargs = dict(self.activation_checkpointing_kwargs or {})
+        if kwargs.get("offload", True) is not True:
+            raise ValueError(
+                f"offload_activation_checkpoints=True and activation_checkpointing_kwargs offload="
+                f"{kwargs['offload']!r} contradict each other; drop one of them"
+            )
+        self.activation_checkpointing_kwargs = {**kwargs, "offload": True}

@@ -25,6 +25,7 @@ from transformers import Trainer, TrainingArguments
 from hf_llmkit.checkpoints.endings import ResumeError
 from hf_llmkit.checkpoints.status import classify_checkpoint
 from hf_llmkit.log_bridge import add_callback_logs
+from hf_llmkit.parallel.host_clashes import check_expert_parallel_model
 from hf_llmkit.parallel.moe.routing_stats import watch_native_routers
 from hf_llmkit.trainers.changed_settings import apply_changed_settings
 from hf_llmkit.trainers.checkpoint_writes import save_checkpoint, save_final_model
@@ -56,8 +57,10 @@ class LLMKitTrainer(Trainer):
         ```
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, model=None, args=None, *rest, **kwargs):
+        if model is not None:  # before the Trainer builds its Accelerator (which may refuse the model first)
+            check_expert_parallel_model(getattr(args, "expert_parallel_size", 1), model)
+        super().__init__(model, args, *rest, **kwargs)
         if not isinstance(self.args, TrainingArguments):
             raise TypeError(f"LLMKitTrainer needs TrainingArguments, got {type(self.args).__name__}")
         self.run_identity: dict | None = None  # what this run is (hf_llmkit.trainers.run_identity), set by train()
