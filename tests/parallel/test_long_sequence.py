@@ -209,6 +209,34 @@ def test_training_arguments_validate_the_switches(tmp_path):
         make(tiled_mlp=True, tiled_mlp_chunk_size=-1)
     args = make(offload_activation_checkpoints=True, gradient_checkpointing=True, tiled_loss=True)
     assert args.offload_activation_checkpoints and args.tiled_loss and not args.tiled_mlp
+    assert args.activation_checkpointing_kwargs == {"offload": True}  # transformers' per-checkpoint offload
+    with pytest.raises(ValueError, match="activation_checkpointing_kwargs offload=False contradict each other"):
+        make(offload_activation_checkpoints=True, activation_checkpointing=True,
+             activation_checkpointing_kwargs={"offload": False})  # fmt: skip
+
+
+def test_the_offload_the_flag_asks_for_moves_each_checkpointed_layers_input_only():
+    """What `offload_activation_checkpoints` turns on (transformers' `offload=True`) copies 2 layer inputs of a
+    2-layer model per step; `offload_saved_activations` around the whole forward moves far more (the logits...)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from _offload_bytes import moved_bytes
+
+    data = batch()
+
+    def step(offload: bool = False, around=None) -> None:
+        model = tiny_llama().train()
+        model.activation_checkpointing_enable(offload=offload)
+        with around if around is not None else torch.enable_grad():
+            loss = model(**data).loss
+        loss.backward()
+
+    layer_input = data["input_ids"].numel() * 64 * 4  # [B, S, H] fp32
+    assert moved_bytes(step, lambda: step(offload=True)) == 2 * layer_input
+    whole = moved_bytes(step, lambda: step(around=offload_saved_activations(include_cpu=True, min_bytes=0)))
+    assert whole > 8 * layer_input
 
 
 def rows(n: int) -> list[dict[str, torch.Tensor]]:
