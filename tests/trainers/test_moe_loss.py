@@ -187,3 +187,22 @@ def test_load_best_model_at_end_restores_the_best_experts(tmp_path):
     for key, value in best.state_dict().items():
         if ".mlp." in key:
             torch.testing.assert_close(model.state_dict()[key], value, msg=f"{key} is not the best checkpoint's")
+
+
+def test_the_registry_path_trains_and_exports_a_native_checkpoint(tmp_path):
+    """transformers' own blocks computing through `experts_implementation="llmkit"` train with `LLMKitTrainer`, and
+    the saved checkpoint loads in plain transformers (its default grouped_mm experts) with the trained logits."""
+    from transformers import AutoModelForCausalLM
+
+    model = upcycled()
+    before = {k: v.clone() for k, v in model.state_dict().items() if ".mlp." in k}
+    trainer = make_trainer(model, tmp_path, max_steps=2)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    after = model.state_dict()
+    assert not any(torch.equal(before[k], after[k]) for k in before if "experts" in k)  # the experts trained
+    native = AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()
+    assert native.config._experts_implementation == "grouped_mm"
+    ids = torch.tensor([[5, 9, 2, 7, 3, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(native(ids).logits, model.eval()(ids).logits, atol=1e-5, rtol=1e-5)
