@@ -186,13 +186,10 @@ def sp_time(results: dict) -> str:
 
 @fragment("sp_offload", "sequence_parallel_offload")
 def sp_offload(results: dict) -> str:
+    from _offload_bytes import offload_rows
+
     data = results["sequence_parallel_offload"]
-    rows = [["design", "MiB per step", "x one layer input [B, S, H]"]]
-    for name, got in data["designs"].items():
-        if "error" in got:
-            rows.append([name, "did not run", got["error"][:80]])
-        else:
-            rows.append([name, f"{got['bytes'] / 2**20:.2f}", f"{got['x_layer_input']:.2f}"])
+    rows = offload_rows(data["designs"])
     head = (
         f"Bytes each activation-offload design copies to host memory in one step ({data['seq']} tokens, "
         f"{data['layers']} checkpointed layers, {data['device']}; on an accelerator they go to the host in the "

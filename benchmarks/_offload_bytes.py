@@ -40,3 +40,14 @@ def moved_bytes(plain: Callable[[], Any], offloaded: Callable[[], Any]) -> int:
     with CopiedBytes() as with_design:
         offloaded()
     return with_design.bytes - without.bytes
+
+
+def offload_rows(designs: dict[str, dict]) -> list[list[str]]:
+    """The table of a run's designs (name -> {"bytes", "x_layer_input"} or {"error"}), header first."""
+    rows = [["design", "MiB per step", "x one layer input [B, S, H]"]]
+    for name, got in designs.items():
+        if "error" in got:
+            rows.append([name, "did not run", got["error"][:80]])
+        else:
+            rows.append([name, f"{got['bytes'] / 2**20:.2f}", f"{got['x_layer_input']:.2f}"])
+    return rows

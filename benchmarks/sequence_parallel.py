@@ -325,17 +325,13 @@ def offload_bytes(seq: int, device: torch.device) -> dict:
 
 
 def report_offload(offload: dict) -> None:
+    from _offload_bytes import offload_rows
+
     print(
         f"\n## Bytes copied to host memory per step ({offload['seq']} tokens, {offload['layers']} layers, "
         f"{offload['device']})\n"
     )
-    rows = [["design", "MiB per step", "x one layer input [B, S, H]"]]
-    for name, got in offload["designs"].items():
-        if "error" in got:
-            rows.append([name, "did not run", got["error"][:80]])
-        else:
-            rows.append([name, f"{got['bytes'] / 2**20:.2f}", f"{got['x_layer_input']:.2f}"])
-    print(markdown_table(rows))
+    print(markdown_table(offload_rows(offload["designs"])))
 
 
 def _ratio(seconds: dict, a: str, b: str) -> str:
