@@ -143,3 +143,15 @@ def test_router_logits_and_load_balancing_loss_equal_the_native_moe_model(name, 
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.aux_loss, theirs.aux_loss, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-5, rtol=1e-5)
+
+
+def test_blocks_are_transformers_own_unless_they_cannot_route_as_asked():
+    """A capacity limit, and jitter on Qwen2-MoE (which has none), take `MoELayer` blocks; the rest keep
+    transformers' blocks computing through `experts_implementation="llmkit"` (Mixtral jitters natively)."""
+    models = dense_models()
+    jittered = upcycle_to_moe(models["llama"], num_experts=4, top_k=2, jitter_noise=0.1)
+    assert not moe_layers(jittered) and jittered.config.router_jitter_noise == 0.1
+    assert len(moe_layers(upcycle_to_moe(models["qwen2"], num_experts=4, top_k=2, jitter_noise=0.1))) == 2
+    assert not moe_layers(upcycle_to_moe(dense_models()["qwen2"], num_experts=4, top_k=2))
+    capped = upcycle_to_moe(tiny_llama(), num_experts=4, top_k=2, capacity_factor=1.0)
+    assert [layer.capacity_factor for layer in moe_layers(capped)] == [1.0, 1.0]

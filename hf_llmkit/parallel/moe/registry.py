@@ -15,8 +15,9 @@ Because the block stays transformers' own, everything transformers and DeepSpeed
 transformers' expert-parallel plan (`DistributedConfig(ep_size=...)`, whose experts module then holds `E / P`
 experts and marks routes to other ranks' experts with ids `>= E / P`: those slots are dropped here, as a capacity
 limit drops them in `MoELayer`), tensor-parallel plans, FSDP2, DeepSpeed AutoEP, and `save_pretrained` of the
-native checkpoint. What a registry function cannot do is change the routing: capacity limits and our own expert
-parallelism (`expert_parallel_size`) swap the block for an `MoELayer` (`use_moe_layers`).
+native checkpoint. What a registry function cannot do is change the routing: capacity limits, our own expert
+parallelism (`expert_parallel_size`) and router jitter where the block has none (Qwen2-MoE) swap the block for an
+`MoELayer` (`use_moe_layers`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """Sparse upcycling (Komatsuzaki et al., 2022): a dense Llama / Mistral / Qwen2 model becomes an MoE model.
 
 `upcycle_to_moe` returns the model as transformers' own MoE architecture (Mixtral for Llama and Mistral,
-Qwen2-MoE for Qwen2) whose sparse blocks are `MoELayer`s holding copies of the dense MLP. Attention,
+Qwen2-MoE for Qwen2), every expert a copy of the dense MLP, in transformers' own sparse blocks computing through
+`experts_implementation="llmkit"` (or `MoELayer`s, with a capacity limit). Attention,
 norms and embeddings are the dense model's tensors (moved, not copied). Because the config, the class
 and every state-dict key are the native ones, `save_pretrained` writes a checkpoint plain transformers
 loads as that MoE architecture, and `from_pretrained` of it needs no hf_llmkit. `use_moe_layers` goes the
 other way: it swaps the native sparse blocks of a loaded Mixtral / Qwen2-MoE model for `MoELayer`s
-(to train with the fast grouped experts, capacity limits or expert parallelism).
+(for capacity limits or hf_llmkit's expert parallelism; our expert compute needs no swap).
 
 Example:
     ```python
@@ -169,7 +170,9 @@ def upcycle_to_moe(
 
     Returns a new model of transformers' native MoE class (`LlamaForCausalLM` -> `MixtralForCausalLM`,
     `Qwen2ForCausalLM` -> `Qwen2MoeForCausalLM`, ...) that shares the dense model's non-MLP tensors; use it
-    instead of the dense model. Right after upcycling its outputs equal the dense model's: the top-k
+    instead of the dense model. Its sparse blocks are transformers' own, computing their experts through
+    `experts_implementation="llmkit"` (`hf_llmkit.parallel.moe.registry`), or `MoELayer`s where those blocks cannot
+    route as asked (`capacity_factor`, Qwen2 with `jitter_noise`). Right after upcycling its outputs equal the dense model's: the top-k
     weights are renormalised and every expert is the dense MLP. The router starts random (normal,
     `initializer_range`) so training can specialise the experts.
 
@@ -178,8 +181,11 @@ def upcycle_to_moe(
             those families that the MoE family also has).
         num_experts: experts per layer.
         top_k: experts per token.
-        capacity_factor: see `MoELayer` (None = dropless; the exported model is always dropless).
-        jitter_noise: router input jitter in training (exported as Mixtral's `router_jitter_noise`).
+        capacity_factor: see `MoELayer` (None = dropless; the exported model is always dropless). Set, the blocks
+            are `MoELayer`s: the capacity is a routing decision transformers' blocks cannot make.
+        jitter_noise: input jitter in training (exported as Mixtral's `router_jitter_noise`; Mixtral's block scales
+            its whole input, experts included, `MoELayer`'s the router's only). Qwen2-MoE has no jitter: with it,
+            a Qwen2 model gets `MoELayer` blocks.
         shared_expert_intermediate_size: Qwen2 only: width of Qwen2-MoE's shared expert; it starts with a zero
             output projection. 0 (default) exports a zero-width shared expert, which adds exactly nothing.
     """
@@ -198,7 +204,9 @@ def upcycle_to_moe(
                 module, dense_config, num_experts=num_experts, top_k=top_k, shared=shared,
                 capacity_factor=capacity_factor, jitter_noise=jitter_noise,
             )  # fmt: skip
-    native = capacity_factor is None  # transformers' own blocks, our experts through its registry
+    # transformers' own blocks, our experts through its registry; MoELayer where the block cannot do it: a capacity
+    # limit, and router jitter in Qwen2-MoE (which has none)
+    native = capacity_factor is None and (jitter_noise == 0 or target.moe_prefix == "Mixtral")
     moe_config = _moe_config(
         dense_config, target, num_experts=num_experts, top_k=top_k, jitter_noise=jitter_noise, shared=shared or 0,
         experts=register_experts_implementation() if native else None,
