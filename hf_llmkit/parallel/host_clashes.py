@@ -30,9 +30,10 @@ def check_sequence_parallel_config(sequence_parallel_size: int, parallelism_conf
     cp = getattr(parallelism_config, "cp_size", 1) or 1
     if sp > 1:
         backend = getattr(parallelism_config, "sp_backend", "deepspeed")
+        owner = "DeepSpeed" if backend == "deepspeed" else backend
         raise ValueError(
             f"sequence_parallel_size={sequence_parallel_size} (hf_llmkit's Ulysses) and {source} "
-            f"ParallelismConfig(sp_size={sp}, sp_backend={backend!r}) ({backend}'s Ulysses) both split the sequence: "
+            f"ParallelismConfig(sp_size={sp}, sp_backend={backend!r}) ({owner}'s Ulysses) both split the sequence: "
             "keep one -- drop sequence_parallel_size to use DeepSpeed's, or drop the config's sp_size "
             "(--parallelism_config_sp_size) to use ours"
         )

@@ -166,15 +166,15 @@ def upcycle_to_moe(
     jitter_noise: float = 0.0,
     shared_expert_intermediate_size: int = 0,
 ) -> nn.Module:
-    """Turn every MLP of a dense Llama / Mistral / Qwen2 model into an `MoELayer` of copies of that MLP.
+    """Turn every MLP of a dense Llama / Mistral / Qwen2 model into a mixture of experts, copies of that MLP.
 
     Returns a new model of transformers' native MoE class (`LlamaForCausalLM` -> `MixtralForCausalLM`,
     `Qwen2ForCausalLM` -> `Qwen2MoeForCausalLM`, ...) that shares the dense model's non-MLP tensors; use it
     instead of the dense model. Its sparse blocks are transformers' own, computing their experts through
     `experts_implementation="llmkit"` (`hf_llmkit.parallel.moe.registry`), or `MoELayer`s where those blocks cannot
-    route as asked (`capacity_factor`, Qwen2 with `jitter_noise`). Right after upcycling its outputs equal the dense model's: the top-k
-    weights are renormalised and every expert is the dense MLP. The router starts random (normal,
-    `initializer_range`) so training can specialise the experts.
+    route as asked (`capacity_factor`, Qwen2 with `jitter_noise`). Right after upcycling its outputs equal the
+    dense model's: the top-k weights are renormalised and every expert is the dense MLP. The router starts random
+    (normal, `initializer_range`) so training can specialise the experts.
 
     Args:
         model: a dense `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` (or another head class of
