@@ -184,6 +184,26 @@ def sp_time(results: dict) -> str:
     return head + markdown_table(rows) + "\n\n" + summary + "\n\n" + measured(data, _sp_threads(data))
 
 
+@fragment("sp_offload", "sequence_parallel_offload")
+def sp_offload(results: dict) -> str:
+    from _offload_bytes import offload_rows
+
+    data = results["sequence_parallel_offload"]
+    rows = offload_rows(data["designs"])
+    head = (
+        f"Bytes each activation-offload design copies to host memory in one step ({data['seq']} tokens, "
+        f"{data['layers']} checkpointed layers, {data['device']}; on an accelerator they go to the host in the "
+        "forward and come back in the backward):\n\n"
+    )
+    tail = ""
+    if data["device"] == "cpu":
+        tail = (
+            "\n\nOn this CPU-only run DeepSpeed's offload copies nothing: its engine skips tensors that are not on "
+            "an accelerator (its design keeps the last checkpoint input on the device and moves the others)."
+        )
+    return head + markdown_table(rows) + tail + "\n\n" + measured(data)
+
+
 # -- MoE ----------------------------------------------------------------------------------------------------------
 
 FLOOR, OURS, TRAFFIC = "dense MLP x2 (floor)", "hf_llmkit MoELayer dropless", "E experts' weight traffic only"
@@ -236,12 +256,27 @@ def moe_summary(results: dict) -> str:
         f"- ours / E dense MLPs on even rows: {span(even)} (above 1: what routing, sorting and scatter-back cost);",
         f"- the weight traffic alone at {max_experts(layers)} experts: {span(traffic)} of the floor;",
         *undone_lines(layers, span),
+        *registry_lines(layers, span),
         f"- outputs and input gradients against Mixtral eager on the same input: max |diff| "
         f"{max(max(d['output'], d['grad_input']) for d in diffs):.1e}."
         if diffs
         else "",
     ]
     return "\n".join(line for line in lines if line) + "\n\n" + measured(results["moe"])
+
+
+def registry_lines(layers: list[dict], span) -> list[str]:
+    """Our expert compute inside transformers' own Mixtral block (`experts_implementation="llmkit"`) against the
+    block's default, grouped_mm, and against `MoELayer` (results without it: nothing)."""
+    runs = [r["registry"] for r in layers if r.get("registry")]
+    if not runs:
+        return []
+    grouped = [r["grouped_mm"]["median"] for r in runs]
+    layer = [r["moe_layer"]["median"] for r in runs]
+    return [
+        f'- ours inside transformers\' Mixtral block (`experts_implementation="llmkit"`) / grouped_mm in the same '
+        f"block: {span(grouped)}; / `MoELayer`: {span(layer)};"
+    ]
 
 
 def undone_lines(layers: list[dict], span) -> list[str]:

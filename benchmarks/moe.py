@@ -6,7 +6,10 @@ a dense SwiGLU MLP of the same width applied twice (top-2 routing does two MLPs'
 loaded with the same weights: `MoELayer` dropless (and with capacity factor 1.0, for reference); transformers'
 `MixtralSparseMoeBlock` with each experts implementation that runs on CPU (eager, grouped_mm, and batched_mm when
 its per-token weight copies fit in `--batched-mm-gib`); DeepSpeed's `MoE` dropless and with capacity factor 1.0.
-One more row runs ours on torch's ops (`TORCH_OPS`: what the C SwiGLU and routing kernels are worth). Each
+One more row runs ours on torch's ops (`TORCH_OPS`: what the C SwiGLU and routing kernels are worth), and one runs
+our expert compute inside transformers' own `MixtralSparseMoeBlock` through its experts registry
+(`experts_implementation="llmkit"`, `REGISTRY`: the block `upcycle_to_moe` returns), next to grouped_mm in the same
+block, transformers' default. Each
 configuration runs at 1 and 2 torch threads over an expert sweep (8, 16, 64 experts at 2,048 tokens) and a
 token sweep (512, 2,048, 8,192 tokens at 8 experts), with `_common.Bench`: variants interleaved, order rotated each
 round, min and median of per-round ratios, load average before and after. Outputs and gradients of `MoELayer`
@@ -50,6 +53,8 @@ FLOOR, OURS = "dense MLP x2 (floor)", "hf_llmkit MoELayer dropless"
 TORCH_OPS = f"{OURS}, torch ops"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EVEN = "E dense MLPs, even rows (no routing)"
+# Our expert compute in transformers' own block, through its ExpertsInterface registry; grouped_mm is its default.
+REGISTRY, GROUPED_MM = "hf_llmkit experts in the Mixtral block (llmkit)", "Mixtral block grouped_mm"
 TRAFFIC = "E experts' weight traffic only"
 
 
@@ -175,6 +180,7 @@ def build_systems(shape: dict, *, batched_mm_budget: float, deepspeed: bool) -> 
     implementations = ["eager", "grouped_mm"] + (["batched_mm"] if batched_mm_gib(shape) <= batched_mm_budget else [])
     for impl in implementations:
         systems[f"Mixtral block {impl}"] = mixtral_block(shape, impl, state)
+    systems[REGISTRY] = mixtral_block(shape, "llmkit", state)
     if deepspeed:
         systems["DeepSpeed MoE dropless"] = deepspeed_moe(shape, drop_tokens=False, state=state)
         systems["DeepSpeed MoE capacity 1.0"] = deepspeed_moe(shape, drop_tokens=True, state=state)
@@ -217,7 +223,7 @@ def check_outputs(systems: dict[str, nn.Module], x: torch.Tensor) -> dict[str, d
     results = {}
     grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(x)
     outs = {}
-    for name in (ref_name, OURS, "DeepSpeed MoE dropless"):
+    for name in (ref_name, OURS, REGISTRY, "DeepSpeed MoE dropless"):
         if name in systems:
             inp = x.detach().requires_grad_(True)
             out = forward(name, systems[name], inp)
@@ -273,9 +279,18 @@ def bench_config(shape: dict, threads: int, args) -> dict:
     print("max |diff| vs Mixtral eager: " + ", ".join(f"{n}: {d}" for n, d in diffs.items()))
     vs_even = ratio_stats(secs[OURS], secs[EVEN])
     vs_undone = {TORCH_OPS: ratio_stats(secs[OURS], secs[TORCH_OPS])} if TORCH_OPS in secs else {}
+    registry = {}
+    if GROUPED_MM in secs:  # ours in transformers' block against its default in the same block, and against MoELayer
+        registry = {
+            "grouped_mm": ratio_stats(secs[REGISTRY], secs[GROUPED_MM]),
+            "moe_layer": ratio_stats(secs[REGISTRY], secs[OURS]),
+        }
+        print(
+            f"{REGISTRY} / {GROUPED_MM}: {registry['grouped_mm']['min']:.3f} / {registry['grouped_mm']['median']:.3f}"
+        )
     return {
         **shape, "threads": threads, "timings": timings.to_json(), "ours_vs_peers": vs_peers, "ours_vs_even": vs_even,
-        "ours_vs_undone": vs_undone, "diffs": diffs, "slow_single_call_vs_floor": slow,
+        "ours_vs_undone": vs_undone, "registry": registry, "diffs": diffs, "slow_single_call_vs_floor": slow,
     }  # fmt: skip
 
 

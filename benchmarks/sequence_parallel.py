@@ -6,8 +6,9 @@ For sp = 1, 2, 4 (world = sp; sp = 1 is the model on one rank) a small Llama (GQ
 - hf_llmkit plain: no switch (at sp = 1 the plain HF model: the baseline of every "x sp=1" ratio);
 - hf_llmkit ckpt: transformers' activation checkpointing;
 - hf_llmkit tiled: tiled loss + tiled MLP (CHUNK positions per chunk), no checkpointing;
-- hf_llmkit alst: checkpointing + tiled loss + tiled MLP + activation-checkpoint offload (offload is a no-op on
-  CPU: the same hooks run, nothing is copied);
+- hf_llmkit alst: checkpointing + tiled loss + tiled MLP + activation-checkpoint offload (what
+  `offload_activation_checkpoints` asks for: transformers' per-checkpoint `offload=True`, which copies each layer's
+  input to host memory, host to host on CPU);
 - deepspeed ulysses (sp > 1): DeepSpeed's `UlyssesSPAttentionHF` through accelerate `ParallelismConfig`;
 - deepspeed alst: DeepSpeed's Ulysses (sp > 1) + its `TiledMLP` and `TiledFusedLogitsLoss` + checkpointing.
 
@@ -30,7 +31,17 @@ gradient but not the head's -- ours (checkpointed chunks) gives the untiled grad
 Step time: every variant at `--time-seq` tokens, in interleaved rounds with the order rotated each round
 (`_common.Bench`), each round's time the slowest rank's; min and median of per-round ratios.
 
+Offload bytes (one rank, `--offload-seq` tokens, checkpointing on, plain LM loss): what each activation-offload
+design copies to host memory in one step (`_offload_bytes.moved_bytes`: bytes written by `aten.copy_` with the
+design minus without; on an accelerator they cross to the host in the forward and back in the backward) --
+hf_llmkit's `offload_activation_checkpoints` (transformers' per-checkpoint `offload=True`), DeepSpeed's
+`CheckpointHiddenStatesOffload` (marked checkpoint inputs, the last one kept on the device; it skips tensors that
+are not on an accelerator), and `offload_saved_activations()` around the whole forward (what the trainer did
+before: everything autograd saves outside the checkpointed layers too, the logits included). Deterministic: it
+does not depend on the load. `--offload-only` runs this part alone.
+
     python benchmarks/sequence_parallel.py --quick     # sp 2, 8 MiB, 256 tokens timed, 2 rounds: a smoke test
+    python benchmarks/sequence_parallel.py --offload-only   # the offload bytes alone (seconds)
     python benchmarks/sequence_parallel.py             # sp 1, 2, 4, 32 MiB: about 30 minutes
     python benchmarks/sequence_parallel.py --device cuda --budget-mib 4096   # one GPU per rank, over NCCL
 
@@ -137,8 +148,8 @@ def _ours(switches: str, group) -> callable:
     model = _model()
     if group is not None:
         apply_sequence_parallel(model, group=group)
-    if switches in ("ckpt", "alst"):
-        model.activation_checkpointing_enable()
+    if switches in ("ckpt", "alst"):  # alst: offload_activation_checkpoints = transformers' offload=True
+        model.activation_checkpointing_enable(offload=switches == "alst")
     if switches in ("tiled", "alst"):
         TiledLoss(model, chunk_size=CHUNK)
         TiledMLP(model, chunk_size=CHUNK)
@@ -146,13 +157,12 @@ def _ours(switches: str, group) -> callable:
     def step(batch: dict) -> float:
         inputs = {k: batch[k] for k in ("input_ids", "position_ids")}
         targets = batch["shift_labels"]
-        with offload_saved_activations() if switches == "alst" else contextlib.nullcontext():
-            if switches in ("tiled", "alst"):
-                loss = _mean(model(**inputs, **{TARGETS_KWARG: targets}).loss, targets, group)
-            elif group is not None:
-                loss = sequence_parallel_loss(model(**inputs).logits, targets, group=group)
-            else:
-                loss = F.cross_entropy(model(**inputs).logits[0].float(), targets[0], ignore_index=IGNORE_INDEX)
+        if switches in ("tiled", "alst"):
+            loss = _mean(model(**inputs, **{TARGETS_KWARG: targets}).loss, targets, group)
+        elif group is not None:
+            loss = sequence_parallel_loss(model(**inputs).logits, targets, group=group)
+        else:
+            loss = F.cross_entropy(model(**inputs).logits[0].float(), targets[0], ignore_index=IGNORE_INDEX)
         loss.backward()
         _note_head_grad(f"hf_llmkit {switches}", model)
         model.zero_grad(set_to_none=True)
@@ -265,6 +275,65 @@ def bench_rank(config: dict) -> dict:
     }
 
 
+OFFLOAD_DESIGNS = {
+    "hf_llmkit offload_activation_checkpoints (transformers' offload=True)": "transformers",
+    "DeepSpeed CheckpointHiddenStatesOffload": "deepspeed",
+    "offload_saved_activations() around the forward (the trainer's design before)": "whole_forward",
+}
+
+
+def offload_bytes(seq: int, device: torch.device) -> dict:
+    """Bytes each offload design copies to host memory in one step of the benchmark's model on one sequence."""
+    from _offload_bytes import moved_bytes
+
+    _DEVICE["type"] = device.type
+    ids = torch.randint(3, MODEL["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def checkpointed(offload: bool = False) -> torch.nn.Module:
+        model = _model()
+        model.activation_checkpointing_enable(offload=offload)
+        return model
+
+    def step(model: torch.nn.Module, context=None) -> None:
+        with context if context is not None else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    plain = checkpointed()
+    designs = {
+        "transformers": lambda: step(checkpointed(offload=True)),
+        "whole_forward": lambda: step(plain, offload_saved_activations(include_cpu=True, min_bytes=0)),
+    }
+    try:
+        from deepspeed.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
+
+        pinned = device.type != "cpu"
+        designs["deepspeed"] = lambda: step(plain, CheckpointHiddenStatesOffload(use_pin_memory=pinned))
+    except ImportError as err:  # the peer is optional (the deepspeed extra)
+        designs["deepspeed"] = err
+    hidden = seq * MODEL["hidden_size"] * torch.float32.itemsize  # one layer input [1, S, H]
+    rows = {}
+    for name, key in OFFLOAD_DESIGNS.items():
+        design = designs[key]
+        if isinstance(design, Exception):
+            rows[name] = {"error": f"{type(design).__name__}: {design}"}
+            continue
+        moved = moved_bytes(lambda: step(plain), design)
+        rows[name] = {"bytes": moved, "x_layer_input": moved / hidden}
+    return {"seq": seq, "layers": MODEL["num_hidden_layers"], "device": device.type, "designs": rows}
+
+
+def report_offload(offload: dict) -> None:
+    from _offload_bytes import offload_rows
+
+    print(
+        f"\n## Bytes copied to host memory per step ({offload['seq']} tokens, {offload['layers']} layers, "
+        f"{offload['device']})\n"
+    )
+    print(markdown_table(offload_rows(offload["designs"])))
+
+
 def _ratio(seconds: dict, a: str, b: str) -> str:
     if a not in seconds or b not in seconds:
         return "-"
@@ -301,7 +370,7 @@ def report_memory(runs: dict, config: dict) -> None:
     print(markdown_table(rows))
     print(
         f"\n(peak bytes of tensors alive at once during fwd+bwd, gradients included, parameters not; largest rank; "
-        f"tiles of {CHUNK} positions; offload is a no-op on CPU)"
+        f"tiles of {CHUNK} positions; on CPU the offload copies host to host)"
     )
 
 
@@ -334,6 +403,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and activations")
     parser.add_argument("--time-only", action="store_true", help="skip the longest-sequence search")
     parser.add_argument("--quick", action="store_true", help="sp 2, 8 MiB, 256 tokens timed, 2 rounds")
+    parser.add_argument("--offload-seq", type=int, default=4096, help="tokens of the offload-bytes step")
+    parser.add_argument("--offload-only", action="store_true", help="only the offload bytes (seconds)")
     add_device_argument(parser)
     args = parser.parse_args()
     device = pick_device(args.device)
@@ -357,6 +428,11 @@ def main() -> None:
         "model": args.model,
         "dtype": args.dtype,
     }
+    offload = offload_bytes(256 if args.quick else args.offload_seq, device)
+    report_offload(offload)
+    print(f"wrote {write_results('sequence_parallel_offload', offload)}")
+    if args.offload_only:
+        return
     bench = importlib.import_module("sequence_parallel")  # launch() imports the rank function by module name
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
     shape = {"model": MODELS[args.model], "model_name": args.model, "chunk": CHUNK}

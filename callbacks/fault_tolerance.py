@@ -10,7 +10,14 @@ It works the same under every Trainer (`transformers.Trainer`, TRL's `SFTTrainer
   a manifest (written without this callback) are validated by loading and resumed from.
 - **Preemption.** SIGTERM / SIGUSR1 make every rank save at the next step boundary and stop. The run then ends with
   `TrainingInterrupted`, exit status 143 by default (`exit_code`, or `LLMKitTrainingArguments.preemption_exit_code`):
-  a preempted run is not a finished one, and re-running the same command continues it.
+  a preempted run is not a finished one, and re-running the same command continues it. The handlers are installed
+  at `on_train_begin` and the ones they replaced are put back when training ends, in reverse order; where another
+  component has installed its own handler over ours meanwhile, that one stays, and ours, if it is still called,
+  passes the signal on to the handler it had replaced (so after `train()` a SIGTERM ends the process as before).
+  transformers' own `TrainingArguments(enable_jit_checkpoint=True)` also saves on SIGTERM: together with this
+  callback listening to SIGTERM the run is refused in one line before any work (one of them would silently not
+  save); `FaultToleranceCallback(signals=("SIGUSR1",))` leaves SIGTERM to it. A checkpoint its save left half
+  written (`checkpoint-is-incomplete.txt`) is an interrupted one: never resumed from, deleted.
 - **Divergence.** A NaN/Inf training loss, a loss above `loss_spike_factor` x its running average, or non-finite
   weights at save time stop the run (`TrainingDivergedError`, exit status 3) naming the last complete checkpoint;
   `LLMKitTrainer` then rolls back to it by itself and skips the data since then, at most `max_rollbacks` times. The
@@ -114,7 +121,8 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
         )
         self.rollbacks = 0  # resumable state (see `state`)
         self._signal: int | None = None
-        self._old_handlers: dict[int, object] = {}
+        self._old_handlers: dict[int, object] = {}  # installed now: signal -> the handler ours replaced
+        self._replaced: dict[int, object] = {}  # every handler ours replaced, kept to pass a late signal on
         self._pending: StopRequest | None = None  # raised once the step's saves are done
         self._lock: tuple[str, OutputDirLock] | None = None  # (output_dir, this run's share of its lock)
 
@@ -167,6 +175,9 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
 
     # -- signals --------------------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
+        if signum not in self._old_handlers:  # training is over: this handler was left installed by someone else
+            _pass_on(signum, frame, self._replaced.get(signum))
+            return
         if self._signal is None:
             logger.warning("received %s: saving at the next step boundary, then stopping", signal.Signals(signum).name)
         self._signal = signum
@@ -177,13 +188,27 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
             return
         for signum in self.signals:
             if signum not in self._old_handlers:
-                self._old_handlers[signum] = signal.signal(signum, self._on_signal)
+                previous = signal.signal(signum, self._on_signal)
+                if previous == self._on_signal:  # still ours from an earlier run (left by someone else's restore)
+                    previous = self._replaced.get(signum, signal.SIG_DFL)
+                self._old_handlers[signum] = self._replaced[signum] = previous
+
+    def _refuse_jit_checkpoint(self, args, state) -> None:
+        """transformers' JIT checkpoint and this callback cannot both own SIGTERM: refuse before any work."""
+        if getattr(args, "enable_jit_checkpoint", False) and signal.SIGTERM in self.signals:
+            error = ResumeError(
+                "enable_jit_checkpoint=True (transformers' SIGTERM checkpoint) and FaultToleranceCallback (which "
+                "saves on SIGTERM too) would both handle SIGTERM: drop enable_jit_checkpoint, or pass "
+                "FaultToleranceCallback(signals=('SIGUSR1',)) to leave SIGTERM to the JIT checkpoint"
+            )
+            raise logged(error, is_main_process=state.is_world_process_zero)
 
     def close(self) -> None:
         """Restore the signal handlers and remove the loss hook. Runs at `on_train_end`; `LLMKitTrainer` also calls
         it when training ends with an exception."""
-        for signum, handler in self._old_handlers.items():
-            signal.signal(signum, handler)
+        for signum, handler in reversed(list(self._old_handlers.items())):  # the last replaced goes back first
+            if signal.getsignal(signum) == self._on_signal:  # else someone installed theirs over ours: it stays
+                signal.signal(signum, handler)
         self._old_handlers.clear()
         self.watch.detach()
         if self._lock is not None:
@@ -274,8 +299,10 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
 
     # -- Trainer events -------------------------------------------------------------------------------------
     def on_init_end(self, args, state, control, **kwargs):
-        """Before anything is loaded: take the output folder, and leave no half-written checkpoint at its top, where
-        `resume_from_checkpoint=True` (the highest `checkpoint-N`) would pick it."""
+        """Before anything is loaded: refuse a second SIGTERM handler, take the output folder, and leave no
+        half-written checkpoint at its top, where `resume_from_checkpoint=True` (the highest `checkpoint-N`) would
+        pick it."""
+        self._refuse_jit_checkpoint(args, state)
         self._hold_output_dir(args, state)
         if state.is_world_process_zero:
             report = tidy_above_latest(args.output_dir)
@@ -286,7 +313,8 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
         return control
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self._hold_output_dir(args, state)  # added after the Trainer was built: no on_init_end
+        self._refuse_jit_checkpoint(args, state)  # added after the Trainer was built: no on_init_end
+        self._hold_output_dir(args, state)
         self._refuse_unusable_resume(args, state)
         name = type(self).__name__
         # Resumed from a checkpoint saved without this callback, the Trainer's save would fail with KeyError on
@@ -360,6 +388,15 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
         self.close()
         self._raise_pending(args, state)
         return control
+
+
+def _pass_on(signum: int, frame, handler) -> None:
+    """Deliver a signal to the handler ours had replaced: call it, or let the default action happen."""
+    if callable(handler):
+        handler(signum, frame)
+    elif handler == signal.SIG_DFL or handler is None:
+        signal.signal(signum, signal.SIG_DFL)  # e.g. SIGTERM's default: the process ends
+        signal.raise_signal(signum)
 
 
 def preemption_message(request: StopRequest, output_dir: str) -> str:

@@ -1,8 +1,11 @@
 """`LossScaleCallback`: log the live fp16 loss scale, overflows and skipped steps, through the Trainer's log.
 
 fp16 training scales the loss so small gradients survive; on an overflow the step is skipped and the scale
-halved. Neither the HF Trainer nor DeepSpeed reports this beyond "OVERFLOW! Skipping step" lines. This callback
-adds to every training log:
+halved. The HF Trainer logs none of it (only `grad_norm`), whatever runs the scaling. DeepSpeed reports it its own
+way: with a monitor in its config (TensorBoard, W&B, CSV) it writes `Train/Samples/loss_scale` at every
+optimizer step, it prints "OVERFLOW! Skipping step" on each overflow and `skipped=<count>` in its progress line
+every `steps_per_print` steps -- into its own monitor and console, not the Trainer's log, so `report_to`
+integrations and `log_history` never see them. This callback adds to every training log:
 
 - `loss_scale`: the scale in use now (torch AMP `GradScaler` through accelerate, or DeepSpeed's live `cur_scale`,
   not the configured initial value);

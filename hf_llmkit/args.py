@@ -17,8 +17,10 @@ import torch
 from transformers import TrainingArguments
 
 from hf_llmkit.checkpoints.exit_codes import EXIT_DIVERGED, EXIT_PREEMPTED
+from hf_llmkit.compat.accelerate import launcher_parallelism_config
 from hf_llmkit.parallel.dims import ParallelDims
 from hf_llmkit.parallel.elastic import check_elastic_restarts
+from hf_llmkit.parallel.host_clashes import check_sequence_parallel_config
 
 logger = logging.getLogger(__name__)
 
@@ -80,21 +82,26 @@ class LLMKitTrainingArguments(TrainingArguments):
             `LLMKitTrainer` shards the experts of a Mixtral / Qwen2-MoE / upcycled model over each group of this many
             consecutive ranks, moves tokens to their experts by all-to-all, reduces expert gradients only over the
             ranks holding the same experts and saves full native checkpoints (`hf_llmkit.trainers.expert_parallel`).
-            1 = off.
+            1 = off. On a model transformers already distributed (loaded with `distributed_config`) `LLMKitTrainer`
+            raises `ValueError` before building its Accelerator: that model trains with transformers' own plan.
         sequence_parallel_size: Sequence parallelism (Ulysses). Number of ranks that split each sample's sequence
             (world = data-parallel size x this); `LLMKitTrainer` shards batches along the sequence, wraps the model's
-            attention with all-to-all head exchange and averages the loss over the group's tokens. 1 = off.
+            attention with all-to-all head exchange and averages the loss over the group's tokens. 1 = off. With
+            an accelerate `ParallelismConfig` that splits the sequence too (`sp_size` / `cp_size` > 1, given as
+            `parallelism_config` or by `accelerate launch --parallelism_config_*`) it raises `ValueError` naming both.
         tiled_loss: Long sequences (ALST). Compute the LM head and the cross-entropy in chunks of
             `tiled_loss_chunk_size` positions under checkpointing, never materialising `[sequence, vocab]` logits;
             loss and gradients equal the untiled ones. With or without sequence parallelism; causal LMs whose head is
             a plain projection (models that soft-cap or scale logits are refused at the first step).
         tiled_loss_chunk_size: Long sequences. Positions (per rank) per tiled-loss chunk.
         tiled_mlp: Long sequences (ALST). Run each decoder layer's MLP in chunks of `tiled_mlp_chunk_size` positions,
-            each under checkpointing, so the `[sequence, intermediate]` activations are never kept (dense MLPs only).
+            each under checkpointing, so the `[sequence, intermediate]` activations are never kept (dense MLPs and
+            dropless MoE blocks; a `capacity_factor` is refused).
         tiled_mlp_chunk_size: Long sequences. Positions (per rank) per tiled-MLP chunk; 0 = the model's hidden size.
-        offload_activation_checkpoints: Long sequences (ALST). Keep what autograd saves between checkpointed layers
-            (each layer's input) in pinned host memory instead of accelerator memory; needs
-            `activation_checkpointing` (`gradient_checkpointing`). A no-op on CPU-only machines.
+        offload_activation_checkpoints: Long sequences (ALST). Keep each checkpointed layer's input in pinned host
+            memory instead of accelerator memory; needs `activation_checkpointing` (`gradient_checkpointing`). It is
+            transformers' own per-checkpoint offload (`activation_checkpointing_kwargs={"offload": True}`, set
+            here); without an accelerator it copies host memory to host memory.
     """
 
     # `--help` of a command built on `hf_llmkit.cli.CommandLineParser` lists these fields under these titles (a test
@@ -173,7 +180,7 @@ class LLMKitTrainingArguments(TrainingArguments):
         default=False,
         metadata={
             "help": "Keep activation-checkpoint inputs in pinned host memory (needs --gradient_checkpointing; "
-            "a no-op without an accelerator)."
+            "transformers' per-checkpoint offload)."
         },
     )
 
@@ -195,6 +202,12 @@ class LLMKitTrainingArguments(TrainingArguments):
                 f"tiled_mlp_chunk_size must be >= 1 positions (or 0 for the hidden size), "
                 f"got {self.tiled_mlp_chunk_size}"
             )
+        if self.sequence_parallel_size > 1:  # one sequence splitter only: accelerate's or ours
+            for config, source in (
+                (self.parallelism_config, "the parallelism_config argument's"),
+                (launcher_parallelism_config(), "accelerate launch's"),
+            ):
+                check_sequence_parallel_config(self.sequence_parallel_size, config, source=source)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         ParallelDims(world=world, sp=self.sequence_parallel_size, ep=self.expert_parallel_size)  # before any work
         multi_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -212,8 +225,21 @@ class LLMKitTrainingArguments(TrainingArguments):
             if self.accelerator_config is None or isinstance(self.accelerator_config, dict):
                 self.accelerator_config = {**(self.accelerator_config or {}), "use_configured_state": True}
         super().__post_init__()
-        if self.offload_activation_checkpoints and not self.activation_checkpointing:
+        if self.offload_activation_checkpoints:
+            self._delegate_offload()
+
+    def _delegate_offload(self) -> None:
+        """`offload_activation_checkpoints` is transformers' own per-checkpoint offload (`save_on_cpu` around each
+        checkpointed layer's call: only the layers' inputs move), asked for in `activation_checkpointing_kwargs`."""
+        if not self.activation_checkpointing:
             raise ValueError(
                 "offload_activation_checkpoints moves activation-checkpoint inputs to host memory, so it needs "
                 "checkpointing: add --gradient_checkpointing true (or drop --offload_activation_checkpoints)"
             )
+        kwargs = dict(self.activation_checkpointing_kwargs or {})
+        if kwargs.get("offload", True) is not True:
+            raise ValueError(
+                f"offload_activation_checkpoints=True and activation_checkpointing_kwargs offload="
+                f"{kwargs['offload']!r} contradict each other; drop one of them"
+            )
+        self.activation_checkpointing_kwargs = {**kwargs, "offload": True}

@@ -35,6 +35,7 @@ from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKw
 from hf_llmkit.compat.accelerate import replace_ddp_handler, unwrap_optimizer
 from hf_llmkit.parallel.dims import ParallelDims
 from hf_llmkit.parallel.groups import ExpertParallelGroups, new_expert_parallel_groups
+from hf_llmkit.parallel.host_clashes import check_expert_parallel_model
 from hf_llmkit.parallel.moe.expert_parallel import (
     apply_expert_parallel,
     broadcast_parameters_,
@@ -72,6 +73,7 @@ class TrainerExpertParallel:
         if size <= 1:
             return None
         args, world = trainer.args, trainer.args.world_size
+        check_expert_parallel_model(size, trainer.model)  # transformers' own expert parallelism is not ours
         ParallelDims(world=world, sp=getattr(args, "sequence_parallel_size", 1), ep=size)
         if trainer.is_fsdp_enabled:
             raise ValueError("expert_parallel_size > 1 is not supported with FSDP; use DDP or DeepSpeed ZeRO-2")

@@ -25,6 +25,8 @@ from transformers import Trainer, TrainingArguments
 from hf_llmkit.checkpoints.endings import ResumeError
 from hf_llmkit.checkpoints.status import classify_checkpoint
 from hf_llmkit.log_bridge import add_callback_logs
+from hf_llmkit.parallel.host_clashes import check_expert_parallel_model
+from hf_llmkit.parallel.moe.routing_stats import watch_native_routers
 from hf_llmkit.trainers.changed_settings import apply_changed_settings
 from hf_llmkit.trainers.checkpoint_writes import save_checkpoint, save_final_model
 from hf_llmkit.trainers.eval_preparation import forget_evaluation_preparation
@@ -55,8 +57,10 @@ class LLMKitTrainer(Trainer):
         ```
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, model=None, args=None, *rest, **kwargs):
+        if model is not None:  # before the Trainer builds its Accelerator (which may refuse the model first)
+            check_expert_parallel_model(getattr(args, "expert_parallel_size", 1), model)
+        super().__init__(model, args, *rest, **kwargs)
         if not isinstance(self.args, TrainingArguments):
             raise TypeError(f"LLMKitTrainer needs TrainingArguments, got {type(self.args).__name__}")
         self.run_identity: dict | None = None  # what this run is (hf_llmkit.trainers.run_identity), set by train()
@@ -67,6 +71,7 @@ class LLMKitTrainer(Trainer):
             aux_loss_coef=getattr(self.args, "moe_aux_loss_coef", 0.0),
             z_loss_coef=getattr(self.args, "moe_z_loss_coef", 0.0),
         )
+        watch_native_routers(self.model)  # transformers' own sparse blocks report their routing too
         if self.is_deepspeed_enabled:
             register_zero3_leaf_modules(self.model)
         # Sequence parallelism (hf_llmkit.trainers.sequence_parallel): groups, attention wrapper, batch sharding, loss.
@@ -82,6 +87,8 @@ class LLMKitTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """`Trainer.compute_loss`, plus the MoE auxiliary losses of the forward it ran (training only)."""
+        if model.training:
+            self._moe_loss.begin_forward(model)
         if self._sequence_parallel is not None:
             result = self._sequence_parallel.compute_loss(
                 self, model, inputs, return_outputs, num_items_in_batch, long_sequence=self._long_sequence

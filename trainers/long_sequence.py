@@ -8,8 +8,8 @@ offload_activation_checkpoints=...)` switches on, with or without sequence paral
   `prediction_loss_only`; evaluation that returns logits computes them untiled.
 - `tiled_mlp`: every decoder layer's MLP runs in chunks of `tiled_mlp_chunk_size` positions under checkpointing
   (`TiledMLP`), in training and evaluation.
-- `offload_activation_checkpoints`: the forward runs under `offload_saved_activations()`, so what autograd keeps
-  between the checkpointed layers lives in host memory on an accelerator (a no-op on CPU).
+- `offload_activation_checkpoints`: nothing here; `LLMKitTrainingArguments` asks transformers' own per-checkpoint
+  offload for it (`activation_checkpointing_kwargs={"offload": True}`), which moves each checkpointed layer's input.
 
 When several ranks train, every rank uses the same number of chunks per step (the longest local sequence's), since
 DeepSpeed ZeRO-3 gathers parameters at each chunk's call.
@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from transformers import Trainer
 
 from hf_llmkit.parallel.sequence.data import IGNORE_INDEX
-from hf_llmkit.parallel.sequence.offload import offload_saved_activations
 from hf_llmkit.parallel.sequence.tiled_loss import TARGETS_KWARG, TiledLoss, chunk_count
 from hf_llmkit.parallel.sequence.tiled_mlp import TiledMLP
 
@@ -38,7 +37,6 @@ class TrainerLongSequence:
         args = trainer.args
         self.tiled_loss = TiledLoss(trainer.model, chunk_size=args.tiled_loss_chunk_size) if args.tiled_loss else None
         self.tiled_mlp = TiledMLP(trainer.model, chunk_size=args.tiled_mlp_chunk_size) if args.tiled_mlp else None
-        self.offload = args.offload_activation_checkpoints
         self._loss_only = args.prediction_loss_only
         self._device = args.device
 
@@ -46,7 +44,7 @@ class TrainerLongSequence:
     def for_trainer(cls, trainer: Any) -> TrainerLongSequence | None:
         """Set up the switched-on techniques, or return None when none is on."""
         args = trainer.args
-        switches = ("tiled_loss", "tiled_mlp", "offload_activation_checkpoints")
+        switches = ("tiled_loss", "tiled_mlp")
         if not any(getattr(args, name, False) for name in switches):
             return None
         if getattr(args, "tiled_loss", False) and (trainer.compute_loss_func is not None or trainer.label_smoother):
@@ -61,10 +59,9 @@ class TrainerLongSequence:
 
     @contextlib.contextmanager
     def forward(self, model: torch.nn.Module, length: int):
-        """Around one forward (+ its loss): fix this step's chunk counts, offload saved activations if asked."""
+        """Around one forward (+ its loss): fix this step's chunk counts."""
         self._plan(length)
-        with offload_saved_activations() if (self.offload and model.training) else contextlib.nullcontext():
-            yield
+        yield
 
     def _plan(self, length: int) -> None:
         if dist.is_initialized() and dist.get_world_size() > 1:  # every rank makes the same number of calls

@@ -1,11 +1,13 @@
 """Mixture-of-experts support for `LLMKitTrainer`: auxiliary losses, routing logs, ZeRO-3 leaf modules.
 
-After each training forward, every `MoELayer` holds its balancing loss, z-loss and expert load (`layer.aux`).
-`MoELossTracker.add_aux_losses` adds `moe_aux_loss_coef * mean(balancing) + moe_z_loss_coef * mean(z)` over
-the layers to the task loss, weighted the way the Trainer weights that micro-batch's task loss, and keeps
-running sums that `logs()` turns into `moe_aux_loss`, `moe_z_loss`, `moe_dropped_fraction`, the load share of
-each expert (`moe_load_e{i}`, summed over layers) and `moe_load_max_min_ratio` (busiest / least busy expert,
-the least busy counted as at least one token), all rank-local.
+After each training forward, every MoE block -- an `MoELayer`, or a transformers Mixtral / Qwen2-MoE sparse block
+(whose router `watch_native_routers` hooks) -- has recorded what it routed (`hf_llmkit.parallel.moe.routing_stats`:
+over all its calls, so a tiled MLP's chunks count as one call). `MoELossTracker.add_aux_losses` adds
+`moe_aux_loss_coef * mean(balancing) + moe_z_loss_coef * mean(z)` over the blocks to the task loss, weighted the
+way the Trainer weights that micro-batch's task loss, and keeps running sums that `logs()` turns into
+`moe_aux_loss`, `moe_z_loss`, `moe_dropped_fraction`, the load share of each expert (`moe_load_e{i}`, summed over
+layers) and `moe_load_max_min_ratio` (busiest / least busy expert, the least busy counted as at least one token),
+all rank-local.
 """
 
 from __future__ import annotations
@@ -14,23 +16,24 @@ import torch
 from torch import nn
 
 from hf_llmkit.parallel.moe.expert_parallel import expert_shards, shard_expert_state
-from hf_llmkit.parallel.moe.layer import MoELayer, moe_layers
-from hf_llmkit.parallel.moe.upcycle import is_native_moe_block
+from hf_llmkit.parallel.moe.routing_stats import clear_routing, moe_blocks, take_routing
 
 
 def register_zero3_leaf_modules(model: nn.Module) -> bool:
-    """Mark `MoELayer`s as DeepSpeed ZeRO-3 leaf modules (gathered whole; per-expert hooks would hang)."""
-    if not moe_layers(model):
+    """Mark MoE blocks (`MoELayer`s, transformers' sparse blocks) as DeepSpeed ZeRO-3 leaf modules (gathered whole:
+    a block computes only the experts its tokens chose)."""
+    blocks = moe_blocks(model)
+    if not blocks:
         return False
     from deepspeed.utils import set_z3_leaf_modules
 
-    set_z3_leaf_modules(model, [MoELayer])
+    set_z3_leaf_modules(model, sorted({type(block) for block in blocks}, key=lambda cls: cls.__name__))
     return True
 
 
 def has_moe_blocks(model: nn.Module) -> bool:
     """Whether `model` holds `MoELayer`s or transformers' Mixtral / Qwen2-MoE sparse blocks."""
-    return any(isinstance(m, MoELayer) or is_native_moe_block(m) for m in model.modules())
+    return bool(moe_blocks(model))
 
 
 def load_moe_checkpoint(model: nn.Module, folder: str) -> None:
@@ -79,13 +82,15 @@ class MoELossTracker:
         self._aux = self._z = self._dropped = 0.0
         self._load: torch.Tensor | None = None
 
+    @staticmethod
+    def begin_forward(model: nn.Module) -> None:
+        """Before a training forward: forget what the blocks recorded since (recomputations in the last backward)."""
+        clear_routing(model)
+
     def add_aux_losses(self, model: nn.Module, loss: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
-        """`loss + scale * (aux_coef * balancing + z_coef * z)` from the layers' last forward (then cleared)."""
-        auxes = []
-        for layer in moe_layers(model):
-            if layer.aux is not None:
-                auxes.append(layer.aux)
-                layer.aux = None  # a layer that does not run next step must not count twice
+        """`loss + scale * (aux_coef * balancing + z_coef * z)` from what the blocks routed in the forward (then
+        cleared: a block that does not run next step must not count twice)."""
+        auxes = [aux for aux in map(take_routing, moe_blocks(model)) if aux is not None]
         if not auxes:
             return loss
         balancing = torch.stack([a.load_balancing_loss for a in auxes]).mean()

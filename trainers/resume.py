@@ -30,13 +30,14 @@ __all__ = ["ResumeError", "load_own_adapters", "prepare_output_dir", "resolve_re
 
 def resolve_resume(trainer, resume_from_checkpoint: str | bool | None) -> str | None:
     """The checkpoint this `train()` call resumes from (None: from scratch), by the one rule
-    (`hf_llmkit.checkpoints.resume_rule`); raises `ResumeError` on a bad one."""
+    (`hf_llmkit.checkpoints.resume_rule`, a model-only checkpoint included); raises `ResumeError` on a bad one."""
     args = trainer.args
     return resolve_checkpoint(
         args.output_dir,
         resume_from_checkpoint,
         auto_resume=getattr(args, "auto_resume", False),
         checksums=getattr(args, "resume_verify_checksums", True),
+        save_only_model=bool(args.save_only_model),
     )
 
 

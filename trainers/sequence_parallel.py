@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from hf_llmkit.parallel.dims import ParallelDims
 from hf_llmkit.parallel.groups import SequenceParallelGroups, new_sequence_parallel_groups
+from hf_llmkit.parallel.host_clashes import check_sequence_parallel_config
 from hf_llmkit.parallel.sequence.data import SequenceParallelCollator
 from hf_llmkit.parallel.sequence.loss import sequence_parallel_loss, sequence_parallel_mean
 from hf_llmkit.parallel.sequence.ulysses import apply_sequence_parallel
@@ -45,6 +46,8 @@ class TrainerSequenceParallel:
         size = getattr(trainer.args, "sequence_parallel_size", 1)
         if size <= 1:
             return None
+        config = getattr(trainer.accelerator, "parallelism_config", None)  # the launcher's route included
+        check_sequence_parallel_config(size, config, source="the Accelerator's")
         ParallelDims(world=trainer.args.world_size, sp=size, ep=getattr(trainer.args, "expert_parallel_size", 1))
         if trainer.compute_loss_func is not None:
             raise ValueError(
@@ -73,7 +76,7 @@ class TrainerSequenceParallel:
     ):
         """The full-sequence causal-LM loss of this rank's SP group (see the module docstring for the scaling).
 
-        `long_sequence` (a `TrainerLongSequence`) adds the tiled loss / tiled MLP / offload switches.
+        `long_sequence` (a `TrainerLongSequence`) adds the tiled loss / tiled MLP switches.
         """
         inputs = dict(inputs)
         shift_labels = inputs.pop("shift_labels", None)

@@ -77,8 +77,9 @@ class CheckpointWriteError(RunEndingError):
 
 
 class ResumeError(RunEndingError, ValueError):
-    """This run cannot start: it cannot resume from that checkpoint (wrong folder, corrupt, another run's), or its
-    output folder cannot be written. Exit status 2."""
+    """This run cannot start: it cannot resume from that checkpoint (wrong folder, corrupt, another run's, model-only
+    where an exact resumption is asked for), its output folder cannot be written, or its checkpoint settings exclude
+    each other (transformers' JIT checkpoint and `FaultToleranceCallback` both on SIGTERM). Exit status 2."""
 
     default_code = EXIT_USAGE
 

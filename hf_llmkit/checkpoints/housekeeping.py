@@ -2,7 +2,8 @@
 
 Every decision comes from `classify_checkpoint` (hf_llmkit.checkpoints.status):
 
-- only an `interrupted` folder (our marker, no manifest) is deleted without being asked to;
+- only an `interrupted` folder (our marker or the Trainer's just-in-time one, no manifest) is deleted without being
+  asked to;
 - a `corrupt` one is renamed `corrupt-checkpoint-N` and kept, with the reason logged;
 - at the start of a run, resumable checkpoints *newer* than the resume point (an explicit older
   `resume_from_checkpoint`, or a fresh start into a used folder) are renamed `abandoned-checkpoint-N`: kept until

@@ -16,9 +16,11 @@ __all__ = [
     "CHECKPOINT_PREFIX",
     "CORRUPT_PREFIX",
     "INCOMPLETE_PREFIX",
+    "JIT_INCOMPLETE_MARKER",
     "LOCK_FILE",
     "MANIFEST_NAME",
     "MODEL_FILE_PATTERNS",
+    "OPTIMIZER_FILE_PATTERNS",
     "ROLLBACK_PREFIX",
     "RUN_RECORD",
     "TMP_MARK",
@@ -35,6 +37,10 @@ __all__ = [
 # transformers' names
 TRAINER_STATE = "trainer_state.json"
 CHECKPOINT_PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR: folders are `checkpoint-N`
+# written first and removed last by the Trainer's just-in-time checkpoint (`enable_jit_checkpoint`, on SIGTERM)
+JIT_INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
+# what a full checkpoint holds besides the model, and a `save_only_model=True` one lacks (DeepSpeed: global_step*/)
+OPTIMIZER_FILE_PATTERNS = ("optimizer*", "scheduler.pt", "global_step*")
 
 # What a model / tokenizer / processor save writes at the top of a folder (the final model's manifest lists these,
 # plus anything the save created or changed, and never run outputs such as results or logs).

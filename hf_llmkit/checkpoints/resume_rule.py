@@ -7,6 +7,11 @@
 - a folder: that checkpoint, which must be resumable, else a one-line `ResumeError` says what is wrong with it and
   which checkpoint would do.
 
+A checkpoint saved with `save_only_model=True` holds no optimizer or scheduler state: resumed from, the optimizer
+and the learning-rate schedule start over (the Trainer skips the missing files without a word). Given the run's
+`save_only_model`, the rule says so: a run that saves model-only checkpoints itself resumes from one with a
+one-line warning; a run that saves full checkpoints asks for an exact resumption, and is refused in one line.
+
     resolve_resume("outputs/run", None, auto_resume=True)   # "outputs/run/checkpoint-8", or None
 """
 
@@ -17,11 +22,11 @@ import os
 from pathlib import Path
 
 from hf_llmkit.checkpoints.endings import ResumeError
-from hf_llmkit.checkpoints.status import classify_checkpoint, latest_complete_checkpoint
+from hf_llmkit.checkpoints.status import classify_checkpoint, holds_model_only, latest_complete_checkpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["resolve_resume", "resumes_latest", "will_resume"]
+__all__ = ["check_model_only", "resolve_resume", "resumes_latest", "will_resume"]
 
 
 def resumes_latest(resume_from_checkpoint: str | bool | None, *, auto_resume: bool) -> bool:
@@ -35,9 +40,34 @@ def resolve_resume(
     *,
     auto_resume: bool = False,
     checksums: bool = True,
+    save_only_model: bool | None = None,
 ) -> str | None:
     """The checkpoint a run into `output_dir` resumes from (None: from scratch); raises `ResumeError` on a bad one.
-    `checksums`: the newest checkpoint must also pass its manifest's checksums."""
+    `checksums`: the newest checkpoint must also pass its manifest's checksums. `save_only_model`: the run's own
+    setting, which decides whether a model-only checkpoint is resumed (None: not checked)."""
+    found = _resolve(output_dir, resume_from_checkpoint, auto_resume=auto_resume, checksums=checksums)
+    if found is not None and save_only_model is not None:
+        check_model_only(found, save_only_model=save_only_model)
+    return found
+
+
+def check_model_only(checkpoint: str, *, save_only_model: bool) -> None:
+    """A model-only checkpoint: one warning line when the run saves model-only checkpoints itself, else refused."""
+    if not holds_model_only(checkpoint):
+        return
+    if not save_only_model:
+        raise ResumeError(
+            f"{checkpoint} holds the model only (saved with save_only_model=True): the optimizer and the "
+            "learning-rate schedule would restart fresh, not continue; resume with --save_only_model true to accept "
+            "that, or from a checkpoint saved with the optimizer"
+        )
+    logger.warning(
+        "resuming from %s, a model-only checkpoint (save_only_model=True): the optimizer and the learning-rate "
+        "schedule restart fresh, not where the run stopped", checkpoint,
+    )  # fmt: skip
+
+
+def _resolve(output_dir, resume_from_checkpoint, *, auto_resume: bool, checksums: bool) -> str | None:
     if resumes_latest(resume_from_checkpoint, auto_resume=auto_resume):
         found = latest_complete_checkpoint(output_dir, checksums=checksums)
         if found is None and resume_from_checkpoint is True:

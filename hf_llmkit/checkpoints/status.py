@@ -8,7 +8,9 @@
 | `unmanaged`   | no manifest, no marker, and it loads (safetensors      | yes    | by `save_total_limit` only  |
 |               | headers, torch archives, `trainer_state.json`): a      |        |                             |
 |               | plain `Trainer`, `--no_fault_tolerance`, an older run  |        |                             |
-| `interrupted` | our writing marker and no manifest: our write was cut  | no     | yes (it is ours and dead)   |
+| `interrupted` | our writing marker, or the Trainer's just-in-time      | no     | yes (it is dead)            |
+|               | marker `checkpoint-is-incomplete.txt`, and no manifest: |        |                             |
+|               | the write was cut                                      |        |                             |
 | `corrupt`     | a manifest that does not match (edited, truncated,     | no     | never: moved aside          |
 |               | damaged, or listing paths outside the folder)          |        |                             |
 | `incomplete`  | no manifest, no marker, and it does not load           | no     | never: moved aside or left  |
@@ -32,7 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hf_llmkit.checkpoints.manifest import check_manifest, is_writing, read_manifest
-from hf_llmkit.checkpoints.names import TMP_MARK, TRAINER_STATE, checkpoint_step, list_checkpoints
+from hf_llmkit.checkpoints.names import (
+    JIT_INCOMPLETE_MARKER,
+    OPTIMIZER_FILE_PATTERNS,
+    TMP_MARK,
+    TRAINER_STATE,
+    checkpoint_step,
+    list_checkpoints,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +49,7 @@ __all__ = [
     "CheckpointState",
     "CheckpointVerdict",
     "classify_checkpoint",
+    "holds_model_only",
     "latest_complete_checkpoint",
     "problem_when_loading",
     "verify_checkpoint",
@@ -200,10 +210,20 @@ def classify_checkpoint(folder: str | os.PathLike, *, checksums: bool = True) ->
         return CheckpointVerdict(folder, state, reason)
     if is_writing(folder):
         return CheckpointVerdict(folder, CheckpointState.INTERRUPTED, "our write of it never finished")
+    if (folder / JIT_INCOMPLETE_MARKER).exists():
+        reason = f"the Trainer's just-in-time checkpoint of it never finished ({JIT_INCOMPLETE_MARKER})"
+        return CheckpointVerdict(folder, CheckpointState.INTERRUPTED, reason)
     reason = problem_when_loading(folder, expected_step=step)
     if reason is None:
         return CheckpointVerdict(folder, CheckpointState.UNMANAGED, "no manifest, but it loads")
     return CheckpointVerdict(folder, CheckpointState.INCOMPLETE, f"no manifest and {reason}")
+
+
+def holds_model_only(folder: str | os.PathLike) -> bool:
+    """Whether a checkpoint holds the model but no optimizer or scheduler state (saved with `save_only_model=True`):
+    resumed from, the optimizer and the learning-rate schedule start over."""
+    folder = Path(folder)
+    return not any(any(folder.glob(pattern)) for pattern in OPTIMIZER_FILE_PATTERNS)
 
 
 def verify_checkpoint(folder: str | os.PathLike, *, checksums: bool = True) -> str | None:

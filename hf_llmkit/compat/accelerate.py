@@ -15,12 +15,18 @@
   `AcceleratedScheduler.scheduler` likewise (`unwrap_scheduler`): a resume with a new learning rate sets its base
   rates.
 
+- `ACCELERATE_USE_PARALLELISM_CONFIG`: the environment variable `accelerate launch --parallelism_config_*` sets so
+  that the `Accelerator` builds a `ParallelismConfig()` from the `PARALLELISM_CONFIG_*` variables
+  (`launcher_parallelism_config` builds the same one, so our sequence parallelism can refuse the launcher's before
+  any work: `hf_llmkit.parallel.host_clashes`).
+
 `LLMKitTrainer` forgets an evaluation-only preparation before training (hf_llmkit.trainers.eval_preparation): no
 public API undoes `prepare_model`.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +38,7 @@ __all__ = [
     "PREPARED_MARK",
     "forget_prepared_model",
     "is_prepared",
+    "launcher_parallelism_config",
     "replace_ddp_handler",
     "reset_accelerator_state",
     "unwrap_optimizer",
@@ -76,3 +83,13 @@ def unwrap_scheduler(scheduler):
     from accelerate.scheduler import AcceleratedScheduler
 
     return scheduler.scheduler if isinstance(scheduler, AcceleratedScheduler) else scheduler
+
+
+def launcher_parallelism_config() -> Any:
+    """The `ParallelismConfig` an `Accelerator` builds from what `accelerate launch --parallelism_config_*` put in
+    the environment, or None when the launcher asked for none."""
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return None
+    from accelerate.parallelism_config import ParallelismConfig
+
+    return ParallelismConfig()

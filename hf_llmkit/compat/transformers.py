@@ -67,6 +67,13 @@ Qwen2-MoE model is not of those classes, so nothing was collected and the load-b
 tuple. `record_router_logits` installs the same hook (`utils.output_capturing.install_output_capuring_hook`, inactive
 unless a forward asks for router logits) on our router.
 
+**MoE experts.** transformers' experts modules dispatch through its `ExpertsInterface` registry, which a plugin
+fills with `ExpertsInterface.register` (public). `experts_implementation="llmkit"` computes one layout only: the
+instance flags the `use_experts_implementation` decorator sets and the private gating hook `_apply_gate` (default
+`integrations.moe._default_apply_gate`) say whether a model's experts have it (`experts_layout_problem`). The
+routers of Mixtral / Qwen2-MoE return `(router_logits, router_scores, router_indices)`; a forward hook reads the
+logits and chosen experts from it for the MoE losses (`router_logits_and_experts`).
+
 `tests/compat/test_transformers*.py` fail when any of these is gone or changed its parameters.
 """
 
@@ -118,7 +125,9 @@ __all__ = [
     "missing_trainer_internals",
     "model_eager_attention",
     "quantization_method_registered",
+    "experts_layout_problem",
     "record_router_logits",
+    "router_logits_and_experts",
     "saved_callback_state",
     "should_convert_module",
 ]
@@ -241,3 +250,35 @@ def record_router_logits(router: Any) -> bool:
         return False
     install(router, "router_logits", 0)
     return True
+
+
+# --- MoE experts: the ExpertsInterface registry ------------------------------------------------------------------
+
+
+def experts_layout_problem(experts: Any) -> str | None:
+    """Why `experts` (a class decorated with transformers' `use_experts_implementation`) is not SwiGLU experts with
+    concatenated `[gate | up]` weights `[E, 2I, H]`, `down [E, H, I]`, no biases and the default gating -- the layout
+    `experts_implementation="llmkit"` computes -- or None. The decorator sets the layout flags on each instance;
+    `_apply_gate` is the gating hook an experts class may override (`_default_apply_gate` otherwise)."""
+    import transformers.integrations.moe as moe
+
+    if not getattr(experts, "has_gate", False):
+        return "has no gate projection"
+    if getattr(experts, "has_bias", False):
+        return "has biases"
+    if getattr(experts, "is_transposed", False):
+        return "stores its weights transposed"
+    if not getattr(experts, "is_concatenated", True):
+        return "interleaves its gate and up rows"
+    if getattr(experts, "has_post_expert_norm", False):
+        return "normalises each expert's output"
+    if getattr(type(experts), "_apply_gate", moe._default_apply_gate) is not moe._default_apply_gate:
+        return "has its own gating function"
+    return None
+
+
+def router_logits_and_experts(output: Any) -> tuple[Any, Any]:
+    """The router logits `[T, E]` and chosen experts `[T, K]` from the output of a Mixtral / Qwen2-MoE router
+    (`MixtralTopKRouter` / `Qwen2MoeTopKRouter` return `(router_logits, router_scores, router_indices)`)."""
+    logits, _scores, experts = output
+    return logits, experts

@@ -58,3 +58,23 @@ def test_the_ddp_handler_and_the_wrapped_optimizer_are_where_hf_llmkit_reaches_t
     wrapped_schedule = accelerator.prepare_scheduler(schedule)
     assert unwrap_scheduler(wrapped_schedule) is schedule, f"{where}: AcceleratedScheduler.scheduler"
     reset_accelerator_state()
+
+
+def test_the_launcher_parallelism_environment_builds_the_accelerators_config(monkeypatch):
+    """`accelerate launch --parallelism_config_sp_size 2` exports these variables; the Accelerator builds its
+    ParallelismConfig from them, and so does `launcher_parallelism_config` (hf_llmkit.compat.accelerate)."""
+    from hf_llmkit.compat.accelerate import launcher_parallelism_config
+
+    monkeypatch.delenv("ACCELERATE_USE_PARALLELISM_CONFIG", raising=False)
+    assert launcher_parallelism_config() is None
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "2")
+    assert launcher_parallelism_config().sp_size == 2
+    import inspect
+
+    from accelerate import Accelerator
+    from accelerate.utils import launch
+
+    exported = inspect.getsource(launch.prepare_extend_env_parallelism_config)  # what the launcher exports
+    assert '"ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"' in exported and '"SP_SIZE"' in exported
+    assert "ACCELERATE_USE_PARALLELISM_CONFIG" in inspect.getsource(Accelerator.__init__)  # what it reads

@@ -64,12 +64,15 @@ def test_every_refused_pair_of_the_matrix_stops_the_main_job_in_one_line(run_clm
 @pytest.mark.parametrize(
     "argv, named",
     [
-        (["--upcycle_moe", "true", "--tiled_mlp", "true"], "--tiled_mlp does not tile mixture-of-experts blocks"),
+        (
+            ["--upcycle_moe", "true", "--moe_capacity_factor", "1.0", "--tiled_mlp", "true"],
+            "--tiled_mlp cannot tile experts with --moe_capacity_factor",
+        ),
         (["--tiled_loss", "true", "--label_smoothing_factor", "0.1"], "drop --label_smoothing_factor or"),
         (["--num_attention_heads", "2", "--num_key_value_heads", "3"], "--num_key_value_heads 3 does not divide"),
         (["--config_overrides", "num_key_value_heads=3"], "--num_key_value_heads 3 does not divide"),
     ],
-    ids=["moe-x-tiled_mlp", "tiled_loss-x-label_smoothing", "kv_heads-x-heads", "kv_heads-override"],
+    ids=["moe_capacity-x-tiled_mlp", "tiled_loss-x-label_smoothing", "kv_heads-x-heads", "kv_heads-override"],
 )
 def test_pairs_refused_once_built_stop_before_any_work(run_clm, argv, named, capsys, tmp_path):
     line = _refused(run_clm, [*argv, "--output_dir", str(tmp_path / "out")], capsys)

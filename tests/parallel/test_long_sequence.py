@@ -69,6 +69,50 @@ def test_tiled_loss_mlp_checkpointing_and_offload_equal_the_untiled_model():
         assert abs(loss.item() - ref_loss.item()) < TOL and worst < TOL, (checkpointing, offload, worst)
 
 
+def moe_step(blocks: str, *, tiled: bool) -> tuple[float, list[float], dict[str, torch.Tensor]]:
+    """One forward + backward of an upcycled tiny Llama (transformers' blocks, or `MoELayer`s) with the MoE losses
+    as `LLMKitTrainer` adds them; with `tiled`, checkpointed layers and the MLP in chunks of 7 of 29 positions.
+    Returns the loss, the balancing and z-losses of a second forward after the backward, and the gradients."""
+    from hf_llmkit.parallel import upcycle_to_moe, use_moe_layers
+    from hf_llmkit.parallel.moe.routing_stats import watch_native_routers
+    from hf_llmkit.trainers.moe_loss import MoELossTracker
+
+    model = upcycle_to_moe(tiny_llama(), num_experts=4, top_k=2).train()
+    with torch.no_grad():  # a router that prefers some experts, experts that differ
+        for name, p in model.named_parameters():
+            if ".mlp." in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    if blocks == "moe_layer":
+        use_moe_layers(model)  # dropless
+    if tiled:
+        model.activation_checkpointing_enable()
+        TiledMLP(model, chunk_size=7)
+    watch_native_routers(model)  # what LLMKitTrainer does for transformers' blocks
+    tracker, data = MoELossTracker(aux_loss_coef=0.5, z_loss_coef=0.25), batch()
+    tracker.begin_forward(model)
+    loss = tracker.add_aux_losses(model, model(**data).loss)
+    loss.backward()
+    first = tracker.logs()
+    tracker.begin_forward(model)  # what the backward's recomputation recorded is forgotten
+    with torch.no_grad():
+        tracker.add_aux_losses(model, model(**data).loss)
+    second = tracker.logs()
+    losses = [log[name] for log in (first, second) for name in ("moe_aux_loss", "moe_z_loss")]
+    return loss.item(), losses, grads(model)
+
+
+@pytest.mark.parametrize("blocks", ["native", "moe_layer"])
+def test_tiled_mlp_tiles_dropless_moe_blocks_exactly(blocks):
+    """Dropless routing is per token: chunks give the block's output, and the losses of all chunks' routing are the
+    losses of the whole sequence (not the last chunk's, nor a mean of per-chunk losses)."""
+    ref_loss, ref_aux, expected = moe_step(blocks, tiled=False)
+    loss, aux, got = moe_step(blocks, tiled=True)
+    assert got.keys() == expected.keys()
+    worst = max((got[k] - expected[k]).abs().max().item() for k in got)
+    assert abs(loss - ref_loss) < TOL and worst < TOL, (loss, ref_loss, worst)
+    assert aux == pytest.approx(ref_aux, abs=TOL) and aux[:2] == pytest.approx(aux[2:], abs=TOL)
+
+
 class LargestOutputs(TorchDispatchMode):
     """The largest tensor every operator produced, per size of the last dimension."""
 
@@ -126,11 +170,14 @@ def test_offload_copies_checkpoint_inputs_and_never_parameters():
 def test_what_tiling_cannot_do_is_refused_with_the_fix():
     from transformers import Gemma2Config, Gemma2ForCausalLM, MixtralConfig, MixtralForCausalLM
 
+    from hf_llmkit.parallel import use_moe_layers
+
     moe = MixtralForCausalLM(
         MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, num_local_experts=2)
     )  # fmt: skip
-    with pytest.raises(ValueError, match="does not tile mixture-of-experts blocks.*turn tiled_mlp off"):
+    use_moe_layers(moe, capacity_factor=1.0)
+    with pytest.raises(ValueError, match="capacity_factor=1.0: the capacity is per call.*turn tiled_mlp off"):
         TiledMLP(moe)
     with pytest.raises(ValueError, match="found no decoder-layer MLP"):
         TiledMLP(torch.nn.Linear(2, 2))
@@ -162,6 +209,34 @@ def test_training_arguments_validate_the_switches(tmp_path):
         make(tiled_mlp=True, tiled_mlp_chunk_size=-1)
     args = make(offload_activation_checkpoints=True, gradient_checkpointing=True, tiled_loss=True)
     assert args.offload_activation_checkpoints and args.tiled_loss and not args.tiled_mlp
+    assert args.activation_checkpointing_kwargs == {"offload": True}  # transformers' per-checkpoint offload
+    with pytest.raises(ValueError, match="activation_checkpointing_kwargs offload=False contradict each other"):
+        make(offload_activation_checkpoints=True, activation_checkpointing=True,
+             activation_checkpointing_kwargs={"offload": False})  # fmt: skip
+
+
+def test_the_offload_the_flag_asks_for_moves_each_checkpointed_layers_input_only():
+    """What `offload_activation_checkpoints` turns on (transformers' `offload=True`) copies 2 layer inputs of a
+    2-layer model per step; `offload_saved_activations` around the whole forward moves far more (the logits...)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from _offload_bytes import moved_bytes
+
+    data = batch()
+
+    def step(offload: bool = False, around=None) -> None:
+        model = tiny_llama().train()
+        model.activation_checkpointing_enable(offload=offload)
+        with around if around is not None else torch.enable_grad():
+            loss = model(**data).loss
+        loss.backward()
+
+    layer_input = data["input_ids"].numel() * 64 * 4  # [B, S, H] fp32
+    assert moved_bytes(step, lambda: step(offload=True)) == 2 * layer_input
+    whole = moved_bytes(step, lambda: step(around=offload_saved_activations(include_cpu=True, min_bytes=0)))
+    assert whole > 8 * layer_input
 
 
 def rows(n: int) -> list[dict[str, torch.Tensor]]:

@@ -1,5 +1,6 @@
 """Ulysses sequence parallelism: loss and gradients equal single-rank training on real gloo ranks (also with
-P-tuning v2 prefixes inside, added before or after, and with the ALST switches); bad input fails.
+P-tuning v2 prefixes inside, added before or after, with the ALST switches, and for packed documents against the
+same documents run one by one); bad input fails.
 
 Each multi-rank test is one launch that checks several configurations (process start-up dominates on CPU).
 """
@@ -105,6 +106,45 @@ def compare(
     return abs(loss.item() - ref_losses[groups.dp_rank]), worst
 
 
+DOCUMENTS = [[5, 7, 4], [9, 7]]  # document lengths packed into each of two rows of 16 tokens
+
+
+def packed_batch() -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """Two rows of packed documents (no attention mask, `position_ids` restarting at each document, the first token
+    of each document unlabelled so that no target crosses a boundary) and the documents themselves."""
+    g = torch.Generator().manual_seed(5)
+    rows, positions, labels, docs = [], [], [], []
+    for lengths in DOCUMENTS:
+        row = [torch.randint(3, 512, (n,), generator=g) for n in lengths]
+        docs += row
+        rows.append(torch.cat(row))
+        positions.append(torch.cat([torch.arange(n) for n in lengths]))
+        labels.append(torch.cat([torch.cat([torch.tensor([-100]), doc[1:]]) for doc in row]))
+    batch = {"input_ids": torch.stack(rows), "position_ids": torch.stack(positions), "labels": torch.stack(labels)}
+    return batch, docs
+
+
+def compare_packed(attn: str, kv_heads: int, groups) -> tuple[float, float]:
+    """A packed batch under SP against the same documents run one by one on one rank: |loss diff|, max |grad diff|.
+    The reference loss is the token mean over all documents (what the packed batch's loss is)."""
+    batch, docs = packed_batch()
+    reference = build(attn, kv_heads, 4, ptuning=None)
+    targets = sum(len(doc) - 1 for doc in docs)
+    total = sum(reference(input_ids=doc[None], labels=doc[None]).loss * (len(doc) - 1) for doc in docs)
+    (total / targets).backward()
+    model = build(attn, kv_heads, 4, ptuning=None, group=groups.sp_group)
+    shard = shard_sequence_batch(batch, sp_rank=groups.sp_rank, sp_size=groups.sp_size)
+    logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+    loss = sequence_parallel_loss(logits, shard["shift_labels"], group=groups.sp_group)
+    loss.backward()
+    worst = 0.0
+    for ref, ours in zip(reference.parameters(), model.parameters()):
+        grad = ours.grad.clone()
+        dist.all_reduce(grad)
+        worst = max(worst, (grad / dist.get_world_size() - ref.grad).abs().max().item())
+    return abs(loss.item() - (total / targets).item()), worst
+
+
 def stacked_cases(groups) -> dict:
     """P-tuning v2 + SP = P-tuning v2 on one rank, in both orders of application (GQA split and replicated); SP +
     the ALST switches = the untiled model on one rank."""
@@ -150,6 +190,9 @@ def equivalence_two_ranks() -> dict:
     batch = make_batch(16, padding="none")
     batch["labels"][:, 7:] = -100
     out["rank_without_tokens"] = compare("sdpa", 2, batch, groups)
+    # packed documents (position_ids restart, no mask) stay apart, as when each runs alone
+    out["packed_gqa_sdpa"] = compare_packed("sdpa", 2, groups)
+    out["packed_mha_eager"] = compare_packed("eager", 4, groups)
     out.update(stacked_cases(groups))
     out["errors"] = error_messages(groups)
     out["errors"]["names"] = stack_names(groups)

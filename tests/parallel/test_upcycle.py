@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from hf_llmkit.parallel import MoELayer, moe_layers
+from hf_llmkit.parallel import MoELayer, moe_blocks, moe_layers
 from hf_llmkit.parallel.moe.upcycle import upcycle_to_moe, use_moe_layers
 from hf_llmkit.testing import tiny_llama, tiny_llama_config
 
@@ -39,10 +39,12 @@ def test_upcycled_models_equal_dense_then_export_to_native_moe_in_a_fresh_proces
         reference = dense(IDS).logits
         moe = upcycle_to_moe(dense, num_experts=4, top_k=2)
         assert type(moe).__name__ == EXPECTED[name][0]
-        assert len(moe_layers(moe)) == 2
+        # transformers' own sparse blocks, computing through our experts implementation
+        assert [type(block).__name__ for block in moe_blocks(moe)] == [EXPECTED[name][1]] * 2
+        assert moe.config._experts_implementation == "llmkit" and not moe_layers(moe)
         torch.testing.assert_close(moe(IDS).logits, reference, atol=1e-5, rtol=1e-5)
         # Make the experts and the router differ (as after training) so the export check is not trivial.
-        for layer in moe_layers(moe):
+        for layer in moe_blocks(moe):
             for p in (layer.gate.weight, layer.experts.gate_up_proj, layer.experts.down_proj):
                 p.add_(torch.randn_like(p) * 0.05)
         logits[name] = moe(IDS).logits
@@ -73,7 +75,8 @@ def test_upcycled_models_equal_dense_then_export_to_native_moe_in_a_fresh_proces
 
 @torch.no_grad()
 def test_native_checkpoint_back_to_moe_layers(tmp_path):
-    moe = upcycle_to_moe(tiny_llama(), num_experts=4, top_k=2)
+    moe = upcycle_to_moe(tiny_llama(), num_experts=4, top_k=2, capacity_factor=8.0)  # capacity: MoELayer blocks
+    assert len(moe_layers(moe)) == 2 and moe_blocks(moe) == moe_layers(moe)
     for layer in moe_layers(moe):
         layer.experts.down_proj.add_(torch.randn_like(layer.experts.down_proj) * 0.05)
     expected = moe(IDS).logits
@@ -125,7 +128,7 @@ def test_router_logits_and_load_balancing_loss_equal_the_native_moe_model(name, 
     """`output_router_logits=True` (what TRL's SFTTrainer turns on for MoE configs) collects every MoELayer's router
     logits, so the model's load-balancing loss is the one transformers' own MoE model computes from the same
     weights."""
-    moe = upcycle_to_moe(dense_models()[name], num_experts=4, top_k=2)
+    moe = upcycle_to_moe(dense_models()[name], num_experts=4, top_k=2, capacity_factor=8.0)  # MoELayer blocks
     for layer in moe_layers(moe):
         layer.gate.weight.add_(torch.randn_like(layer.gate.weight))  # a router that prefers some experts
     moe.config.router_aux_loss_coef = moe.router_aux_loss_coef = 0.5  # the model reads its copy, made at init
@@ -140,3 +143,15 @@ def test_router_logits_and_load_balancing_loss_equal_the_native_moe_model(name, 
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.aux_loss, theirs.aux_loss, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-5, rtol=1e-5)
+
+
+def test_blocks_are_transformers_own_unless_they_cannot_route_as_asked():
+    """A capacity limit, and jitter on Qwen2-MoE (which has none), take `MoELayer` blocks; the rest keep
+    transformers' blocks computing through `experts_implementation="llmkit"` (Mixtral jitters natively)."""
+    models = dense_models()
+    jittered = upcycle_to_moe(models["llama"], num_experts=4, top_k=2, jitter_noise=0.1)
+    assert not moe_layers(jittered) and jittered.config.router_jitter_noise == 0.1
+    assert len(moe_layers(upcycle_to_moe(models["qwen2"], num_experts=4, top_k=2, jitter_noise=0.1))) == 2
+    assert not moe_layers(upcycle_to_moe(dense_models()["qwen2"], num_experts=4, top_k=2))
+    capped = upcycle_to_moe(tiny_llama(), num_experts=4, top_k=2, capacity_factor=1.0)
+    assert [layer.capacity_factor for layer in moe_layers(capped)] == [1.0, 1.0]

@@ -7,7 +7,7 @@ import torch
 from datasets import Dataset
 
 from hf_llmkit import LLMKitTrainingArguments
-from hf_llmkit.parallel import moe_layers
+from hf_llmkit.parallel import load_balancing_loss, moe_blocks, router_z_loss
 from hf_llmkit.parallel.moe.upcycle import upcycle_to_moe
 from hf_llmkit.testing import launch, tiny_llama
 from hf_llmkit.trainers import LLMKitTrainer
@@ -20,8 +20,10 @@ def lm_rows(n: int = 16, length: int = 24) -> Dataset:
     return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
 
-def upcycled():
-    return upcycle_to_moe(tiny_llama(), num_experts=NUM_EXPERTS, top_k=2).train()
+def upcycled(**kwargs):
+    """transformers' Mixtral blocks computing through `experts_implementation="llmkit"` (`MoELayer`s with a
+    `capacity_factor`)."""
+    return upcycle_to_moe(tiny_llama(), num_experts=NUM_EXPERTS, top_k=2, **kwargs).train()
 
 
 def make_trainer(model, out, eval_dataset=None, **overrides) -> LLMKitTrainer:
@@ -34,19 +36,31 @@ def make_trainer(model, out, eval_dataset=None, **overrides) -> LLMKitTrainer:
     return LLMKitTrainer(model=model, args=args, train_dataset=lm_rows(), eval_dataset=eval_dataset)
 
 
-def test_compute_loss_adds_weighted_aux_losses_in_training_only(tmp_path):
-    model = upcycled()
+def router_losses(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The balancing loss and z-loss averaged over the layers, from the router logits transformers collects
+    (`output_router_logits=True`), by the per-call definitions of `hf_llmkit.parallel.moe.router`."""
+    balancing, z = [], []
+    for logits in model(**batch, output_router_logits=True).router_logits:  # [T, E] per layer
+        probs = torch.softmax(logits.float(), dim=-1)
+        load = torch.bincount(torch.topk(probs, 2, dim=-1).indices.reshape(-1), minlength=NUM_EXPERTS)
+        balancing.append(load_balancing_loss(probs, load))
+        z.append(router_z_loss(logits))
+    return torch.stack(balancing).mean(), torch.stack(z).mean()
+
+
+@pytest.mark.parametrize("blocks", ["native", "moe_layer"])
+def test_compute_loss_adds_weighted_aux_losses_in_training_only(tmp_path, blocks):
+    """Transformers' own sparse blocks (our experts through its registry) and `MoELayer` blocks alike."""
+    model = upcycled() if blocks == "native" else upcycled(capacity_factor=8.0)
     trainer = make_trainer(model, tmp_path, moe_aux_loss_coef=0.5, moe_z_loss_coef=0.25)
     batch = {k: torch.tensor(v[:4]) for k, v in lm_rows()[:4].items()}
     loss = trainer.compute_loss(model, batch)
     task = model(**batch).loss
-    layers = moe_layers(model)
-    balancing = torch.stack([m.aux.load_balancing_loss for m in layers]).mean()
-    z = torch.stack([m.aux.z_loss for m in layers]).mean()
+    balancing, z = router_losses(model, batch)
     torch.testing.assert_close(loss, task + 0.5 * balancing + 0.25 * z)
     # the aux term carries gradient to the routers
     (loss - task.detach()).backward()
-    assert all(m.gate.weight.grad.abs().sum() > 0 for m in layers)
+    assert all(m.gate.weight.grad.abs().sum() > 0 for m in moe_blocks(model))
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(trainer.compute_loss(model, batch), model(**batch).loss)
@@ -87,7 +101,7 @@ def _deepspeed_train_once(out_dir: str, stage: int) -> dict:
     trainer = make_trainer(model, out_dir, deepspeed=ds_config, use_cpu=False, max_steps=2)
     from deepspeed.utils import z3_leaf_module
 
-    leaf = all(z3_leaf_module(m) for m in moe_layers(model))
+    leaf = all(z3_leaf_module(m) for m in moe_blocks(model))
     trainer.train()
     trainer.save_model(out_dir + "/final")
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -109,7 +123,7 @@ def deepspeed_reports(tmp_path_factory):
 def test_deepspeed_zero_stages_train_and_save_native_moe(deepspeed_reports, stage):
     out, reports = deepspeed_reports
     report = reports[stage]
-    assert report["leaf"], "MoELayer must be a ZeRO-3 leaf module"
+    assert report["leaf"], "MoE blocks must be ZeRO-3 leaf modules"
     assert len(report["losses"]) == 2 and all(torch.isfinite(torch.tensor(report["losses"])))
     assert report["logged_load"]
     from transformers import AutoModelForCausalLM
@@ -130,7 +144,10 @@ def native_mixtral(folder):
 
 @pytest.mark.parametrize("kind", ["moe_layer", "native_mixtral"])
 def test_resume_restores_trained_experts_and_routers(tmp_path, kind):
-    build = upcycled if kind == "moe_layer" else lambda: native_mixtral(tmp_path / "base")
+    if kind == "moe_layer":
+        build = lambda: upcycled(capacity_factor=8.0)  # noqa: E731
+    else:
+        build = lambda: native_mixtral(tmp_path / "base")  # noqa: E731
     first = make_trainer(build(), tmp_path / "run", max_steps=2, save_strategy="steps", save_steps=2)
     first.train()
     trained = {k: v.clone() for k, v in first.model.state_dict().items() if ".mlp." in k}
@@ -163,10 +180,29 @@ def test_load_best_model_at_end_restores_the_best_experts(tmp_path):
     )  # fmt: skip
     trainer.train()
     with torch.no_grad():  # whichever step was best, the weights must now come back from its checkpoint
-        for layer in moe_layers(model):
+        for layer in moe_blocks(model):
             layer.experts.down_proj.add_(1.0)
     trainer._load_best_model()
     best = AutoModelForCausalLM.from_pretrained(trainer.state.best_model_checkpoint)
     for key, value in best.state_dict().items():
         if ".mlp." in key:
             torch.testing.assert_close(model.state_dict()[key], value, msg=f"{key} is not the best checkpoint's")
+
+
+def test_the_registry_path_trains_and_exports_a_native_checkpoint(tmp_path):
+    """transformers' own blocks computing through `experts_implementation="llmkit"` train with `LLMKitTrainer`, and
+    the saved checkpoint loads in plain transformers (its default grouped_mm experts) with the trained logits."""
+    from transformers import AutoModelForCausalLM
+
+    model = upcycled()
+    before = {k: v.clone() for k, v in model.state_dict().items() if ".mlp." in k}
+    trainer = make_trainer(model, tmp_path, max_steps=2)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    after = model.state_dict()
+    assert not any(torch.equal(before[k], after[k]) for k in before if "experts" in k)  # the experts trained
+    native = AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()
+    assert native.config._experts_implementation == "grouped_mm"
+    ids = torch.tensor([[5, 9, 2, 7, 3, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(native(ids).logits, model.eval()(ids).logits, atol=1e-5, rtol=1e-5)

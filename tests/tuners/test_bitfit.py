@@ -105,3 +105,45 @@ def test_config_validation():
         BitFitConfig(target_modules=[])
     with pytest.raises(ValueError, match="set layers_to_transform too"):
         BitFitConfig(layers_pattern="layer")
+
+
+def _train_steps(model, ids: torch.Tensor, steps: int = 3) -> torch.Tensor:
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_on_linear_layers_bitfit_equals_peft_beft_bit_for_bit():
+    """peft 0.21's BEFT is the same method on `nn.Linear` (a zero-initialised bias delta added to the output): the
+    same biases train to the same values and outputs, bit for bit (docs/peft.md says what BitFit adds)."""
+    from peft import BeftConfig
+
+    targets = ["q_proj", "k_proj", "v_proj"]  # Qwen2's attention projections have biases
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    ours = get_peft_model(tiny_model("qwen2"), BitFitConfig(target_modules=targets))
+    theirs = get_peft_model(tiny_model("qwen2"), BeftConfig(target_modules=targets))
+    assert _trainable(ours) == {n.replace("beft_bias", "bitfit_bias"): 64 if "q_proj" in n else 32
+                                for n in _trainable(theirs)}  # fmt: skip
+    assert torch.equal(_train_steps(ours, ids), _train_steps(theirs, ids))
+    deltas = [p for n, p in ours.named_parameters() if p.requires_grad]
+    peers = [p.flatten() for n, p in theirs.named_parameters() if p.requires_grad]
+    assert all(torch.equal(a, b) for a, b in zip(deltas, peers)) and any(a.abs().sum() > 0 for a in deltas)
+
+
+def test_what_bitfit_adds_over_beft():
+    """BEFT takes `nn.Linear` only and, on a bias-less one, a delta it cannot merge; BitFit also trains LayerNorm and
+    GPT-2 Conv1D biases, by default every existing bias, and merges an added bias into a real one."""
+    from peft import BeftConfig
+
+    with pytest.raises(TypeError, match="only `torch.nn.Linear` is supported"):
+        get_peft_model(tiny_model("gpt2"), BeftConfig(target_modules=["c_attn", "ln_1"]))
+    model = get_peft_model(tiny_model("gpt2"), BitFitConfig())  # every existing bias
+    kinds = {type(m.get_base_layer()).__name__ for m in model.modules() if isinstance(m, BitFitLayer)}
+    assert kinds == {"Conv1D", "LayerNorm"}
+    merged = get_peft_model(tiny_llama(), BitFitConfig(add_missing_biases=True, init_weights=False))
+    merged = merged.merge_and_unload()
+    assert merged.model.layers[0].self_attn.q_proj.bias is not None  # a real bias now

@@ -21,10 +21,10 @@ class MoE(Feature):
     row = "mixture of experts"
 
     def check(self, args) -> None:
-        if args.moe.upcycle_moe and args.training.tiled_mlp:
+        if args.moe.upcycle_moe and args.training.tiled_mlp and args.moe.moe_capacity_factor is not None:
             raise ValueError(
-                "--tiled_mlp does not tile mixture-of-experts blocks (routing statistics and auxiliary losses are "
-                "per call), and --upcycle_moe true makes every MLP one; drop one of them"
+                "--tiled_mlp cannot tile experts with --moe_capacity_factor (the capacity is per call, so chunks "
+                "would drop other tokens); omit --moe_capacity_factor for dropless routing, or drop --tiled_mlp"
             )
 
     def folder_suffix(self, values):

@@ -165,6 +165,27 @@ class GroupedSwiGLU(torch.autograd.Function):
         return dx, *grads, None, None, None
 
 
+def grouped_swiglu(
+    rows: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    counts: list[int] | tuple[int, ...],
+    act_name: str,
+    buffers: tuple[GradientBuffer, GradientBuffer],
+) -> torch.Tensor:
+    """`down_e(act(gate_e x) * up_e x)` for expert-sorted `rows [N, H]` (`counts[e]` rows for expert e of
+    `gate_up [E, 2I, H]` / `down [E, H, I]`); `buffers` hold the weight gradients' memory between steps."""
+    device = rows.device.type
+    if not torch.is_autocast_enabled(device):
+        return GroupedSwiGLU.apply(rows, gate_up, down, tuple(counts), act_name, buffers)
+    # Under autocast the experts run like autocast runs a Linear: inputs and weights cast to the autocast dtype
+    # (the casts' backward brings the weight gradients back to the weights' dtype), matmuls in that dtype.
+    dtype = torch.get_autocast_dtype(device)
+    args = (rows.to(dtype), gate_up.to(dtype), down.to(dtype))
+    with torch.autocast(device, enabled=False):
+        return GroupedSwiGLU.apply(*args, tuple(counts), act_name, buffers)
+
+
 class FusedExperts(nn.Module):
     """`num_experts` SwiGLU MLPs stored as two 3-D tensors (transformers' fused expert layout).
 
@@ -223,15 +244,7 @@ class FusedExperts(nn.Module):
         gate_up, down = self.gate_up_proj, self.down_proj
         if used != self.num_experts:
             gate_up, down = gate_up.narrow(0, first_expert, used), down.narrow(0, first_expert, used)
-        device, buffers = sorted_tokens.device.type, self._grad_buffers
-        if not torch.is_autocast_enabled(device):
-            return GroupedSwiGLU.apply(sorted_tokens, gate_up, down, tuple(counts), self.hidden_act, buffers)
-        # Under autocast the experts run like autocast runs a Linear: inputs and weights cast to the autocast dtype
-        # (the casts' backward brings the weight gradients back to the weights' dtype), matmuls in that dtype.
-        dtype = torch.get_autocast_dtype(device)
-        args = (sorted_tokens.to(dtype), gate_up.to(dtype), down.to(dtype))
-        with torch.autocast(device, enabled=False):
-            return GroupedSwiGLU.apply(*args, tuple(counts), self.hidden_act, buffers)
+        return grouped_swiglu(sorted_tokens, gate_up, down, counts, self.hidden_act, self._grad_buffers)
 
     def extra_repr(self) -> str:
         return (

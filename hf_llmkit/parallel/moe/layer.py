@@ -29,7 +29,8 @@ from transformers.activations import ACT2FN
 from hf_llmkit.compat.transformers import record_router_logits
 from hf_llmkit.parallel.moe.dispatch import combine, dispatch, rows_to_tokens, slot_positions, tokens_to_rows
 from hf_llmkit.parallel.moe.experts import FusedExperts
-from hf_llmkit.parallel.moe.router import TopKRouter, load_balancing_loss, router_z_loss
+from hf_llmkit.parallel.moe.router import TopKRouter
+from hf_llmkit.parallel.moe.routing_stats import RoutingRecord, record_routing
 
 
 @dataclass
@@ -175,7 +176,6 @@ class MoELayer(nn.Module):
                 order = order[rank_in_expert < capacity]
                 counts = load.clamp(max=capacity)
             pos = slot_positions(order, flat.numel())  # [T*K] row of each (token, slot)
-        dropped = 1.0 - order.numel() / max(flat.numel(), 1)
 
         rows = tokens_to_rows(x, order, pos, k)  # [N, H] sorted by expert
         if self.ep_group is None:
@@ -188,12 +188,9 @@ class MoELayer(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
-        self.aux = MoEAux(
-            load_balancing_loss=load_balancing_loss(probs, load),
-            z_loss=router_z_loss(logits),
-            expert_load=load.detach(),
-            dropped_fraction=torch.tensor(dropped),
-        )
+        call = RoutingRecord.of_call(logits, experts, probs=probs, kept=order.numel())
+        record_routing(self, call)  # what the trainer's losses read: every call since they were last taken
+        self.aux = call.aux()  # this call's
         return out.reshape(shape)
 
     def __getstate__(self) -> dict:

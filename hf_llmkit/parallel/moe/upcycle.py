@@ -1,12 +1,13 @@
 """Sparse upcycling (Komatsuzaki et al., 2022): a dense Llama / Mistral / Qwen2 model becomes an MoE model.
 
 `upcycle_to_moe` returns the model as transformers' own MoE architecture (Mixtral for Llama and Mistral,
-Qwen2-MoE for Qwen2) whose sparse blocks are `MoELayer`s holding copies of the dense MLP. Attention,
+Qwen2-MoE for Qwen2), every expert a copy of the dense MLP, in transformers' own sparse blocks computing through
+`experts_implementation="llmkit"` (or `MoELayer`s, with a capacity limit). Attention,
 norms and embeddings are the dense model's tensors (moved, not copied). Because the config, the class
 and every state-dict key are the native ones, `save_pretrained` writes a checkpoint plain transformers
 loads as that MoE architecture, and `from_pretrained` of it needs no hf_llmkit. `use_moe_layers` goes the
 other way: it swaps the native sparse blocks of a loaded Mixtral / Qwen2-MoE model for `MoELayer`s
-(to train with the fast grouped experts, capacity limits or expert parallelism).
+(for capacity limits or hf_llmkit's expert parallelism; our expert compute needs no swap).
 
 Example:
     ```python
@@ -28,6 +29,7 @@ from torch import nn
 
 from hf_llmkit.compat.transformers import configured_attention
 from hf_llmkit.parallel.moe.layer import MoELayer
+from hf_llmkit.parallel.moe.registry import register_experts_implementation
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,12 @@ def _target_for(model: nn.Module) -> tuple[_Target, type]:
     return target, moe_cls
 
 
-def _moe_config(config, target: _Target, *, num_experts: int, top_k: int, jitter_noise: float, shared: int):
+def _moe_config(
+    config, target: _Target, *, num_experts: int, top_k: int, jitter_noise: float, shared: int, experts: str | None
+):
     values = {key: getattr(config, key) for key in target.carried if hasattr(config, key)}
+    if experts is not None:
+        values["experts_implementation"] = experts  # through the constructor, like the attention's
     values[target.expert_count_key] = num_experts
     values.update(num_experts_per_tok=top_k, output_router_logits=False)
     values["attn_implementation"] = configured_attention(config)  # the dense model's, through the constructor
@@ -160,21 +166,26 @@ def upcycle_to_moe(
     jitter_noise: float = 0.0,
     shared_expert_intermediate_size: int = 0,
 ) -> nn.Module:
-    """Turn every MLP of a dense Llama / Mistral / Qwen2 model into an `MoELayer` of copies of that MLP.
+    """Turn every MLP of a dense Llama / Mistral / Qwen2 model into a mixture of experts, copies of that MLP.
 
     Returns a new model of transformers' native MoE class (`LlamaForCausalLM` -> `MixtralForCausalLM`,
     `Qwen2ForCausalLM` -> `Qwen2MoeForCausalLM`, ...) that shares the dense model's non-MLP tensors; use it
-    instead of the dense model. Right after upcycling its outputs equal the dense model's: the top-k
-    weights are renormalised and every expert is the dense MLP. The router starts random (normal,
-    `initializer_range`) so training can specialise the experts.
+    instead of the dense model. Its sparse blocks are transformers' own, computing their experts through
+    `experts_implementation="llmkit"` (`hf_llmkit.parallel.moe.registry`), or `MoELayer`s where those blocks cannot
+    route as asked (`capacity_factor`, Qwen2 with `jitter_noise`). Right after upcycling its outputs equal the
+    dense model's: the top-k weights are renormalised and every expert is the dense MLP. The router starts random
+    (normal, `initializer_range`) so training can specialise the experts.
 
     Args:
         model: a dense `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` (or another head class of
             those families that the MoE family also has).
         num_experts: experts per layer.
         top_k: experts per token.
-        capacity_factor: see `MoELayer` (None = dropless; the exported model is always dropless).
-        jitter_noise: router input jitter in training (exported as Mixtral's `router_jitter_noise`).
+        capacity_factor: see `MoELayer` (None = dropless; the exported model is always dropless). Set, the blocks
+            are `MoELayer`s: the capacity is a routing decision transformers' blocks cannot make.
+        jitter_noise: input jitter in training (exported as Mixtral's `router_jitter_noise`; Mixtral's block scales
+            its whole input, experts included, `MoELayer`'s the router's only). Qwen2-MoE has no jitter: with it,
+            a Qwen2 model gets `MoELayer` blocks.
         shared_expert_intermediate_size: Qwen2 only: width of Qwen2-MoE's shared expert; it starts with a zero
             output projection. 0 (default) exports a zero-width shared expert, which adds exactly nothing.
     """
@@ -193,17 +204,24 @@ def upcycle_to_moe(
                 module, dense_config, num_experts=num_experts, top_k=top_k, shared=shared,
                 capacity_factor=capacity_factor, jitter_noise=jitter_noise,
             )  # fmt: skip
+    # transformers' own blocks, our experts through its registry; MoELayer where the block cannot do it: a capacity
+    # limit, and router jitter in Qwen2-MoE (which has none)
+    native = capacity_factor is None and (jitter_noise == 0 or target.moe_prefix == "Mixtral")
     moe_config = _moe_config(
-        dense_config, target, num_experts=num_experts, top_k=top_k, jitter_noise=jitter_noise, shared=shared or 0
-    )
+        dense_config, target, num_experts=num_experts, top_k=top_k, jitter_noise=jitter_noise, shared=shared or 0,
+        experts=register_experts_implementation() if native else None,
+    )  # fmt: skip
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
         moe_model = moe_cls(moe_config)
+    state = {k: v for k, v in model.state_dict().items() if not any(k.startswith(n + ".") for n in blocks)}
     for name, block in blocks.items():
-        moe_model.set_submodule(name, block)
-    dense_state = {k: v for k, v in model.state_dict().items() if not any(k.startswith(n + ".") for n in blocks)}
-    missing, unexpected = moe_model.load_state_dict(dense_state, strict=False, assign=True)
-    missing = [k for k in missing if not any(k.startswith(n + ".") for n in blocks)]
+        if native:  # MoELayer's state dict is the native block's: its tensors move into the native block
+            state.update({f"{name}.{key}": value for key, value in block.state_dict().items()})
+        else:
+            moe_model.set_submodule(name, block)
+    missing, unexpected = moe_model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if native or not any(k.startswith(n + ".") for n in blocks)]
     if unexpected or missing:  # the architectures drifted apart: refuse rather than leave random tensors
         raise ValueError(f"cannot map {type(model).__name__} onto {moe_cls.__name__}: {missing=} {unexpected=}")
     _rebuild_meta_buffers(moe_model, device=next(model.parameters()).device)

@@ -1,10 +1,15 @@
-"""Activation-checkpoint offload (ALST): tensors saved for backward outside checkpointed regions go to host memory.
+"""Saved-activation offload for a scope of your own: every tensor autograd saves inside it goes to host memory.
 
-With activation checkpointing on, what the forward keeps for backward is mostly each checkpointed layer's input
-(`[B, S, H]` per layer) plus what runs outside the layers (the final norm, the tiled loss's hidden states). Under
-`offload_saved_activations()`, those tensors are copied to pinned host memory when autograd saves them and copied
-back when the backward needs them, so the accelerator holds only one layer's recomputation at a time. Inside a
-checkpointed region, torch's own checkpoint hooks take precedence, so recomputed activations stay on the device.
+`offload_saved_activations()` moves everything saved for backward while it is active, to pinned host memory on an
+accelerator: wrapped around a whole forward, that is each checkpointed layer's input plus what runs outside the
+layers (the final norm, the LM head's input, the logits when they are built), several times what the per-checkpoint
+design moves (`benchmarks/sequence_parallel.py` reports the bytes of both). Inside a checkpointed region torch's own
+checkpoint hooks take precedence, so recomputed activations stay on the device.
+
+`LLMKitTrainingArguments(offload_activation_checkpoints=True)` does not use it: it asks transformers' own
+per-checkpoint offload (`activation_checkpointing_kwargs={"offload": True}`: `save_on_cpu` around each checkpointed
+layer's call), which moves each layer's input only. Use this context manager for a scope you choose, e.g. around a
+single checkpointed call in a loop of your own.
 
 Tensors already on the CPU are kept as they are: on a machine without an accelerator this is a no-op that runs the
 same hooks (`include_cpu=True` copies them too, which tests use to exercise the copy path). Parameters (and

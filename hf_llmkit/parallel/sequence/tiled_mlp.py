@@ -9,6 +9,11 @@ change): a forward pre-hook hands the module an empty slice of its input, so the
 and a forward hook returns the chunked result computed from the real input with the module's `forward`.
 Submodule hooks (DeepSpeed ZeRO-3 gathering, LoRA layers on the projections) run for every chunk.
 
+Mixture-of-experts blocks (`MoELayer`, transformers' sparse blocks) are tiled too: dropless routing sends each token
+to its experts whatever the other tokens are, so the chunks' outputs are exactly the block's, and the blocks'
+auxiliary losses are computed from what all chunks routed (`hf_llmkit.parallel.moe.routing_stats`). A capacity limit
+is per call, so a block with `capacity_factor` is refused.
+
     tiling = TiledMLP(model, chunk_size=512)   # ... train ...
     tiling.remove()
 """
@@ -89,10 +94,11 @@ class TiledMLP:
                 "turn tiled_mlp off for this model"
             )
         for mlp in modules:
-            if hasattr(mlp, "experts"):
+            if getattr(mlp, "capacity_factor", None) is not None:
                 raise ValueError(
-                    f"tiled_mlp does not tile mixture-of-experts blocks ({type(mlp).__name__}: routing statistics "
-                    "and auxiliary losses are per call); turn tiled_mlp off for MoE models"
+                    f"tiled_mlp cannot tile {type(mlp).__name__} with capacity_factor={mlp.capacity_factor}: the "
+                    "capacity is per call, so chunks would drop other tokens; use dropless routing "
+                    "(capacity_factor=None) or turn tiled_mlp off"
                 )
         if chunk_size < 0:
             raise ValueError(f"tiled MLP chunk_size must be >= 1 (or 0 for the hidden size), got {chunk_size}")

@@ -17,10 +17,15 @@ function registered with our attention name passes the local 2D padding mask thr
 gathers it and builds the mask for the full sequence with transformers' own mask function of the kernel (causal,
 sliding-window or bidirectional).
 
-Limits: training and evaluation only (no KV cache); `position_ids` are not passed to the inner kernel, so packed
-sequences must carry an attention mask rather than position resets; attention weights are not returned. With
-eager attention, a fully masked query row (a left-padding position) averages over all keys, so padding the length
-to a multiple of P changes that row's output -- it matters only when such a position has a label (sdpa is exact).
+Packed sequences (several documents in one row, `position_ids` restarting at 0 at each, no attention mask) stay
+apart as on one rank: the wrapper gathers the `position_ids` of the full sequence, finds the documents as
+transformers' own mask code does without a mask (`find_packed_sequence_indices`) and builds the full-sequence mask
+with its packed-sequence rule (a token attends within its own document only); the kernel gets the full sequence's
+`position_ids` (flash kernels read the document boundaries from them).
+
+Limits: training and evaluation only (no KV cache); attention weights are not returned. With eager attention, a
+fully masked query row (a left-padding position) averages over all keys, so padding the length to a multiple of P
+changes that row's output -- it matters only when such a position has a label (sdpa is exact).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from torch import nn
 from transformers.masking_utils import (
     bidirectional_mask_function,
     causal_mask_function,
+    find_packed_sequence_indices,
+    packed_sequence_compatibility_function,
     sliding_window_causal_mask_function,
 )
 
@@ -129,7 +136,8 @@ class UlyssesAttention(AttentionLayer):
         self.group = group
         self.sp_size = dist.get_world_size(group)
         self.sp_rank = dist.get_rank(group)
-        self._mask_cache: tuple[tuple, torch.Tensor | None, torch.Tensor | None] | None = None
+        self._mask_cache: tuple | None = None
+        self._positions_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def name_suffix(self) -> str:
         return f"@{id(self.group):x}"
@@ -144,12 +152,31 @@ class UlyssesAttention(AttentionLayer):
     def mask_function(self, kernel: str):
         return _local_padding_mask
 
-    def _full_mask(self, module, kernel: str, local: torch.Tensor | None, query: torch.Tensor, seq: int, kwargs):
+    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+        """`[B, S/P]` on each rank of the group -> `[B, S]`."""
+        parts = [torch.empty_like(local) for _ in range(self.sp_size)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)
+
+    def _full_positions(self, local: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+        """The `position_ids` of the full sequence `[B, S]` from this rank's shard (gathered once per forward)."""
+        if local is None:
+            return None
+        if self._positions_cache is not None and self._positions_cache[0] is local:
+            return self._positions_cache[1]
+        full = self._gather(local.expand(batch, -1))
+        self._positions_cache = (local, full)  # holding `local` keeps its identity unique while cached
+        return full
+
+    def _full_mask(
+        self, module, kernel: str, local: torch.Tensor | None, query: torch.Tensor, seq: int, positions, kwargs
+    ):
         """The mask the kernel would get for the full sequence (built once per forward)."""
         sliding_window = kwargs.get("sliding_window")
         key = (kernel, query.shape[0], seq, query.dtype, query.device, sliding_window)
-        if self._mask_cache is not None and self._mask_cache[0] == key and self._mask_cache[1] is local:
-            return self._mask_cache[2]
+        cached = self._mask_cache
+        if cached is not None and cached[0] == key and cached[1] is local and cached[3] is positions:
+            return cached[2]
         full_padding = None
         if local is not None:
             if local.dim() != 2:
@@ -157,15 +184,18 @@ class UlyssesAttention(AttentionLayer):
                     f"sequence parallel attention needs a 2D padding attention_mask, got shape {tuple(local.shape)}; "
                     "pass the tokenizer's [batch, seq] mask, not a prepared 4D mask"
                 )
-            parts = [torch.empty_like(local) for _ in range(self.sp_size)]
-            dist.all_gather(parts, local.contiguous(), group=self.group)
-            full_padding = torch.cat(parts, dim=1)  # [B, S]
+            full_padding = self._gather(local)  # [B, S]
         if not getattr(module, "is_causal", True):
             pattern = bidirectional_mask_function
         elif sliding_window is not None and not kernel.startswith("flash"):
             pattern = sliding_window_causal_mask_function(sliding_window)
         else:
             pattern = causal_mask_function
+        # packed documents (positions restarting, no mask): a token sees its own document only, as transformers'
+        # mask code decides on one rank
+        documents = find_packed_sequence_indices(positions) if positions is not None and local is None else None
+        if documents is not None:
+            pattern = packed_sequence_compatibility_function(pattern, positions, documents)
         mask = kernel_mask_function(kernel)(
             batch_size=query.shape[0],
             q_length=seq,
@@ -174,13 +204,13 @@ class UlyssesAttention(AttentionLayer):
             kv_offset=0,
             mask_function=pattern,
             attention_mask=full_padding,
-            allow_is_causal_skip=True,
+            allow_is_causal_skip=documents is None,
             dtype=query.dtype,
             config=module.config,
             use_vmap=False,
             device=query.device,
         )
-        self._mask_cache = (key, local, mask)  # holding `local` keeps its identity unique while cached
+        self._mask_cache = (key, local, mask, positions)  # holding `local` keeps its identity unique while cached
         return mask
 
     def __call__(
@@ -208,12 +238,14 @@ class UlyssesAttention(AttentionLayer):
             if kwargs.get(name) is not None:
                 kwargs[name] = _rank_heads(kwargs[name], dim, repeat, self.sp_rank, p)
         seq = q.shape[2]
-        mask = self._full_mask(module, kernel, attention_mask, q, seq, kwargs)
+        positions = self._full_positions(kwargs.pop("position_ids", None), q.shape[0])  # [B, S]
+        mask = self._full_mask(module, kernel, attention_mask, q, seq, positions, kwargs)
         groups = q.shape[1] // k.shape[1]
         target = module
         if groups != getattr(module, "num_key_value_groups", groups):
             target = ModuleView(module, num_key_value_groups=groups)
-        kwargs.pop("position_ids", None)  # local positions; RoPE was applied before this call
+        if positions is not None:  # the full sequence's (RoPE was applied before this call, on the shard's)
+            kwargs["position_ids"] = positions
         out, _ = inner(target, q, k, v, mask, **kwargs)  # [B, S, H/P, D]
         return heads_to_sequence(out, self.group), None  # [B, S/P, H, D]
 
