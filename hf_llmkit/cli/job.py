@@ -53,7 +53,7 @@ from hf_llmkit.cli.results import (
     results_table,
     save_results,
 )
-from hf_llmkit.cli.run_folder import settle_output_dir, write_flag_record
+from hf_llmkit.cli.run_folder import FlagRecord, settle_output_dir
 from hf_llmkit.data.corpus import default_cache_dir
 from hf_llmkit.trainers import LLMKitTrainer
 
@@ -264,6 +264,10 @@ def train_and_evaluate(args: Args, trainer: LLMKitTrainer) -> dict[str, Any]:
     """Evaluate before (new runs), train (resuming when output_dir holds this run's checkpoint), evaluate after;
     writes train_results.json, eval_results.json and all_results.json as transformers' run_clm does."""
     training, results = args.training, {}
+    if not training.do_train:  # no train() to begin: nothing can refuse the run now
+        for callback in trainer.callback_handler.callbacks:
+            if isinstance(callback, FlagRecord):
+                callback.write()
     # DeepSpeed builds its engine in train(): ZeRO-1/2 cannot evaluate before it (transformers refuses)
     if training.do_eval and not _resuming(training) and not training.deepspeed:
         results["eval_loss_before"] = trainer.evaluate()["eval_loss"]
@@ -344,7 +348,6 @@ def run_job(job: Job, steps: DataSteps, argv: list[str] | None = None) -> dict[s
         try:
             built = build_model(args, load_tokenizer(args.model))
             train, evaluation = steps.prepare(args, built, data)
-            write_flag_record(args, job.prog)  # once nothing the input decides can refuse the run
         except BaseException:
             lock.release(clean=True)  # rejected before any work: no output folder left behind
             raise
@@ -352,6 +355,7 @@ def run_job(job: Job, steps: DataSteps, argv: list[str] | None = None) -> dict[s
     built = built._replace(base=None)  # the snapshot is on disk now
     with usage_errors():  # a pair of features the trainer refuses (check_combinations names the known ones)
         trainer = build_trainer(args, built, train, evaluation, data_collator=steps.collator(built))
+    trainer.add_callback(FlagRecord(args, job.prog))  # the record is written once nothing can refuse the run
     features.train_results(args, len(train), warn=True)  # e.g. more DKM calibration samples than examples: warned
     total, trainable = count_parameters(built.model)
     results: dict[str, Any] = {"parameters": total, "trainable_parameters": trainable}
