@@ -28,6 +28,7 @@ from hf_llmkit import LLMKitTrainingArguments
 from hf_llmkit.checkpoints.lock import hold_output_dir
 from hf_llmkit.checkpoints.resume_rule import will_resume
 from hf_llmkit.cli import features
+from hf_llmkit.cli.adapter_base import BaseAfterCalibration, write_base
 from hf_llmkit.cli.allocator import keep_freed_blocks
 from hf_llmkit.cli.arguments import SCRATCH_SIZES, ModelArguments
 from hf_llmkit.cli.checks import check_training_length
@@ -310,15 +311,14 @@ def _finished(args: Args, trainer: LLMKitTrainer, results: dict[str, Any]) -> di
 def write_adapter_base(args: Args, built: Model) -> Path | None:
     """Save the base model + tokenizer the adapter trains on to output_dir/base (a new run; a resumed one has it),
     so `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"), out / "adapter")` reproduces
-    the evaluated model. Written before training: peft's adapter saves read the base's config."""
+    the evaluated model. Written before training: peft's adapter saves read the base's config
+    (`hf_llmkit.cli.adapter_base`; a DKM base is written again after a calibration changed it)."""
     base_dir = adapter_base_dir(args)
     if base_dir is None:
         return None
     with args.training.main_process_first(desc="adapter base"):
         if args.training.should_save and not (_resuming(args.training) and (base_dir / "config.json").is_file()):
-            base_model, base_tokenizer = built.base
-            base_model.save_pretrained(base_dir)
-            base_tokenizer.save_pretrained(base_dir)
+            write_base(*built.base, base_dir)
     return base_dir
 
 
@@ -356,6 +356,9 @@ def run_job(job: Job, steps: DataSteps, argv: list[str] | None = None) -> dict[s
     with usage_errors():  # a pair of features the trainer refuses (check_combinations names the known ones)
         trainer = build_trainer(args, built, train, evaluation, data_collator=steps.collator(built))
     trainer.add_callback(FlagRecord(args, job.prog))  # the record is written once nothing can refuse the run
+    dkm = args.dkm.build_config()
+    if base_dir is not None and dkm is not None and dkm.calibration_samples:  # after the trainer's DKM callback
+        trainer.add_callback(BaseAfterCalibration(base_dir, at_start=dkm.recipe == "calibrated"))
     features.train_results(args, len(train), warn=True)  # e.g. more DKM calibration samples than examples: warned
     total, trainable = count_parameters(built.model)
     results: dict[str, Any] = {"parameters": total, "trainable_parameters": trainable}

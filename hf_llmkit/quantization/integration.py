@@ -7,6 +7,8 @@
   precision (an edited `modules_to_not_convert` would otherwise load a freshly initialised layer).
 - `DKMInitTables`: the load op that runs the k-means of each trainable layer as its weight arrives.
 - `verify_loaded`: after loading, tables are finite and packed tensors have the config's shapes.
+- `trainable_from_packed`: a model loaded from a compact checkpoint made trainable again (DKM training continues, or
+  a PEFT adapter trains on it).
 - `dkm_state_dict`: what `save_pretrained` writes: packed indices + lookup tables (compact), plus the latent weights
   and centroids of layers whose `keep_training_state` is set (Trainer checkpoints, see `training_state.py`); under
   FSDP2 / ZeRO-3, packed from the full state dict the Trainer gathered on every rank.
@@ -126,6 +128,35 @@ def replace_with_dkm_layers(
             new.load_state_dict(module.state_dict(), strict=False)
         model.set_submodule(name, new)
     return list(targets)
+
+
+def trainable_from_packed(model: nn.Module) -> list[str]:
+    """Swap every packed layer of `model` (loaded from a compact DKM checkpoint) for a trainable DKM layer whose table
+    is the saved one and whose latent weight is the decoded weight, in place; returns their names.
+
+    The model computes what it did (the hard assignment of the decoded weights onto their own tables is those
+    weights); DKM training continues from there, and peft's methods, which adapt `nn.Linear` layers, can wrap its
+    layers (a packed layer is none). `save_pretrained` writes a compact checkpoint again."""
+    from hf_llmkit.quantization.training_state import guard_training_state
+
+    swapped = []
+    dtype = getattr(model, "dtype", None) or torch.get_default_dtype()
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, PACKED):
+            continue
+        rows, cols = module.weight_shape
+        device = module.weight_packed.device
+        if isinstance(module, PalettizedLinear):
+            bias = module.bias is not None
+            new = DKMLinear(cols, rows, bias, module.settings, device=device, dtype=dtype)
+        else:
+            new = DKMEmbedding(rows, cols, module.padding_idx, module.settings, device=device, dtype=module.dtype)
+        new.load_state_dict(module.state_dict())  # the packed tensors decode into weight + centroids (+ scales)
+        model.set_submodule(name, new)
+        swapped.append(name)
+    if swapped:
+        guard_training_state(model)
+    return swapped
 
 
 def checkpoint_keys(checkpoint_files: list[str] | None) -> dict[str, str] | None:

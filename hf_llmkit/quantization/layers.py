@@ -391,6 +391,12 @@ class _Packed(nn.Module):
         """The decoded dense weight in `dtype` (the hard assignment's, bit for bit)."""
         return lut_gemv.decode_weight(self, dtype)
 
+    def extra_repr(self) -> str:
+        # peft prints the module it cannot adapt: the repr names the way to train adapters on it
+        rows, cols = self.weight_shape
+        return (f"{cols} -> {rows}, {self.settings.bits}-bit packed DKM layer; adapters train on it after "
+                "hf_llmkit.quantization.trainable_from_packed(model)")  # fmt: skip
+
 
 def _check_packed_tensors(module, state_dict, prefix, *_args) -> None:
     """Load-state-dict pre-hook of the packed layers: drop a training checkpoint's extra tensors, check the table."""
