@@ -115,7 +115,7 @@ def refuse_packed_layers(model: nn.Module, method: str) -> None:
     if packed is not None:
         kind = type(model.get_submodule(packed)).__name__
         raise ValueError(
-            f"{method} cannot adapt the packed DKM layers of a compact checkpoint ({packed!r} is a {kind}); {PACKED_FIX}"
+            f"{method} cannot adapt a compact DKM checkpoint's packed layers ({packed!r} is a {kind}); {PACKED_FIX}"
         )
 
 
