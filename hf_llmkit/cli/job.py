@@ -31,6 +31,7 @@ from hf_llmkit.cli import features
 from hf_llmkit.cli.adapter_base import BaseAfterCalibration, write_base
 from hf_llmkit.cli.allocator import keep_freed_blocks
 from hf_llmkit.cli.arguments import SCRATCH_SIZES, ModelArguments
+from hf_llmkit.cli.calibrated_start import calibrated_start
 from hf_llmkit.cli.checks import check_training_length
 from hf_llmkit.cli.errors import exit_on_error, usage_errors
 from hf_llmkit.cli.features import BuildState, adapter_base_dir
@@ -270,11 +271,17 @@ def train_and_evaluate(args: Args, trainer: LLMKitTrainer) -> dict[str, Any]:
             if isinstance(callback, FlagRecord):
                 callback.write()
     # DeepSpeed builds its engine in train(): ZeRO-1/2 cannot evaluate before it (transformers refuses)
-    if training.do_eval and not _resuming(training) and not training.deepspeed:
+    fresh = not _resuming(training)
+    before = training.do_eval and fresh and not training.deepspeed
+    start = calibrated_start(args, trainer, fresh=fresh, evaluate=before)  # --dkm_recipe calibrated: in train()
+    if before and start is None:
         results["eval_loss_before"] = trainer.evaluate()["eval_loss"]
         results["eval_perplexity_before"] = perplexity(results["eval_loss_before"])
     if training.do_train:
         outcome = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+        if start is not None and start.eval_loss is not None:
+            results.update(eval_loss_before=start.eval_loss, eval_before="the calibrated start")
+            results["eval_perplexity_before"] = perplexity(start.eval_loss)
         trainer.save_model()
         start = next(cb.step for cb in trainer.callback_handler.callbacks if isinstance(cb, ResumePoint))
         results.update(global_step=trainer.state.global_step, resumed_at=start, resumed_from=trainer.resumed_from)

@@ -51,7 +51,9 @@ class DKMHfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         integration.check_not_quantized(model)
-        skip = list(self.quantization_config.modules_to_not_convert) + integration.tied_modules(model)
+        tied = integration.tied_modules(model)
+        integration.warn_tied_embeddings(model, self.quantization_config, tied)
+        skip = list(self.quantization_config.modules_to_not_convert) + tied
         self.modules_to_not_convert = sorted(self.get_modules_to_not_convert(model, skip, keep_in_fp32_modules(model)))
         packed: bool | dict = self.pre_quantized
         if self.pre_quantized:

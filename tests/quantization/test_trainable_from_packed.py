@@ -82,3 +82,18 @@ def test_every_peft_method_adapts_it_and_names_the_fix_on_packed_layers(tmp_path
     assert not any(isinstance(m, PalettizedLinear) for m in reloaded.modules())
     with torch.no_grad():
         assert torch.equal(reloaded(IDS).logits, expected)
+
+
+def test_tied_embeddings_asked_to_be_clustered_stay_dense_and_say_so(caplog):
+    """Issue 46: with tied embeddings, `quantize_embeddings=True` left them dense without a word."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="hf_llmkit"):
+        model = quantize_model(tiny_llama(tie_word_embeddings=True), DKMConfig(quantize_embeddings=True))
+    assert type(model.model.embed_tokens) is torch.nn.Embedding
+    [line] = [r.getMessage() for r in caplog.records if "quantize_embeddings" in r.getMessage()]
+    assert "model.embed_tokens is tied to lm_head and stays in full precision" in line and "tie_word_embeddings" in line
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_llmkit"):
+        quantize_model(tiny_llama(tie_word_embeddings=False), DKMConfig(quantize_embeddings=True))
+    assert "quantize_embeddings" not in caplog.text
