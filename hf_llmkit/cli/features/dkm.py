@@ -41,7 +41,9 @@ def dkm_checkpoint_config(path: str | None):
 
 
 def _shown(value) -> str:
-    return ",".join(value) if isinstance(value, list) else str(value).lower() if isinstance(value, bool) else str(value)
+    if isinstance(value, list):
+        return ",".join(value)
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _continue_checkpoint(args, saved) -> None:
