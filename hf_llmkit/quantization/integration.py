@@ -56,8 +56,8 @@ LOADED_NAMES = (*PACKED_NAMES, SCALE_NAMES["packed"])  # the tensors packed laye
 
 
 STAND_IN_DTYPE = "U8"  # its safetensors dtype: a clustered module's `weight` saved so is no dense weight
-# A one-byte tensor of every checkpoint with a stand-in weight, named after what a load without hf_llmkit needs: transformers then
-# skips the unknown "dkm" method and fails on the stand-in weights, and its load report lists this key as unexpected.
+# A one-byte tensor of every checkpoint with a stand-in weight, named after what a load without hf_llmkit needs:
+# transformers then skips the unknown "dkm" method, fails on the stand-in weights, and lists this key as unexpected.
 IMPORT_MARKER = "import_hf_llmkit_to_load_this_dkm_checkpoint"
 
 
