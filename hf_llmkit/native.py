@@ -80,7 +80,8 @@ class CLibrary:
         """Where this machine's build lives (the name carries the source's hash)."""
         from hf_llmkit.data.corpus import default_cache_dir  # here: `python -m hf_llmkit.data.corpus` runs it once
 
-        digest = hashlib.sha256(self.text + " ".join(self.flags).encode()).hexdigest()[:16]
+        # TRAILER in the key: a build from before the trailer existed is not taken for a damaged one
+        digest = hashlib.sha256(self.text + " ".join(self.flags).encode() + TRAILER).hexdigest()[:16]
         return default_cache_dir() / "kernels" / f"{self.stem}-{digest}-{sys.platform}-{platform.machine()}.so"
 
     def _build(self, target: Path) -> None:

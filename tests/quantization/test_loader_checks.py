@@ -206,3 +206,26 @@ def test_a_model_with_a_nan_table_is_refused_before_its_folder_is_made(tmp_path,
     with pytest.raises(ValueError, match=rf"^Cannot save the DKM model: the {what} of '{Q}' holds NaN or infinity"):
         model.save_pretrained(tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_dtype_cast_keeps_the_tables_as_loading_in_that_dtype_does(saved, tmp_path):
+    """Issue 46: `.to(torch.float16)` rounded the tables (the in-memory model changed and its save no longer matched
+    its config, refused on reload), where `from_pretrained(..., dtype=torch.float16)` keeps them; `.half()` is
+    transformers' refusal for every quantized model."""
+    cast = AutoModelForCausalLM.from_pretrained(saved["scaled_compact"]).to(torch.float16)
+    loaded = AutoModelForCausalLM.from_pretrained(saved["scaled_compact"], dtype=torch.float16)
+    ours, theirs = cast.state_dict(), loaded.state_dict()
+    assert all(ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert cast.get_submodule(Q).weight_lut.dtype == torch.float16 == cast.get_submodule(Q).weight_scale.dtype
+    cast.save_pretrained(tmp_path / "cast")
+    AutoModelForCausalLM.from_pretrained(tmp_path / "cast")  # its tables still match its config
+    layer = quantize_model(tiny_llama(), SCALED).to(torch.bfloat16).get_submodule(Q)
+    assert (layer.weight.dtype, layer.centroids.dtype, layer.scales.dtype) == (
+        torch.bfloat16,
+        torch.float32,
+        torch.float32,
+    )
+    compact = AutoModelForCausalLM.from_pretrained(saved["compact"]).to(torch.bfloat16)
+    assert compact.get_submodule(Q).weight_lut.dtype == torch.float32  # lut_dtype float32
+    with pytest.raises(ValueError, match="not supported for quantized model"):
+        compact.half()
