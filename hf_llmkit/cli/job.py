@@ -272,7 +272,7 @@ def train_and_evaluate(args: Args, trainer: LLMKitTrainer) -> dict[str, Any]:
                 callback.write()
     # DeepSpeed builds its engine in train(): ZeRO-1/2 cannot evaluate before it (transformers refuses)
     fresh = not _resuming(training)
-    before = training.do_eval and fresh and not training.deepspeed
+    before = training.do_eval and training.do_train and fresh and not training.deepspeed  # untrained: once
     start = calibrated_start(args, trainer, fresh=fresh, evaluate=before)  # --dkm_recipe calibrated: in train()
     if before and start is None:
         results["eval_loss_before"] = trainer.evaluate()["eval_loss"]
