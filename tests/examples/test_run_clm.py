@@ -117,7 +117,6 @@ def test_how_a_txt_file_is_cut_is_said_and_chosen(run_clm, tmp_path, monkeypatch
     token, without a word (the perplexity of SmolLM2-135M: 26.4 so, 15.3 cut into paragraphs:
     tests/data/test_files.py). A run that does not train evaluates its model once."""
     import logging
-
     from pydoc_data.topics import topics
 
     from hf_llmkit.testing import corpus_tokenizer
