@@ -135,9 +135,8 @@ def test_json_parsed_whole_has_a_size_limit_named_with_the_fix(tmp_path, monkeyp
 
 
 def test_txt_rows_are_lines_or_paragraphs(tmp_path):
-    """Issue 46: a held-out text of wrapped prose became one row, and one end-of-text token, per line (SmolLM2-135M
-    on 97K characters of the Python reference, 512-token blocks: eval perplexity 26.4 cut into lines, 15.3 cut into
-    paragraphs; `--text_rows paragraph` in the main jobs, with a line saying how the text was cut)."""
+    """Issue 46: a held-out text of wrapped prose became one row, and one end-of-text token, per line, which raises
+    a real model's eval perplexity; `--text_rows paragraph` in the main jobs, with a line saying how it was cut."""
     path = tmp_path / "prose.txt"
     long_line = " ".join(f"w{i}" for i in range(30_000))  # over PIECE_CHARS characters: handed out in pieces
     path.write_text(f"\n\nFirst line\nof the first.\n  \nSecond\r\n{long_line}\nend\n\n\nThird.", encoding="utf-8")

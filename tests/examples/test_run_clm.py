@@ -114,8 +114,7 @@ def test_help_lists_our_options_in_groups(run_clm, capsys, monkeypatch):
 
 def test_how_a_txt_file_is_cut_is_said_and_chosen(run_clm, tmp_path, monkeypatch, caplog):
     """Issue 46: `--validation_file held_out.txt` made each line of wrapped prose its own row with an end-of-text
-    token, without a word (the perplexity of SmolLM2-135M: 26.4 so, 15.3 cut into paragraphs:
-    tests/data/test_files.py). A run that does not train evaluates its model once."""
+    token, without a word. A run that does not train evaluates its model once."""
     import logging
     from pydoc_data.topics import topics
 
