@@ -63,6 +63,8 @@ def check_inputs(args: Args) -> tuple[TextFiles | list[str], TextFiles | None]:
         held_out = find_data_files(train_file=data.validation_file, flag="--validation_file")
         held_out = TextFiles(held_out, rows=data.text_rows)
     txt = [path.name for path in [*files, *(held_out.files if held_out else [])] if path.suffix == ".txt"]
+    if not txt and "text_rows" in args.given:
+        raise ValueError("--text_rows cuts .txt files into rows, and the data has none; drop --text_rows")
     if txt and args.training.should_log:  # how the text is cut decides what the model learns and the perplexity
         shown = ", ".join(txt[:3]) + (f" and {len(txt) - 3} more" if len(txt) > 3 else "")
         logger.info("%s: %s", shown, ROWS_SAID[data.text_rows])

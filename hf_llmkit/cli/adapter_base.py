@@ -27,7 +27,11 @@ def _replace_folder(folder: Path, write) -> None:
     """`write(temporary)` then the temporary folder renamed to `folder` (an older `folder` removed after)."""
     temporary = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(temporary, ignore_errors=True)
-    write(temporary)
+    try:
+        write(temporary)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
     old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
     if folder.exists():
         os.replace(folder, old)

@@ -146,3 +146,5 @@ def test_how_a_txt_file_is_cut_is_said_and_chosen(run_clm, tmp_path, monkeypatch
     assert said[0].startswith("held_out.txt: each non-blank line is a row followed by the end-of-text token")
     assert "--text_rows paragraph" in said[0] and said[1].startswith("held_out.txt: each paragraph ")
     assert seen["line"] > seen["paragraph"] and seen["line"] <= len(lines) and seen["paragraph"] <= paragraphs
+    with pytest.raises(run_clm.UsageError, match="^--text_rows cuts .txt files into rows, and the data has none; "):
+        run_clm.run([*TINY, "--text_rows", "paragraph", "--output_dir", str(tmp_path / "none")])  # the embedded corpus

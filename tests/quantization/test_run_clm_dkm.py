@@ -69,7 +69,8 @@ def test_a_compact_checkpoint_as_the_model_continues_its_dkm_training(run_clm, t
     from safetensors.torch import load_file
 
     start = tmp_path / "start"
-    run_clm.run([*SHORT, "--output_dir", str(start), "--quantization", "dkm", "--dkm_bits", "4"])
+    saving = ["--save_strategy", "steps", "--save_steps", "2"]  # its checkpoint-2 holds the DKM training state
+    run_clm.run([*SHORT, *saving, "--output_dir", str(start), "--quantization", "dkm", "--dkm_bits", "4"])
     again = [*SHORT[10:], "--model_name_or_path", str(start), "--output_dir", str(tmp_path / "again")]
     with pytest.raises(
         run_clm.UsageError, match=r"is a compact DKM checkpoint \(4-bit packed layers, which train only "
@@ -85,6 +86,13 @@ def test_a_compact_checkpoint_as_the_model_continues_its_dkm_training(run_clm, t
     packed = [k for k in before if k.endswith("weight_packed")]
     assert packed and all(before[k].shape == after[k].shape for k in packed)  # still 4-bit
     assert sum(not torch.equal(before[k], after[k]) for k in packed) == len(packed)  # every clustered layer moved
+    trainer_checkpoint = [
+        *again[:-1],
+        str(tmp_path / "from-checkpoint"),
+        "--model_name_or_path",
+        str(start / "checkpoint-2"),
+    ]
+    assert run_clm.run([*trainer_checkpoint, "--quantization", "dkm"])["global_step"] == 2  # loads trainable already
     described = dict(describe_setup(run_clm.parse_args([*again, "--quantization", "dkm"])))  # the results table
     assert described["quantization"] == f"DKM 4-bit (per_tensor), continued from the compact checkpoint {start}"
 

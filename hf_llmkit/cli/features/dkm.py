@@ -116,8 +116,8 @@ class Dkm(Feature):
 
         if not getattr(args.dkm, "continued_from", None):
             state.model = quantize_model(state.model, config)
-        elif not trainable_from_packed(state.model):
-            raise ValueError(f"--model_name_or_path {args.dkm.continued_from} loaded without packed DKM layers")
+        else:  # a compact checkpoint's packed layers; a Trainer checkpoint's training state loads trainable already
+            trainable_from_packed(state.model)
 
     def train_results(self, args, examples, *, warn=False):
         return args.dkm.calibration(examples, warn=warn)
