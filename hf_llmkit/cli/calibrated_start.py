@@ -73,3 +73,28 @@ def calibrated_start(args, trainer, *, fresh: bool, evaluate: bool) -> Calibrate
         return None
     samples = min(config.calibration_samples, len(trainer.train_dataset))
     return CalibratedStart(trainer, samples=samples, evaluate=evaluate)
+
+
+def calibrate_untrained(args, trainer, train, collator) -> dict:
+    """`--dkm_recipe calibrated --do_train false`: the recipe's start is the model to evaluate (the post-training
+    result), so it is calibrated here, on the first training examples, with the same lines; returns what the
+    results report of it (empty for any other run)."""
+    config = args.dkm.build_config()
+    if config is None or config.recipe != "calibrated" or not config.calibration_samples or args.training.do_train:
+        return {}
+    import torch
+
+    from hf_llmkit.quantization import calibrate
+    from hf_llmkit.quantization.calibration import first_examples
+
+    samples = min(config.calibration_samples, len(train))
+    loader = torch.utils.data.DataLoader(train, collate_fn=collator)
+    began = time.perf_counter()
+    if args.training.should_log:
+        logger.info(
+            "calibrating the DKM start on %d training examples (--dkm_recipe calibrated, no training)", samples
+        )
+    calibrate(trainer.model, first_examples(loader, samples, args.training.per_device_train_batch_size))
+    if args.training.should_log:
+        logger.info("calibrated the DKM start in %.1f s", time.perf_counter() - began)
+    return {"dkm_calibration_samples": samples, "dkm_recipe": config.recipe}

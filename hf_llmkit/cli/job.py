@@ -31,7 +31,7 @@ from hf_llmkit.cli import features
 from hf_llmkit.cli.adapter_base import BaseAfterCalibration, write_base
 from hf_llmkit.cli.allocator import keep_freed_blocks
 from hf_llmkit.cli.arguments import SCRATCH_SIZES, ModelArguments
-from hf_llmkit.cli.calibrated_start import calibrated_start
+from hf_llmkit.cli.calibrated_start import calibrate_untrained, calibrated_start
 from hf_llmkit.cli.checks import check_training_length
 from hf_llmkit.cli.errors import exit_on_error, usage_errors
 from hf_llmkit.cli.features import BuildState, adapter_base_dir
@@ -369,6 +369,7 @@ def run_job(job: Job, steps: DataSteps, argv: list[str] | None = None) -> dict[s
     features.train_results(args, len(train), warn=True)  # e.g. more DKM calibration samples than examples: warned
     total, trainable = count_parameters(built.model)
     results: dict[str, Any] = {"parameters": total, "trainable_parameters": trainable}
+    results.update(calibrate_untrained(args, trainer, train, steps.collator(built)))  # the recipe, untrained
     results.update(train_and_evaluate(args, trainer))
     results.update(output_dir=args.training.output_dir, wall_time_s=time.perf_counter() - start)
     results["adapter_base"] = str(base_dir) if base_dir is not None else None

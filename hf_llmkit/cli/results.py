@@ -110,6 +110,8 @@ def describe_setup(args: Any) -> list[tuple[str, str]]:
 
 def _calibration_row(results: dict[str, Any]) -> str:
     when = "before the first step" if results.get("dkm_recipe") == "calibrated" else "after the last step"
+    if "global_step" not in results:  # the run did not train
+        when = "before the evaluation (no training)"
     return f"{results['dkm_calibration_samples']:,} training examples, {when}"
 
 

@@ -158,3 +158,15 @@ def test_the_recipes_calibration_is_said_timed_evaluated_and_reported(run_clm, t
     text = results_table([], {**results, "parameters": 1, "trainable_parameters": 1})
     assert "| DKM calibration" in text and "8 training examples, before the first step" in text
     assert "| eval perplexity before (the calibrated start) |" in text
+
+
+def test_the_recipe_without_training_evaluates_its_calibrated_start(run_clm, tmp_path):
+    """Found attacking issue 46: `--dkm_recipe calibrated --do_train false` evaluated the k-means start (the recipe
+    calibrates when training begins) under a table naming the recipe; it is the post-training result asked for."""
+    recipe = [*SHORT, "--quantization", "dkm", "--dkm_recipe", "calibrated", "--dkm_scale_block_size", "16",
+              "--dkm_calibration_samples", "8"]  # fmt: skip
+    trained = run_clm.run([*recipe, "--output_dir", str(tmp_path / "trained")])
+    untrained = run_clm.run([*recipe, "--output_dir", str(tmp_path / "untrained"), "--do_train", "false"])
+    assert untrained["eval_loss"] == pytest.approx(trained["eval_loss_before"], abs=1e-6)  # the calibrated start
+    assert untrained["dkm_calibration_samples"] == 8
+    assert "8 training examples, before the evaluation (no training)" in results_table([], untrained)
