@@ -159,8 +159,22 @@ def trainable_from_packed(model: nn.Module) -> list[str]:
     layers (a packed layer is none). `save_pretrained` writes a compact checkpoint again."""
     from hf_llmkit.quantization.training_state import guard_training_state
 
-    swapped = []
     dtype = getattr(model, "dtype", None) or torch.get_default_dtype()
+    # each layer would say that its latent weights restart from the hard assignment: that is the point here
+    quiet = logging.getLogger("hf_llmkit.quantization.layers")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        swapped = _swap_packed(model, dtype)
+    finally:
+        quiet.setLevel(level)
+    if swapped:
+        guard_training_state(model)
+    return swapped
+
+
+def _swap_packed(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    swapped = []
     for name, module in list(model.named_modules()):
         if not isinstance(module, PACKED):
             continue
@@ -174,8 +188,6 @@ def trainable_from_packed(model: nn.Module) -> list[str]:
         new.load_state_dict(module.state_dict())  # the packed tensors decode into weight + centroids (+ scales)
         model.set_submodule(name, new)
         swapped.append(name)
-    if swapped:
-        guard_training_state(model)
     return swapped
 
 

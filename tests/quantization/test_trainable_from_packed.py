@@ -98,3 +98,16 @@ def test_tied_embeddings_asked_to_be_clustered_stay_dense_and_say_so(caplog):
     with caplog.at_level(logging.WARNING, logger="hf_llmkit"):
         quantize_model(tiny_llama(tie_word_embeddings=False), DKMConfig(quantize_embeddings=True))
     assert "quantize_embeddings" not in caplog.text
+
+
+def test_it_says_nothing_per_layer(tmp_path, caplog):
+    """Found attacking issue 46: each layer warned that its latent weights restart from the hard assignment (14
+    lines for a 2-layer model, advising a callback that has nothing to do with it)."""
+    import logging
+
+    _compact(tmp_path, CONFIGS["per-tensor"])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "compact")
+    with caplog.at_level(logging.INFO, logger="hf_llmkit"):
+        assert trainable_from_packed(model)
+    assert "restart from the hard assignment" not in caplog.text
+    assert logging.getLogger("hf_llmkit.quantization.layers").level == logging.NOTSET  # left as it was
