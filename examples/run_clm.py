@@ -57,13 +57,26 @@ def check_inputs(args: Args) -> tuple[TextFiles | list[str], TextFiles | None]:
     """Check the data files; return the training and validation texts (files are streamed when tokenized)."""
     data = args.data
     files = find_data_files(dataset_dir=data.dataset_dir, train_file=data.train_file)
-    texts = TextFiles(files) if files else corpus_texts()  # checked now, streamed when tokenized
+    texts = TextFiles(files, rows=data.text_rows) if files else corpus_texts()  # checked now, streamed when tokenized
     held_out = None
     if data.validation_file is not None:
-        held_out = TextFiles(find_data_files(train_file=data.validation_file, flag="--validation_file"))
+        held_out = find_data_files(train_file=data.validation_file, flag="--validation_file")
+        held_out = TextFiles(held_out, rows=data.text_rows)
+    txt = [path.name for path in [*files, *(held_out.files if held_out else [])] if path.suffix == ".txt"]
+    if not txt and "text_rows" in args.given:
+        raise ValueError("--text_rows cuts .txt files into rows, and the data has none; drop --text_rows")
+    if txt and args.training.should_log:  # how the text is cut decides what the model learns and the perplexity
+        shown = ", ".join(txt[:3]) + (f" and {len(txt) - 3} more" if len(txt) > 3 else "")
+        logger.info("%s: %s", shown, ROWS_SAID[data.text_rows])
     return texts, held_out
 
 
+ROWS_SAID = {
+    "line": "each non-blank line is a row followed by the end-of-text token (one document per line; wrapped prose "
+    "reads better with --text_rows paragraph)",
+    "paragraph": "each paragraph (lines between blank lines, joined by their line breaks) is a row followed by the "
+    "end-of-text token",
+}
 _TRAIN = dict(flag="--max_train_samples", what="training blocks")
 _EVAL = dict(flag="--max_eval_samples", what="validation blocks")
 

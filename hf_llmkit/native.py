@@ -4,8 +4,11 @@ and loaded through ctypes (`CLibrary`).
 A source is small and has no torch headers, so its build takes about a second (a torch C++ extension would take
 minutes). The library lands in `<hf_llmkit cache>/kernels/` under a name that carries the source's hash and the
 machine's architecture, is written to a private temporary and renamed into place, so concurrent processes never load
-a half-written one. It needs `cc` (or `$CC`); where there is none, or the build fails, `library()` is None, the
-reason is logged once, and the caller takes its torch path. Users: the packed DKM layers
+a half-written one. The file ends with the sha256 of what precedes it (a loader ignores bytes past its segments): a
+cached library that is truncated or altered (a full disk, a copy cut short) is built again instead of loaded, since
+loading one dies of SIGBUS with no message. It needs `cc` (or `$CC`); where there is none, or the build fails, or the
+cache cannot be written, `library()` is None, the reason and its fix are logged once, and the caller takes its torch
+path. Users: the packed DKM layers
 (`quantization/_lut_native.py`) and the MoE experts' SwiGLU (`parallel/moe/swiglu_kernel.py`).
 """
 
@@ -27,6 +30,18 @@ from hf_llmkit.data.cache import temporary_sibling
 logger = logging.getLogger(__name__)
 
 P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int  # the argument types the kernels take
+TRAILER = b"hf_llmkit-sha256:"  # then the 32-byte digest of everything before it: the end of every built library
+
+
+def intact(path: Path) -> bool:
+    """Whether the built library at `path` is whole: it ends with the digest of what precedes it."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    size = len(TRAILER) + 32
+    body, end = data[:-size], data[-size:]
+    return len(data) > size and end == TRAILER + hashlib.sha256(body).digest()
 
 
 def compiler() -> str | None:
@@ -65,37 +80,57 @@ class CLibrary:
         """Where this machine's build lives (the name carries the source's hash)."""
         from hf_llmkit.data.corpus import default_cache_dir  # here: `python -m hf_llmkit.data.corpus` runs it once
 
-        digest = hashlib.sha256(self.text + " ".join(self.flags).encode()).hexdigest()[:16]
+        # TRAILER in the key: a build from before the trailer existed is not taken for a damaged one
+        digest = hashlib.sha256(self.text + " ".join(self.flags).encode() + TRAILER).hexdigest()[:16]
         return default_cache_dir() / "kernels" / f"{self.stem}-{digest}-{sys.platform}-{platform.machine()}.so"
 
     def _build(self, target: Path) -> None:
         """Compile the source into `target` (with OpenMP where the compiler has it), atomically."""
         cc = compiler()
         if cc is None:
-            raise RuntimeError("no C compiler found (install gcc, or set $CC)")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = temporary_sibling(target)
+            raise RuntimeError("no C compiler found: install gcc, or set $CC")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = temporary_sibling(target)
+            tmp.write_bytes(b"")
+        except OSError as error:
+            raise RuntimeError(
+                f"its cache folder {target.parent} is not writable ({error.strerror or type(error).__name__}): make "
+                "it writable, or set HF_LLMKIT_CACHE to a folder you can write to"
+            ) from None
         base = [cc, "-O3", *self.flags, "-std=gnu11", "-shared", "-fPIC", "-x", "c", "-", "-o", str(tmp)]
         errors = ""
         for extra in (["-fopenmp"], []):
-            done = subprocess.run([*base[:2], *extra, *base[2:]], input=self.text, capture_output=True)
+            try:
+                done = subprocess.run([*base[:2], *extra, *base[2:]], input=self.text, capture_output=True)
+            except OSError as error:  # $CC names nothing that runs
+                tmp.unlink(missing_ok=True)
+                raise RuntimeError(
+                    f"the C compiler {cc} does not run ({error.strerror or type(error).__name__}): install gcc, or "
+                    "set $CC to one that runs"
+                ) from None
             if done.returncode == 0:
+                with open(tmp, "ab") as built:
+                    built.write(TRAILER + hashlib.sha256(tmp.read_bytes()).digest())
                 os.replace(tmp, target)
                 return
             errors = done.stderr.decode(errors="replace").strip()
         tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"{cc} failed: {errors.splitlines()[0] if errors else 'no message'}")
+        raise RuntimeError(f"{cc} failed ({errors.splitlines()[0] if errors else 'no message'}): check $CC")
 
     def library(self) -> ctypes.CDLL | None:
         """The loaded library, built on first use; None (and one log line saying why) where it cannot be built."""
         if self._error is None:
             try:
                 if not self.text:
-                    raise RuntimeError(f"{self.source.name} is missing from this installation of hf_llmkit")
+                    raise RuntimeError(f"{self.source.name} is missing from this installation: reinstall hf_llmkit")
                 if sys.byteorder != "little":
                     raise RuntimeError("the kernels read little-endian words")
                 path = self.path()
-                if not path.is_file():
+                if path.is_file() and not intact(path):
+                    logger.warning("%s: the cached %s is damaged (truncated or altered); building it again",
+                                   self.what, path)  # fmt: skip
+                if not intact(path):
                     self._build(path)
                 lib = ctypes.CDLL(str(path))
                 self.declare(lib)

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from hf_llmkit.cli.feature_flags import FlagGroup
 from hf_llmkit.cli.model_loading import SIZE_FLAGS, context_length
+from hf_llmkit.data.files import TXT_ROWS
 
 __all__ = [
     "SCRATCH_SIZES", "DataArguments", "InstructionDataArguments", "ModelArguments", "RunArguments",
@@ -103,6 +104,9 @@ class DataArguments:
         dataset_dir: Folder of .txt / .json / .jsonl files (searched below); JSON rows need a string `text`.
         train_file: A single .txt / .json / .jsonl file (instead of `dataset_dir`).
         validation_file: A held-out file to evaluate on (instead of splitting the training blocks).
+        text_rows: What a row of a .txt file is: "line" (each non-blank line, as the seed recipe reads a corpus of
+            one document per line) or "paragraph" (the lines between blank lines, joined by their line breaks: wrapped
+            prose). Each row is followed by the end-of-text token.
         block_size: Tokens per training block; defaults to min(128, the model's context).
         validation_split_percentage: Percent of the blocks held out for evaluation (at least one block), as in
             transformers' run_clm. The seed script passes its value to `train_test_split` as a fraction: its
@@ -118,6 +122,14 @@ class DataArguments:
     dataset_dir: str | None = field(default=None, metadata={"help": "Folder of .txt/.json/.jsonl training files."})
     train_file: str | None = field(default=None, metadata={"help": "One .txt/.json/.jsonl training file."})
     validation_file: str | None = field(default=None, metadata={"help": "A held-out .txt/.json/.jsonl file."})
+    text_rows: str = field(
+        default="line",
+        metadata={
+            "help": "A .txt row (each followed by the end-of-text token): 'line' (one document per line) or "
+            "'paragraph' (lines between blank lines, joined: wrapped prose).",
+            "choices": list(TXT_ROWS),
+        },
+    )
     block_size: int | None = field(
         default=None, metadata={"help": "Tokens per block (default min(128, context)).", "ge": 2}
     )

@@ -28,8 +28,10 @@ from hf_llmkit import LLMKitTrainingArguments
 from hf_llmkit.checkpoints.lock import hold_output_dir
 from hf_llmkit.checkpoints.resume_rule import will_resume
 from hf_llmkit.cli import features
+from hf_llmkit.cli.adapter_base import BaseAfterCalibration, write_base
 from hf_llmkit.cli.allocator import keep_freed_blocks
 from hf_llmkit.cli.arguments import SCRATCH_SIZES, ModelArguments
+from hf_llmkit.cli.calibrated_start import calibrate_untrained, calibrated_start
 from hf_llmkit.cli.checks import check_training_length
 from hf_llmkit.cli.errors import exit_on_error, usage_errors
 from hf_llmkit.cli.features import BuildState, adapter_base_dir
@@ -53,7 +55,7 @@ from hf_llmkit.cli.results import (
     results_table,
     save_results,
 )
-from hf_llmkit.cli.run_folder import settle_output_dir, write_flag_record
+from hf_llmkit.cli.run_folder import FlagRecord, settle_output_dir
 from hf_llmkit.data.corpus import default_cache_dir
 from hf_llmkit.trainers import LLMKitTrainer
 
@@ -264,12 +266,22 @@ def train_and_evaluate(args: Args, trainer: LLMKitTrainer) -> dict[str, Any]:
     """Evaluate before (new runs), train (resuming when output_dir holds this run's checkpoint), evaluate after;
     writes train_results.json, eval_results.json and all_results.json as transformers' run_clm does."""
     training, results = args.training, {}
+    if not training.do_train:  # no train() to begin: nothing can refuse the run now
+        for callback in trainer.callback_handler.callbacks:
+            if isinstance(callback, FlagRecord):
+                callback.write()
     # DeepSpeed builds its engine in train(): ZeRO-1/2 cannot evaluate before it (transformers refuses)
-    if training.do_eval and not _resuming(training) and not training.deepspeed:
+    fresh = not _resuming(training)
+    before = training.do_eval and training.do_train and fresh and not training.deepspeed  # untrained: once
+    start = calibrated_start(args, trainer, fresh=fresh, evaluate=before)  # --dkm_recipe calibrated: in train()
+    if before and start is None:
         results["eval_loss_before"] = trainer.evaluate()["eval_loss"]
         results["eval_perplexity_before"] = perplexity(results["eval_loss_before"])
     if training.do_train:
         outcome = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+        if start is not None and start.eval_loss is not None:
+            results.update(eval_loss_before=start.eval_loss, eval_before="the calibrated start")
+            results["eval_perplexity_before"] = perplexity(start.eval_loss)
         trainer.save_model()
         start = next(cb.step for cb in trainer.callback_handler.callbacks if isinstance(cb, ResumePoint))
         results.update(global_step=trainer.state.global_step, resumed_at=start, resumed_from=trainer.resumed_from)
@@ -306,15 +318,14 @@ def _finished(args: Args, trainer: LLMKitTrainer, results: dict[str, Any]) -> di
 def write_adapter_base(args: Args, built: Model) -> Path | None:
     """Save the base model + tokenizer the adapter trains on to output_dir/base (a new run; a resumed one has it),
     so `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"), out / "adapter")` reproduces
-    the evaluated model. Written before training: peft's adapter saves read the base's config."""
+    the evaluated model. Written before training: peft's adapter saves read the base's config
+    (`hf_llmkit.cli.adapter_base`; a DKM base is written again after a calibration changed it)."""
     base_dir = adapter_base_dir(args)
     if base_dir is None:
         return None
     with args.training.main_process_first(desc="adapter base"):
         if args.training.should_save and not (_resuming(args.training) and (base_dir / "config.json").is_file()):
-            base_model, base_tokenizer = built.base
-            base_model.save_pretrained(base_dir)
-            base_tokenizer.save_pretrained(base_dir)
+            write_base(*built.base, base_dir)
     return base_dir
 
 
@@ -344,7 +355,6 @@ def run_job(job: Job, steps: DataSteps, argv: list[str] | None = None) -> dict[s
         try:
             built = build_model(args, load_tokenizer(args.model))
             train, evaluation = steps.prepare(args, built, data)
-            write_flag_record(args, job.prog)  # once nothing the input decides can refuse the run
         except BaseException:
             lock.release(clean=True)  # rejected before any work: no output folder left behind
             raise
@@ -352,9 +362,14 @@ def run_job(job: Job, steps: DataSteps, argv: list[str] | None = None) -> dict[s
     built = built._replace(base=None)  # the snapshot is on disk now
     with usage_errors():  # a pair of features the trainer refuses (check_combinations names the known ones)
         trainer = build_trainer(args, built, train, evaluation, data_collator=steps.collator(built))
+    trainer.add_callback(FlagRecord(args, job.prog))  # the record is written once nothing can refuse the run
+    dkm = args.dkm.build_config()
+    if base_dir is not None and dkm is not None and dkm.calibration_samples:  # after the trainer's DKM callback
+        trainer.add_callback(BaseAfterCalibration(base_dir, at_start=dkm.recipe == "calibrated"))
     features.train_results(args, len(train), warn=True)  # e.g. more DKM calibration samples than examples: warned
     total, trainable = count_parameters(built.model)
     results: dict[str, Any] = {"parameters": total, "trainable_parameters": trainable}
+    results.update(calibrate_untrained(args, trainer, train, steps.collator(built)))  # the recipe, untrained
     results.update(train_and_evaluate(args, trainer))
     results.update(output_dir=args.training.output_dir, wall_time_s=time.perf_counter() - start)
     results["adapter_base"] = str(base_dir) if base_dir is not None else None

@@ -205,11 +205,29 @@ class CommandLineParser(HfArgumentParser):
         return f"unknown option {name}{hint}"
 
 
+def _pairs_of(path: str | Path) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    """`json.loads`' object hook for a file of flags: a key given twice keeps its last value, as a flag typed twice
+    does, and says so in one warning line."""
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        for key, _ in items:
+            counts[key] = counts.get(key, 0) + 1
+        data = dict(items)
+        repeated = [f"{key} given {n} times in {path}, the last one ({data[key]}) is used" for key, n in counts.items()
+                    if n > 1]  # fmt: skip
+        if repeated and os.environ.get("RANK", "0") == "0":
+            logger.warning("%s", "; ".join(repeated))
+        return data
+
+    return pairs
+
+
 def json_file_to_argv(path: str | Path) -> list[str]:
     """The flags a JSON object file stands for: `{"max_steps": 10, "fp16": true}` -> `--max_steps 10 --fp16 true`."""
     file = Path(path)
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = json.loads(file.read_text(encoding="utf-8"), object_pairs_hook=_pairs_of(path))
     except FileNotFoundError:
         raise UsageError(
             f"{path} does not exist; pass an existing JSON file of flags, or the flags themselves"

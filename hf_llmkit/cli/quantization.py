@@ -39,19 +39,30 @@ def _build_config(self) -> Any | None:
 
 
 def _describe(self) -> str | None:
-    return f"DKM {self.dkm_bits}-bit ({self.dkm_granularity})" if self.quantization == "dkm" else None
+    """The results table's quantization row, from the run's config (a recipe fills fields the flags left)."""
+    config = self.dkm_config
+    if config is None:
+        return None
+    text = f"DKM {config.bits}-bit ({config.granularity})"
+    if config.recipe != "dkm":
+        text += f", recipe {config.recipe}"
+    if getattr(self, "continued_from", None):
+        text += f", continued from the compact checkpoint {self.continued_from}"
+    return text
 
 
-def _calibration(self, train_examples: int, *, warn: bool = False) -> dict[str, int]:
-    """`{"dkm_calibration_samples": N}`: the training examples the run's end calibrates on (clamped to the
-    `train_examples` there are, with one warning line when `warn`); empty without calibration."""
-    if self.quantization != "dkm" or not self.dkm_calibration_samples:
+def _calibration(self, train_examples: int, *, warn: bool = False) -> dict[str, Any]:
+    """`{"dkm_calibration_samples": N, "dkm_recipe": ...}`: the training examples the run calibrates on (clamped to
+    the `train_examples` there are, with one warning line when `warn`; the recipe's own 128 included) and the recipe;
+    empty without calibration."""
+    config = self.dkm_config
+    if config is None or not config.calibration_samples:
         return {}
     used = at_most(
-        self.dkm_calibration_samples, train_examples, flag="--dkm_calibration_samples", what="training examples",
+        config.calibration_samples, train_examples, flag="--dkm_calibration_samples", what="training examples",
         warn=warn,
     )  # fmt: skip
-    return {"dkm_calibration_samples": used}
+    return {"dkm_calibration_samples": used, "dkm_recipe": config.recipe}
 
 
 _GROUPS = (

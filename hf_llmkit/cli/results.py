@@ -108,6 +108,13 @@ def describe_setup(args: Any) -> list[tuple[str, str]]:
     return [*setup_rows(args), ("ranks", str(args.training.world_size))]
 
 
+def _calibration_row(results: dict[str, Any]) -> str:
+    when = "before the first step" if results.get("dkm_recipe") == "calibrated" else "after the last step"
+    if "global_step" not in results:  # the run did not train
+        when = "before the evaluation (no training)"
+    return f"{results['dkm_calibration_samples']:,} training examples, {when}"
+
+
 def results_table(setup: list[tuple[str, str]], results: dict[str, Any], *, loss_of: str | None = None) -> str:
     """The markdown table a run ends with: `setup` rows, then the results of `train_and_evaluate`; evaluation as
     perplexity, or with `loss_of` as the loss on those tokens ("response tokens")."""
@@ -116,12 +123,13 @@ def results_table(setup: list[tuple[str, str]], results: dict[str, Any], *, loss
         value = results.get(key)
         return "-" if value is None else format(value, spec)
 
+    before = f" ({results['eval_before']})" if results.get("eval_before") else ""  # e.g. "the calibrated start"
     evaluation = [
-        ("eval perplexity before", fmt("eval_perplexity_before", ".2f")),
+        (f"eval perplexity before{before}", fmt("eval_perplexity_before", ".2f")),
         ("eval perplexity after", fmt("eval_perplexity", ".2f")),
     ]
     losses = [
-        (f"eval loss before ({loss_of})", fmt("eval_loss_before")),
+        (f"eval loss before{before} ({loss_of})", fmt("eval_loss_before")),
         (f"eval loss after ({loss_of})", fmt("eval_loss")),
     ]
     steps = str(results.get("global_step", "-"))
@@ -135,11 +143,7 @@ def results_table(setup: list[tuple[str, str]], results: dict[str, Any], *, loss
         ("steps", steps),
         *([("resumed from", str(results["resumed_from"]))] if results.get("resumed_from") else []),
         ("train loss", fmt("train_loss")),
-        *(
-            [("DKM calibration", f"{results['dkm_calibration_samples']:,} training examples")]
-            if results.get("dkm_calibration_samples")
-            else []
-        ),  # fmt: skip
+        *([("DKM calibration", _calibration_row(results))] if results.get("dkm_calibration_samples") else []),
         *(evaluation if loss_of is None else losses),
         ("wall time", f"{results['wall_time_s']:.1f} s"),
         ("outputs", results["output_dir"]),

@@ -3,14 +3,20 @@
 A run's identity, as flags, is every flag that shapes its checkpoints: the model, data, PEFT, quantization and MoE
 flags (except those that only say how to run or what to evaluate: `FREE`), the training flags the checkpoint's run
 record compares (`hf_llmkit.trainers.run_identity`: seed, batch geometry, optimizer), the sequence-parallel size,
-the number of ranks and the job. The main process writes it to `output_dir/llmkit_flags.json` once it holds the
-folder. A folder *holds a run* when it has a checkpoint or results files; only then does its record count.
+the number of ranks and the job. The main process writes it to `output_dir/llmkit_flags.json` once nothing can
+refuse the run any more (`FlagRecord`: when training begins, after the checkpoint's run record accepted a resume;
+before the evaluation of a run that does not train), so a refused run leaves the folder's record as it was. A folder
+*holds a run* when it has a checkpoint or results files; only then does its record count.
 
 - A default output folder (no `--output_dir`) belongs to one identity: the run takes the first of `root`, `root-2`,
-  `root-3`, ... that holds its own run (it resumes) or no run, and says in one line when that is not `root`.
+  `root-3`, ... that holds its own run (it resumes) or no run, and says in one line when that is not `root`. A
+  folder holding a run without a record (deleted, or written before records existed) is another run's: its flags
+  cannot be compared, and taking it would replace a finished run's model and results.
 - An explicit `--output_dir` holding a run of another identity is refused before any work, in one line naming the
   flags that differ (`--seed: 42 -> 7`) and the fixes (as the checkpoint's run record does, which still checks what
-  flags cannot see, such as edited data files).
+  flags cannot see, such as edited data files). One holding a run without a record is left to the checkpoint's run
+  record when it has a checkpoint, and refused when it holds only a finished run's results (nothing could tell
+  whether this run is that one).
 """
 
 from __future__ import annotations
@@ -23,10 +29,13 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from transformers import TrainerCallback
+
 from hf_llmkit.checkpoints.names import CHECKPOINT_PREFIX
 
 __all__ = [
     "FLAG_RECORD",
+    "FlagRecord",
     "FREE",
     "choose_default_folder",
     "flag_identity",
@@ -48,6 +57,8 @@ TRAINING = ("seed", "data_seed", "per_device_train_batch_size", "gradient_accumu
 RESULT_FILES = ("all_results.json", "train_results.json")
 _PATHS = ("model_name_or_path", "tokenizer_name_or_path", "dataset_dir", "train_file", "validation_file")
 _MAX_FOLDERS = 100
+# What a folder holding a run without a flag record shows in place of the flags that differ.
+UNRECORDED = f"its flags are not recorded: no {FLAG_RECORD}"
 
 
 def _plain(value: Any) -> Any:
@@ -83,14 +94,15 @@ def holds_run(folder: str | os.PathLike) -> bool:
 
 
 def recorded_identity(folder: str | os.PathLike) -> dict[str, Any] | None:
-    """The flag record of the run `folder` holds (None: it holds none, or one written without a record)."""
+    """The flag record of the run `folder` holds: None when it holds no run, an empty dict when it holds one whose
+    record is missing or unreadable (deleted, or a run from before flag records)."""
     if not holds_run(folder):
         return None
     try:
         recorded = json.loads((Path(folder) / FLAG_RECORD).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
-        return None  # an older version's run, or an unreadable record: the checkpoint's run record decides
-    return recorded if isinstance(recorded, dict) else None
+        return {}
+    return recorded if isinstance(recorded, dict) and recorded else {}
 
 
 def _shown(value: Any) -> str:
@@ -134,15 +146,15 @@ def _agreed(n: int, training) -> int:
 
 def choose_default_folder(base: str, identity: dict[str, Any]) -> tuple[str, list[str]]:
     """The first of `base`, `base-2`, ... that holds this identity's run or no run; and what differs from the run
-    in `base` when that is not the one (empty otherwise). A folder holding a run without a record is taken as
-    before flag records (the checkpoint's run record decides)."""
+    in `base` when that is not the one (empty otherwise). A folder holding a run without a record holds another
+    run (`UNRECORDED`)."""
     first: list[str] = []
     for n in range(1, _MAX_FOLDERS + 1):
         folder = _numbered(base, n)
         recorded = recorded_identity(folder)
         if recorded is None:
             return folder, first
-        changed = flag_differences(recorded, identity)
+        changed = flag_differences(recorded, identity) if recorded else [UNRECORDED]
         if not changed:
             return folder, first
         if n == 1:
@@ -170,12 +182,37 @@ def settle_output_dir(args, prog: str) -> None:
                 )
         return
     recorded = None if args.run.overwrite_output_dir else recorded_identity(training.output_dir)
-    changed = flag_differences(recorded, identity) if recorded is not None else []
+    if recorded == {} and not any(Path(training.output_dir).glob(f"{CHECKPOINT_PREFIX}-*")):
+        raise ValueError(
+            f"--output_dir {training.output_dir} holds a finished run whose flags are not recorded (no {FLAG_RECORD}),"
+            " so this run would replace its model and results; pass another --output_dir, or --overwrite_output_dir "
+            "true to start over there"
+        )
+    changed = flag_differences(recorded, identity) if recorded else []
     if changed:
         raise ValueError(
             f"--output_dir {training.output_dir} holds a different run ({_summary(changed)}); rerun with the recorded "
             "values, pass another --output_dir for this run, or --overwrite_output_dir true to start over there"
         )
+
+
+class FlagRecord(TrainerCallback):
+    """Writes the run's flag record when training begins (after a resume was accepted), or ends without beginning
+    (a run resumed at its last step)."""
+
+    def __init__(self, args, prog: str) -> None:
+        self.args, self.prog, self.written = args, prog, False
+
+    def write(self) -> None:
+        if not self.written:
+            write_flag_record(self.args, self.prog)
+            self.written = True
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.write()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.write()
 
 
 def write_flag_record(args, prog: str) -> None:

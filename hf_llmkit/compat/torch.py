@@ -11,6 +11,10 @@
   compiles one function into before it gives up on it. The packed-inference kernel (hf_llmkit.quantization.lut_gemv)
   needs one per kind of layer a model holds, more than the default 8 across models in one process; without it the
   kernel falls back to decoding the weight (correct, only slower).
+- `nn.Module._apply(fn, recurse)`: how `.to()`, `.half()`, `.cuda()` reach every parameter and buffer. DKM's layers
+  (hf_llmkit.quantization.layers) override it so their tables keep their dtype through a dtype cast (`.to(float16)`
+  would round them and the saved checkpoint would no longer match its config), as `from_pretrained(dtype=...)` keeps
+  them (`apply_keeping_dtypes`).
 - `torch.ops.aten.sigmoid_backward(g, y)`: `g y (1 - y)` in one pass. DKM's interval engine
   (hf_llmkit.quantization.engines.interval) multiplies gradients by the sigmoid's slope with it; where it is gone the
   product is written out (same values, more passes).
@@ -29,12 +33,26 @@ CHECKED_AGAINST = "2.11.0"
 
 __all__ = [
     "CHECKED_AGAINST",
+    "apply_keeping_dtypes",
     "recompile_limit",
     "sigmoid_slope",
     "storage_use_count",
     "version_counter",
     "view_base",
 ]
+
+
+def apply_keeping_dtypes(module: torch.nn.Module, apply, names: tuple[str, ...]) -> torch.nn.Module:
+    """`apply()` (the module's `super()._apply(fn, recurse)`), with its buffers `names` moved as `fn` moves them but
+    kept in their dtype (taken again from the originals, so nothing is rounded on the way)."""
+    originals = {name: module._buffers[name] for name in names if module._buffers.get(name) is not None}
+    out = apply()
+    for name, original in originals.items():
+        moved = module._buffers[name]
+        if moved is not None and moved.dtype != original.dtype:
+            module._buffers[name] = original.to(moved.device)
+    return out
+
 
 _STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 _SIGMOID_BACKWARD = getattr(torch.ops.aten, "sigmoid_backward", None)

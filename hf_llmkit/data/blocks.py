@@ -87,6 +87,8 @@ def _source_digest(files: Sequence[Path], texts: Iterable[str] | None) -> bytes:
         digest.update(_file_digest(path))
     if isinstance(texts, TextFiles):
         digest.update(_source_digest(texts.files, None))
+        if texts.rows != "line":  # the same .txt bytes cut into other rows
+            digest.update(f"rows:{texts.rows}".encode())
     else:
         for text in texts or ():
             digest.update(hashlib.sha256(text.encode()).digest())

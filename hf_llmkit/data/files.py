@@ -1,6 +1,7 @@
 """The user's text data: find the files and read their rows, rejecting bad files before any work starts.
 
-`.txt` files give one row per non-blank line; `.json` / `.jsonl` files hold JSON lines (split on "\\n" only) or one
+`.txt` files give one row per non-blank line (`rows="paragraph"`: one per paragraph, the lines between blank lines
+joined by their line breaks); `.json` / `.jsonl` files hold JSON lines (split on "\\n" only) or one
 JSON array (read strictly, `hf_llmkit.data.json_text`), each row an object with a string `text` field. A file that is
 empty, not UTF-8 (binary, reported by line number), malformed, or has a row without a string `text` raises
 `ValueError` naming the file, the line and the fix; a `--dataset_dir` is walked without recursion or symlinked
@@ -13,6 +14,7 @@ work, naming the fix.
 
     files = find_data_files(dataset_dir="data/")       # sorted .txt / .json / .jsonl files
     source = TextFiles(files)                           # every file checked now, streamed once
+    TextFiles(files, rows="paragraph")                  # .txt rows are paragraphs (wrapped prose)
     for piece, ends_row in source.pieces(): ...         # streamed again when read
     texts = read_text_rows(files)                       # list[str] (small files)
 """
@@ -30,6 +32,7 @@ from hf_llmkit.data.json_text import json_array_values, line_content
 
 __all__ = [
     "MAX_FOLDER_DEPTH",
+    "TXT_ROWS",
     "MAX_JSON_BYTES",
     "PIECE_CHARS",
     "TEXT_SUFFIXES",
@@ -41,6 +44,7 @@ __all__ = [
 ]
 
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl")
+TXT_ROWS = ("line", "paragraph")  # what a row of a .txt file is
 MAX_FOLDER_DEPTH = 32
 PIECE_CHARS = 1 << 16  # a longer row is handed out in pieces of at most this many characters
 MAX_JSON_BYTES = 128 << 20  # a JSON line, or a .json array file, is parsed whole
@@ -187,6 +191,24 @@ def _txt_pieces(path: Path) -> Iterator[tuple[str, bool]]:
             open_row = not ends
 
 
+def _paragraph_pieces(path: Path) -> Iterator[tuple[str, bool]]:
+    """A row per paragraph: the non-blank lines between blank lines, each after the first led by a line break."""
+    pending: str | None = None  # the open paragraph's last piece, handed out once it is known whether it ends it
+    after_break = mid_line = False
+    for _, text, ends in _lines(path):
+        if not mid_line and ends and not text.strip():  # a blank line
+            if pending is not None:
+                yield pending, True
+            pending, after_break = None, False
+            continue
+        if pending is not None:
+            yield pending, False
+        pending = ("\n" if after_break and not mid_line else "") + text
+        after_break, mid_line = ends, not ends
+    if pending is not None:
+        yield pending, True
+
+
 def _json_line(path: Path, number: int, line: str) -> object:
     try:
         return json.loads(line)
@@ -250,11 +272,11 @@ def _row_text(path: Path, place: str, row: object) -> str:
     return value
 
 
-def _file_pieces(path: Path) -> Iterator[tuple[str, bool]]:
+def _file_pieces(path: Path, rows: str = "line") -> Iterator[tuple[str, bool]]:
     """(text, whether the row ends with it) for every row of `path`; checks the file as it goes."""
     found = False
     if path.suffix == ".txt":
-        for piece in _txt_pieces(path):
+        for piece in _paragraph_pieces(path) if rows == "paragraph" else _txt_pieces(path):
             found = True
             yield piece
         if not found:
@@ -280,16 +302,18 @@ class TextFiles:
     """The rows of text files: every file is checked (streamed once) when this is made, and streamed again when
     read, so memory does not grow with the files. `ValueError` names the file, the line and the fix."""
 
-    def __init__(self, files: Iterable[str | os.PathLike]):
-        self.files = [Path(path) for path in files]
+    def __init__(self, files: Iterable[str | os.PathLike], *, rows: str = "line"):
+        if rows not in TXT_ROWS:
+            raise ValueError(f"rows={rows!r}: a .txt row is one of {TXT_ROWS}")
+        self.files, self.rows = [Path(path) for path in files], rows
         for path in self.files:
-            for _ in _file_pieces(path):
+            for _ in _file_pieces(path, rows):
                 pass
 
     def pieces(self) -> Iterator[tuple[str, bool]]:
         """(text, whether its row ends with it) of every row of every file, in order."""
         for path in self.files:
-            yield from _file_pieces(path)
+            yield from _file_pieces(path, self.rows)
 
     def __iter__(self) -> Iterator[str]:
         """Whole rows (a row longer than `PIECE_CHARS` is joined again: for small files)."""

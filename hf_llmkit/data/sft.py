@@ -35,6 +35,7 @@ __all__ = [
     "PromptTemplate",
     "TruncationReport",
     "check_length_budget",
+    "longest_token",
     "pack_examples",
     "read_instruction_records",
     "tokenize_record",
@@ -175,6 +176,54 @@ class TruncationReport:
         )
 
 
+# Tokens tokenized beyond what a cut keeps: the ids next to where a long text was cut for tokenizing may differ from
+# the whole text's, and are never kept.
+_SLACK = 8
+# A text is cut for tokenizing at a whitespace after this many characters per token it may need, at least
+# (normalizers may shrink a text a little; a token covers at most its vocabulary string's length).
+_CHARS_PER_TOKEN_FACTOR = 4
+
+
+def longest_token(tokenizer: Any) -> int:
+    """The longest vocabulary string of `tokenizer`, in characters: no token covers more of a text."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1) + 1
+
+
+def _cut_at_space(text: str, lo: int, hi: int, *, last: bool) -> int | None:
+    """A position in [lo, hi] where whitespace follows a non-whitespace character (the end of a word in every
+    pre-tokenizer): the last such one, or the first with `last=False`; None when there is none."""
+    window = (
+        range(min(hi, len(text) - 1), max(lo, 1) - 1, -1) if last else range(max(lo, 1), min(hi, len(text) - 1) + 1)
+    )
+    return next((i for i in window if text[i].isspace() and not text[i - 1].isspace()), None)
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def _head(tokenizer: Any, text: str, count: int, longest: int) -> tuple[list[int], bool]:
+    """(the first ids of `text`, whether they are all of them): all its ids, or for a text of more than `count`
+    tokens at least `count + 1` of its first, tokenizing only a prefix that ends at a word's end (a 50 MB record
+    once took 10 GB and minutes to tokenize whole, for a window of a few hundred tokens)."""
+    need = (count + _SLACK) * longest * _CHARS_PER_TOKEN_FACTOR
+    cut = _cut_at_space(text, need, 2 * need, last=False) if len(text) > 2 * need else None
+    if cut is None:
+        return _ids(tokenizer, text), True
+    ids = _ids(tokenizer, text[:cut])[:-_SLACK]  # the last ids of a prefix may differ from the whole text's
+    return (ids, False) if len(ids) > count else (_ids(tokenizer, text), True)
+
+
+def _tail(tokenizer: Any, text: str, count: int, longest: int) -> list[int]:
+    """At least the last `count` ids of `text` (a long one: tokenizing only a suffix that starts at a word's end)."""
+    need = (count + _SLACK) * longest * _CHARS_PER_TOKEN_FACTOR
+    cut = _cut_at_space(text, len(text) - 2 * need, len(text) - need, last=True) if len(text) > 2 * need else None
+    if cut is None:
+        return _ids(tokenizer, text)
+    ids = _ids(tokenizer, text[cut:])[_SLACK:]  # the first ids of a suffix may differ from the whole text's
+    return ids if len(ids) >= count else _ids(tokenizer, text)
+
+
 def tokenize_record(
     record: dict[str, str],
     tokenizer: Any,
@@ -182,27 +231,33 @@ def tokenize_record(
     template: PromptTemplate,
     max_seq_length: int,
     wrap: tuple[Sequence[int], Sequence[int]] = ((), ()),
+    longest: int | None = None,
 ) -> tuple[dict[str, list[int]], str | None]:
     """`input_ids` and `labels` (-100 on the prompt) of one record, and what truncation did ("prompt", "response"
-    or None). `wrap` = (ids before, ids after) the example that are never learned (P-tuning v1's template)."""
-    prompt = tokenizer(template.prompt(record), add_special_tokens=False)["input_ids"]
-    if tokenizer.bos_token_id is not None:
-        prompt = [tokenizer.bos_token_id, *prompt]
-    response = tokenizer(record["output"], add_special_tokens=False)["input_ids"] if record["output"] else []
-    if response and tokenizer.eos_token_id is not None:
-        response = [*response, tokenizer.eos_token_id]  # an empty response teaches nothing, not even the end
+    or None). `wrap` = (ids before, ids after) the example that are never learned (P-tuning v1's template).
+    `longest`: `longest_token(tokenizer)` (computed when not given). A prompt or response far longer than the window
+    is tokenized only where the kept tokens come from: the same ids, in memory and time that follow the window."""
+    longest = longest or longest_token(tokenizer)
     room = max_seq_length - len(wrap[0]) - len(wrap[1])
     if room < 2:  # not even a BOS and one response token: every cut below would misbehave
         raise ValueError(
             f"max_seq_length {max_seq_length} leaves {room} tokens beside the {len(wrap[0]) + len(wrap[1])} wrapped "
             "around each example; raise it (check_length_budget gives the least that holds one example)"
         )
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    prompt_text = template.prompt(record)
+    prompt, whole = _head(tokenizer, prompt_text, room, longest)
+    prompt = [*bos, *prompt]
+    ending = prompt if whole else [*bos, *_tail(tokenizer, prompt_text, room, longest)]  # its last ids
+    response, whole = _head(tokenizer, record["output"], room, longest)
+    if response and whole and tokenizer.eos_token_id is not None:
+        response = [*response, tokenizer.eos_token_id]  # an empty response teaches nothing, not even the end
     cut = None
     if len(prompt) + len(response) > room:
         floor = min(len(prompt), room // 2)  # the prompt keeps at least this much, even against the response
         cut = "prompt" if room - len(response) >= floor else "response"
         keep = room - len(response) if cut == "prompt" else floor  # prompt tokens kept
-        prompt = prompt[:1] + prompt[len(prompt) - keep + 1 :] if keep > 1 else prompt[:keep]
+        prompt = prompt[:1] + ending[len(ending) - keep + 1 :] if keep > 1 else prompt[:keep]
         response = response[: room - len(prompt)]
     input_ids = [*wrap[0], *prompt, *response, *wrap[1]]
     labels = [IGNORE_INDEX] * (len(wrap[0]) + len(prompt)) + response + [IGNORE_INDEX] * len(wrap[1])
@@ -246,8 +301,11 @@ def tokenize_records(
     """Every record tokenized by `tokenize_record`, and a `TruncationReport` of the whole set."""
     report = TruncationReport(records=len(records))
     examples = []
+    longest = longest_token(tokenizer)
     for index, record in enumerate(records):
-        example, cut = tokenize_record(record, tokenizer, template=template, max_seq_length=max_seq_length, wrap=wrap)
+        example, cut = tokenize_record(
+            record, tokenizer, template=template, max_seq_length=max_seq_length, wrap=wrap, longest=longest
+        )
         report.prompt_cut += cut == "prompt"
         report.response_cut += cut == "response"
         if all(label == IGNORE_INDEX for label in example["labels"]):

@@ -13,7 +13,7 @@ with a leading underscore are the engines behind the layers and may change witho
 from hf_llmkit.quantization.calibration import calibrate
 from hf_llmkit.quantization.config import DKMConfig
 from hf_llmkit.quantization.export import export_coreml, export_onnx
-from hf_llmkit.quantization.integration import replace_with_dkm_layers
+from hf_llmkit.quantization.integration import replace_with_dkm_layers, trainable_from_packed
 from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear, DKMSettings, PalettizedEmbedding, PalettizedLinear
 from hf_llmkit.quantization.marshal import MarshalHooks
 from hf_llmkit.quantization.optimum import DKMOptimumQuantizer
@@ -55,4 +55,5 @@ __all__ = [
     "quantize_model",
     "register_dkm",
     "replace_with_dkm_layers",
+    "trainable_from_packed",
 ]

@@ -20,10 +20,15 @@ training from calibrated weights moves the tables away from the rounding they we
 
 `DKMConfig(calibration_samples=N)` does it at the end of every Trainer run, on the first `N` training examples
 (`DKMTrainingStateCallback`).
+
+Batches are whole sequences. A sequence-parallel model (`apply_sequence_parallel`) runs each one as every rank's
+shard of it (`shard_sequence_batch`) and each layer's moments are taken over the whole sequence, its inputs gathered
+over the group: every rank of the group rounds as a single process given the same batches does.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -36,6 +41,47 @@ DAMP = 0.01  # added to H's diagonal, relative to its mean (GPTQ's dampening)
 REFIT_ITERS = 50  # iterations of the weighted k-means of `calibration_refit` (it stops once converged)
 MOMENT_BYTES = 1 << 30  # input moments held at once by default (a chunk of layers; one layer may exceed it)
 BLOCK = 128  # columns rounded per block before the rest of the weight is updated
+
+
+class _Shards:
+    """A sequence-parallel model's calibration: each batch cut into this rank's shard, each layer input gathered back
+    into the whole sequence (padding to a multiple of the group's size dropped)."""
+
+    def __init__(self, group) -> None:
+        import torch.distributed as dist
+
+        self.group, self.rank, self.size = group, dist.get_rank(group), dist.get_world_size(group)
+        self.length = 0  # the whole sequence length of the batch being run
+
+    @classmethod
+    def of(cls, model: nn.Module) -> _Shards | None:
+        from transformers import PreTrainedModel
+
+        from hf_llmkit.parallel.sequence.ulysses import sequence_parallel_group
+
+        if not any(isinstance(m, PreTrainedModel) for m in model.modules()):
+            return None  # attention layers wrap transformers models only
+        group = sequence_parallel_group(model)
+        return None if group is None else cls(group)
+
+    def shard(self, batch):
+        from hf_llmkit.parallel.sequence.data import shard_sequence_batch
+
+        if not isinstance(batch, Mapping):
+            batch = {"input_ids": batch}
+        batch = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}  # no loss needed
+        self.length = batch["input_ids"].shape[1]
+        return shard_sequence_batch(batch, sp_rank=self.rank, sp_size=self.size)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` `[..., S/P, H]` of every rank, as `[..., S, H]`; a flattened `[tokens, H]` input is concatenated."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        if x.dim() < 3:
+            return torch.cat(parts, dim=0)
+        return torch.cat(parts, dim=-2)[..., : self.length, :]
 
 
 class _ChunkDone(Exception):
@@ -55,6 +101,7 @@ def _inputs(
     `whole=True` runs every batch to the end (the same moments, bit for bit)."""
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
+    shards = _Shards.of(model)
     calls = dict.fromkeys(layers, 0)
     expected: dict[str, int] = {}
     pending = 0  # layers still short of their expected calls in this batch
@@ -62,7 +109,8 @@ def _inputs(
     def hook(name):
         def record(module, args):
             nonlocal pending
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            x = args[0].detach() if shards is None else shards.gather(args[0].detach())
+            x = x.reshape(-1, x.shape[-1]).float()
             with torch.autocast(x.device.type, enabled=False):  # a Trainer's bf16 autocast wraps model.forward
                 sums[name] = sums.get(name, 0) + x.t() @ x
             counts[name] = counts.get(name, 0) + x.shape[0]
@@ -83,6 +131,7 @@ def _inputs(
             layer.dense_forward = True
         with torch.no_grad():
             for batch in batches:
+                batch = batch if shards is None else shards.shard(batch)
                 try:
                     if isinstance(batch, Mapping):
                         model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
@@ -173,10 +222,24 @@ def check_calibratable(model: nn.Module) -> None:
             )
 
 
+def _whole_sequences(collate):
+    """`collate` without a sequence-parallel collator's split (calibrate cuts whole sequences itself), also inside a
+    Trainer's column-removing wrapper."""
+    from hf_llmkit.parallel.sequence.data import SequenceParallelCollator
+
+    if isinstance(collate, SequenceParallelCollator):
+        return collate.collator
+    inner = getattr(collate, "data_collator", None)
+    if isinstance(inner, SequenceParallelCollator):
+        collate = copy.copy(collate)
+        collate.data_collator = inner.collator
+    return collate
+
+
 def first_examples(dataloader, samples: int, batch_size: int) -> list:
     """Batches of the first `samples` examples of a DataLoader's dataset, in dataset order, collated as it collates
-    them (no sampler is touched, so the training order is not disturbed)."""
-    dataset, collate = dataloader.dataset, dataloader.collate_fn
+    them, whole sequences (no sampler is touched, so the training order is not disturbed)."""
+    dataset, collate = dataloader.dataset, _whole_sequences(dataloader.collate_fn)
     if isinstance(dataset, torch.utils.data.IterableDataset):
         items = [item for _, item in zip(range(samples), dataset)]
     else:

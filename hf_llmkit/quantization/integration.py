@@ -7,6 +7,8 @@
   precision (an edited `modules_to_not_convert` would otherwise load a freshly initialised layer).
 - `DKMInitTables`: the load op that runs the k-means of each trainable layer as its weight arrives.
 - `verify_loaded`: after loading, tables are finite and packed tensors have the config's shapes.
+- `trainable_from_packed`: a model loaded from a compact checkpoint made trainable again (DKM training continues, or
+  a PEFT adapter trains on it).
 - `dkm_state_dict`: what `save_pretrained` writes: packed indices + lookup tables (compact), plus the latent weights
   and centroids of layers whose `keep_training_state` is set (Trainer checkpoints, see `training_state.py`); under
   FSDP2 / ZeRO-3, packed from the full state dict the Trainer gathered on every rank.
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,8 @@ from hf_llmkit.quantization.layers import (
     check_table,
 )
 
+logger = logging.getLogger(__name__)
+
 TRAINABLE = (DKMLinear, DKMEmbedding)
 PACKED = (PalettizedLinear, PalettizedEmbedding)
 PACKED_NAMES = ("weight_packed", "weight_lut")
@@ -51,6 +56,9 @@ LOADED_NAMES = (*PACKED_NAMES, SCALE_NAMES["packed"])  # the tensors packed laye
 
 
 STAND_IN_DTYPE = "U8"  # its safetensors dtype: a clustered module's `weight` saved so is no dense weight
+# A one-byte tensor of every checkpoint with a stand-in weight, named after what a load without hf_llmkit needs:
+# transformers then skips the unknown "dkm" method, fails on the stand-in weights, and lists this key as unexpected.
+IMPORT_MARKER = "import_hf_llmkit_to_load_this_dkm_checkpoint"
 
 
 def stand_in_weight() -> torch.Tensor:
@@ -64,6 +72,20 @@ def tied_modules(model: nn.Module) -> list[str]:
     """Modules whose weight is tied to another's (never clustered: the tie would break)."""
     tied = getattr(model, "all_tied_weights_keys", None) or {}
     return sorted({k.removesuffix(".weight") for k in set(tied) | set(tied.values())})
+
+
+def warn_tied_embeddings(model: nn.Module, config: DKMConfig, tied: list[str]) -> None:
+    """`quantize_embeddings=True` on a model whose input embedding is tied to its output layer: the tied weight
+    stays in full precision (clustering one would untie them), said in one warning line."""
+    if not config.quantize_embeddings or not tied:
+        return
+    embeddings = [name for name, m in model.named_modules() if type(m) is nn.Embedding and name in tied]
+    if embeddings:
+        logger.warning(
+            "DKMConfig(quantize_embeddings=True): %s is tied to %s and stays in full precision (clustering it would "
+            "untie them); untie them (tie_word_embeddings=False) to cluster it",
+            embeddings[0], ", ".join(n for n in tied if n not in embeddings) or "another module",
+        )  # fmt: skip
 
 
 def check_not_quantized(model: nn.Module) -> None:
@@ -128,6 +150,47 @@ def replace_with_dkm_layers(
     return list(targets)
 
 
+def trainable_from_packed(model: nn.Module) -> list[str]:
+    """Swap every packed layer of `model` (loaded from a compact DKM checkpoint) for a trainable DKM layer whose table
+    is the saved one and whose latent weight is the decoded weight, in place; returns their names.
+
+    The model computes what it did (the hard assignment of the decoded weights onto their own tables is those
+    weights); DKM training continues from there, and peft's methods, which adapt `nn.Linear` layers, can wrap its
+    layers (a packed layer is none). `save_pretrained` writes a compact checkpoint again."""
+    from hf_llmkit.quantization.training_state import guard_training_state
+
+    dtype = getattr(model, "dtype", None) or torch.get_default_dtype()
+    # each layer would say that its latent weights restart from the hard assignment: that is the point here
+    quiet = logging.getLogger("hf_llmkit.quantization.layers")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        swapped = _swap_packed(model, dtype)
+    finally:
+        quiet.setLevel(level)
+    if swapped:
+        guard_training_state(model)
+    return swapped
+
+
+def _swap_packed(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, PACKED):
+            continue
+        rows, cols = module.weight_shape
+        device = module.weight_packed.device
+        if isinstance(module, PalettizedLinear):
+            bias = module.bias is not None
+            new = DKMLinear(cols, rows, bias, module.settings, device=device, dtype=dtype)
+        else:
+            new = DKMEmbedding(rows, cols, module.padding_idx, module.settings, device=device, dtype=module.dtype)
+        new.load_state_dict(module.state_dict())  # the packed tensors decode into weight + centroids (+ scales)
+        model.set_submodule(name, new)
+        swapped.append(name)
+    return swapped
+
+
 def checkpoint_keys(checkpoint_files: list[str] | None) -> dict[str, str] | None:
     """Tensor names of safetensors checkpoint files and their dtypes ("F32", "F16", ...; headers only), or None when
     they cannot be read that way."""
@@ -142,6 +205,8 @@ def checkpoint_keys(checkpoint_files: list[str] | None) -> dict[str, str] | None
 
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+_SAFETENSORS_NAMES = {"F64": "float64", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                      "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # fmt: skip
 
 
 def _plain(key: str, prefix: str) -> str:
@@ -166,7 +231,13 @@ def check_table_dtypes(keys: dict[str, str], lut_dtype: str, targets: list[str],
         table = key.endswith(".weight_lut")
         packed_scale = key.endswith(f".{SCALE_NAMES['packed']}") and _clustered_scale(_plain(key, prefix), target_set)
         if (table or packed_scale) and dtype != want:
-            found = next((name for name, code in _SAFETENSORS_DTYPES.items() if code == dtype), dtype)
+            found = next((name for name, code in _SAFETENSORS_DTYPES.items() if code == dtype), None)
+            if found is None:  # no lut_dtype could load it
+                raise ValueError(
+                    f"{key!r} is saved as {_SAFETENSORS_NAMES.get(dtype, dtype)}, which is no lookup-table dtype "
+                    f"({', '.join(_SAFETENSORS_DTYPES)}): the checkpoint was not written by DKM's save_pretrained; "
+                    "save it again from the trained model"
+                )
             raise ValueError(
                 f"{key!r} is saved as {found} but quantization_config.lut_dtype is {lut_dtype!r}: set lut_dtype to "
                 f"{found!r} in config.json (the tables would otherwise be rounded on load)."
@@ -273,6 +344,26 @@ def verify_loaded(model: nn.Module, pre_quantized: bool) -> None:
                 module.init_centroids()  # a weight that was not in the checkpoint (freshly initialised)
 
 
+def check_saveable(model: nn.Module) -> None:
+    """Raise a ValueError naming the layer and the fix when a DKM layer's table or block scales (or a latent weight)
+    hold NaN or infinity: its hard assignment, and so the packed indices, would be meaningless."""
+    for name, module in model.named_modules():
+        if isinstance(module, TRAINABLE):
+            tensors = {"table": module.centroids, "block scales": module.scales}
+            if not isinstance(module.weight, DTensor):
+                tensors["latent weight"] = module.weight
+        elif isinstance(module, PACKED):
+            tensors = {"table": module.weight_lut, "block scales": module.weight_scale}
+        else:
+            continue
+        bad = next((what for what, t in tensors.items() if t is not None and not torch.isfinite(t).all()), None)
+        if bad is not None:
+            raise ValueError(
+                f"Cannot save the DKM model: the {bad} of {name!r} holds NaN or infinity (a diverged step?), so its "
+                "indices mean nothing; save a checkpoint from before it (or train with a lower learning rate)"
+            )
+
+
 def dkm_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The state dict `save_pretrained` writes: packed indices + lookup tables for every DKM layer (and a one-byte
     `stand_in_weight` in place of its dense weight), or the latent weight and centroids of the layers that keep their
@@ -293,10 +384,11 @@ def dkm_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor] | None 
             "every rank gathers), or pass that full state dict to save_pretrained inside "
             "model.hf_quantizer.exporting_from(full_state_dict)."
         )
+    compact = False  # a stand-in weight was written
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         if isinstance(module, PACKED):
-            state[prefix + "weight"] = stand_in_weight()
+            state[prefix + "weight"], compact = stand_in_weight(), True
         if isinstance(module, TRAINABLE):
             weight = state.get(prefix + "weight", module.weight)
             centroids = state.get(prefix + "centroids", module.centroids)
@@ -304,10 +396,12 @@ def dkm_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor] | None 
             if not module.keep_training_state:
                 for name_ in (*TRAINING_NAMES, SCALE_NAMES["train"]):
                     state.pop(prefix + name_, None)
-                state[prefix + "weight"] = stand_in_weight()
+                state[prefix + "weight"], compact = stand_in_weight(), True
             else:
                 state.update(steps.step_state(module, prefix))
             state.update({prefix + k: v for k, v in module.export(weight, centroids, scales).items()})
+    if compact:
+        state[IMPORT_MARKER] = stand_in_weight()  # a compact layer was written: a dense load must fail, saying why
     return state
 
 
@@ -321,7 +415,6 @@ def read_layout(model: nn.Module, checkpoint_files, targets: list[str], config: 
     prefix, scaled = getattr(model, "base_model_prefix", ""), bool(config.scale_block_size)
     check_table_dtypes(keys, config.lut_dtype, targets, prefix)
     names = {k for k, dtype in keys.items() if not (k.endswith(".weight") and dtype == STAND_IN_DTYPE)}
-    layout, patterns = checkpoint_layout(names, targets, prefix, scaled)
-    if patterns:
-        ignore_unexpected_keys(model, patterns)
+    layout, patterns = checkpoint_layout(names - {IMPORT_MARKER}, targets, prefix, scaled)
+    ignore_unexpected_keys(model, [*patterns, f"^{IMPORT_MARKER}$"])
     return layout

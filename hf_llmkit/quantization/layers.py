@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_llmkit.compat.torch import version_counter
+from hf_llmkit.compat.torch import apply_keeping_dtypes, version_counter
 from hf_llmkit.quantization import _dkm as dkm
 from hf_llmkit.quantization import engines, lut_gemv, steps
 from hf_llmkit.quantization._packing import pack_indices, packed_numel, unpack_indices
@@ -301,8 +301,16 @@ def _accept_checkpoint_tensors(module, state_dict, prefix, *_args) -> None:
     )
 
 
+# Buffers a dtype cast of the model (`.to(torch.float16)`) leaves in their dtype: the tables and block scales, as
+# `from_pretrained(..., dtype=...)` leaves them (the saved checkpoint must match its config's `lut_dtype`).
+TABLES = ("centroids", "scales", "weight_lut", "weight_scale")
+
+
 class DKMLinear(nn.Linear, _Clustered):
     """`nn.Linear` whose weight is clustered by DKM during training (soft) and hard-assigned otherwise."""
+
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_dtypes(self, lambda: super(DKMLinear, self)._apply(fn, recurse), TABLES)
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, settings: DKMSettings, device=None, dtype=None
@@ -328,6 +336,9 @@ class DKMLinear(nn.Linear, _Clustered):
 class DKMEmbedding(nn.Embedding, _Clustered):
     """`nn.Embedding` whose table rows are clustered by DKM (the eDKM paper uses 8 bits for embeddings)."""
 
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_dtypes(self, lambda: super(DKMEmbedding, self)._apply(fn, recurse), TABLES)
+
     def __init__(
         self, num_embeddings: int, embedding_dim: int, padding_idx, settings: DKMSettings, device=None, dtype=None
     ):
@@ -343,6 +354,9 @@ class DKMEmbedding(nn.Embedding, _Clustered):
 
 class _Packed(nn.Module):
     """Packed indices + lookup table of one weight, kept as saved (no decoded copy); `lut_gemv` multiplies by it."""
+
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_dtypes(self, lambda: super(_Packed, self)._apply(fn, recurse), TABLES)
 
     def _init_packed(self, shape: tuple[int, int], settings: DKMSettings, device) -> None:
         self.settings, self.weight_shape = settings, shape
@@ -390,6 +404,12 @@ class _Packed(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The decoded dense weight in `dtype` (the hard assignment's, bit for bit)."""
         return lut_gemv.decode_weight(self, dtype)
+
+    def extra_repr(self) -> str:
+        # peft prints the module it cannot adapt: the repr names the way to train adapters on it
+        rows, cols = self.weight_shape
+        return (f"{cols} -> {rows}, {self.settings.bits}-bit packed DKM layer; adapters train on it after "
+                "hf_llmkit.quantization.trainable_from_packed(model)")  # fmt: skip
 
 
 def _check_packed_tensors(module, state_dict, prefix, *_args) -> None:

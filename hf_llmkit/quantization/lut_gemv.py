@@ -85,7 +85,7 @@ def choose_path(device: torch.device, layer=None) -> str:
     elif want == "native":
         if device.type != "cpu" or native.library() is None:
             why = f"did not build ({native.unavailable_reason()})" if device.type == "cpu" else "runs on CPU only"
-            raise ValueError(f"{ENV}=native but the C kernel {why}: unset {ENV}, or install a C compiler (gcc).")
+            raise ValueError(f"{ENV}=native but the C kernel {why}; or unset {ENV}.")  # the reason names its fix
         if layer is not None and not native.supports(layer):
             want = "compile"  # a layer the kernel does not serve (vector tables, odd widths)
     if want == "compile" and device.type in _broken:

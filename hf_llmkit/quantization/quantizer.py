@@ -14,6 +14,7 @@ only asks the quantizer for the state dict to write, it does not pass on the one
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 from transformers.quantizers.base import HfQuantizer
@@ -34,6 +35,7 @@ class DKMHfQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self.modules_to_not_convert: list[str] = []
         self._full_state: dict | None = None
+        self._model: weakref.ref | None = None  # the model it quantized: `is_serializable` checks it before a save
 
     @contextlib.contextmanager
     def exporting_from(self, full_state: dict | None) -> Iterator[None]:
@@ -50,8 +52,11 @@ class DKMHfQuantizer(HfQuantizer):
         return self.quantization_config.bits / 8
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        self._model = weakref.ref(model)
         integration.check_not_quantized(model)
-        skip = list(self.quantization_config.modules_to_not_convert) + integration.tied_modules(model)
+        tied = integration.tied_modules(model)
+        integration.warn_tied_embeddings(model, self.quantization_config, tied)
+        skip = list(self.quantization_config.modules_to_not_convert) + tied
         self.modules_to_not_convert = sorted(self.get_modules_to_not_convert(model, skip, keep_in_fp32_modules(model)))
         packed: bool | dict = self.pre_quantized
         if self.pre_quantized:
@@ -82,6 +87,11 @@ class DKMHfQuantizer(HfQuantizer):
         return integration.dkm_state_dict(model, self._full_state), {}
 
     def is_serializable(self) -> bool:
+        """True; first (save_pretrained asks before it creates the folder) a model whose tables cannot be saved is
+        refused in one line, leaving nothing behind."""
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            integration.check_saveable(model)
         return True
 
     @property

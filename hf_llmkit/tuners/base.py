@@ -103,10 +103,29 @@ class UnmergeableLayer:
         """Nothing is ever merged (see `merge`)."""
 
 
+PACKED_FIX = "call hf_llmkit.quantization.trainable_from_packed(model) first (the same weights, in layers it adapts)"
+
+
+def refuse_packed_layers(model: nn.Module, method: str) -> None:
+    """A compact DKM checkpoint's packed layers (no dense weight, nothing to wrap) are refused in one line naming
+    `trainable_from_packed`."""
+    from hf_llmkit.quantization.integration import PACKED
+
+    packed = next((name for name, m in model.named_modules() if isinstance(m, PACKED)), None)
+    if packed is not None:
+        kind = type(model.get_submodule(packed)).__name__
+        raise ValueError(
+            f"{method} cannot adapt a compact DKM checkpoint's packed layers ({packed!r} is a {kind}); {PACKED_FIX}"
+        )
+
+
 class LLMKitTuner(BaseTuner):
     target_module_mapping: ClassVar[dict] = {}  # defaults are computed from the model in _prepare_adapter_config
+    adapts_packed_layers: ClassVar[bool] = False  # whether it works on a compact DKM checkpoint's packed layers
 
     def _prepare_model(self, peft_config: Any, model: nn.Module) -> None:
+        if not self.adapts_packed_layers:
+            refuse_packed_layers(model, type(peft_config).__name__)
         # Modules that an earlier adapter's `modules_to_save` wraps (the wrapper, its original, its plain copies)
         # are never targets: peft matches names over every module, and would adapt the copies of another adapter.
         self._saved_module_names = [n for n, m in model.named_modules() if isinstance(m, AuxiliaryTrainingWrapper)]

@@ -50,6 +50,9 @@ def test_a_freed_weight_sized_block_is_reused_instead_of_faulted_in_again():
 def test_the_users_own_malloc_tunables_are_left_alone():
     kept, _ = probe("keep", GLIBC_TUNABLES="glibc.malloc.trim_threshold=131072")
     assert kept == "False"
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):  # issue 46: glibc's older variables
+        kept, _ = probe("keep", GLIBC_TUNABLES="", **{name: "131072"})
+        assert kept == "False", name
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")

@@ -141,3 +141,14 @@ def test_flags_after_a_json_file_override_it_without_a_warning(tmp_path, caplog)
         assert training.max_steps == 3 and feature.feature == "on" and not caplog.records
         (_, training), _ = make_parser().parse([str(flags), "--max_steps", "3", "--max_steps", "4"])
     assert training.max_steps == 4 and "--max_steps given 2 times, the last one (4) is used" in caplog.text
+
+
+def test_a_key_given_twice_in_a_json_file_says_in_one_line_that_the_last_one_wins(tmp_path, caplog):
+    """Issue 46: a duplicate key kept its last value silently, where the same flag typed twice warns."""
+    flags = tmp_path / "args.json"
+    flags.write_text('{"max_steps": 10, "feature": "on", "max_steps": 20}')
+    with caplog.at_level("WARNING", logger="hf_llmkit.cli.parser"):
+        (*_, training), _ = make_parser().parse([str(flags)])
+    assert training.max_steps == 20
+    [line] = [record.getMessage() for record in caplog.records]
+    assert line == f"max_steps given 2 times in {flags}, the last one (20) is used"

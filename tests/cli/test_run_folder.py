@@ -79,3 +79,38 @@ def test_differences_name_flags_and_leave_out_what_one_record_lacks():
     old = {"job": "run_clm.py", "ranks": 1, "seed": 42, "lora_rank": 8}
     new = {"job": "run_sft.py", "ranks": 2, "seed": 42, "lora_rank": 4, "added_later": 1}
     assert flag_differences(old, new) == ["job: run_clm.py -> run_sft.py", "ranks: 1 -> 2", "--lora_rank: 8 -> 4"]
+
+
+def test_a_finished_default_folder_run_without_a_record_is_not_taken(run_clm, tmp_path, monkeypatch, caplog):
+    """Issue 46: its record deleted (or a folder from before records), a finished run's model and results were
+    replaced by the next default-folder run with other flags."""
+    monkeypatch.chdir(tmp_path)
+    flags = [*ONE_STEP, "--save_strategy", "no"]
+    run_clm.run([*flags, "--seed", "31"])
+    folder = tmp_path / "outputs" / "run_clm"
+    (folder / FLAG_RECORD).unlink()
+    kept = {name: (folder / name).read_bytes() for name in ("model.safetensors", "train_results.json")}
+    with caplog.at_level(logging.WARNING, logger="hf_llmkit"):
+        results = run_clm.run([*flags, "--seed", "32"])
+    assert results["output_dir"] == "outputs/run_clm-2"
+    assert {name: (folder / name).read_bytes() for name in kept} == kept
+    [line] = [r.getMessage() for r in caplog.records if "holds a different run" in r.getMessage()]
+    assert f"(its flags are not recorded: no {FLAG_RECORD})" in line
+    unrecorded = f"holds a finished run whose flags are not recorded .no {FLAG_RECORD}"
+    with pytest.raises(run_clm.UsageError, match=unrecorded):
+        run_clm.run([*flags, "--seed", "32", "--output_dir", "outputs/run_clm"])  # named: refused, before any work
+    assert {name: (folder / name).read_bytes() for name in kept} == kept and not (folder / FLAG_RECORD).exists()
+
+
+def test_a_refused_run_leaves_the_folders_record_as_it_was(run_clm, first):
+    """Issue 46: a run the checkpoint's run record refuses wrote its own flag record first, so the folder's own run
+    was then sent elsewhere and the refused one refused for ever."""
+    folder = first / "run_clm"
+    (folder / FLAG_RECORD).unlink()  # the checkpoint's run record decides
+    from hf_llmkit.checkpoints.endings import ResumeError
+
+    with pytest.raises(ResumeError, match="belongs to a different run .seed: 42 -> 9"):
+        run_clm.run([*ONE_STEP, "--seed", "9", "--max_steps", "2", "--output_dir", "outputs/run_clm"])
+    assert not (folder / FLAG_RECORD).exists()
+    resumed = run_clm.run([*ONE_STEP, "--max_steps", "2", "--output_dir", "outputs/run_clm"])  # its own run resumes
+    assert resumed["resumed_at"] == 1 and json.loads((folder / FLAG_RECORD).read_text())["seed"] == 42

@@ -49,3 +49,22 @@ def test_sigmoid_slope_is_the_sigmoid_derivative_in_one_op():
     assert getattr(torch.ops.aten, "sigmoid_backward", None) is not None, f"{WHERE}: aten.sigmoid_backward is gone"
     y, g = torch.rand(50, dtype=torch.float64), torch.randn(50, dtype=torch.float64)
     torch.testing.assert_close(sigmoid_slope(g, y), g * y * (1 - y), rtol=1e-15, atol=1e-15)
+
+
+def test_apply_is_how_a_dtype_cast_reaches_buffers():
+    from torch import nn
+
+    from hf_llmkit.compat.torch import apply_keeping_dtypes
+
+    class Kept(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.tensor([1.0001]))
+            self.register_buffer("other", torch.tensor([1.0001]))
+
+        def _apply(self, fn, recurse=True):
+            return apply_keeping_dtypes(self, lambda: super(Kept, self)._apply(fn, recurse), ("table",))
+
+    module = Kept().to(torch.float16)
+    assert module.table.dtype == torch.float32 and module.table.item() == torch.tensor(1.0001).item()
+    assert module.other.dtype == torch.float16  # torch's own cast, through nn.Module._apply

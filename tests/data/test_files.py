@@ -132,3 +132,20 @@ def test_json_parsed_whole_has_a_size_limit_named_with_the_fix(tmp_path, monkeyp
         read_file_rows(tmp_path / "a.json")
     with pytest.raises(ValueError, match="b.jsonl line 2 is over 0 MB, and a JSON line is parsed whole; split"):
         read_file_rows(tmp_path / "b.jsonl")
+
+
+def test_txt_rows_are_lines_or_paragraphs(tmp_path):
+    """Issue 46: a held-out text of wrapped prose became one row, and one end-of-text token, per line, which raises
+    a real model's eval perplexity; `--text_rows paragraph` in the main jobs, with a line saying how it was cut."""
+    path = tmp_path / "prose.txt"
+    long_line = " ".join(f"w{i}" for i in range(30_000))  # over PIECE_CHARS characters: handed out in pieces
+    path.write_text(f"\n\nFirst line\nof the first.\n  \nSecond\r\n{long_line}\nend\n\n\nThird.", encoding="utf-8")
+    assert list(TextFiles([path])) == ["First line", "of the first.", "Second", long_line, "end", "Third."]
+    paragraphs = TextFiles([path], rows="paragraph")
+    assert list(paragraphs) == ["First line\nof the first.", f"Second\n{long_line}\nend", "Third."]
+    assert max(len(text) for text, _ in paragraphs.pieces()) <= PIECE_CHARS + 1  # a piece may lead with "\n"
+    with pytest.raises(ValueError, match="rows='page': a .txt row is one of"):
+        TextFiles([path], rows="page")
+    from hf_llmkit.data.blocks import _source_digest
+
+    assert _source_digest([], TextFiles([path])) != _source_digest([], paragraphs)  # cached apart

@@ -110,3 +110,41 @@ def test_help_lists_our_options_in_groups(run_clm, capsys, monkeypatch):
     ]  # fmt: skip
     assert "--help-all" in text and "--model-name-or-path" not in text and "(default: dropless). (default" not in text
     assert len(text.splitlines()) < 280
+
+
+def test_how_a_txt_file_is_cut_is_said_and_chosen(run_clm, tmp_path, monkeypatch, caplog):
+    """Issue 46: `--validation_file held_out.txt` made each line of wrapped prose its own row with an end-of-text
+    token, without a word. A run that does not train evaluates its model once."""
+    import logging
+    from pydoc_data.topics import topics
+
+    from hf_llmkit.testing import corpus_tokenizer
+    from hf_llmkit.trainers import LLMKitTrainer
+
+    held = tmp_path / "held_out.txt"
+    held.write_text(topics["if"] + "\n\n" + topics["while"], encoding="utf-8")  # wrapped prose, blank-line paragraphs
+    lines = [line for line in held.read_text().splitlines() if line.strip()]
+    paragraphs = held.read_text().count("\n\n") + 1
+    seen = {}
+    for rows in ("line", "paragraph"):
+        real = LLMKitTrainer.evaluate
+        calls = []
+
+        def counting(self, *args, calls=calls, real=real, **kwargs):
+            calls.append(self.eval_dataset)
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(LLMKitTrainer, "evaluate", counting)
+        flags = [*TINY, "--max_eval_samples", "1000", "--validation_file", str(held), "--text_rows", rows,
+                 "--do_train", "false", "--output_dir", str(tmp_path / rows)]  # fmt: skip
+        with caplog.at_level(logging.INFO, logger="run_clm"):
+            results = run_clm.run(flags)
+        assert len(calls) == 1 and "eval_perplexity_before" not in results  # untrained: evaluated once
+        eos = corpus_tokenizer().eos_token_id  # the built-in model's
+        seen[rows] = sum(block.count(eos) for block in calls[0]["input_ids"])
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("held_out.txt: ")]
+    assert said[0].startswith("held_out.txt: each non-blank line is a row followed by the end-of-text token")
+    assert "--text_rows paragraph" in said[0] and said[1].startswith("held_out.txt: each paragraph ")
+    assert seen["line"] > seen["paragraph"] and seen["line"] <= len(lines) and seen["paragraph"] <= paragraphs
+    with pytest.raises(run_clm.UsageError, match="^--text_rows cuts .txt files into rows, and the data has none; "):
+        run_clm.run([*TINY, "--text_rows", "paragraph", "--output_dir", str(tmp_path / "none")])  # the embedded corpus

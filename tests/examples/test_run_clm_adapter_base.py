@@ -1,7 +1,11 @@
-"""An adapter trained on the built-in model is reusable: output_dir/base holds the base it was trained on.
+"""An adapter is reusable: output_dir/base holds the base it was trained on when that base exists nowhere else (built
+from scratch; DKM-clustered, or upcycled into experts, after loading a model folder).
 
 `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"), out / "adapter")` in a fresh
-process gives the evaluated model: its loss on the held-out blocks equals the run's `eval_loss`.
+process gives the evaluated model: its loss on the held-out blocks equals the run's `eval_loss`. Under
+`--quantization dkm` (issue 46) the base keeps its DKM layers' training state, so it reloads as layers every PEFT
+method wraps (a compact checkpoint's packed layers are none: the reload failed for LoRA, bottleneck, BitFit and
+P-tuning v2), and a calibration that changed them during the run is in it.
 """
 
 from __future__ import annotations
@@ -38,19 +42,46 @@ print(json.dumps({"loss": loss, "auto_loss": auto_loss, "blocks": len(ids)}))
 """
 
 
+DKM = ["--quantization", "dkm"]
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(
     "flags",
     [
         ["--peft_method", "lora", "--lora_rank", "4"],
-        pytest.param(["--peft_method", "bottleneck", "--bottleneck_size", "8"], marks=pytest.mark.slow),
+        pytest.param(["--peft_method", "bottleneck", "--bottleneck_size", "8"], marks=SLOW),
+        [*DKM, "--peft_method", "lora", "--lora_rank", "4"],
+        [*DKM, "--peft_method", "bottleneck", "--bottleneck_size", "8", "--dkm_recipe", "calibrated",
+         "--dkm_calibration_samples", "4", "--dkm_scale_block_size", "16"],
+        pytest.param([*DKM, "--peft_method", "bitfit", "--dkm_calibration_samples", "4"], marks=SLOW),
+        pytest.param([*DKM, "--peft_method", "ptuning_v2", "--num_virtual_tokens", "4"], marks=SLOW),
     ],
-    ids=["lora", "bottleneck"],
-)
+    ids=["lora", "bottleneck", "dkm-lora", "dkm-recipe-bottleneck", "dkm-calibrated-bitfit", "dkm-ptuning_v2"],
+)  # fmt: skip
 def test_adapter_on_the_saved_base_reproduces_the_evaluated_model(run_clm, tmp_path, flags):
     held = tmp_path / "held_out.txt"
     held.write_text("\n".join(corpus_texts()[-12:]), encoding="utf-8")  # 20 blocks, the first 8 evaluated
     out = tmp_path / "out"
     results = run_clm.run([*TINY, *flags, "--output_dir", str(out), "--validation_file", str(held)])
+    _check_reload(out, held, results)
+
+
+def test_an_adapter_on_an_upcycled_model_folder_is_saved_with_its_experts(run_clm, tmp_path):
+    """Issue 46 (found attacking it): with --model_name_or_path and --upcycle_moe true the adapter named no base
+    (`base_model_name_or_path: null`) and the folder's dense model was no base for it."""
+    dense = tmp_path / "dense"
+    run_clm.run([*TINY, "--output_dir", str(dense), "--do_eval", "false", "--save_strategy", "no"])
+    held = tmp_path / "held_out.txt"
+    held.write_text("\n".join(corpus_texts()[-12:]), encoding="utf-8")
+    out = tmp_path / "out"
+    flags = ["--model_name_or_path", str(dense), "--upcycle_moe", "true", "--moe_num_experts", "2",
+             "--peft_method", "lora", "--target_modules", "q_proj,v_proj"]  # fmt: skip
+    results = run_clm.run([*TINY[10:], *flags, "--output_dir", str(out), "--validation_file", str(held)])
+    _check_reload(out, held, results)
+
+
+def _check_reload(out: Path, held: Path, results: dict) -> None:
     assert results["adapter_base"] == str(out / "base")
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert Path(config["base_model_name_or_path"]) == (out / "base").resolve()

@@ -177,3 +177,55 @@ def test_block_scales_and_the_config_must_agree(saved, tmp_path):
     del state[f"{Q}.scales"]
     with pytest.raises(ValueError, match=rf"no '{Q}\.scales' but its quantization_config sets scale_block_size"):
         quantize_model(tiny_llama(), SCALED).load_state_dict(state, strict=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64])
+def test_a_table_in_no_lookup_table_dtype_says_the_checkpoint_is_not_ours(saved, tmp_path, dtype):
+    """Issue 46: an int32 / float64 table got the advice to set lut_dtype to 'I32' / 'F64' (no valid value)."""
+    bad = _edit(
+        saved["compact"],
+        tmp_path / "bad",
+        tensors=lambda s: s.update({f"{Q}.weight_lut": s[f"{Q}.weight_lut"].to(dtype)}),
+    )
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(
+        ValueError, match=rf"weight_lut' is saved as {name}, which is no lookup-table dtype \(float32, "
+    ) as e:
+        AutoModelForCausalLM.from_pretrained(bad)
+    assert "save it again from the trained model" in str(e.value) and "'I32'" not in str(e.value)
+
+
+@pytest.mark.parametrize("what", ["table", "latent weight"])
+def test_a_model_with_a_nan_table_is_refused_before_its_folder_is_made(tmp_path, what):
+    """Issue 46: save_pretrained said `index 8 is out of bounds` and left an empty folder (a NaN latent weight saved
+    an arbitrary index without a word)."""
+    model = quantize_model(tiny_llama(), DKMConfig(bits=3))
+    layer = model.get_submodule(Q)
+    with torch.no_grad():
+        (layer.centroids if what == "table" else layer.weight)[0, 2] = float("nan")
+    with pytest.raises(ValueError, match=rf"^Cannot save the DKM model: the {what} of '{Q}' holds NaN or infinity"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dtype_cast_keeps_the_tables_as_loading_in_that_dtype_does(saved, tmp_path):
+    """Issue 46: `.to(torch.float16)` rounded the tables (the in-memory model changed and its save no longer matched
+    its config, refused on reload), where `from_pretrained(..., dtype=torch.float16)` keeps them; `.half()` is
+    transformers' refusal for every quantized model."""
+    cast = AutoModelForCausalLM.from_pretrained(saved["scaled_compact"]).to(torch.float16)
+    loaded = AutoModelForCausalLM.from_pretrained(saved["scaled_compact"], dtype=torch.float16)
+    ours, theirs = cast.state_dict(), loaded.state_dict()
+    assert all(ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert cast.get_submodule(Q).weight_lut.dtype == torch.float16 == cast.get_submodule(Q).weight_scale.dtype
+    cast.save_pretrained(tmp_path / "cast")
+    AutoModelForCausalLM.from_pretrained(tmp_path / "cast")  # its tables still match its config
+    layer = quantize_model(tiny_llama(), SCALED).to(torch.bfloat16).get_submodule(Q)
+    assert (layer.weight.dtype, layer.centroids.dtype, layer.scales.dtype) == (
+        torch.bfloat16,
+        torch.float32,
+        torch.float32,
+    )
+    compact = AutoModelForCausalLM.from_pretrained(saved["compact"]).to(torch.bfloat16)
+    assert compact.get_submodule(Q).weight_lut.dtype == torch.float32  # lut_dtype float32
+    with pytest.raises(ValueError, match="not supported for quantized model"):
+        compact.half()

@@ -159,7 +159,7 @@ def test_asking_for_the_kernel_without_a_compiler_is_one_line(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = proc.stdout.strip()
     assert line.startswith("REFUSED HF_LLMKIT_DKM_KERNEL=native but the C kernel did not build") and "\n" not in line
-    assert "install a C compiler" in line
+    assert "does not run (No such file or directory): install gcc, or set $CC" in line
 
 
 def test_the_build_is_cached_per_source(tmp_path):

@@ -337,9 +337,11 @@ def test_block_scales_train_save_small_and_reload_exactly(base_dir, tmp_path):
 
 def test_a_checkpoint_loaded_without_hf_llmkit_fails_instead_of_initialising_fresh_weights(trained, tmp_path):
     """transformers skips an unknown quantization method with a warning: without the one-byte stand-in `weight`s it
-    would load the packed layers as freshly initialised Linear layers and return a model that runs."""
+    would load the packed layers as freshly initialised Linear layers and return a model that runs. Its load report
+    lists the checkpoint's one-byte marker, named after the fix (issue 46: nothing said to import hf_llmkit)."""
     _, _, _, out = trained
     script = f"from transformers import AutoModelForCausalLM\nAutoModelForCausalLM.from_pretrained({str(out)!r})\n"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode != 0 and "size mismatch" in done.stdout + done.stderr, done.stderr[-2000:]
+    assert "import_hf_llmkit_to_load_this_dkm_checkpoint" in done.stdout + done.stderr

@@ -7,6 +7,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+from hf_llmkit.cli.results import describe_setup, results_table
 from hf_llmkit.quantization import PalettizedLinear
 from tests.examples.test_run_clm import TINY
 
@@ -57,3 +58,115 @@ def test_run_clm_calibrates_once_and_saves_what_one_call_gives(run_clm, tmp_path
     saved, replayed = (load_file(tmp_path / d / "model.safetensors") for d in ("job", "replayed"))
     assert saved.keys() == replayed.keys() and any(k.endswith("weight_packed") for k in saved)
     assert all(torch.equal(saved[k], replayed[k]) for k in saved)
+
+
+SHORT = [*TINY, "--max_steps", "2", "--save_strategy", "no", "--max_train_samples", "16", "--max_eval_samples", "8"]
+
+
+def test_a_compact_checkpoint_as_the_model_continues_its_dkm_training(run_clm, tmp_path):
+    """Issue 46: a compact DKM checkpoint as --model_name_or_path trained with every packed layer frozen (only
+    embeddings, norms and the head changed) under a results table saying "full fine-tuning" or "DKM 3-bit"."""
+    from safetensors.torch import load_file
+
+    start = tmp_path / "start"
+    saving = ["--save_strategy", "steps", "--save_steps", "2"]  # its checkpoint-2 holds the DKM training state
+    run_clm.run([*SHORT, *saving, "--output_dir", str(start), "--quantization", "dkm", "--dkm_bits", "4"])
+    again = [*SHORT[10:], "--model_name_or_path", str(start), "--output_dir", str(tmp_path / "again")]
+    with pytest.raises(
+        run_clm.UsageError, match=r"is a compact DKM checkpoint \(4-bit packed layers, which train only "
+    ):
+        run_clm.run(again)
+    with pytest.raises(
+        run_clm.UsageError, match=r"^--dkm_bits 3: --model_name_or_path .* with bits=4 .*; drop --dkm_bits$"
+    ):
+        run_clm.run([*again, "--quantization", "dkm", "--dkm_bits", "3"])
+    results = run_clm.run([*again, "--quantization", "dkm", "--learning_rate", "0.05"])
+    assert results["trainable_parameters"] == results["parameters"]  # the clustered layers train too
+    before, after = (load_file(d / "model.safetensors") for d in (start, tmp_path / "again"))
+    packed = [k for k in before if k.endswith("weight_packed")]
+    assert packed and all(before[k].shape == after[k].shape for k in packed)  # still 4-bit
+    assert sum(not torch.equal(before[k], after[k]) for k in packed) == len(packed)  # every clustered layer moved
+    trainer_checkpoint = [
+        *again[:-1],
+        str(tmp_path / "from-checkpoint"),
+        "--model_name_or_path",
+        str(start / "checkpoint-2"),
+    ]
+    assert run_clm.run([*trainer_checkpoint, "--quantization", "dkm"])["global_step"] == 2  # loads trainable already
+    described = dict(describe_setup(run_clm.parse_args([*again, "--quantization", "dkm"])))  # the results table
+    assert described["quantization"] == f"DKM 4-bit (per_tensor), continued from the compact checkpoint {start}"
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--dkm_calibration_samples", "0"], "--dkm_recipe calibrated replaces --dkm_calibration_samples 0 with 128:"),
+        (["--dkm_lut_dtype", "float32"], "--dkm_recipe calibrated replaces --dkm_lut_dtype float32 with float16:"),
+        (["--dkm_scale_block_size", "0"], "--dkm_recipe calibrated replaces --dkm_scale_block_size 0 with 64:"),
+        (["--dkm_bits", "4", "--dkm_latent_lr_scale", "1.0"], "replaces --dkm_latent_lr_scale 1.0 with 0.1:"),
+    ],
+    ids=["samples", "lut-dtype", "scales", "latent-lr"],
+)
+def test_the_recipe_refuses_a_flag_typed_at_the_default_it_would_replace(run_clm, tmp_path, flags, line):
+    """Issue 46: `--dkm_recipe calibrated` replaced explicit `--dkm_calibration_samples 0 --dkm_lut_dtype float32
+    --dkm_scale_block_size 0` with 128, float16 and 64 without a word."""
+    with pytest.raises(run_clm.UsageError) as error:
+        run_clm.parse_args([*SHORT, "--quantization", "dkm", "--dkm_recipe", "calibrated", *flags])
+    assert line in str(error.value) and "\n" not in str(error.value)
+    kept = run_clm.parse_args(
+        [*SHORT, "--quantization", "dkm", "--dkm_recipe", "calibrated", "--dkm_lut_dtype", "float16"]
+    )
+    assert kept.dkm.build_config().lut_dtype == "float16"  # the recipe's own value, typed: fine
+
+
+def test_the_recipes_calibration_is_said_timed_evaluated_and_reported(run_clm, tmp_path, monkeypatch, caplog):
+    """Issue 46, on the real model: the recipe's calibration ran inside the first step with no log line under a
+    progress bar whose remaining time counted it, "eval perplexity before" was the k-means start training never uses,
+    and neither the results table nor train_results.json named the recipe or its calibration."""
+    import json
+    import logging
+
+    from transformers.trainer_callback import ProgressCallback
+
+    from hf_llmkit.quantization import training_state
+    from hf_llmkit.trainers import LLMKitTrainer
+
+    order = []
+    real_calibrate, real_evaluate, real_bar = (
+        training_state.calibrate,
+        LLMKitTrainer.evaluate,
+        ProgressCallback.on_train_begin,
+    )
+    monkeypatch.setattr(
+        training_state, "calibrate", lambda *a, **k: order.append("calibrate") or real_calibrate(*a, **k)
+    )
+    monkeypatch.setattr(LLMKitTrainer, "evaluate", lambda *a, **k: order.append("evaluate") or real_evaluate(*a, **k))
+    monkeypatch.setattr(ProgressCallback, "on_train_begin", lambda *a, **k: order.append("bar") or real_bar(*a, **k))
+    flags = [*SHORT, "--output_dir", str(tmp_path), "--quantization", "dkm", "--dkm_recipe", "calibrated",
+             "--dkm_scale_block_size", "16", "--dkm_calibration_samples", "8", "--disable_tqdm", "false"]  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="hf_llmkit"):
+        results = run_clm.run(flags)
+    assert order == ["calibrate", "evaluate", "bar", "evaluate"]  # the start evaluated; the bar starts after
+    lines = [r.getMessage() for r in caplog.records if r.name == "hf_llmkit.cli.calibrated_start"]
+    assert lines[0].startswith("calibrating the DKM start on 8 training examples before the first step")
+    assert lines[1].startswith("calibrated the DKM start in ")
+    assert results["eval_before"] == "the calibrated start"
+    saved = json.loads((tmp_path / "train_results.json").read_text())
+    assert (saved["dkm_calibration_samples"], saved["dkm_recipe"]) == (8, "calibrated")
+    table = dict(describe_setup(run_clm.parse_args(flags)))
+    assert table["quantization"] == "DKM 3-bit (per_tensor), recipe calibrated"
+    text = results_table([], {**results, "parameters": 1, "trainable_parameters": 1})
+    assert "| DKM calibration" in text and "8 training examples, before the first step" in text
+    assert "| eval perplexity before (the calibrated start) |" in text
+
+
+def test_the_recipe_without_training_evaluates_its_calibrated_start(run_clm, tmp_path):
+    """Found attacking issue 46: `--dkm_recipe calibrated --do_train false` evaluated the k-means start (the recipe
+    calibrates when training begins) under a table naming the recipe; it is the post-training result asked for."""
+    recipe = [*SHORT, "--quantization", "dkm", "--dkm_recipe", "calibrated", "--dkm_scale_block_size", "16",
+              "--dkm_calibration_samples", "8"]  # fmt: skip
+    trained = run_clm.run([*recipe, "--output_dir", str(tmp_path / "trained")])
+    untrained = run_clm.run([*recipe, "--output_dir", str(tmp_path / "untrained"), "--do_train", "false"])
+    assert untrained["eval_loss"] == pytest.approx(trained["eval_loss_before"], abs=1e-6)  # the calibrated start
+    assert untrained["dkm_calibration_samples"] == 8
+    assert "8 training examples, before the evaluation (no training)" in results_table([], untrained)

@@ -14,8 +14,12 @@ __all__ = ["PEFT", "adapter_base_dir"]
 
 
 def adapter_base_dir(args: Any) -> Path | None:
-    """output_dir/base for a PEFT run on a model built from scratch (the base exists nowhere else), else None."""
-    if args.peft.peft_method == "none" or args.model.model_name_or_path is not None:
+    """output_dir/base for a PEFT run whose base exists nowhere else: built from scratch, or changed after loading
+    (upcycled into experts, DKM-clustered); else None (the adapter points at `--model_name_or_path`)."""
+    if args.peft.peft_method == "none":
+        return None
+    changed = args.moe.upcycle_moe or args.dkm.quantization == "dkm"
+    if args.model.model_name_or_path is not None and not changed:
         return None
     return Path(args.training.output_dir) / "base"
 

@@ -7,7 +7,7 @@ import warnings
 import torch
 from torch import nn
 
-from hf_llmkit.tuners.base import LLMKitTuner
+from hf_llmkit.tuners.base import LLMKitTuner, refuse_packed_layers
 from hf_llmkit.tuners.bitfit.config import BitFitConfig
 from hf_llmkit.tuners.bitfit.layer import BitFitLayer, bias_shape
 from hf_llmkit.tuners.matching import module_names, unwrapped
@@ -39,6 +39,7 @@ class BitFitModel(LLMKitTuner):
         return None if out is None else unwrapped(out)
 
     def _prepare_adapter_config(self, peft_config: BitFitConfig, model_config: dict) -> BitFitConfig:
+        refuse_packed_layers(self.model, type(peft_config).__name__)  # before looking for their biases
         if peft_config.target_modules is None:
             # Every eligible module, written as the leaf names so the saved config stays short and portable.
             leaves = {

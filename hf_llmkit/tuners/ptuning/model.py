@@ -32,6 +32,7 @@ class PTuningModel(LLMKitTuner):
 
     prefix: str = "ptuning_"
     tuner_layer_cls = PTuningEmbedding
+    adapts_packed_layers = True  # it wraps the input embedding only, a packed one included
 
     def _check_tied_modules(self, model: nn.Module, peft_config: PTuningConfig) -> None:
         # The wrapper never changes the embedding weight, so an output layer tied to it stays tied: peft's warning
