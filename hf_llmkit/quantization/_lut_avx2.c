@@ -33,6 +33,29 @@ INLINE_AVX2 __m256 table_lo(const float *raw, int bits) {
     return _mm256_loadu_ps(t);
 }
 
+/* Entries i..i+7 of the table stream as float32 (float32, float16 or bfloat16 as saved). */
+INLINE_AVX2 __m256 load8(const void *lut, int dtype, int64_t i) {
+    if (dtype == SCALE_F32) return _mm256_loadu_ps((const float *)lut + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)lut + i));
+    if (dtype == SCALE_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+/* Row r's table in registers: entries 0-7 (lo; a table of 2 or 4 repeated to 8) and 8-15 (hi, 4 bits), with vector
+ * loads from 3 bits up (tables per row, `group_size=1`, are read for every row). */
+INLINE_AVX2 void table_regs(const weight_t *w, int64_t r, const int bits, __m256 *lo, __m256 *hi) {
+    const int64_t first = (r / w->rows_per_group) << bits;
+    if (bits >= 3) {
+        *lo = load8(w->lut, w->lut_dtype, first);
+        *hi = bits == 4 ? load8(w->lut, w->lut_dtype, first + 8) : *lo;
+        return;
+    }
+    float raw[16];
+    row_table(w, r, raw);
+    *lo = table_lo(raw, bits);
+    *hi = *lo;
+}
+
 /* 8 weights: the field in the low bits of each lane looked up (bits above it are ignored). */
 INLINE_AVX2 __m256 lookup8(__m256i idx, __m256 lo, __m256 hi, const int bits) {
     __m256 v = _mm256_permutevar8x32_ps(lo, idx);
@@ -102,15 +125,12 @@ INLINE_AVX2 void rows_lut(const weight_t *w, int64_t r0, int64_t r1, const input
     const int64_t cols = w->cols, block = w->block;
     const int64_t chunked = block % 64 == 0 ? cols / 64 * 64 : 0; /* the columns the chunk loop takes */
     const __m256i shifts = _mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 4 * bits, 5 * bits, 6 * bits, 7 * bits);
-    float raw[16];
     __m256 raw_lo = _mm256_setzero_ps(), raw_hi = raw_lo, base_lo = raw_lo, base_hi = raw_lo;
     int64_t group = -1;
     for (int64_t r = r0; r < r1; r++) {
         if (r / w->rows_per_group != group) { /* each group's table is read and rounded once */
             group = r / w->rows_per_group;
-            row_table(w, r, raw);
-            raw_lo = table_lo(raw, bits);
-            raw_hi = bits == 4 ? _mm256_loadu_ps(raw + 8) : raw_lo;
+            table_regs(w, r, bits, &raw_lo, &raw_hi);
             base_lo = round8(raw_lo, w->mode);
             base_hi = round8(raw_hi, w->mode);
         }
@@ -250,9 +270,9 @@ typedef void (*rows_fn)(const weight_t *, int64_t, int64_t, const input_t *, flo
     static AVX2 void wide_##M(const weight_t *w, int64_t r0, int64_t r1, const input_t *in, float *y) {               \
         rows_wide(w, r0, r1, in, y, M, w->bits);                                                                      \
     }
-EACH_M(AVX2_ROWS)
-static const rows_fn lut_rows[5][MAXM + 1] = {{0}, BY_M(lut1), BY_M(lut2), BY_M(lut3), BY_M(lut4)};
-static const rows_fn byte_rows[MAXM + 1] = BY_M(bytes), wide_rows[MAXM + 1] = BY_M(wide);
+EACH_M_AVX2(AVX2_ROWS)
+static const rows_fn lut_rows[5][MAXM + 1] = {{0}, BY_M_AVX2(lut1), BY_M_AVX2(lut2), BY_M_AVX2(lut3), BY_M_AVX2(lut4)};
+static const rows_fn byte_rows[MAXM + 1] = BY_M_AVX2(bytes), wide_rows[MAXM + 1] = BY_M_AVX2(wide);
 
 static void rows_avx2(const weight_t *w, int64_t r0, int64_t r1, const input_t *in, float *y, void *out) {
     if (out) decode_avx2(w, r0, r1, out);

@@ -38,6 +38,11 @@ enum { LEVEL_PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_AVX512BF16 = 
 /* Each loop family is compiled once per token count 1..MAXM (the count a constant, the accumulators registers). */
 #define EACH_M(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8)
 #define BY_M(name) {0, name##_1, name##_2, name##_3, name##_4, name##_5, name##_6, name##_7, name##_8}
+/* The AVX2 loops are compiled for 1, 2, 4 and 8 tokens (half the build time); other counts run padded with zero
+ * inputs (batch-1 decoding, the case that matters, is never padded). */
+#define EACH_M_AVX2(X) X(1) X(2) X(4) X(8)
+#define BY_M_AVX2(name) {0, name##_1, name##_2, 0, name##_4, 0, 0, 0, name##_8}
+#define PAD_M(n) ((n) <= 2 ? (n) : (n) <= 4 ? 4 : 8)
 
 /* Bytes of the index stream the SIMD loops ask the cache for ahead of the chunk they read: a weight streamed from
  * memory (every layer of a generating model) otherwise runs at a fraction of the memory's speed. */
@@ -344,22 +349,23 @@ static weight_t make_weight(const weight_args *a, int mode) {
     return w;
 }
 
-/* x [m, cols] widened to float32 (xf) and, for the AVX2 chunk loops, each chunk of 64 columns rearranged so that
- * the 8 weights one step of a chunk yields, lane l holding column 8l + t at step t, meet their inputs (xt). */
-static void prepare_input(const weight_t *w, int lvl, const void *x, int x_dtype, int64_t m, float *buffer,
-                          input_t *in) {
+/* x [m, cols] widened to float32 (xf; rows m..padded zero) and, for the AVX2 chunk loops, each chunk of 64 columns
+ * rearranged so that the 8 weights one step of a chunk yields, lane l holding column 8l + t at step t, meet their
+ * inputs (xt). */
+static void prepare_input(const weight_t *w, int lvl, const void *x, int x_dtype, int64_t m, int64_t padded,
+                          float *buffer, input_t *in) {
     const int64_t cols = w->cols, n = m * cols;
-    in->x = x, in->x_dtype = x_dtype, in->m = m, in->xf = (const float *)x, in->xt = 0;
-    if (x_dtype != SCALE_F32) {
+    in->x = x, in->x_dtype = x_dtype, in->m = padded, in->xf = (const float *)x, in->xt = 0;
+    if (x_dtype != SCALE_F32 || padded != m) {
         float *xf = buffer;
         for (int64_t i = 0; i < n; i++) xf[i] = value_at(x, x_dtype, i);
+        memset(xf + n, 0, (size_t)((padded - m) * cols) * sizeof(float));
         in->xf = xf;
-        buffer += n;
     }
     if (lvl == LEVEL_AVX2 && w->bits <= 4) {
-        float *xt = buffer;
+        float *xt = buffer + MAXM * cols;
         const int64_t cols64 = cols / 64 * 64;
-        for (int64_t j = 0; j < m; j++) {
+        for (int64_t j = 0; j < padded; j++) {
             const float *src = in->xf + j * cols;
             float *dst = xt + j * cols;
             for (int64_t c = 0; c < cols64; c += 64)
@@ -377,20 +383,19 @@ static void prepare_input(const weight_t *w, int lvl, const void *x, int x_dtype
 int lut_gemv(const weight_args *a, int mode, const void *x, int x_dtype, int64_t m, void *y, int y_dtype,
              int threads) {
     const weight_t w = make_weight(a, mode);
-    const int64_t cols = w.cols, rows = w.rows, chunk = m < MAXM ? m : MAXM;
+    const int64_t cols = w.cols, rows = w.rows;
     const int lvl = level(&w, x_dtype);
     const size_t item = x_dtype == SCALE_F32 ? 4 : 2;
-    const int64_t floats = 2 * chunk * cols + (y_dtype == OUT_F32 ? 0 : chunk * rows);
-    float *buffer = malloc((size_t)floats * sizeof(float) + 64);
+    float *buffer = malloc((size_t)(MAXM * (2 * cols + rows)) * sizeof(float) + 64);
     if (!buffer) return -1;
-    float *sums = buffer + 2 * chunk * cols;
+    float *sums = buffer + 2 * MAXM * cols;
     for (int64_t j = 0; j < m; j += MAXM) { /* the weight is read once per MAXM tokens */
-        const int64_t n = m - j < MAXM ? m - j : MAXM;
+        const int64_t n = m - j < MAXM ? m - j : MAXM, padded = lvl == LEVEL_AVX2 ? PAD_M(n) : n;
         input_t in;
-        prepare_input(&w, lvl, (const char *)x + (size_t)(j * cols) * item, x_dtype, n, buffer, &in);
-        float *yj = y_dtype == OUT_F32 ? (float *)y + j * rows : sums;
-        run(&w, lvl, &in, yj, 0, threads);
-        for (int64_t i = 0; y_dtype != OUT_F32 && i < n * rows; i++) store_to(y, j * rows + i, sums[i], y_dtype);
+        prepare_input(&w, lvl, (const char *)x + (size_t)(j * cols) * item, x_dtype, n, padded, buffer, &in);
+        const int direct = y_dtype == OUT_F32 && padded == n;
+        run(&w, lvl, &in, direct ? (float *)y + j * rows : sums, 0, threads);
+        for (int64_t i = 0; !direct && i < n * rows; i++) store_to(y, j * rows + i, sums[i], y_dtype);
     }
     free(buffer);
     return 0;
