@@ -605,7 +605,8 @@ def dkm_inference(results: dict) -> str:
     from _inference_report import heading, table
 
     data = results["dkm_inference"]
-    parts = []
+    cpu = data.get("cpu") or data["recorded"]["machine"].get("cpu") or "an unnamed CPU"
+    parts = [f"On **{cpu}** (the loops its packed layers took are in the last column where the run recorded them):"]
     for size_name, size in data["sizes"].items():
         for threads in size["threads"]:
             parts.append(heading(size_name, size, threads, data["config"]) + "\n\n" + table(size, threads))

@@ -143,7 +143,7 @@ def table(size: dict, threads: str) -> str:
             "x bf16",
             "whole model MiB",
             "peak RSS over imports MiB: load / inference",
-            "layer",
+            "layer; loops",
         ]
     ]
     reasons = []
@@ -167,7 +167,9 @@ def table(size: dict, threads: str) -> str:
                 f"{v['decoder_weights_x_bf16']:.3f}",
                 f"{v['weight_bytes'] / MIB:,.1f}",
                 peak,
-                v["module"] + (f" ({', '.join(v['dkm_paths'])} path)" if v.get("dkm_paths") else ""),
+                v["module"]
+                + (f" ({', '.join(v['dkm_paths'])} path)" if v.get("dkm_paths") else "")
+                + (f"; {v['loops']}" if v.get("loops") else ""),
             ]
         )
     for name, why in size.get("not_run", {}).items():

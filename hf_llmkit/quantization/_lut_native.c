@@ -363,7 +363,7 @@ static void prepare_input(const weight_t *w, int lvl, const void *x, int x_dtype
         in->xf = xf;
     }
     if (lvl == LEVEL_AVX2 && w->bits <= 4) {
-        float *xt = buffer + MAXM * cols;
+        float *xt = buffer + padded * cols;
         const int64_t cols64 = cols / 64 * 64;
         for (int64_t j = 0; j < padded; j++) {
             const float *src = in->xf + j * cols;
@@ -383,12 +383,16 @@ static void prepare_input(const weight_t *w, int lvl, const void *x, int x_dtype
 int lut_gemv(const weight_args *a, int mode, const void *x, int x_dtype, int64_t m, void *y, int y_dtype,
              int threads) {
     const weight_t w = make_weight(a, mode);
-    const int64_t cols = w.cols, rows = w.rows;
+    const int64_t cols = w.cols, rows = w.rows, most = PAD_M(m < MAXM ? m : MAXM);
     const int lvl = level(&w, x_dtype);
     const size_t item = x_dtype == SCALE_F32 ? 4 : 2;
-    float *buffer = malloc((size_t)(MAXM * (2 * cols + rows)) * sizeof(float) + 64);
+    /* scratch: inputs widened, rearranged, and float32 sums; on the stack for a token's worth (a large allocation
+     * is a fresh mapping per call, whose page faults cost as much as a small layer's product) */
+    const size_t floats = (size_t)(most * (2 * cols + rows)), on_stack = 16384;
+    float stack[16384];
+    float *buffer = floats <= on_stack ? stack : malloc(floats * sizeof(float));
     if (!buffer) return -1;
-    float *sums = buffer + 2 * MAXM * cols;
+    float *sums = buffer + 2 * most * cols;
     for (int64_t j = 0; j < m; j += MAXM) { /* the weight is read once per MAXM tokens */
         const int64_t n = m - j < MAXM ? m - j : MAXM, padded = lvl == LEVEL_AVX2 ? PAD_M(n) : n;
         input_t in;
@@ -397,7 +401,7 @@ int lut_gemv(const weight_args *a, int mode, const void *x, int x_dtype, int64_t
         run(&w, lvl, &in, direct ? (float *)y + j * rows : sums, 0, threads);
         for (int64_t i = 0; !direct && i < n * rows; i++) store_to(y, j * rows + i, sums[i], y_dtype);
     }
-    free(buffer);
+    if (buffer != stack) free(buffer);
     return 0;
 }
 
