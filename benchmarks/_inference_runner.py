@@ -18,7 +18,7 @@ from pathlib import Path
 import _inference_worker as worker
 from _common import RESULTS, machine_state, results_name, run_record, write_results
 
-PREPARED = ("ours", "bnb", "gptq", "llama_cpp")  # the kinds with a checkpoint (or file) made before the rounds
+PREPARED = ("ours", "bnb", "gptq", "llama_cpp", "onnx")  # the kinds with a checkpoint (or file) made before the rounds
 
 
 def prepare_all(specs: list[dict], jobs: int, work: Path) -> None:
@@ -86,7 +86,7 @@ def run_rounds(size: str, specs: dict, names: list[str], threads: int, rounds: i
             runs[name].append(got)
             tps = f"{statistics.median(got['tokens_per_s_b1']):.1f} tokens/s" if "error" not in got else got["error"]
             print(f"[{size}, {threads} thr, round {r + 1}] {name}: {tps}", flush=True)
-            if "error" in got and specs[name]["kind"] in ("dense", "ours"):
+            if "error" in got and specs[name]["kind"] in ("dense", "ours", "onnx"):
                 raise SystemExit(f"error: {name} failed: {got['error']}")  # ours and dense must run
     return {"runs": runs, "before": before, "after": machine_state()}
 

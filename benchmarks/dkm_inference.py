@@ -81,6 +81,16 @@ PEERS = {
     "GPTQ 4-bit g64 (gptqmodel)": dict(kind="gptq", bits=4),
 }
 
+ONNX_OPTIONS = dict(lut_dtype="bfloat16", kmeans_iters=5, kmeans_sample=4096)
+ONNX = {  # onnxruntime serving the exports (_inference_onnx.py); the standard-op path times 2 tokens per call
+    "onnxruntime dense fp32 export": dict(kind="onnx", bits=3, options=ONNX_OPTIONS, onnx_file="dense",
+                                          onnx_kernel=False),
+    "onnxruntime DKM 3-bit, standard ops": dict(kind="onnx", bits=3, options=ONNX_OPTIONS, onnx_file="packed",
+                                                onnx_kernel=False, onnx_tokens=2),
+    "onnxruntime DKM 3-bit, our kernel": dict(kind="onnx", bits=3, options=ONNX_OPTIONS, onnx_file="packed",
+                                              onnx_kernel=True),
+}  # fmt: skip
+
 
 def plan(size: str, quick: bool) -> dict[str, dict]:
     """The variants run at one size: everything at the issue's size; at ~1B the ones whose preparation fits the
@@ -96,9 +106,10 @@ def plan(size: str, quick: bool) -> dict[str, dict]:
             "torchao int4 g64 weight-only",
             "GPTQ 4-bit g64 (gptqmodel)",
         ]
-        return {k: v for k, v in (DENSE | mine | PEERS).items() if k in keep}
+        quick_onnx = {k: v for k, v in ONNX.items() if v["onnx_kernel"]}  # dkm_onnx.py --quick runs all three
+        return {k: v for k, v in (DENSE | mine | PEERS).items() if k in keep} | quick_onnx
     if size == "issue":  # 6 of the 8 ours cells: each costs minutes to quantize on a shared 2-core machine
-        return {k: v for k, v in (DENSE | mine | PEERS).items() if k not in ISSUE_LEFT_OUT}
+        return {k: v for k, v in (DENSE | mine | PEERS).items() if k not in ISSUE_LEFT_OUT} | ONNX
     if size == "1b":
         keep = [
             "dense bf16",

@@ -99,11 +99,19 @@ def supports(layer, x: torch.Tensor | None = None) -> bool:
     return (x is None or x.device.type == "cpu") and entry(layer) is not None
 
 
+def _tensors(layer) -> tuple:
+    """A packed layer's (indices, table, scales or None): a module's own buffers, read without `nn.Module.__getattr__`
+    (every token reads them), or the attributes of any object that holds them (the ONNX runtime's kernels)."""
+    if isinstance(layer, torch.nn.Module):
+        buffers = module_buffers(layer)
+        return buffers["weight_packed"], buffers["weight_lut"], buffers["weight_scale"]
+    return layer.weight_packed, layer.weight_lut, layer.weight_scale
+
+
 def serves(layer) -> bool:
     """Whether the kernel serves `layer`, read from its layout alone (no pointers: `torch.compile` traces this): built,
     CPU contiguous tensors, one index per weight, rows of whole bytes, table and scales in a dtype it reads."""
-    buffers = module_buffers(layer)
-    packed, lut, scale = buffers["weight_packed"], buffers["weight_lut"], buffers["weight_scale"]
+    packed, lut, scale = _tensors(layer)
     s = layer.settings
     rows, cols = layer.weight_shape
     tensors = (packed, lut) + (() if scale is None else (scale,))
@@ -121,8 +129,7 @@ def serves(layer) -> bool:
 def entry(layer) -> WeightArgs | None:
     """The C weight arguments of `layer` (None where the kernel does not serve it): pointers into its own tensors
     (nothing is copied), kept on the layer until one of them is replaced or changed in place."""
-    buffers = module_buffers(layer)  # read on every token: no nn.Module.__getattr__
-    packed, lut, scale = buffers["weight_packed"], buffers["weight_lut"], buffers["weight_scale"]
+    packed, lut, scale = _tensors(layer)
     key = (packed.data_ptr(), version_counter(packed), lut.data_ptr(), version_counter(lut))
     if scale is not None:
         key += (scale.data_ptr(), version_counter(scale))

@@ -35,6 +35,7 @@ CASES = {
     "dkm_quality.py": ("dkm_quality.json", ()),  # the peers: benchmarks/install_peers.sh
     # a fresh process per variant and round; its parts write a file each (the first is the script's main one)
     "dkm_inference.py": (tuple(f"dkm_inference{part}.json" for part in ("", "_loops", "_real")), pytest.mark.slow),
+    "dkm_onnx.py": ("dkm_onnx.json", pytest.mark.slow),  # two exports, a fresh process per variant
     "lm_data_memory.py": ("lm_data_memory.json", ()),  # one 8 MB line
     "moe.py": ("moe.json", pytest.mark.slow),
     "callbacks.py": ("callbacks.json", pytest.mark.slow),
