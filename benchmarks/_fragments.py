@@ -640,7 +640,8 @@ def dkm_inference(results: dict) -> str:
     from _inference_report import heading, table
 
     data = results["dkm_inference"]
-    parts = []
+    cpu = data.get("cpu") or data["recorded"]["machine"].get("cpu") or "an unnamed CPU"
+    parts = [f"On **{cpu}** (the loops its packed layers took are in the last column where the run recorded them):"]
     for size_name, size in data["sizes"].items():
         for threads in size["threads"]:
             parts.append(heading(size_name, size, threads, data["config"]) + "\n\n" + table(size, threads))
@@ -652,6 +653,50 @@ def dkm_inference(results: dict) -> str:
     return (
         "\n\n".join(parts) + "\n\nThe targets:\n\n" + verdict + "\n\n" + measured(data, f"{threads} torch thread(s)")
     )
+
+
+@fragment("dkm_inference_loops", "dkm_inference_loops")
+def dkm_inference_loops(results: dict) -> str:
+    """benchmarks/dkm_inference.py --parts loops: every loop level of the DKM CPU kernel on each CPU measured."""
+    from _inference_loops import kernel_rows, model_rows
+
+    parts = []
+    for cpu, part in results["dkm_inference_loops"]["machines"].items():
+        k = part["kernels"]
+        shape = part["shape"]
+        parts.append(
+            f"**{cpu}**, loop levels {', '.join(k['levels'])}. One packed "
+            f"Linear {k['shape'][0]:,} x {k['shape'][1]:,} at batch 1, read from memory (the streaming floor: its "
+            f"bytes at the {k['bandwidth_gb_s']:.1f} GB/s a plain sum streams here):\n\n"
+            + kernel_rows(k)
+            + f"\n\nThe issue's random Llama (hidden {shape['hidden']:,}, {shape['layers']} layers, MLP "
+            f"{shape['intermediate']:,}), batch-1 `generate` of {part['new_tokens']} tokens, 1 torch thread, "
+            f"{part['rounds']} round(s), each variant a fresh process per round, order rotated:\n\n"
+            + model_rows(part, "1")
+            + "\n\n"
+            + "\n".join(f"- {line}" for line in part["verdicts"])
+            + "\n\n"
+            + measured(part, "1 torch thread")
+        )
+    return "\n\n".join(parts)
+
+
+@fragment("dkm_inference_real", "dkm_inference_real")
+def dkm_inference_real(results: dict) -> str:
+    """benchmarks/dkm_inference.py --parts real: SmolLM2-135M against llama.cpp on each CPU measured."""
+    from _inference_real import table
+
+    parts = []
+    for cpu, part in results["dkm_inference_real"]["machines"].items():
+        for threads in part["threads"]:
+            parts.append(
+                f"**{cpu}**, SmolLM2-135M-Instruct ({part['layers']} layers), {threads} thread(s): greedy "
+                f"`generate` of {part['new_tokens']} tokens after a prompt of real text, prefill of 512 tokens; "
+                f"{part['rounds']} round(s), each variant a fresh process per round, order rotated; llama.cpp "
+                f"built with {part['llama_cpp']}:\n\n" + table(part, threads)
+            )
+        parts.append("\n".join(f"- {line}" for line in part["verdicts"]) + "\n\n" + measured(part))
+    return "\n\n".join(parts)
 
 
 # -- CUDA: the same tables from the GPU check's results (benchmarks/gpu_check.py), rendered in docs/gpu.md -----------

@@ -16,50 +16,66 @@ def _median(runs: list[dict], key: str) -> float:
     return statistics.median(v for run in runs for v in (run[key] if isinstance(run[key], list) else [run[key]]))
 
 
-def summarize(size: dict) -> None:
-    """Adds `summary` to every threads cell of a size: per variant the medians, memory and per-round ratios to
-    dense bf16 (its tokens/s over bf16's of the same round; prefill seconds over bf16's)."""
+def _per_round(got: list[dict], base: list[dict], key: str, times: bool = False) -> list[float]:
+    """Per-round ratios of a variant's median `key` to the base's of the same round (seconds: base over variant's
+    inverse, so that every ratio reads "x as fast" for tokens/s and "x the time" for prefill)."""
+    out = []
+    for r, b in zip(got, base):
+        if "error" in r or "error" in b:
+            continue
+        mine = r["times"][key] if times else r[key]
+        theirs = b["times"][key] if times else b[key]
+        out.append(statistics.median(mine) / statistics.median(theirs))
+    return out
+
+
+def summarize(size: dict, base: str = BASE) -> None:
+    """Adds `summary` to every threads cell of a part: per variant the medians, memory, which loops multiplied and
+    per-round ratios to `base` (its tokens/s over the base's of the same round; prefill seconds over the base's),
+    and where measured the kernel's and the framework's milliseconds per generated token."""
     for cell in size["threads"].values():
         runs, summary = cell["runs"], {}
-        base = runs[BASE]
         for name, got in runs.items():
             ok = [r for r in got if "error" not in r]
             if not ok:
                 summary[name] = {"error": got[0]["error"]}
                 continue
-            pairs = [(r, b) for r, b in zip(got, base) if "error" not in r]
-            speed = [
-                statistics.median(r["tokens_per_s_b1"]) / statistics.median(b["tokens_per_s_b1"]) for r, b in pairs
-            ]
-            speed8 = [
-                statistics.median(r["tokens_per_s_b8"]) / statistics.median(b["tokens_per_s_b8"]) for r, b in pairs
-            ]
-            prefill = [
-                statistics.median(r["times"]["prefill"]) / statistics.median(b["times"]["prefill"]) for r, b in pairs
-            ]
-            summary[name] = {
+            speed = _per_round(got, runs[base], "tokens_per_s_b1")
+            entry = {
                 "tokens_per_s_b1": _median(ok, "tokens_per_s_b1"),
-                "tokens_per_s_b8": _median(ok, "tokens_per_s_b8"),
                 "prefill_s": statistics.median(t for r in ok for t in r["times"]["prefill"]),
-                "b1_x_bf16": statistics.median(speed),
-                "b1_x_bf16_range": [min(speed), max(speed)],
-                "b8_x_bf16": statistics.median(speed8),
-                "prefill_x_bf16": statistics.median(prefill),
+                "b1_x_bf16": statistics.median(speed) if speed else None,
+                "b1_x_bf16_range": [min(speed), max(speed)] if speed else None,
+                "prefill_x_bf16": statistics.median(_per_round(got, runs[base], "prefill", times=True) or [0.0]),
                 "weight_bytes": ok[0]["weight_bytes"],
                 "decoder_weight_bytes": ok[0]["decoder_weight_bytes"],
-                "peak_rss_mib": max(r["peak_rss_mib"] for r in ok),
-                "peak_load_over_base_mib": max(r["peak_rss_load_mib"] - r["rss_base_mib"] for r in ok),
-                "peak_inference_over_base_mib": max(
-                    (r["peak_rss_inference_mib"] or r["peak_rss_mib"]) - r["rss_base_mib"] for r in ok
-                ),
                 "load_s": statistics.median(r["load_s"] for r in ok),
                 "module": ok[0]["modules"],
+                "loops": ok[0].get("loops", ""),
                 "dkm_paths": sorted({p for r in ok for p in r.get("dkm_paths", [])}),  # how our layers multiplied
+                "first_tokens": ok[0].get("first_tokens"),
                 "rounds": len(ok),
             }
+            if all("tokens_per_s_b8" in r for r in ok):
+                entry["tokens_per_s_b8"] = _median(ok, "tokens_per_s_b8")
+                entry["b8_x_bf16"] = statistics.median(_per_round(got, runs[base], "tokens_per_s_b8") or [0.0])
+            if all("rss_base_mib" in r for r in ok):
+                entry["peak_rss_mib"] = max(r["peak_rss_mib"] for r in ok)
+                entry["peak_load_over_base_mib"] = max(r["peak_rss_load_mib"] - r["rss_base_mib"] for r in ok)
+                entry["peak_inference_over_base_mib"] = max(
+                    (r["peak_rss_inference_mib"] or r["peak_rss_mib"]) - r["rss_base_mib"] for r in ok
+                )
+            if all("perplexity" in r for r in ok):
+                entry["perplexity"] = ok[0]["perplexity"]
+            if all("kernel_s_per_token" in r for r in ok):  # kernel time, and the rest of each round's token time
+                kernel = [statistics.median(r["kernel_s_per_token"]) * 1e3 for r in ok]
+                token = [1e3 / statistics.median(r["tokens_per_s_b1"]) for r in ok]
+                entry["kernel_ms_per_token"] = statistics.median(kernel)
+                entry["framework_ms_per_token"] = statistics.median(t - k for t, k in zip(token, kernel))
+            summary[name] = entry
         for s in summary.values():
-            if "error" not in s:
-                s["decoder_weights_x_bf16"] = s["decoder_weight_bytes"] / summary[BASE]["decoder_weight_bytes"]
+            if "error" not in s and "error" not in summary[base]:
+                s["decoder_weights_x_bf16"] = s["decoder_weight_bytes"] / summary[base]["decoder_weight_bytes"]
         cell["summary"] = summary
 
 
@@ -129,7 +145,7 @@ def table(size: dict, threads: str) -> str:
             "x bf16",
             "whole model MiB",
             "peak RSS over imports MiB: load / inference",
-            "layer",
+            "layer; loops",
         ]
     ]
     reasons = []
@@ -153,7 +169,9 @@ def table(size: dict, threads: str) -> str:
                 f"{v['decoder_weights_x_bf16']:.3f}",
                 f"{v['weight_bytes'] / MIB:,.1f}",
                 peak,
-                v["module"] + (f" ({', '.join(v['dkm_paths'])} path)" if v.get("dkm_paths") else ""),
+                v["module"]
+                + (f" ({', '.join(v['dkm_paths'])} path)" if v.get("dkm_paths") else "")
+                + (f"; {v['loops']}" if v.get("loops") else ""),
             ]
         )
     for name, why in size.get("not_run", {}).items():

@@ -16,6 +16,7 @@ Only the decoder layers' Linear weights are quantized, by every method (embeddin
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -99,6 +100,10 @@ def prepare(spec: dict) -> None:
             model.save_pretrained(out)
         elif kind == "gptq":
             _gptq_prepare(spec, out)
+        elif kind == "llama_cpp":
+            import _inference_llama_cpp
+
+            _inference_llama_cpp.prepare(spec)
         elif kind == "onnx":  # onnxruntime rows: _inference_onnx.py
             from _inference_onnx import prepare as onnx_prepare
 
@@ -164,7 +169,8 @@ def load(spec: dict) -> nn.Module:
         import hf_llmkit  # noqa: F401  registers "dkm": without it transformers loads random dense Linears
         from hf_llmkit.quantization.layers import PalettizedLinear
 
-        model = AutoModelForCausalLM.from_pretrained(spec["dir"])
+        dtype = {"dtype": getattr(torch, spec["dtype"])} if spec.get("dtype") else {}  # default: the saved one
+        model = AutoModelForCausalLM.from_pretrained(spec["dir"], **dtype)
         wrong = {type(m).__name__ for m in _decoder_linears(model).values()}
         if wrong or not any(isinstance(m, PalettizedLinear) for m in model.modules()):
             raise RuntimeError(f"the compact checkpoint reloaded without PalettizedLinear layers (found {wrong})")
@@ -301,6 +307,52 @@ def describe(model: nn.Module) -> str:
     if isinstance(weight, torch.Tensor) and type(weight) not in (torch.Tensor, nn.Parameter):
         kind += f" ({type(weight).__name__})"
     return kind
+
+
+def loops_taken(model: nn.Module, spec: dict) -> str:
+    """Which code multiplied: the DKM kernel's loops the packed layers take on this CPU for the model's dtype (with
+    `spec["loops"]` capping them), or torch's CPU capability for the others."""
+    if spec["device"] != "cpu":
+        return spec["device"]
+    if spec["kind"] == "ours":
+        from hf_llmkit.quantization import _lut_native as native
+        from hf_llmkit.quantization.layers import PalettizedEmbedding, PalettizedLinear
+
+        bf16 = model.dtype == torch.bfloat16
+        levels = set()
+        for module in model.modules():
+            if isinstance(module, (PalettizedLinear, PalettizedEmbedding)):
+                scale = module.weight_scale
+                block = 0 if scale is None else module.weight_shape[1] // scale.shape[1]
+                levels.add(f"{module.settings.bits}-bit {native.loops(module.settings.bits, block, bf16)}")
+        return "DKM kernel: " + ", ".join(sorted(levels))
+    return f"torch {torch.backends.cpu.get_cpu_capability()}"
+
+
+KERNEL_MODULES = ("Linear", "PalettizedLinear", "TiedDKMHead", "PalettizedEmbedding", "Embedding", "Linear4bit")
+
+
+def kernel_seconds(model: nn.Module, run) -> float:
+    """Seconds `run()` spends inside the modules that multiply by (or look up) weights, timed by forward hooks; the
+    rest of its time is the framework's (norms, attention, cache, generate's own steps, Python)."""
+    total, started = [0.0], {}
+    handles = []
+
+    def before(module, args):
+        started[id(module)] = time.perf_counter()
+
+    def after(module, args, output):
+        total[0] += time.perf_counter() - started.pop(id(module))
+
+    for module in model.modules():
+        if type(module).__name__ in KERNEL_MODULES:
+            handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return total[0]
 
 
 def dkm_paths() -> list[str]:

@@ -12,6 +12,7 @@ inference peak is measured apart from the load's. A peer that cannot run here ra
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -49,23 +50,51 @@ def _timed(fn, sync) -> float:
     return time.perf_counter() - start
 
 
+def _prompts(spec: dict, device) -> tuple[dict, torch.Tensor]:
+    """Batch-1 and batch-8 prompts and the prefill input: `spec["text_ids"]` (real text, the real-model part) or
+    random ids below the vocabulary."""
+    if spec.get("text_ids"):
+        ids = torch.tensor(spec["text_ids"])
+        prompt = ids[: spec["prompt"]].unsqueeze(0)
+        long = ids[: spec["prefill"]].unsqueeze(0).to(device)
+        return {1: prompt.to(device), 8: prompt.repeat(8, 1).to(device)}, long
+    generator = torch.Generator().manual_seed(0)
+    vocab = min(spec["shape"]["vocab"], 4096)
+    prompt = {b: torch.randint(3, vocab, (b, spec["prompt"]), generator=generator).to(device) for b in (1, 8)}
+    return prompt, torch.randint(3, vocab, (1, spec["prefill"]), generator=generator).to(device)
+
+
 def measure(spec: dict) -> dict:
-    """Load the variant, warm up, then time `repeats` times: batch-1 and batch-8 greedy `generate` of
-    `new_tokens` tokens after a `prompt`-token prompt, and one prefill forward of `prefill` tokens."""
+    """Load the variant, warm up, then time `repeats` times: batch-1 (and unless `spec["batch8"]` is False batch-8)
+    greedy `generate` of `new_tokens` tokens after a `prompt`-token prompt, and one prefill forward of `prefill`
+    tokens. `spec["loops"]` caps the packed layers' CPU kernel to those loops; `spec["cache"]` / `spec["compile"]`
+    generate with transformers' static cache / a `torch.compile`d forward; `spec["split"]` also times, in one more
+    generate, the modules that multiply by weights (the kernel time; the rest of a token's time is the framework's)."""
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
+    if spec.get("loops"):
+        from hf_llmkit.quantization import _lut_native
+
+        _lut_native.cap_loops(spec["loops"])
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     base_rss = _status_kib("VmRSS")
     start = time.perf_counter()
+    prompt, long = _prompts(spec, device)
+    if spec["kind"] == "llama_cpp":
+        import _inference_llama_cpp as llama
+
+        try:
+            return llama.measure(spec, prompt[1][0].tolist(), long[0].tolist())
+        except llama.Unavailable as e:
+            raise variants.Unavailable(str(e)) from e
     model = variants.load(spec)
     load_s = time.perf_counter() - start
     loaded_rss, load_peak = _status_kib("VmRSS"), _status_kib("VmHWM")
     reset = _reset_peak()
-    generator = torch.Generator().manual_seed(0)
-    vocab = min(spec["shape"]["vocab"], 4096)
-    prompt = {b: torch.randint(3, vocab, (b, spec["prompt"]), generator=generator).to(device) for b in (1, 8)}
-    long = torch.randint(3, vocab, (1, spec["prefill"]), generator=generator).to(device)
     n = spec["new_tokens"]
+    options = {"cache_implementation": "static"} if spec.get("cache") == "static" else {}
+    if spec.get("compile"):
+        model.forward = torch.compile(model.forward, dynamic=False)
 
     def generate(batch: int, tokens: int = n):
         ids = prompt[batch]
@@ -77,29 +106,31 @@ def measure(spec: dict) -> dict:
                 min_new_tokens=tokens,
                 do_sample=False,
                 pad_token_id=0,
+                **options,
             )
-        if out.shape != (batch, spec["prompt"] + tokens):
-            raise RuntimeError(f"generate returned shape {tuple(out.shape)}, not {(batch, spec['prompt'] + tokens)}")
+        if out.shape != (batch, ids.shape[1] + tokens):
+            raise RuntimeError(f"generate returned shape {tuple(out.shape)}, not {(batch, ids.shape[1] + tokens)}")
         return out
 
     def prefill():
         with torch.inference_mode():
             model(input_ids=long, logits_to_keep=1)
 
-    generate(1, 2)  # warm-up: every shape the timed calls take (decoding at batch 1 and 8, the prefill)
-    generate(8, 2)
+    batches = (1, 8) if spec.get("batch8", True) else (1,)
+    for batch in batches:  # warm-up: every shape the timed calls take (decoding at each batch size, the prefill)
+        generate(batch, 2 if not options and not spec.get("compile") else n)
     prefill()
-    times: dict[str, list[float]] = {"generate_b1": [], "generate_b8": [], "prefill": []}
+    times: dict[str, list[float]] = {f"generate_b{b}": [] for b in batches} | {"prefill": []}
     tokens = []
     for _ in range(spec["repeats"]):
         times["generate_b1"].append(_timed(lambda: tokens.append(generate(1)), sync))
-        times["generate_b8"].append(_timed(lambda: generate(8), sync))
+        if 8 in batches:
+            times["generate_b8"].append(_timed(lambda: generate(8), sync))
         times["prefill"].append(_timed(prefill, sync))
     weights = variants.weight_bytes(model)
-    return {
+    result = {
         "times": times,
         "tokens_per_s_b1": [n / t for t in times["generate_b1"]],
-        "tokens_per_s_b8": [8 * n / t for t in times["generate_b8"]],
         "weight_bytes": weights["model"],
         "decoder_weight_bytes": weights["decoder"],
         "load_s": load_s,
@@ -108,10 +139,19 @@ def measure(spec: dict) -> dict:
         "peak_rss_load_mib": load_peak / 1024,
         "peak_rss_inference_mib": _status_kib("VmHWM") / 1024 if reset else None,
         "peak_rss_mib": max(load_peak, _status_kib("VmHWM")) / 1024,
-        "first_tokens": tokens[0][0, spec["prompt"] :].tolist()[:8],
+        "first_tokens": tokens[0][0, prompt[1].shape[1] :].tolist()[:8],
         "modules": variants.describe(model),
         "dkm_paths": variants.dkm_paths(),
+        "loops": variants.loops_taken(model, spec),
     }
+    if 8 in batches:
+        result["tokens_per_s_b8"] = [8 * n / t for t in times["generate_b8"]]
+    if spec.get("split"):
+        result["kernel_s_per_token"] = [variants.kernel_seconds(model, lambda: generate(1)) / n]
+    if spec.get("text_ids"):  # real text: the perplexity of the prefill's tokens (untimed), a check on the weights
+        with torch.inference_mode():
+            result["perplexity"] = math.exp(model(input_ids=long, labels=long).loss.float().item())
+    return result
 
 
 def run(mode: str, spec: dict, out: str) -> None:
@@ -121,6 +161,23 @@ def run(mode: str, spec: dict, out: str) -> None:
     if mode == "prepare":
         variants.prepare(spec)
         Path(out).write_text("{}")
+        return
+    if mode == "kernels":  # part loops' kernel table (torch work: never in the parent, whose children are forks)
+        import _inference_loops
+
+        Path(out).write_text(json.dumps(_inference_loops.kernel_table(spec["quick"])))
+        return
+    if mode == "real_setup":  # part real: the SmolLM2 folder (built once into the cache) and the prompt's ids
+        import _inference_llama_cpp
+        import _inference_real
+
+        from hf_llmkit.testing import smollm2_path
+
+        folder = smollm2_path(num_hidden_layers=2 if spec["quick"] else None)
+        ids = _inference_real.text_ids(folder, spec["tokens"])
+        layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+        setup = dict(folder=str(folder), ids=ids, layers=layers, llama_cpp=_inference_llama_cpp.system_info())
+        Path(out).write_text(json.dumps(setup))
         return
     try:
         if spec["kind"] == "onnx":  # onnxruntime rows: _inference_onnx.py

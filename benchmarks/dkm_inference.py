@@ -1,45 +1,54 @@
-"""DKM packed inference against dense and the 3-4 bit formats users deploy: `generate` speed, prefill, memory.
+"""DKM packed inference on the CPU it runs on, against dense, llama.cpp and the 3-4 bit formats users deploy.
 
-    python benchmarks/dkm_inference.py                # the issue's Llama (hidden 1024, 8 layers) and a ~1B shape
-    python benchmarks/dkm_inference.py --quick        # a tiny Llama, one round, a few variants: a smoke test
-    python benchmarks/dkm_inference.py --threads 1 2  # each thread count its own rounds
-    python benchmarks/dkm_inference.py --device cuda  # every variant on the GPU (synchronized timings)
+    python benchmarks/dkm_inference.py                 # every part (below); the peers at the issue's and ~1B sizes
+    python benchmarks/dkm_inference.py --parts loops   # one part
+    python benchmarks/dkm_inference.py --quick         # tiny models, one round, a few variants: a smoke test
+    python benchmarks/dkm_inference.py --threads 1 2   # each thread count its own rounds (parts real and peers)
+    python benchmarks/dkm_inference.py --device cuda   # every variant on the GPU (synchronized timings)
 
-Variants, all from the same random-weight bf16 Llama (details in `_inference_variants.py`): dense fp32 and bf16;
-ours, `DKMConfig` at 3 and 4 bits, with and without `scale_block_size=64`, a table per tensor and a table per
-output channel (`granularity="per_grouped_channel", group_size=1`), 16-bit tables (from a short k-means: the speed
-does not depend on the tables' values), saved and reloaded with
-`from_pretrained` (the compact `PalettizedLinear` layers); peers that run here: bitsandbytes nf4, HQQ 3/4-bit g64
-(its torch backend), torchao int4 weight-only (where 0.18 has a layout for the device) and intx 3/4-bit g64
-weight-only, GPTQ 3/4-bit g64 through gptqmodel (its torch kernel). A peer that cannot run gets its one-line
-reason in the results file and the table (`bash benchmarks/install_peers.sh` installs them).
+Three parts, each writing its own results file; every row names the loops (or code) that multiplied, every table
+its CPU:
+- `loops` (`_inference_loops.py`, dkm_inference_loops.json): every loop level of the packed layers' CPU kernel this
+  CPU has, each forced in turn: one packed layer against `F.linear` and the time to stream its bytes, and the
+  issue's random Llama (hidden 1,024, 4 layers) at 2-4 bits, with and without block scales, bf16 and fp32, against
+  dense bf16 / fp32.
+- `real` (`_inference_real.py`, dkm_inference_real.json): the real SmolLM2-135M-Instruct, dense, ours at 3 and 4
+  bits with its tied embedding / LM head clustered at 8 bits, bitsandbytes nf4, and llama.cpp on the same weights
+  (the shipped Q4_1 file and the K-quants it makes); prefill time and where a token's time goes.
+- `peers` (dkm_inference.json): the random-weight bf16 Llama of `SHAPES` (details in `_inference_variants.py`):
+  dense fp32 and bf16; ours, `DKMConfig` at 3 and 4 bits, with and without `scale_block_size=64`, a table per tensor
+  and a table per output channel, 16-bit tables (from a short k-means: the speed does not depend on the tables'
+  values), saved and reloaded with `from_pretrained` (the compact `PalettizedLinear` layers); peers that run here:
+  bitsandbytes nf4, HQQ 3/4-bit g64 (its torch backend), torchao int4 weight-only (where 0.18 has a layout for the
+  device) and intx 3/4-bit g64 weight-only, GPTQ 3/4-bit g64 through gptqmodel (its torch kernel).
+A peer that cannot run gets its one-line reason in the results file and the table (`bash
+benchmarks/install_peers.sh` installs them; llama.cpp: `pip install llama-cpp-python==0.3.36`, built from source).
 
-Per variant: batch-1 and batch-8 greedy `generate` tokens/s (new tokens after a short prompt, after a warm-up),
-the time of one prefill forward of 512 tokens, the bytes of the tensors the model holds (whole model and decoder
-layers) and the peak resident memory (`VmHWM`) of loading and of inference. Each variant runs in a fresh process
-per round (its memory its own), the variants in an order rotated each round; ratios to dense bf16 are per round.
-Writes benchmarks/results/dkm_inference.json and dkm_inference.png; prints the targets' verdict lines. With
-$HF_LLMKIT_BENCH_LOCK naming a file, the timed rounds hold a lock on it (the preparation runs before, unlocked).
+Per variant: batch-1 (and in part peers batch-8) greedy `generate` tokens/s (new tokens after a short prompt, after
+a warm-up), the time of one prefill forward of 512 tokens, the bytes of the tensors the model holds and the peak
+resident memory (`VmHWM`) of loading and of inference. Each variant runs in a fresh process per round (its memory
+its own), the variants in an order rotated each round; ratios to dense bf16 are per round (`_inference_runner.py`).
+Prints the targets' verdict lines. With $HF_LLMKIT_BENCH_LOCK naming a file, the timed rounds hold a lock on it (the
+preparation runs before, unlocked). Adding a variant: a dict in a part's plan (`kind` selects how
+`_inference_variants.py` prepares and loads it, or `_inference_worker.measure` measures it).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
-import json
-import multiprocessing
-import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import _inference_worker as worker
-from _common import add_device_argument, machine_state, pick_device, recorded_path, write_results
+import _inference_loops as loops
+import _inference_real as real
+import _inference_runner as runner
+from _common import add_device_argument, pick_device, recorded_path, write_results
 from _inference_report import plot, print_tables, summarize, verdicts
 from _inference_variants import preimport
+
+PARTS = ("loops", "real", "peers")
 
 SHAPES = {
     "tiny": dict(hidden=128, layers=2, intermediate=384, vocab=4096, heads=4),
@@ -125,80 +134,10 @@ NOT_RUN_AT_1B = {
 }
 
 
-def _prepare_all(specs: list[dict], jobs: int, work: Path) -> None:
-    """Prepare the checkpoints, `jobs` child processes at a time (started from this thread: no fork from a thread)."""
-    context = multiprocessing.get_context("fork" if specs and specs[0]["device"] == "cpu" else "spawn")
-    pending, running = list(specs), []
-    while pending or running:
-        while pending and len(running) < jobs:
-            spec = pending.pop(0)
-            out = work / f"prepare-{time.monotonic_ns()}.json"
-            child = context.Process(target=worker.run, args=("prepare", spec, str(out)))
-            child.start()
-            running.append((spec, child, out))
-        time.sleep(0.5)
-        for item in [r for r in running if not r[1].is_alive()]:
-            spec, child, out = item
-            running.remove(item)
-            if child.exitcode != 0 or not out.exists():
-                for _, other, _ in running:
-                    other.kill()
-                raise RuntimeError(f"prepare of {spec['name']} failed (exit {child.exitcode}; its traceback is above)")
-
-
-def _worker(mode: str, spec: dict, work: Path, timeout: float) -> dict:
-    """Run `_inference_worker.run` in a child process (a fork on CPU, spawned on CUDA) and return what it wrote."""
-    out = work / f"{mode}-{time.monotonic_ns()}.json"
-    context = multiprocessing.get_context("fork" if spec["device"] == "cpu" else "spawn")
-    child = context.Process(target=worker.run, args=(mode, spec, str(out)))
-    child.start()
-    child.join(timeout)
-    if child.is_alive():
-        child.kill()
-        child.join()
-        raise RuntimeError(f"{mode} of {spec['name']} took more than {timeout:.0f} s")
-    if child.exitcode != 0 or not out.exists():
-        raise RuntimeError(f"{mode} of {spec['name']} failed (exit {child.exitcode}; its traceback is above)")
-    return json.loads(out.read_text())
-
-
-@contextlib.contextmanager
-def timing_lock():
-    """Hold the file lock named by $HF_LLMKIT_BENCH_LOCK (if set) around the timed rounds, so that two timing runs on
-    a shared machine never overlap; the preparation (quantizing, saving) runs before it, unlocked."""
-    path = os.environ.get("HF_LLMKIT_BENCH_LOCK")
-    if not path:
-        yield
-        return
-    with open(path, "a") as handle:
-        print("waiting for the timing lock", flush=True)
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def run_rounds(size: str, specs: dict, names: list[str], threads: int, rounds: int, work: Path) -> dict:
-    """`rounds` rounds of every variant, each a fresh process, in an order rotated each round."""
-    runs: dict[str, list[dict]] = {name: [] for name in names}
-    before = machine_state()
-    for r in range(rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            got = _worker("measure", dict(specs[name], threads=threads), work, 1800)
-            runs[name].append(got)
-            tps = f"{statistics.median(got['tokens_per_s_b1']):.1f} tokens/s" if "error" not in got else got["error"]
-            print(f"[{size}, {threads} thr, round {r + 1}] {name}: {tps}", flush=True)
-            if "error" in got and specs[name]["kind"] in ("dense", "ours", "onnx"):
-                raise SystemExit(f"error: {name} failed: {got['error']}")  # ours and dense must run
-    return {"runs": runs, "before": before, "after": machine_state()}
-
-
 def run_size(size: str, args, device: str, work: Path) -> dict:
+    """Part `peers`, one size: the random Llama written once, then every variant of `plan` prepared and timed."""
     shape, variants = SHAPES[size], plan(size, args.quick)
-    folder = work / size
-    dense_dir = folder / "dense"
+    dense_dir = work / size / "dense"
     common = dict(
         shape=shape,
         dense_dir=str(dense_dir),
@@ -208,31 +147,42 @@ def run_size(size: str, args, device: str, work: Path) -> dict:
         prefill=args.prefill,
         repeats=args.repeats,
     )
-    specs = {
-        name: dict(v, name=name, dir=str(folder / f"v{i}"), **common) for i, (name, v) in enumerate(variants.items())
-    }
-    start = time.perf_counter()
-    _worker("prepare", dict(common, kind="checkpoint", name="dense checkpoint", dir=str(dense_dir)), work, 3600)
-    todo = [spec for spec in specs.values() if spec["kind"] in ("ours", "bnb", "gptq", "onnx")]
-    print(f"[{size}] preparing {len(todo)} checkpoints, {args.jobs} at a time", flush=True)
-    _prepare_all(todo, args.jobs, work)
-    prepare_s = time.perf_counter() - start
-    names = list(specs)
-    cells = {}
-    with timing_lock():
-        for threads in args.threads:
-            cells[str(threads)] = run_rounds(size, specs, names, threads, args.rounds[size], work)
+    runner.child("prepare", dict(common, kind="checkpoint", name="dense checkpoint", dir=str(dense_dir)), work, 3600)
+    part = runner.run_part(size, variants, common, args, work, args.threads, args.rounds[size])
     skipped = {k: v for k, v in NOT_RUN_AT_1B.items() if size == "1b" and not args.quick}
-    specs_out = {n: {k: v for k, v in s.items() if k not in ("dir", "dense_dir", "shape")} for n, s in specs.items()}
-    return {
-        "shape": shape,
-        "specs": specs_out,
-        "threads": cells,
-        "prepare_s": prepare_s,
-        "not_run": skipped,
-        "new_tokens": args.new_tokens[size],
-        "rounds": args.rounds[size],
-    }
+    return {**part, "shape": shape, "not_run": skipped, "new_tokens": args.new_tokens[size]}
+
+
+def run_loops(args, device: str, work: Path) -> dict:
+    """Part `loops`: the kernel table (one process) and the issue's Llama per loop level (fresh processes)."""
+    shape = loops.TINY if args.quick else loops.MODEL
+    new_tokens = args.new_tokens["issue"]
+    dense_dir = work / "loops" / "dense"
+    common = dict(shape=shape, dense_dir=str(dense_dir), device=device, prompt=args.prompt, new_tokens=new_tokens,
+                  prefill=args.prefill, repeats=args.repeats, batch8=False)  # fmt: skip
+    runner.child("prepare", dict(common, kind="checkpoint", name="dense checkpoint", dir=str(dense_dir)), work, 3600)
+    kernels = runner.child("kernels", dict(name="kernel table", quick=args.quick, device=device), work, 3600)
+    rounds = 1 if args.quick else args.rounds["issue"]
+    part = runner.run_part("loops", loops.model_plan(args.quick), common, args, work, [1], rounds)
+    part.update(cpu=loops.cpu_name(), kernels=kernels, shape=shape, new_tokens=new_tokens)
+    summarize(part)
+    part["verdicts"] = loops.verdicts(part)
+    return part
+
+
+def run_real(args, device: str, work: Path) -> dict:
+    """Part `real`: SmolLM2-135M (a two-layer slice with --quick) against llama.cpp, at each thread count."""
+    setup = runner.child("real_setup", dict(name="SmolLM2 folder", quick=args.quick, device=device,
+                                            tokens=max(args.prompt, args.prefill)), work, 3600)  # fmt: skip
+    new_tokens = args.new_tokens["issue"]
+    common = dict(dense_dir=setup["folder"], device=device, prompt=args.prompt, new_tokens=new_tokens,
+                  prefill=args.prefill, repeats=args.repeats, text_ids=setup["ids"], shape=None)  # fmt: skip
+    rounds = 1 if args.quick else args.rounds["issue"]
+    part = runner.run_part("real", real.plan(args.quick, args.compile), common, args, work, args.threads, rounds)
+    part.update(cpu=loops.cpu_name(), new_tokens=new_tokens, layers=setup["layers"], llama_cpp=setup["llama_cpp"])
+    summarize(part)
+    part["verdicts"] = real.verdicts(part)
+    return part
 
 
 def main() -> None:
@@ -246,6 +196,8 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=512, help="tokens of the prefill forward")
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens before generating")
     parser.add_argument("--jobs", type=int, default=2, help="checkpoints prepared at once (untimed; default: 2)")
+    parser.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS), help="(default: all)")
+    parser.add_argument("--compile", action="store_true", help="part real: also a static cache + torch.compile row")
     add_device_argument(parser)
     args = parser.parse_args()
     device = pick_device(args.device).type
@@ -257,25 +209,43 @@ def main() -> None:
     args.rounds = {s: max(1, args.rounds - (s == "1b")) for s in SHAPES}
     args.new_tokens = {s: max(1, args.new_tokens // (4 if s == "1b" else 1)) for s in SHAPES}
     started = time.perf_counter()
-    results: dict = {
-        "argv": sys.argv[1:],
-        "device": device,
-        "config": {"prompt": args.prompt, "prefill": args.prefill, "repeats": args.repeats, "threads": args.threads},
-    }
-    if device == "cpu":
-        results["preimported"] = preimport()  # once, for every forked child
     with tempfile.TemporaryDirectory(prefix="dkm_inference_") as tmp:
-        results["sizes"] = {size: run_size(size, args, device, Path(tmp)) for size in sizes}
-    for size in results["sizes"].values():
-        summarize(size)
-    results["verdicts"] = verdicts(results)
-    results["seconds"] = time.perf_counter() - started
-    print_tables(results)
-    print("\n" + "\n".join(results["verdicts"]))
-    path = plot(results)
-    results["plots"] = [recorded_path(path)] if path else []
-    out = write_results("dkm_inference", results)
-    print(f"\nwrote {out} ({results['seconds']:.0f} s)")
+        preimported = preimport() if device == "cpu" else {}  # once, for every forked child
+        if "loops" in args.parts:
+            part = run_loops(args, device, Path(tmp))
+            print(f"\n### loops ({part['cpu']})\n\n" + loops.kernel_rows(part["kernels"]))
+            print("\n" + loops.model_rows(part, "1") + "\n\n" + "\n".join(part["verdicts"]), flush=True)
+            print(f"wrote {runner.write_per_cpu('dkm_inference_loops', part, sys.argv[1:])}", flush=True)
+        if "real" in args.parts:
+            part = run_real(args, device, Path(tmp))
+            for threads in part["threads"]:
+                print(f"\n### SmolLM2-135M, {threads} thread(s) ({part['cpu']})\n\n" + real.table(part, threads))
+            print("\n" + "\n".join(part["verdicts"]), flush=True)
+            print(f"wrote {runner.write_per_cpu('dkm_inference_real', part, sys.argv[1:])}", flush=True)
+        if "peers" in args.parts:
+            results: dict = {
+                "argv": sys.argv[1:],
+                "device": device,
+                "cpu": loops.cpu_name(),
+                "config": {
+                    "prompt": args.prompt,
+                    "prefill": args.prefill,
+                    "repeats": args.repeats,
+                    "threads": args.threads,
+                },  # fmt: skip
+                "preimported": preimported,
+                "sizes": {size: run_size(size, args, device, Path(tmp)) for size in sizes},
+            }
+            for size in results["sizes"].values():
+                summarize(size)
+            results["verdicts"] = verdicts(results)
+            results["seconds"] = time.perf_counter() - started
+            print_tables(results)
+            print("\n" + "\n".join(results["verdicts"]))
+            path = plot(results)
+            results["plots"] = [recorded_path(path)] if path else []
+            out = write_results("dkm_inference", results)
+            print(f"\nwrote {out} ({results['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

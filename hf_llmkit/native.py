@@ -22,7 +22,7 @@ import platform
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hf_llmkit.data.cache import temporary_sibling
@@ -52,8 +52,9 @@ class CLibrary:
     """The C source `source` as a loaded library, built on first use.
 
     Args:
-        source: the `.c` file (read once, at construction: a process builds and loads what it read, whatever
-            edits follow; a missing file is an installation without it).
+        source: the `.c` file, or several compiled as one translation unit in the order given (read once, at
+            construction: a process builds and loads what it read, whatever edits follow; a missing file is an
+            installation without it).
         stem: the built library's name prefix.
         what: how the one warning names it ("The DKM CPU kernel").
         fallback: what serves instead, for the warning ("packed layers use torch paths").
@@ -63,16 +64,19 @@ class CLibrary:
 
     def __init__(
         self,
-        source: Path,
+        source: Path | Sequence[Path],
         stem: str,
         what: str,
         fallback: str,
         declare: Callable[[ctypes.CDLL], None],
         flags: tuple[str, ...] = (),
     ):
-        self.source, self.stem, self.what, self.fallback, self.declare = source, stem, what, fallback, declare
+        sources = (source,) if isinstance(source, Path) else tuple(source)
+        missing = [s for s in sources if not s.is_file()]
+        self.source = missing[0] if missing else sources[0]  # the file a missing-source error names
+        self.stem, self.what, self.fallback, self.declare = stem, what, fallback, declare
         self.flags = flags
-        self.text = source.read_bytes() if source.is_file() else b""
+        self.text = b"" if missing else b"\n".join(s.read_bytes() for s in sources)
         self._lib: ctypes.CDLL | None = None
         self._error: str | None = None  # None: not tried yet
 
@@ -139,6 +143,11 @@ class CLibrary:
                 self._error = str(error).strip().splitlines()[0] if str(error).strip() else "unknown error"
                 logger.warning("%s is not available (%s); %s", self.what, self._error, self.fallback)
         return self._lib
+
+    def built(self) -> bool:
+        """Whether the library is loaded already (builds nothing; a plain attribute read, which `torch.compile` can
+        trace)."""
+        return self._lib is not None
 
     def unavailable_reason(self) -> str:
         """Why `library()` is None ('' when it loaded)."""

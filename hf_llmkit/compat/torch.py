@@ -15,6 +15,9 @@
   (hf_llmkit.quantization.layers) override it so their tables keep their dtype through a dtype cast (`.to(float16)`
   would round them and the saved checkpoint would no longer match its config), as `from_pretrained(dtype=...)` keeps
   them (`apply_keeping_dtypes`).
+- `Module._buffers`: a module's own buffers by name. The packed DKM layers (hf_llmkit.quantization._lut_native) read
+  their three tensors on every token of generation; `nn.Module.__getattr__`'s fallback chain costs a few
+  microseconds per read, a measurable share of a small model's token time.
 - `torch.ops.aten.sigmoid_backward(g, y)`: `g y (1 - y)` in one pass. DKM's interval engine
   (hf_llmkit.quantization.engines.interval) multiplies gradients by the sigmoid's slope with it; where it is gone the
   product is written out (same values, more passes).
@@ -34,6 +37,7 @@ CHECKED_AGAINST = "2.11.0"
 __all__ = [
     "CHECKED_AGAINST",
     "apply_keeping_dtypes",
+    "module_buffers",
     "recompile_limit",
     "sigmoid_slope",
     "storage_use_count",
@@ -68,6 +72,11 @@ def storage_use_count(storage: torch.UntypedStorage) -> int | None:
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor `tensor` is a view of, or None when it owns its memory."""
     return tensor._base
+
+
+def module_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """The live dict of `module`'s own buffers (None for one registered as None), read without `__getattr__`."""
+    return module._buffers
 
 
 def version_counter(tensor: torch.Tensor) -> int:

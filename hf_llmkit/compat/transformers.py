@@ -42,6 +42,10 @@ docstrings say); `from_pretrained` hands the first one `checkpoint_files`, which
   reports on load. A DKM Trainer checkpoint holds two representations of each clustered layer (the training state
   and the packed export); the representation the loaded layer does not use is expected, not unexpected.
 
+- `PreTrainedModel.all_tied_weights_keys`: the `{target: source}` parameters a load ties (`tie_weights` reads it).
+  A tied LM head over a clustered embedding has no dense weight to share (hf_llmkit.quantization.tied): its entry
+  is dropped (`untie`), which `tie_weights(recompute_mapping=False)`, the call `from_pretrained` makes, honours.
+
 - `transformers.core_model_loading.ConversionOps`: the base class of a weight-loading operation, which
   `get_quantize_ops` must return (`DKMInitTables`); the module is not part of the documented API.
 - `transformers.quantizers.quantizers_utils.get_module_from_name` / `should_convert_module`: the helpers every
@@ -130,6 +134,8 @@ __all__ = [
     "router_logits_and_experts",
     "saved_callback_state",
     "should_convert_module",
+    "tied_parameters",
+    "untie",
 ]
 
 
@@ -203,6 +209,18 @@ def ignore_unexpected_keys(model, patterns: list[str]) -> None:
     """Add regex `patterns` to the keys a load of `model` does not report as unexpected."""
     current = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
     model._keys_to_ignore_on_load_unexpected = current | set(patterns)
+
+
+def tied_parameters(model) -> dict[str, str]:
+    """`{target parameter: source parameter}` of the ties the model makes (a copy)."""
+    return dict(getattr(model, "all_tied_weights_keys", None) or {})
+
+
+def untie(model, target: str) -> None:
+    """Drop the tie of parameter `target` from what the model's next `tie_weights(recompute_mapping=False)` ties."""
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if tied:
+        tied.pop(target, None)
 
 
 def quantization_method_registered(name: str) -> tuple[bool, bool]:

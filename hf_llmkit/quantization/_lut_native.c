@@ -4,37 +4,53 @@
  * [i*bits, (i+1)*bits) of a little-endian bit stream, so every 8 indices are one little-endian word of `bits` bytes
  * and, with cols a multiple of 8, every row starts on a byte. Weight (r, c) is
  *     round(T[g(r)][idx(r, c)] * s[r][c / block])
- * with the row's table T (one per group of rows_per_group rows, padded to 2^bits floats by the caller so that any
- * index is in bounds), the optional block scale s (float32, float16 or bfloat16, as saved) and round() the dtype the
- * torch path hands to F.linear (float32: none, bfloat16 or float16: round to nearest even). That is bit for bit the
- * weight `_dkm.decode(...).to(dtype)` gives; `lut_decode` writes it, `lut_gemv` multiplies it by x without writing it.
+ * with the row's table T (one per group of rows_per_group rows), the optional block scale s (float32, float16 or
+ * bfloat16, as saved) and round() the dtype the torch path hands to F.linear (float32: none, bfloat16 or float16:
+ * round to nearest even). That is bit for bit the weight `_dkm.decode(...).to(dtype)` gives; `lut_decode` writes it,
+ * `lut_decode_rows` writes some of its rows (an embedding's lookup), `lut_gemv` multiplies it by x without writing it.
  *
- * Two implementations of the same loops: a portable one (any compiler, any CPU) and, on x86-64 CPUs with AVX-512
- * VBMI (chosen at run time), one that turns 64 indices into bytes with one byte permute and one multishift and looks
- * 16 of them up in a register-held table with one permute. Rows are shared among OpenMP threads when built with it.
+ * Loops, chosen at run time per CPU and weight (`level`), each a small unit the tests force in turn (`lut_max_level`):
+ * - portable C (any compiler, any CPU: ARM included), 8 indices per word, one table read per weight;
+ * - AVX2 + FMA (x86-64 since 2013): 64 indices at a time as 8 lanes of 8 fields (one load, a byte shuffle at 3 bits),
+ *   one shift and one `vpermps` per 8 weights from a table held in a register (two and a blend at 4 bits), against
+ *   inputs rearranged once per call to the lanes' order; 5-8 bit tables (embeddings) are read by `vgatherdps`;
+ * - AVX-512 VBMI (float32 inputs) and AVX512-BF16 (bfloat16 inputs and weights): 64 indices with one byte permute
+ *   and one multishift, 16 (or 32) lookups per permute.
+ * Every input dtype (float32, bfloat16, float16) is widened to float32 once per call for the loops that take float32.
+ * Rows are shared among OpenMP threads when built with it.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define HAVE_X86 1
 #endif
 
-enum { SCALE_NONE = 0, SCALE_F32 = 1, SCALE_F16 = 2, SCALE_BF16 = 3 };
+enum { SCALE_NONE = 0, SCALE_F32 = 1, SCALE_F16 = 2, SCALE_BF16 = 3 }; /* also the dtype codes of tables and x */
 enum { OUT_F32 = 0, OUT_BF16 = 1, OUT_F16 = 2 };
+enum { LEVEL_PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_AVX512BF16 = 3 };
 #define MAXM 8 /* tokens multiplied per pass over the weight */
 /* Each loop family is compiled once per token count 1..MAXM (the count a constant, the accumulators registers). */
 #define EACH_M(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8)
 #define BY_M(name) {0, name##_1, name##_2, name##_3, name##_4, name##_5, name##_6, name##_7, name##_8}
+/* The AVX2 loops are compiled for 1, 2, 4 and 8 tokens (half the build time); other counts run padded with zero
+ * inputs (batch-1 decoding, the case that matters, is never padded). */
+#define EACH_M_AVX2(X) X(1) X(2) X(4) X(8)
+#define BY_M_AVX2(name) {0, name##_1, name##_2, 0, name##_4, 0, 0, 0, name##_8}
+#define PAD_M(n) ((n) <= 2 ? (n) : (n) <= 4 ? 4 : 8)
 
 /* Bytes of the index stream the SIMD loops ask the cache for ahead of the chunk they read: a weight streamed from
  * memory (every layer of a generating model) otherwise runs at a fraction of the memory's speed. */
 #define PREFETCH_AHEAD 2048
 
 typedef struct {
-    const uint8_t *packed;
-    int64_t rows, cols, rows_per_group, nblocks;
+    const uint8_t *packed, *end; /* the index stream and one past its last byte (no loop reads beyond it) */
+    int64_t rows, cols, rows_per_group, nblocks, block; /* block: columns per scale (0: no scales) */
     int bits;
     const void *lut; /* [groups, 1 << bits] in float32, float16 or bfloat16 (lut_dtype: the SCALE_* codes) */
     int lut_dtype;
@@ -46,8 +62,13 @@ typedef struct {
     int16_t wshift[2][32];         /* ... and are shifted right by its bit offset */
 } weight_t;
 
-/* Floats per row table: 2^bits, at least 16 (one AVX-512 register), padded with zeros. */
-static inline int64_t table_stride(int bits) { return bits <= 4 ? 16 : (int64_t)1 << bits; }
+/* One call's inputs: x as given (x_dtype), widened to float32 (xf), and rearranged for the AVX2 chunks (xt). */
+typedef struct {
+    const void *x;
+    int x_dtype;
+    int64_t m;
+    const float *xf, *xt;
+} input_t;
 
 static inline float f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t bits_from_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -58,9 +79,6 @@ static inline uint16_t bf16_round(float w) { /* round to nearest even, as torch'
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline float value_at(const void *p, int dtype, int64_t i);
-static inline float scale_at(const weight_t *w, int64_t i) { return value_at(w->scale, w->scale_dtype, i); }
-
 static inline float value_at(const void *p, int dtype, int64_t i) {
     if (dtype == SCALE_F32) return ((const float *)p)[i];
     uint16_t h = ((const uint16_t *)p)[i];
@@ -70,380 +88,344 @@ static inline float value_at(const void *p, int dtype, int64_t i) {
     return (float)v;
 }
 
-/* Row r's table as float32, padded with zeros to table_stride(bits) entries (read as saved: no widened copy). */
+static inline float scale_at(const weight_t *w, int64_t i) { return value_at(w->scale, w->scale_dtype, i); }
+
+static inline float round_to(float v, int mode) {
+    if (mode == OUT_BF16) return f32_from_bits((uint32_t)bf16_round(v) << 16);
+    if (mode == OUT_F16) return (float)(_Float16)v;
+    return v;
+}
+
+static inline void store_to(void *out, int64_t o, float v, int mode) {
+    if (mode == OUT_BF16) ((uint16_t *)out)[o] = bf16_round(v);
+    else if (mode == OUT_F16) ((_Float16 *)out)[o] = (_Float16)v;
+    else ((float *)out)[o] = v;
+}
+
+static inline const uint8_t *row_bytes(const weight_t *w, int64_t r) { return w->packed + r * w->cols * w->bits / 8; }
+
+/* Row r's table as float32 (2^bits entries, read as saved: no widened copy is kept). */
 static inline void row_table(const weight_t *w, int64_t r, float *out) {
     int64_t k = (int64_t)1 << w->bits, first = (r / w->rows_per_group) * k;
     for (int64_t i = 0; i < k; i++) out[i] = value_at(w->lut, w->lut_dtype, first + i);
-    for (int64_t i = k; i < table_stride(w->bits); i++) out[i] = 0.0f;
 }
 
-static inline float weight_at(const weight_t *w, const float *table, int64_t r, int64_t c, uint32_t idx) {
-    float v = table[idx];
-    if (w->scale_dtype != SCALE_NONE) v *= scale_at(w, r * w->nblocks + c / (w->cols / w->nblocks));
-    if (w->mode == OUT_BF16) return f32_from_bits((uint32_t)bf16_round(v) << 16);
-    if (w->mode == OUT_F16) return (float)(_Float16)v;
-    return v;
+/* Row r's raw table and, without scales, the same rounded to the mode (with scales: rounded per block or weight). */
+static inline void row_tables(const weight_t *w, int64_t r, float *raw, float *base) {
+    row_table(w, r, raw);
+    if (!w->block)
+        for (int64_t i = 0; i < ((int64_t)1 << w->bits); i++) base[i] = round_to(raw[i], w->mode);
 }
 
-static inline float bf16_value(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
+/* The 8 indices at p as one word (`bits` bytes), never reading past the stream's end. */
+static inline uint64_t index_word(const weight_t *w, const uint8_t *p, const int bits) {
+    uint64_t word = 0;
+    if (p + 8 <= w->end) memcpy(&word, p, 8);
+    else memcpy(&word, p, (size_t)bits);
+    return bits == 8 ? word : word & ((1ull << (8 * bits)) - 1);
+}
 
-/* Portable: columns [c0, cols) of row r, 8 indices (one word) at a time; x is float32, or bfloat16 (x_bf16). */
-static void row_portable(const weight_t *w, int64_t r, int64_t c0, const void *x, int x_bf16, int64_t m, float *acc,
-                         void *out) {
-    const uint8_t *row = w->packed + r * w->cols * w->bits / 8;
-    float table[256];
-    row_table(w, r, table);
-    const uint64_t mask = (1u << w->bits) - 1;
-    for (int64_t c = c0; c < w->cols; c += 8) {
-        uint64_t word = 0;
-        memcpy(&word, row + c * w->bits / 8, (size_t)w->bits);
-        for (int t = 0; t < 8; t++) {
-            float v = weight_at(w, table, r, c + t, (uint32_t)((word >> (t * w->bits)) & mask));
-            if (out) {
-                int64_t o = r * w->cols + c + t;
-                if (w->mode == OUT_BF16) ((uint16_t *)out)[o] = bf16_round(v);
-                else if (w->mode == OUT_F16) ((_Float16 *)out)[o] = (_Float16)v;
-                else ((float *)out)[o] = v;
-            } else {
-                for (int64_t j = 0; j < m; j++) {
-                    int64_t i = j * w->cols + c + t;
-                    acc[j] += v * (x_bf16 ? bf16_value(((const uint16_t *)x)[i]) : ((const float *)x)[i]);
-                }
+/* ---- portable ---------------------------------------------------------------------------------------------------- */
+
+/* Columns [c0, cols) of row r from its raw table (and, without scales, that table rounded to the mode: base): into
+ * acc[j] += row . x_j (x float32, natural order), or decoded into out_row. `bits` is a constant after inlining (the
+ * shifts are immediates); eight partial sums per token, which the compiler may keep in vector registers. */
+static inline __attribute__((always_inline)) void span_bits(const weight_t *w, int64_t r, int64_t c0,
+                                                            const float *raw, const float *base, const float *x,
+                                                            int64_t m, float *acc, void *out_row, const int bits) {
+    const int64_t k = (int64_t)1 << bits, block = w->block, cols = w->cols;
+    const uint64_t mask = (uint64_t)k - 1;
+    const uint8_t *row = row_bytes(w, r);
+    /* with scales, a table of <= 16 entries is scaled and rounded once per block; larger ones per weight */
+    const int per_block = block && k <= 16 && block % 8 == 0;
+    float scaled[16], sums[MAXM][8], v[8];
+    memset(sums, 0, sizeof(sums));
+    int64_t next_block = c0;
+    if (m == 1 && !out_row && (!block || per_block)) { /* one token (decoding): eight scalar chains, no stores */
+        float a0 = 0, a1 = 0, a2 = 0, a3 = 0, a4 = 0, a5 = 0, a6 = 0, a7 = 0;
+        const float *table = base;
+        for (int64_t c = c0; c < cols; c += 8) {
+            if (block && c >= next_block) {
+                next_block = (c / block + 1) * block;
+                const float s = scale_at(w, r * w->nblocks + c / block);
+                for (int64_t i = 0; i < k; i++) scaled[i] = round_to(raw[i] * s, w->mode);
+                table = scaled;
             }
+            const uint64_t word = index_word(w, row + c * bits / 8, bits);
+            const float *xc = x + c;
+            a0 += table[word & mask] * xc[0];
+            a1 += table[(word >> bits) & mask] * xc[1];
+            a2 += table[(word >> (2 * bits)) & mask] * xc[2];
+            a3 += table[(word >> (3 * bits)) & mask] * xc[3];
+            a4 += table[(word >> (4 * bits)) & mask] * xc[4];
+            a5 += table[(word >> (5 * bits)) & mask] * xc[5];
+            a6 += table[(word >> (6 * bits)) & mask] * xc[6];
+            a7 += table[(word >> (7 * bits)) & mask] * xc[7];
         }
+        acc[0] += ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
+        return;
+    }
+    for (int64_t c = c0; c < cols; c += 8) {
+        const uint64_t word = index_word(w, row + c * bits / 8, bits);
+        if (!block)
+            for (int t = 0; t < 8; t++) v[t] = base[(word >> (t * bits)) & mask];
+        else if (per_block) {
+            if (c >= next_block) {
+                next_block = (c / block + 1) * block;
+                const float s = scale_at(w, r * w->nblocks + c / block);
+                for (int64_t i = 0; i < k; i++) scaled[i] = round_to(raw[i] * s, w->mode);
+            }
+            for (int t = 0; t < 8; t++) v[t] = scaled[(word >> (t * bits)) & mask];
+        } else
+            for (int t = 0; t < 8; t++)
+                v[t] = round_to(raw[(word >> (t * bits)) & mask] * scale_at(w, r * w->nblocks + (c + t) / block),
+                                w->mode);
+        if (out_row)
+            for (int t = 0; t < 8; t++) store_to(out_row, c + t, v[t], w->mode);
+        else if (m == 1)
+            for (int t = 0; t < 8; t++) sums[0][t] += v[t] * x[c + t];
+        else
+            for (int64_t j = 0; j < m; j++)
+                for (int t = 0; t < 8; t++) sums[j][t] += v[t] * x[j * cols + c + t];
+    }
+    for (int64_t j = 0; j < m && !out_row; j++) {
+        float s = 0.0f;
+        for (int t = 0; t < 8; t++) s += sums[j][t];
+        acc[j] += s;
     }
 }
 
+#define SPAN_BITS(B)                                                                                                  \
+    static void span_##B(const weight_t *w, int64_t r, int64_t c0, const float *raw, const float *base,               \
+                         const float *x, int64_t m, float *acc, void *out_row) {                                      \
+        span_bits(w, r, c0, raw, base, x, m, acc, out_row, B);                                                        \
+    }
+SPAN_BITS(1) SPAN_BITS(2) SPAN_BITS(3) SPAN_BITS(4) SPAN_BITS(5) SPAN_BITS(6) SPAN_BITS(7) SPAN_BITS(8)
+static void (*const spans[9])(const weight_t *, int64_t, int64_t, const float *, const float *, const float *,
+                              int64_t, float *, void *) = {0, span_1, span_2, span_3, span_4,
+                                                           span_5, span_6, span_7, span_8};
+
+static void span_portable(const weight_t *w, int64_t r, int64_t c0, const float *raw, const float *base,
+                          const float *x, int64_t m, float *acc, void *out_row) {
+    spans[w->bits](w, r, c0, raw, base, x, m, acc, out_row);
+}
+
+/* Columns [c0, cols) of row r, its table read here (the tails of the AVX-512 loops). */
+static void tail_portable(const weight_t *w, int64_t r, int64_t c0, const float *x, int64_t m, float *acc,
+                          void *out_row) {
+    float raw[256], base[256];
+    if (c0 >= w->cols) return;
+    row_tables(w, r, raw, base);
+    span_portable(w, r, c0, raw, base, x, m, acc, out_row);
+}
+
+static void *out_row_of(const weight_t *w, void *out, int64_t i) {
+    return out ? (char *)out + i * w->cols * (w->mode == OUT_F32 ? 4 : 2) : 0;
+}
+
+/* Rows [r0, r1): y[j, r] (or the decoded rows), each group's table read once. */
+static void rows_portable(const weight_t *w, int64_t r0, int64_t r1, const input_t *in, float *y, void *out) {
+    float raw[256], base[256], acc[MAXM];
+    int64_t group = -1;
+    for (int64_t r = r0; r < r1; r++) {
+        if (r / w->rows_per_group != group) {
+            group = r / w->rows_per_group;
+            row_tables(w, r, raw, base);
+        }
+        memset(acc, 0, sizeof(acc));
+        span_portable(w, r, 0, raw, base, in ? in->xf : 0, in ? in->m : 0, acc, out_row_of(w, out, r));
+        for (int64_t j = 0; in && j < in->m; j++) y[j * w->rows + r] = acc[j];
+    }
+}
+
+/* ---- the SIMD loops (`_lut_avx2.c`, `_lut_avx512.c`: compiled after this file, as one translation unit) --------- */
 #ifdef HAVE_X86
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,f16c")))
-
-/* Row r's table (at most 16 entries) widened to float32 in one register, zeros past its end. */
-static inline AVX512 __m512 table512(const weight_t *w, int64_t r) {
-    const int64_t k = (int64_t)1 << w->bits, first = (r / w->rows_per_group) * k;
-    const __mmask16 m = (__mmask16)((1u << k) - 1);
-    if (w->lut_dtype == SCALE_F32) return _mm512_maskz_loadu_ps(m, (const float *)w->lut + first);
-    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)w->lut + first);
-    if (w->lut_dtype == SCALE_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
-}
-
-/* The 64 indices of one chunk as bytes: lane k of 8 gets the chunk's word k, then byte t of the lane is shifted
- * from bit t*bits of it (multishift) and masked. */
-static inline AVX512 __m512i chunk_indices(const uint8_t *src, int bits, __m512i spread, __m512i shifts) {
-    __m512i raw = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (8 * bits)) - 1), src);
-    __m512i fields = _mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(spread, raw));
-    return _mm512_and_si512(fields, _mm512_set1_epi8((char)((1 << bits) - 1)));
-}
-
-static inline AVX512 __m512 round_vec(__m512 v, int mode) {
-    if (mode == OUT_BF16) {
-        __m512i u = _mm512_castps_si512(v);
-        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-        return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
-    }
-    if (mode == OUT_F16) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    return v;
-}
-
-/* Row r, whole chunks of 64 columns; returns the first column left to the portable loop. M is a constant after
- * inlining, so the accumulators stay in registers. */
-static inline AVX512 __attribute__((always_inline)) int64_t row_avx512(const weight_t *w, int64_t r, const float *x,
-                                                                      const int M, float *acc, void *out) {
-    const int bits = w->bits;
-    const int64_t cols64 = w->cols / 64 * 64;
-    const uint8_t *row = w->packed + r * w->cols * bits / 8;
-    const __m512i spread = _mm512_loadu_si512(w->spread), shifts = _mm512_loadu_si512(w->shifts);
-    /* Scaling and rounding commute with the lookup: round(T[i] * s) is entry i of round(T * s), so each block's
-     * table is scaled and rounded once, not each weight. */
-    const __m512 raw_table = table512(w, r);
-    const int64_t block = w->scale_dtype == SCALE_NONE ? 0 : w->cols / w->nblocks;
-    const int64_t first_scale = r * w->nblocks;
-    __m512 table = round_vec(raw_table, w->mode);
-    int64_t next_block = 0, b = -1; /* the column where the next block starts; the current block */
-    /* One named accumulator per token: dead ones (j >= M) vanish once M is a constant. */
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
-    for (int64_t c = 0; c < cols64; c += 64) {
-        _mm_prefetch((const char *)(row + c * bits / 8) + PREFETCH_AHEAD, _MM_HINT_T0);
-        __m512i idx8 = chunk_indices(row + c * bits / 8, bits, spread, shifts);
-        for (int q = 0; q < 4; q++) {
-            int64_t col = c + 16 * q;
-            if (block && col == next_block) {
-                b++;
-                next_block += block;
-                table = round_vec(_mm512_mul_ps(raw_table, _mm512_set1_ps(scale_at(w, first_scale + b))), w->mode);
-            }
-            __m128i part = q == 0   ? _mm512_castsi512_si128(idx8)
-                           : q == 1 ? _mm512_extracti32x4_epi32(idx8, 1)
-                           : q == 2 ? _mm512_extracti32x4_epi32(idx8, 2)
-                                    : _mm512_extracti32x4_epi32(idx8, 3);
-            __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(part), table);
-            if (out) {
-                int64_t o = r * w->cols + col;
-                if (w->mode == OUT_BF16)
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + o),
-                                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-                else if (w->mode == OUT_F16)
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + o),
-                                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                else _mm512_storeu_ps((float *)out + o, v);
-            } else {
-#define FMA(j) \
-    if (M > j) s##j = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + j * w->cols + col), s##j)
-                FMA(0); FMA(1); FMA(2); FMA(3); FMA(4); FMA(5); FMA(6); FMA(7);
-#undef FMA
-            }
-        }
-    }
-    const __m512 sums[MAXM] = {s0, s1, s2, s3, s4, s5, s6, s7};
-    for (int j = 0; j < M; j++) acc[j] = _mm512_reduce_add_ps(sums[j]);
-    return cols64;
-}
-
-#define ROWS_AVX512(M)                                                                                                \
-    static AVX512 void rows_avx512_##M(const weight_t *w, int64_t r, const float *x, float *acc, void *out) {        \
-        int64_t c0 = row_avx512(w, r, x, M, acc, out);                                                                \
-        row_portable(w, r, c0, x, 0, M, acc, out);                                                                    \
-    }
-EACH_M(ROWS_AVX512)
-static void (*const rows_avx512[MAXM + 1])(const weight_t *, int64_t, const float *, float *, void *) =
-    BY_M(rows_avx512);
+static void rows_avx2(const weight_t *w, int64_t r0, int64_t r1, const input_t *in, float *y, void *out);
+static void rows_avx512(const weight_t *w, int64_t r0, int64_t r1, const input_t *in, float *y, void *out);
+static void rows_avx512bf16(const weight_t *w, int64_t r0, int64_t r1, const input_t *in, float *y);
 #endif
 
-#ifdef HAVE_X86
-#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bf16")))
+/* ---- dispatch ---------------------------------------------------------------------------------------------------- */
 
-/* bfloat16 inputs times bfloat16-rounded weights (a bfloat16 model): 32 indices become words with one byte permute
- * and one variable shift, one word permute looks all 32 up in a register-held bfloat16 table, and one dot-product
- * instruction multiplies them by 32 inputs (the products are exact; float32 sums, in another order than F.linear's,
- * with the instruction's flush of subnormal numbers to zero). */
-static inline AVX512BF16 __attribute__((always_inline)) int64_t row_bf16(const weight_t *w, int64_t r,
-                                                                        const uint16_t *x, const int M, float *acc) {
-    const int bits = w->bits;
-    const int64_t cols64 = w->cols / 64 * 64;
-    const uint8_t *row = w->packed + r * w->cols * bits / 8;
-    const __m512 raw_table = table512(w, r);
-    const int64_t block = w->scale_dtype == SCALE_NONE ? 0 : w->cols / w->nblocks;
-    const __m512i bytes0 = _mm512_loadu_si512(w->wbytes[0]), bytes1 = _mm512_loadu_si512(w->wbytes[1]);
-    const __m512i shift0 = _mm512_loadu_si512(w->wshift[0]), shift1 = _mm512_loadu_si512(w->wshift[1]);
-    const __m512i mask = _mm512_set1_epi16((short)((1 << bits) - 1));
-#define WORDS(v) _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)))
-    __m512i table = WORDS(round_vec(raw_table, OUT_BF16));
-    int64_t next_block = 0, b = -1;
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
-    for (int64_t c = 0; c < cols64; c += 64) {
-        _mm_prefetch((const char *)(row + c * bits / 8) + PREFETCH_AHEAD, _MM_HINT_T0);
-        __m512i raw = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (8 * bits)) - 1), row + c * bits / 8);
-        for (int h = 0; h < 2; h++) {
-            int64_t col = c + 32 * h;
-            if (block && col == next_block) {
-                b++;
-                next_block += block;
-                __m512 scaled = _mm512_mul_ps(raw_table, _mm512_set1_ps(scale_at(w, r * w->nblocks + b)));
-                table = WORDS(round_vec(scaled, OUT_BF16));
-            }
-            __m512i idx = _mm512_permutexvar_epi8(h ? bytes1 : bytes0, raw);
-            idx = _mm512_and_si512(_mm512_srlv_epi16(idx, h ? shift1 : shift0), mask);
-            __m512bh v = (__m512bh)_mm512_permutexvar_epi16(idx, table);
-#define DOT(j) \
-    if (M > j) s##j = _mm512_dpbf16_ps(s##j, v, (__m512bh)_mm512_loadu_si512(x + j * w->cols + col))
-            DOT(0); DOT(1); DOT(2); DOT(3); DOT(4); DOT(5); DOT(6); DOT(7);
-#undef DOT
-        }
-    }
-#undef WORDS
-    const __m512 sums[MAXM] = {s0, s1, s2, s3, s4, s5, s6, s7};
-    for (int j = 0; j < M; j++) acc[j] = _mm512_reduce_add_ps(sums[j]);
-    return cols64;
-}
-
-#define ROWS_BF16(M)                                                                                                  \
-    static AVX512BF16 void rows_bf16_##M(const weight_t *w, int64_t r, const void *x, float *acc) {                  \
-        int64_t c0 = row_bf16(w, r, (const uint16_t *)x, M, acc);                                                     \
-        row_portable(w, r, c0, x, 1, M, acc, 0);                                                                      \
-    }
-EACH_M(ROWS_BF16)
-static void (*const rows_bf16[MAXM + 1])(const weight_t *, int64_t, const void *, float *) =
-    BY_M(rows_bf16);
-#endif
-
-#ifdef HAVE_X86
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-
-static inline AVX2 __m256 round_vec8(__m256 v, int mode) {
-    if (mode == OUT_BF16) {
-        __m256i u = _mm256_castps_si256(v);
-        __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-        u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-        return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
-    }
-    if (mode == OUT_F16) return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    return v;
-}
-
-/* Row r, 8 columns (one index word) at a time: the word (at most 32 bits) is broadcast and shifted per lane; a
- * table of up to 8 entries is one register permute, of 16 two permutes and a blend on the index's bit 3. */
-static inline AVX2 __attribute__((always_inline)) int64_t row_avx2(const weight_t *w, int64_t r, const float *x,
-                                                                  const int M, float *acc, void *out) {
-    const int bits = w->bits;
-    const int64_t cols8 = w->cols / 8 * 8;
-    const uint8_t *row = w->packed + r * w->cols * bits / 8;
-    float t[16];
-    row_table(w, r, t);
-    const __m256 raw_lo = _mm256_loadu_ps(t), raw_hi = _mm256_loadu_ps(t + 8);
-    const __m256i shifts = _mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 4 * bits, 5 * bits, 6 * bits, 7 * bits);
-    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
-    const int64_t block = w->scale_dtype == SCALE_NONE ? 0 : w->cols / w->nblocks;
-    __m256 lo = round_vec8(raw_lo, w->mode), hi = round_vec8(raw_hi, w->mode);
-    int64_t next_block = 0, b = -1;
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
-    for (int64_t c = 0; c < cols8; c += 8) {
-        if (block && c == next_block) {
-            b++;
-            next_block += block;
-            __m256 sc = _mm256_set1_ps(scale_at(w, r * w->nblocks + b));
-            lo = round_vec8(_mm256_mul_ps(raw_lo, sc), w->mode);
-            hi = round_vec8(_mm256_mul_ps(raw_hi, sc), w->mode);
-        }
-        if ((c & 63) == 0) _mm_prefetch((const char *)(row + c * bits / 8) + PREFETCH_AHEAD, _MM_HINT_T0);
-        uint32_t word = 0;
-        memcpy(&word, row + c * bits / 8, (size_t)bits);
-        __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), mask);
-        __m256 v = _mm256_permutevar8x32_ps(lo, idx);
-        if (bits == 4)
-            v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(hi, idx),
-                                 _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
-        if (out) {
-            int64_t o = r * w->cols + c;
-            if (w->mode == OUT_BF16) {
-                __m256i h = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
-                h = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
-                _mm_storeu_si128((__m128i *)((uint16_t *)out + o), _mm256_castsi256_si128(h));
-            } else if (w->mode == OUT_F16)
-                _mm_storeu_si128((__m128i *)((uint16_t *)out + o),
-                                 _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            else _mm256_storeu_ps((float *)out + o, v);
-        } else {
-#define FMA(j) \
-    if (M > j) s##j = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + j * w->cols + c), s##j)
-            FMA(0); FMA(1); FMA(2); FMA(3); FMA(4); FMA(5); FMA(6); FMA(7);
-#undef FMA
-        }
-    }
-    const __m256 sums[MAXM] = {s0, s1, s2, s3, s4, s5, s6, s7};
-    for (int j = 0; j < M; j++) {
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(sums[j]), _mm256_extractf128_ps(sums[j], 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        acc[j] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-    }
-    return cols8;
-}
-
-#define ROWS_AVX2(M)                                                                                                  \
-    static AVX2 void rows_avx2_##M(const weight_t *w, int64_t r, const float *x, float *acc, void *out) {            \
-        int64_t c0 = row_avx2(w, r, x, M, acc, out);                                                                  \
-        row_portable(w, r, c0, x, 0, M, acc, out);                                                                    \
-    }
-EACH_M(ROWS_AVX2)
-static void (*const rows_avx2[MAXM + 1])(const weight_t *, int64_t, const float *, float *, void *) =
-    BY_M(rows_avx2);
-#endif
-
-enum { LEVEL_PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_AVX512BF16 = 3 };
-static int max_level = LEVEL_AVX512BF16; /* lut_max_level(n) caps the loops taken (tests compare them) */
+static int max_level = LEVEL_AVX512BF16; /* lut_max_level(n) caps the loops taken (tests and benchmarks compare them) */
 
 void lut_max_level(int level) { max_level = level; }
 
-/* The loops this CPU and this weight take: with bfloat16 inputs (x_bf16), the AVX-512 BF16 loops (block scales
- * multiples of 32 columns); else AVX-512 (an x86-64 CPU with VBMI, block scales multiples of 16 columns), AVX2
- * (with FMA and F16C, block scales multiples of 8), or portable; SIMD only up to 4 bits. */
-static int level(const weight_t *w, int x_bf16) {
+static int cpu_level(void) {
 #ifdef HAVE_X86
     static int cpu = -1;
     if (cpu < 0) {
         __builtin_cpu_init();
         int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                     __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512dq");
-        cpu = avx512 && __builtin_cpu_supports("avx512bf16") ? LEVEL_AVX512BF16
-              : avx512                                       ? LEVEL_AVX512
-              : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? LEVEL_AVX2
-                                                                                 : LEVEL_PORTABLE;
+                     __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512dq") &&
+                     __builtin_cpu_supports("avx512vl");
+        int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        cpu = avx512 && avx2 && __builtin_cpu_supports("avx512bf16") ? LEVEL_AVX512BF16
+              : avx512 && avx2                                      ? LEVEL_AVX512
+              : avx2                                                ? LEVEL_AVX2
+                                                                    : LEVEL_PORTABLE;
     }
-    int block = w->scale_dtype == SCALE_NONE ? 0 : (int)(w->cols / w->nblocks);
-    int best = cpu < max_level ? cpu : max_level;
-    if (w->bits > 4) return LEVEL_PORTABLE;
-    if (x_bf16) return best == LEVEL_AVX512BF16 && block % 32 == 0 ? LEVEL_AVX512BF16 : LEVEL_PORTABLE;
-    if (best >= LEVEL_AVX512 && block % 16 == 0) return LEVEL_AVX512;
-    if (best >= LEVEL_AVX2 && block % 8 == 0) return LEVEL_AVX2;
+    return cpu;
 #else
-    (void)w;
-    (void)x_bf16;
+    return LEVEL_PORTABLE;
 #endif
+}
+
+/* The loops this CPU takes for this weight and x dtype (SCALE_* codes; 0: a decode): AVX512-BF16 for bfloat16 x
+ * and weights up to 4 bits (block scales multiples of 32 columns); AVX-512 up to 4 bits (blocks multiples of 16);
+ * AVX2 up to 8 bits (blocks multiples of 8); else portable. */
+static int level(const weight_t *w, int x_dtype) {
+    const int64_t block = w->block;
+    const int best = cpu_level() < max_level ? cpu_level() : max_level;
+    if (x_dtype == SCALE_BF16 && w->mode == OUT_BF16 && best == LEVEL_AVX512BF16 && w->bits <= 4 && block % 32 == 0)
+        return LEVEL_AVX512BF16;
+    if (best >= LEVEL_AVX512 && w->bits <= 4 && block % 16 == 0) return LEVEL_AVX512;
+    if (best >= LEVEL_AVX2 && block % 8 == 0) return LEVEL_AVX2;
     return LEVEL_PORTABLE;
 }
 
-static void one_row(const weight_t *w, int lvl, int64_t r, const void *x, int x_bf16, int64_t m, float *y,
-                    void *out) {
-    float acc[MAXM] = {0};
+static void rows_at(const weight_t *w, int lvl, int64_t r0, int64_t r1, const input_t *in, float *y, void *out) {
 #ifdef HAVE_X86
-    if (lvl == LEVEL_AVX512BF16) rows_bf16[m](w, r, x, acc);
-    else if (lvl == LEVEL_AVX512) rows_avx512[out ? 1 : m](w, r, (const float *)x, acc, out);
-    else if (lvl == LEVEL_AVX2) rows_avx2[out ? 1 : m](w, r, (const float *)x, acc, out);
+    if (lvl == LEVEL_AVX512BF16) rows_avx512bf16(w, r0, r1, in, y);
+    else if (lvl == LEVEL_AVX512) rows_avx512(w, r0, r1, in, y, out);
+    else if (lvl == LEVEL_AVX2) rows_avx2(w, r0, r1, in, y, out);
     else
 #endif
-        row_portable(w, r, 0, x, x_bf16, m, acc, out);
+        rows_portable(w, r0, r1, in, y, out);
     (void)lvl;
-    if (!out)
-        for (int64_t j = 0; j < m; j++) y[j * w->rows + r] = acc[j];
 }
 
-static void run(weight_t *w, const void *x, int x_bf16, int64_t m, float *y, void *out, int threads) {
-    int lvl = level(w, x_bf16);
+/* Rows shared evenly among `threads` OpenMP threads (each keeps its group's table between rows). */
+static void run(const weight_t *w, int lvl, const input_t *in, float *y, void *out, int threads) {
+    if (threads <= 1) {
+        rows_at(w, lvl, 0, w->rows, in, y, out);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t t = 0, n = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        n = omp_get_num_threads();
+#endif
+        rows_at(w, lvl, w->rows * t / n, w->rows * (t + 1) / n, in, y, out);
+    }
+}
+
+/* A weight as the caller hands it over, once per layer (every field 8 bytes wide). */
+typedef struct {
+    const uint8_t *packed;
+    int64_t rows, cols, bits;
+    const void *lut;
+    int64_t lut_dtype, rows_per_group;
+    const void *scale; /* NULL: no block scales */
+    int64_t scale_dtype, nblocks;
+} weight_args;
+
+static weight_t make_weight(const weight_args *a, int mode) {
+    const int bits = (int)a->bits;
+    weight_t w;
+    memset(&w, 0, sizeof(w));
+    w.packed = a->packed;
+    w.end = a->packed ? a->packed + (a->rows * a->cols * bits + 7) / 8 : 0;
+    w.rows = a->rows, w.cols = a->cols, w.rows_per_group = a->rows_per_group, w.bits = bits;
+    w.lut = a->lut, w.lut_dtype = (int)a->lut_dtype, w.scale = a->scale;
+    w.scale_dtype = a->scale ? (int)a->scale_dtype : SCALE_NONE;
+    w.nblocks = a->scale ? a->nblocks : 0;
+    w.block = a->scale ? a->cols / a->nblocks : 0;
+    w.mode = mode;
     for (int k = 0; k < 8; k++)
         for (int t = 0; t < 8; t++) {
-            w->spread[8 * k + t] = (int8_t)(w->bits * k + (t < w->bits ? t : 0));
-            w->shifts[8 * k + t] = (int8_t)(t * w->bits);
+            w.spread[8 * k + t] = (int8_t)(bits * k + (t < bits ? t : 0));
+            w.shifts[8 * k + t] = (int8_t)(t * bits);
         }
     for (int h = 0; h < 2; h++)
         for (int j = 0; j < 32; j++) {
-            int bit = (32 * h + j) * w->bits;
-            w->wbytes[h][2 * j] = (int8_t)(bit / 8);
-            w->wbytes[h][2 * j + 1] = (int8_t)((bit / 8 + 1) & 63);
-            w->wshift[h][j] = (int16_t)(bit % 8);
+            int bit = (32 * h + j) * bits;
+            w.wbytes[h][2 * j] = (int8_t)(bit / 8);
+            w.wbytes[h][2 * j + 1] = (int8_t)((bit / 8 + 1) & 63);
+            w.wshift[h][j] = (int16_t)(bit % 8);
         }
-    (void)threads;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t r = 0; r < w->rows; r++) one_row(w, lvl, r, x, x_bf16, m, y, out);
+    return w;
 }
 
-#define WEIGHT                                                                                                        \
-    {packed, rows, cols, rows_per_group, nblocks, bits, lut, lut_dtype, scale, scale_dtype, mode,                  \
-     {0},    {0},  {{0}}, {{0}}}
+/* x [m, cols] widened to float32 (xf; rows m..padded zero) and, for the AVX2 chunk loops, each chunk of 64 columns
+ * rearranged so that the 8 weights one step of a chunk yields, lane l holding column 8l + t at step t, meet their
+ * inputs (xt). */
+static void prepare_input(const weight_t *w, int lvl, const void *x, int x_dtype, int64_t m, int64_t padded,
+                          float *buffer, input_t *in) {
+    const int64_t cols = w->cols, n = m * cols;
+    in->x = x, in->x_dtype = x_dtype, in->m = padded, in->xf = (const float *)x, in->xt = 0;
+    if (x_dtype != SCALE_F32 || padded != m) {
+        float *xf = buffer;
+        for (int64_t i = 0; i < n; i++) xf[i] = value_at(x, x_dtype, i);
+        memset(xf + n, 0, (size_t)((padded - m) * cols) * sizeof(float));
+        in->xf = xf;
+    }
+    if (lvl == LEVEL_AVX2 && w->bits <= 4) {
+        float *xt = buffer + padded * cols;
+        const int64_t cols64 = cols / 64 * 64;
+        for (int64_t j = 0; j < padded; j++) {
+            const float *src = in->xf + j * cols;
+            float *dst = xt + j * cols;
+            for (int64_t c = 0; c < cols64; c += 64)
+                for (int t = 0; t < 8; t++)
+                    for (int l = 0; l < 8; l++) dst[c + 8 * t + l] = src[c + 8 * l + t];
+            memcpy(dst + cols64, src + cols64, (size_t)(cols - cols64) * 4);
+        }
+        in->xt = xt;
+    }
+}
 
-/* y[m, rows] = x[m, cols] @ W^T for any m tokens: float32 x (x_bf16 = 0) or bfloat16 x (x_bf16 = 1, with mode
- * bfloat16), float32 y. */
-void lut_gemv(const uint8_t *packed, int64_t rows, int64_t cols, int bits, const void *lut, int lut_dtype,
-              int64_t rows_per_group, const void *scale, int scale_dtype, int64_t nblocks, int mode, const void *x,
-              int x_bf16, int64_t m, float *y, int threads) {
-    weight_t w = WEIGHT;
-    const size_t item = x_bf16 ? 2 : 4;
-    for (int64_t j = 0; j < m; j += MAXM) /* the weight is read once per MAXM tokens */
-        run(&w, (const char *)x + (size_t)(j * cols) * item, x_bf16, m - j < MAXM ? m - j : MAXM, y + j * rows, 0,
-            threads);
+/* y[m, rows] = x[m, cols] @ W^T for any m tokens, each weight rounded to `mode` (OUT_*) first; x float32, bfloat16
+ * or float16 (x_dtype: SCALE_*), y float32 or rounded to nearest even into bfloat16 or float16 (y_dtype: OUT_*).
+ * Returns 0, or -1 where the scratch for the widened inputs could not be allocated. */
+int lut_gemv(const weight_args *a, int mode, const void *x, int x_dtype, int64_t m, void *y, int y_dtype,
+             int threads) {
+    const weight_t w = make_weight(a, mode);
+    const int64_t cols = w.cols, rows = w.rows, most = PAD_M(m < MAXM ? m : MAXM);
+    const int lvl = level(&w, x_dtype);
+    const size_t item = x_dtype == SCALE_F32 ? 4 : 2;
+    /* scratch: inputs widened, rearranged, and float32 sums; on the stack for a token's worth (a large allocation
+     * is a fresh mapping per call, whose page faults cost as much as a small layer's product) */
+    const size_t floats = (size_t)(most * (2 * cols + rows)), on_stack = 16384;
+    float stack[16384];
+    float *buffer = floats <= on_stack ? stack : malloc(floats * sizeof(float));
+    if (!buffer) return -1;
+    float *sums = buffer + 2 * most * cols;
+    for (int64_t j = 0; j < m; j += MAXM) { /* the weight is read once per MAXM tokens */
+        const int64_t n = m - j < MAXM ? m - j : MAXM, padded = lvl == LEVEL_AVX2 ? PAD_M(n) : n;
+        input_t in;
+        prepare_input(&w, lvl, (const char *)x + (size_t)(j * cols) * item, x_dtype, n, padded, buffer, &in);
+        const int direct = y_dtype == OUT_F32 && padded == n;
+        run(&w, lvl, &in, direct ? (float *)y + j * rows : sums, 0, threads);
+        for (int64_t i = 0; !direct && i < n * rows; i++) store_to(y, j * rows + i, sums[i], y_dtype);
+    }
+    if (buffer != stack) free(buffer);
+    return 0;
 }
 
 /* out[rows, cols] = W in float32, bfloat16 or float16 (mode). */
-void lut_decode(const uint8_t *packed, int64_t rows, int64_t cols, int bits, const void *lut, int lut_dtype,
-                int64_t rows_per_group, const void *scale, int scale_dtype, int64_t nblocks, int mode, void *out,
-                int threads) {
-    weight_t w = WEIGHT;
-    run(&w, 0, 0, 0, 0, out, threads);
+void lut_decode(const weight_args *a, int mode, void *out, int threads) {
+    const weight_t w = make_weight(a, mode);
+    run(&w, level(&w, 0), 0, 0, out, threads);
 }
 
-/* The loops a weight of `bits` bits with blocks of `block` columns (0: no scales) takes on this CPU, for float32
- * inputs or bfloat16 ones (x_bf16): 3 AVX-512 BF16, 2 AVX-512, 1 AVX2, 0 portable. */
-int lut_level(int bits, int block, int x_bf16) {
-    weight_t w = {0,         1, block ? block : 64, 1, block ? 1 : 0, bits, 0, SCALE_F32, 0,
-                  block ? SCALE_F32 : SCALE_NONE, OUT_F32, {0}, {0}, {{0}}, {{0}}};
-    return level(&w, x_bf16);
+/* out[n, cols] = rows ids[0..n) of W (an embedding's lookup; ids checked by the caller), in the mode's dtype. */
+void lut_decode_rows(const weight_args *a, int mode, const int64_t *ids, int64_t n, void *out) {
+    const weight_t w = make_weight(a, mode);
+    float raw[256], base[256];
+    for (int64_t i = 0; i < n; i++) {
+        row_tables(&w, ids[i], raw, base);
+        span_portable(&w, ids[i], 0, raw, base, 0, 0, 0, out_row_of(&w, out, i));
+    }
+}
+
+/* The loops a weight of `bits` bits with blocks of `block` columns (0: no scales) takes on this CPU for inputs of
+ * x_dtype (SCALE_*; bfloat16 inputs meet bfloat16 weights): 3 AVX-512 BF16, 2 AVX-512, 1 AVX2, 0 portable. */
+int lut_level(int bits, int block, int x_dtype) {
+    static const float one = 1.0f;
+    const weight_args a = {0, 1, block ? block : 64, bits, 0, SCALE_F32, 1, block ? &one : 0, SCALE_F32, 1};
+    const weight_t w = make_weight(&a, x_dtype == SCALE_BF16 ? OUT_BF16 : OUT_F32);
+    return level(&w, x_dtype);
 }

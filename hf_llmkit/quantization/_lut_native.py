@@ -1,8 +1,9 @@
-"""The CPU kernel of the packed DKM layers: `_lut_native.c`, built once per machine with the C compiler and loaded
-through ctypes (`hf_llmkit.native.CLibrary`: where it cannot be built, `library()` is None, the reason is logged
-once, and `lut_gemv` takes its torch paths; `HF_LLMKIT_DKM_KERNEL=native` makes that an error).
-Inside, the CPU picks the loops at run time: AVX512-BF16 (bfloat16 inputs), AVX-512 (with VBMI), AVX2 (with FMA),
-or portable C (any CPU, and tables over 16 entries).
+"""The CPU kernel of the packed DKM layers: `_lut_native.c` (portable loops, dispatch), `_lut_avx2.c` and
+`_lut_avx512.c` (the x86-64 loops), built as one library once per machine with the C compiler and loaded through
+ctypes (`hf_llmkit.native.CLibrary`: where it cannot be built, `library()` is None, the reason is logged once, and
+`lut_gemv` takes its torch paths; `HF_LLMKIT_DKM_KERNEL=native` makes that an error).
+Inside, the CPU picks the loops at run time: AVX512-BF16 (bfloat16 inputs and weights up to 4 bits), AVX-512 (VBMI,
+up to 4 bits), AVX2 (with FMA and F16C: every table size, 5-8 bits by gathers), or portable C (any CPU).
 """
 
 from __future__ import annotations
@@ -12,26 +13,46 @@ from pathlib import Path
 
 import torch
 
+from hf_llmkit.compat.torch import module_buffers, version_counter
 from hf_llmkit.native import I64, INT, CLibrary, P
 
-SOURCE = Path(__file__).with_name("_lut_native.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("_lut_native.c", "_lut_avx2.c", "_lut_avx512.c"))
 # the C source's SCALE_* codes, for tables and scales alike
 _DTYPE_CODES = {None: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 _OUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DECODE_DTYPES = tuple(_OUT_CODES)
 
 
+class WeightArgs(ctypes.Structure):
+    """The C `weight_args` of one layer: pointers into its own tensors (nothing copied) and its shape."""
+
+    _fields_ = [
+        ("packed", P),
+        ("rows", I64),
+        ("cols", I64),
+        ("bits", I64),
+        ("lut", P),
+        ("lut_dtype", I64),
+        ("rows_per_group", I64),
+        ("scale", P),
+        ("scale_dtype", I64),
+        ("nblocks", I64),
+    ]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    common = [P, I64, I64, INT, P, INT, I64, P, INT, I64, INT]
-    lib.lut_gemv.argtypes = [*common, P, INT, I64, P, INT]
-    lib.lut_decode.argtypes = [*common, P, INT]
+    weight = ctypes.POINTER(WeightArgs)
+    lib.lut_gemv.argtypes = [weight, INT, P, INT, I64, P, INT, INT]
+    lib.lut_gemv.restype = INT
+    lib.lut_decode.argtypes = [weight, INT, P, INT]
+    lib.lut_decode_rows.argtypes = [weight, INT, P, I64, P]
     lib.lut_level.argtypes = [INT, INT, INT]
     lib.lut_max_level.argtypes = [INT]
-    for fn in (lib.lut_gemv, lib.lut_decode):
+    for fn in (lib.lut_decode, lib.lut_decode_rows, lib.lut_max_level):
         fn.restype = None
 
 
-_KERNEL = CLibrary(SOURCE, "lut", "The DKM CPU kernel", "packed layers use torch paths", _declare)
+_KERNEL = CLibrary(SOURCES, "lut", "The DKM CPU kernel", "packed layers use torch paths", _declare)
 
 
 def library() -> ctypes.CDLL | None:
@@ -53,68 +74,145 @@ LOOPS = ("portable", "avx2", "avx512", "avx512_bf16")  # the C source's LEVEL_* 
 
 
 def loops(bits: int, block: int = 0, bf16_inputs: bool = False) -> str | None:
-    """The loops a `bits`-bit weight with scale blocks of `block` columns (0: none) takes on this CPU:
-    `avx512_bf16` (bfloat16 inputs, a CPU with AVX512-BF16), `avx512` (x86-64 with VBMI), `avx2` (with FMA),
-    `portable` (any CPU, and above 4 bits); None where the kernel did not build."""
+    """The loops a `bits`-bit weight with scale blocks of `block` columns (0: none) takes on this CPU: `avx512_bf16`
+    (bfloat16 inputs of a bfloat16 model, up to 4 bits, a CPU with AVX512-BF16), `avx512` (x86-64 with VBMI, up to 4
+    bits), `avx2` (with FMA and F16C), `portable` (any other CPU); None where the kernel did not build. Inputs of
+    every dtype take the float32 loops (widened once per call) where the bfloat16 ones do not serve."""
     lib = library()
-    return None if lib is None else LOOPS[lib.lut_level(bits, block, int(bf16_inputs))]
+    code = _DTYPE_CODES[torch.bfloat16 if bf16_inputs else torch.float32]
+    return None if lib is None else LOOPS[lib.lut_level(bits, block, code)]
 
 
 def cap_loops(name: str) -> None:
-    """Take at most the `name` loops from now on (`avx512_bf16` lets the CPU choose again): tests compare them."""
-    library().lut_max_level(LOOPS.index(name))
+    """Take at most the `name` loops from now on (`avx512_bf16` lets the CPU choose again): tests and benchmarks
+    measure each level a CPU has this way. A ValueError names the levels for any other name."""
+    if name not in LOOPS:
+        raise ValueError(f"cap_loops({name!r}): use one of {', '.join(LOOPS)}")
+    lib = library()
+    if lib is None:
+        raise ValueError(f"cap_loops({name!r}): the DKM CPU kernel did not build ({unavailable_reason()})")
+    lib.lut_max_level(LOOPS.index(name))
 
 
 def supports(layer, x: torch.Tensor | None = None) -> bool:
     """Whether the kernel serves `layer` (and `x`): CPU tensors, one index per weight, rows of whole bytes."""
-    return (x is None or x.device.type == "cpu") and _entry(layer) is not None
+    return (x is None or x.device.type == "cpu") and entry(layer) is not None
 
 
-def _entry(layer) -> list | None:
-    """The C weight arguments of `layer` (None where the kernel does not serve it): pointers into its own tensors
-    (nothing is copied), kept on the layer until one of them is replaced or changed in place."""
-    packed, lut, scale = layer.weight_packed, layer.weight_lut, layer.weight_scale
-    key = (packed.data_ptr(), packed._version, lut.data_ptr(), lut._version)
-    key += () if scale is None else (scale.data_ptr(), scale._version)
-    cached = layer.__dict__.get("_native")
-    if cached is not None and cached[0] == key:
-        return cached[1]
+def _tensors(layer) -> tuple:
+    """A packed layer's (indices, table, scales or None): a module's own buffers, read without `nn.Module.__getattr__`
+    (every token reads them), or the attributes of any object that holds them (the ONNX runtime's kernels)."""
+    if isinstance(layer, torch.nn.Module):
+        buffers = module_buffers(layer)
+        return buffers["weight_packed"], buffers["weight_lut"], buffers["weight_scale"]
+    return layer.weight_packed, layer.weight_lut, layer.weight_scale
+
+
+def serves(layer) -> bool:
+    """Whether the kernel serves `layer`, read from its layout alone (no pointers: `torch.compile` traces this): built,
+    CPU contiguous tensors, one index per weight, rows of whole bytes, table and scales in a dtype it reads."""
+    packed, lut, scale = _tensors(layer)
     s = layer.settings
     rows, cols = layer.weight_shape
     tensors = (packed, lut) + (() if scale is None else (scale,))
-    args = None
-    if (
+    return (
         all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
         and s.cluster_dim == 1
         and cols % 8 == 0
         and rows % s.groups == 0
         and lut.dtype in _DTYPE_CODES
         and (scale is None or scale.dtype in _DTYPE_CODES)
-        and library() is not None
-    ):
-        args = [packed.data_ptr(), rows, cols, s.bits, lut.data_ptr(), _DTYPE_CODES[lut.dtype], rows // s.groups]
-        args += [None, 0, 0] if scale is None else [scale.data_ptr(), _DTYPE_CODES[scale.dtype], scale.shape[1]]
+        and _KERNEL.built()
+    )
+
+
+def entry(layer) -> WeightArgs | None:
+    """The C weight arguments of `layer` (None where the kernel does not serve it): pointers into its own tensors
+    (nothing is copied), kept on the layer until one of them is replaced or changed in place."""
+    packed, lut, scale = _tensors(layer)
+    key = (packed.data_ptr(), version_counter(packed), lut.data_ptr(), version_counter(lut))
+    if scale is not None:
+        key += (scale.data_ptr(), version_counter(scale))
+    cached = layer.__dict__.get("_native")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    args = None
+    if library() is not None and serves(layer):  # builds the kernel on first use
+        s = layer.settings
+        rows, cols = layer.weight_shape
+        args = WeightArgs(packed.data_ptr(), rows, cols, s.bits, lut.data_ptr(), _DTYPE_CODES[lut.dtype])
+        args.rows_per_group = rows // s.groups
+        if scale is not None:
+            args.scale, args.scale_dtype, args.nblocks = scale.data_ptr(), _DTYPE_CODES[scale.dtype], scale.shape[1]
     layer.__dict__["_native"] = (key, args)
     return args
 
 
-def gemv(layer, x: torch.Tensor, mode: torch.dtype) -> torch.Tensor:
-    """Float32 `x @ W^T` `[m, rows]` of `x` `[m, cols]` in the compute dtype `mode`, each weight rounded to `mode`
-    first (the dtype the decoded path multiplies in), reading the weight once per 8 tokens (MAXM in C). bfloat16
-    inputs go to the AVX512-BF16 loops where they serve, every other input is widened to float32."""
-    args = [*_entry(layer), _OUT_CODES[mode]]
+def gemv(layer, x: torch.Tensor, mode: torch.dtype, out_dtype: torch.dtype = torch.float32, args=None):
+    """`x @ W^T` `[*x.shape[:-1], rows]` of `x` `[..., cols]` in the compute dtype `mode`, each weight rounded to
+    `mode` first (the dtype the decoded path multiplies in), summed in float32 and returned in `out_dtype` (rounded
+    to nearest even, as `.to()` rounds), reading the weight once per 8 tokens (MAXM in C). bfloat16 inputs of a
+    bfloat16 product take the AVX512-BF16 loops where they serve; the kernel widens every other input to float32
+    once per call. `args`: the layer's `entry`, where the caller has it."""
+    args = entry(layer) if args is None else args
+    if x.dtype not in _DTYPE_CODES:
+        x = x.float()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    y = torch.empty(*x.shape[:-1], layer.weight_shape[0], dtype=out_dtype)
+    tokens = y.numel() // layer.weight_shape[0]
+    threads = torch.get_num_threads()
     lib = library()
-    scale = layer.weight_scale
-    block = 0 if scale is None else layer.weight_shape[1] // scale.shape[1]
-    bf16 = x.dtype == mode == torch.bfloat16 and LOOPS[lib.lut_level(layer.settings.bits, block, 1)] == "avx512_bf16"
-    x = x.contiguous() if bf16 else x.float().contiguous()
-    y = torch.empty(x.shape[0], layer.weight_shape[0], dtype=torch.float32)
-    lib.lut_gemv(*args, x.data_ptr(), int(bf16), x.shape[0], y.data_ptr(), torch.get_num_threads())
+    if lib.lut_gemv(args, _OUT_CODES[mode], x.data_ptr(), _DTYPE_CODES[x.dtype], tokens, y.data_ptr(),
+                    _OUT_CODES[out_dtype], threads):  # fmt: skip
+        raise MemoryError(f"the DKM CPU kernel could not allocate its scratch for {tokens} tokens")
     return y
 
 
 def decode(layer, dtype: torch.dtype) -> torch.Tensor:
     """The dense weight `[rows, cols]` in `dtype` (float32, bfloat16 or float16), bit for bit `_dkm.decode`'s."""
     out = torch.empty(layer.weight_shape, dtype=dtype)
-    library().lut_decode(*_entry(layer), _OUT_CODES[dtype], out.data_ptr(), torch.get_num_threads())
+    library().lut_decode(entry(layer), _OUT_CODES[dtype], out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def decode_rows(layer, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` (each in range: the caller checks) of the dense weight, `[*ids.shape, cols]` in `dtype`: an
+    embedding's lookup, bit for bit the rows of `decode(layer, dtype)`."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(*ids.shape, layer.weight_shape[1], dtype=dtype)
+    library().lut_decode_rows(entry(layer), _OUT_CODES[dtype], flat.data_ptr(), flat.numel(), out.data_ptr())
+    return out
+
+
+@torch.library.custom_op("hf_llmkit::lut_gemv", mutates_args=())
+def gemv_op(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    lut: torch.Tensor,
+    scale: torch.Tensor | None,
+    rows: int,
+    bits: int,
+    groups: int,
+    mode: torch.dtype,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`gemv` as a torch operator, for graphs `torch.compile` captures (it calls the kernel as one opaque node):
+    `x @ W^T` in `mode`, returned in `out_dtype`, of the weight held by `packed` / `lut` / `scale`, `rows` output
+    features, `groups` tables."""
+    cols = x.shape[-1]
+    args = WeightArgs(packed.data_ptr(), rows, cols, bits, lut.data_ptr(), _DTYPE_CODES[lut.dtype], rows // groups)
+    if scale is not None:
+        args.scale, args.scale_dtype, args.nblocks = scale.data_ptr(), _DTYPE_CODES[scale.dtype], scale.shape[1]
+    x = x.contiguous() if x.dtype in _DTYPE_CODES else x.float().contiguous()
+    y = torch.empty(*x.shape[:-1], rows, dtype=out_dtype)
+    tokens = y.numel() // rows
+    if library().lut_gemv(args, _OUT_CODES[mode], x.data_ptr(), _DTYPE_CODES[x.dtype], tokens, y.data_ptr(),
+                          _OUT_CODES[out_dtype], torch.get_num_threads()):  # fmt: skip
+        raise MemoryError(f"the DKM CPU kernel could not allocate its scratch for {tokens} tokens")
+    return y
+
+
+@gemv_op.register_fake
+def _(x, packed, lut, scale, rows, bits, groups, mode, out_dtype):
+    return x.new_empty(*x.shape[:-1], rows, dtype=out_dtype)

@@ -74,20 +74,6 @@ def tied_modules(model: nn.Module) -> list[str]:
     return sorted({k.removesuffix(".weight") for k in set(tied) | set(tied.values())})
 
 
-def warn_tied_embeddings(model: nn.Module, config: DKMConfig, tied: list[str]) -> None:
-    """`quantize_embeddings=True` on a model whose input embedding is tied to its output layer: the tied weight
-    stays in full precision (clustering one would untie them), said in one warning line."""
-    if not config.quantize_embeddings or not tied:
-        return
-    embeddings = [name for name, m in model.named_modules() if type(m) is nn.Embedding and name in tied]
-    if embeddings:
-        logger.warning(
-            "DKMConfig(quantize_embeddings=True): %s is tied to %s and stays in full precision (clustering it would "
-            "untie them); untie them (tie_word_embeddings=False) to cluster it",
-            embeddings[0], ", ".join(n for n in tied if n not in embeddings) or "another module",
-        )  # fmt: skip
-
-
 def check_not_quantized(model: nn.Module) -> None:
     """DKM clusters full-precision weights: a model another method already quantized (bitsandbytes 4/8-bit, ...)
     has none to cluster, and DKM would silently leave its layers alone."""

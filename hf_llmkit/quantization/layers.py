@@ -345,10 +345,16 @@ class DKMEmbedding(nn.Embedding, _Clustered):
         super().__init__(num_embeddings, embedding_dim, padding_idx=padding_idx, device=device, dtype=dtype)
         self._init_table(settings, device)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        weight = self._trained_weight(self.weight.dtype)
+    def clustered_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The table this layer looks rows up in (and a tied LM head multiplies by, `tied.TiedDKMHead`): soft-clustered
+        in training, else the hard assignment, in `dtype` (the soft one in the weight's dtype)."""
+        weight = self._trained_weight(dtype)
         if weight is None:
-            weight = self._soft(None) if self._use_soft() else self.hard_weight(self.weight.dtype)
+            weight = self._soft(None) if self._use_soft() else self.hard_weight(dtype)
+        return weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = self.clustered_weight(self.weight.dtype)
         return F.embedding(ids, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq)
 
 

@@ -114,7 +114,11 @@ def decode_weight(layer, dtype: torch.dtype) -> torch.Tensor:
 
 def decode_rows(layer, rows: torch.Tensor) -> torch.Tensor:
     """Float32 rows `[*rows.shape, cols]` of the layer's decoded weight (an embedding's lookup), read from the index
-    bits of those rows only: bit for bit the rows of `decode_weight(layer, torch.float32)`."""
+    bits of those rows only: bit for bit the rows of `decode_weight(layer, torch.float32)` (the C kernel reads them on
+    CPU where it serves the layer and `HF_LLMKIT_DKM_KERNEL` is not `eager`)."""
+    compiling = torch.compiler.is_compiling()
+    if rows.device.type == "cpu" and not compiling and requested_path() != "eager" and native.supports(layer):
+        return native.decode_rows(layer, rows, torch.float32)
     s = layer.settings
     cols = layer.weight_shape[1]
     flat = rows.to(torch.int64).unsqueeze(-1) * cols + torch.arange(cols, device=rows.device)  # [..., cols]
@@ -169,24 +173,38 @@ def _compiled_gemv():
 def linear(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, W, bias)` of a `PalettizedLinear` weight `W`, in `compute_dtype(x)`, by the chosen path."""
     dtype = compute_dtype(x)
-    x = x.to(dtype)
+    if x.dtype != dtype:
+        x = x.to(dtype)
     tokens = x.numel() // max(x.shape[-1], 1)
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
     if tokens > MAX_FUSED_TOKENS or needs_grad or dtype not in FUSED_DTYPES:
         return F.linear(x, decode_weight(layer, dtype), None if bias is None else bias.to(dtype))
+    if x.device.type == "cpu" and requested_path() in ("auto", "native"):
+        # the path `choose_path` takes where the C kernel serves the layer, decided with the fewest Python steps
+        # (this runs for every Linear of every generated token)
+        out = dtype if bias is None else torch.float32  # the kernel rounds its float32 sums as `.to(dtype)` would
+        if torch.compiler.is_compiling():
+            if native.serves(layer):  # the kernel as one operator of the captured graph
+                s = layer.settings
+                y = native.gemv_op(x, layer.weight_packed, layer.weight_lut, layer.weight_scale,
+                                   layer.weight_shape[0], s.bits, s.groups, dtype, out)  # fmt: skip
+                return y if bias is None else (y + bias.float()).to(dtype)
+        else:
+            args = native.entry(layer)
+            if args is not None:
+                _log_once("cpu", "native")
+                y = native.gemv(layer, x, dtype, out, args)
+                return y if bias is None else (y + bias.float()).to(dtype)
     path = choose_path(x.device, layer)
     if path == "eager":
         return F.linear(x, decode_weight(layer, dtype), None if bias is None else bias.to(dtype))
+    scale = None if layer.weight_scale is None else layer.weight_scale.float()
     x2 = x.reshape(tokens, x.shape[-1])
-    if path == "native" and not torch.compiler.is_compiling():
-        y = native.gemv(layer, x2, dtype)
-    else:
-        scale = None if layer.weight_scale is None else layer.weight_scale.float()
-        args = (x2, layer.weight_packed, layer.weight_lut.float(), scale, layer.weight_shape[0], layer.settings.bits)
-        with torch.autocast(x.device.type, enabled=False):
-            y = _fused(path, args)
-        if y is None:
-            return F.linear(x, decode_weight(layer, dtype), None if bias is None else bias.to(dtype))
+    args = (x2, layer.weight_packed, layer.weight_lut.float(), scale, layer.weight_shape[0], layer.settings.bits)
+    with torch.autocast(x.device.type, enabled=False):
+        y = _fused(path, args)
+    if y is None:
+        return F.linear(x, decode_weight(layer, dtype), None if bias is None else bias.to(dtype))
     if bias is not None:
         y = y + bias.float()
     return y.to(dtype).reshape(*x.shape[:-1], layer.weight_shape[0])

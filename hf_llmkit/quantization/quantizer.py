@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from transformers.quantizers.base import HfQuantizer
 
 from hf_llmkit.compat.transformers import get_module_from_name, keep_in_fp32_modules
-from hf_llmkit.quantization import integration
+from hf_llmkit.quantization import integration, tied
 from hf_llmkit.quantization.config import DKMConfig
 from hf_llmkit.quantization.training_state import guard_training_state
 
@@ -54,9 +54,11 @@ class DKMHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         self._model = weakref.ref(model)
         integration.check_not_quantized(model)
-        tied = integration.tied_modules(model)
-        integration.warn_tied_embeddings(model, self.quantization_config, tied)
-        skip = list(self.quantization_config.modules_to_not_convert) + tied
+        config = self.quantization_config
+        # an embedding clustered with its tied head stays tied (`tied.py`); other tied modules are never clustered
+        ties = tied.clustered_ties(model, config, list(config.modules_to_not_convert) + keep_in_fp32_modules(model))
+        skip = [m for m in integration.tied_modules(model) if m not in ties.values()]
+        skip = list(config.modules_to_not_convert) + skip
         self.modules_to_not_convert = sorted(self.get_modules_to_not_convert(model, skip, keep_in_fp32_modules(model)))
         packed: bool | dict = self.pre_quantized
         if self.pre_quantized:
@@ -65,6 +67,7 @@ class DKMHfQuantizer(HfQuantizer):
             if layout is not None:
                 packed = layout
         integration.replace_with_dkm_layers(model, self.quantization_config, self.modules_to_not_convert, packed)
+        tied.attach_tied_heads(model, ties)
         return model
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
@@ -100,6 +103,12 @@ class DKMHfQuantizer(HfQuantizer):
 
     @property
     def is_qat_trainable(self) -> bool:
+        return True
+
+    @property
+    def is_compileable(self) -> bool:
+        """`generate` may compile the forward (static cache): the packed layers' CPU kernel is a torch operator
+        there, the other paths are torch code."""
         return True
 
 

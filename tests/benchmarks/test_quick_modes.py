@@ -33,7 +33,8 @@ NOT_RUN_ALONE = {
 CASES = {
     "dkm.py": ("dkm.json", ()),
     "dkm_quality.py": ("dkm_quality.json", ()),  # the peers: benchmarks/install_peers.sh
-    "dkm_inference.py": ("dkm_inference.json", pytest.mark.slow),  # a fresh process per variant and round
+    # a fresh process per variant and round; its parts write a file each (the first is the script's main one)
+    "dkm_inference.py": (tuple(f"dkm_inference{part}.json" for part in ("", "_loops", "_real")), pytest.mark.slow),
     "dkm_onnx.py": ("dkm_onnx.json", pytest.mark.slow),  # two exports, a fresh process per variant
     "lm_data_memory.py": ("lm_data_memory.json", ()),  # one 8 MB line
     "moe.py": ("moe.json", pytest.mark.slow),
@@ -57,7 +58,24 @@ def check_dkm_inference(data: dict) -> None:
     assert any(line.startswith("[tiny, 1 thread] 3-bit") for line in data["verdicts"]), data["verdicts"]
 
 
+def check_dkm_inference_parts(results: Path) -> None:
+    """Parts loops and real: every loop level this CPU has, named with the CPU in every row's results; the real
+    model's rows ran through our packed layers (or say why not), llama.cpp's too."""
+    loops = json.loads((results / "dkm_inference_loops.json").read_text())["machines"]
+    (cpu, part), *_ = loops.items()
+    levels = part["kernels"]["levels"]
+    assert levels[-1] == "portable" and "AVX2" in cpu or levels == ["portable"], (cpu, levels)
+    summary = part["threads"]["1"]["summary"]
+    assert {name.split("[")[-1].rstrip("]") for name in summary if name.startswith("ours")} == set(levels)
+    assert all(row["loops"].startswith("DKM kernel") for name, row in summary.items() if name.startswith("ours"))
+    real = json.loads((results / "dkm_inference_real.json").read_text())["machines"][cpu]["threads"]["1"]["summary"]
+    ours = [row for name, row in real.items() if name.startswith("ours")]
+    assert ours and all("8-bit" in row["loops"] and row["kernel_ms_per_token"] > 0 for row in ours), real
+    assert all("error" in row or row["tokens_per_s_b1"] > 0 for row in real.values()), real
+
+
 CHECKS = {"dkm_inference.py": check_dkm_inference}  # what a script's quick results must show beyond the common
+FILE_CHECKS = {"dkm_inference.py": check_dkm_inference_parts}  # checks that read the other files a script wrote
 
 
 def entry_points() -> set[str]:
@@ -89,13 +107,15 @@ def test_quick_mode_runs_to_completion_on_cpu(tmp_path, script, written):
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads((tmp_path / written).read_text())
+    files = (written,) if isinstance(written, str) else written
+    data = json.loads((tmp_path / files[0]).read_text())
     recorded = data["recorded"]
     assert recorded["command"] == f"python benchmarks/{script} --quick --device cpu"
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", recorded["date"])
     assert recorded["machine"]["cores"] and recorded["load_1min"]["max"] >= 0
     CHECKS.get(script, lambda data: None)(data)
+    FILE_CHECKS.get(script, lambda folder: None)(tmp_path)
     # every docs fragment made from this script's results renders from what the script writes today
     for name, fragment in report.FRAGMENTS.items():
-        if fragment.files == (written[: -len(".json")],):
+        if len(fragment.files) == 1 and f"{fragment.files[0]}.json" in files:
             assert "_Measured " in report.render(name, results=tmp_path), name

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from hf_llmkit.compat.torch import CHECKED_AGAINST, sigmoid_slope, storage_use_count, version_counter, view_base
+from hf_llmkit.compat.torch import (
+    CHECKED_AGAINST,
+    module_buffers,
+    sigmoid_slope,
+    storage_use_count,
+    version_counter,
+    view_base,
+)
 
 WHERE = f"torch {torch.__version__} (checked against {CHECKED_AGAINST})"
 
@@ -24,6 +31,15 @@ def test_view_base_names_the_viewed_tensor():
     weight = torch.nn.Parameter(torch.ones(2, 3))
     assert isinstance(view_base(weight.t()), torch.nn.Parameter), f"{WHERE}: Tensor._base no longer names the base"
     assert view_base(torch.ones(2)) is None
+
+
+def test_module_buffers_is_the_live_dict_of_a_modules_own_buffers():
+    module = torch.nn.BatchNorm1d(3)
+    module.register_buffer("none", None)
+    buffers = module_buffers(module)
+    assert buffers["running_mean"] is module.running_mean and buffers["none"] is None, f"{WHERE}: Module._buffers"
+    module.running_mean = torch.ones(3)  # replaced through setattr: the same dict sees it
+    assert buffers["running_mean"] is module.running_mean, f"{WHERE}: Module._buffers is no longer the live dict"
 
 
 def test_version_counter_grows_with_in_place_changes():

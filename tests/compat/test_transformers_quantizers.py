@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 import transformers
 from transformers import PreTrainedModel
 
@@ -12,6 +13,8 @@ from hf_llmkit.compat.transformers import (
     ignore_unexpected_keys,
     keep_in_fp32_modules,
     missing_quantizer_internals,
+    tied_parameters,
+    untie,
 )
 from hf_llmkit.testing import tiny_llama
 
@@ -25,6 +28,17 @@ def test_keep_in_fp32_modules_is_still_the_models_attribute():
     model = tiny_llama()
     model._keep_in_fp32_modules = {"lm_head"}
     assert keep_in_fp32_modules(model) == ["lm_head"]
+
+
+def test_a_dropped_tie_is_not_made_by_the_loads_tie_weights():
+    model = tiny_llama(tie_word_embeddings=True)
+    assert tied_parameters(model) == {"lm_head.weight": "model.embed_tokens.weight"}, HINT
+    model.lm_head.weight = torch.nn.Parameter(torch.zeros_like(model.lm_head.weight))
+    untie(model, "lm_head.weight")
+    model.tie_weights(recompute_mapping=False)  # what from_pretrained calls
+    assert tied_parameters(model) == {} and model.lm_head.weight is not model.model.embed_tokens.weight, HINT
+    model.tie_weights(recompute_mapping=False, missing_keys=set())
+    assert model.lm_head.weight is not model.model.embed_tokens.weight, HINT
 
 
 def test_ignored_unexpected_keys_are_dropped_from_the_load_report():

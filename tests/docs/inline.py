@@ -28,6 +28,8 @@ UNTESTED: dict[str, str] = {  # pattern (whole command) -> why the docs test doe
     "tests/quantization/test_export_onnx.py runs the command on a saved checkpoint",
     r"pip install --no-(?:index|deps) .*": "what the GPU check's install part runs on the GPU machine "
     "(benchmarks/gpu_check.py); its plumbing mode runs in tests/benchmarks/test_gpu_check.py",
+    r"pip install llama-cpp-python==[\d.]+": "builds llama.cpp from source (minutes); the benchmark part that needs "
+    "it records a row with its reason where it is missing, tests/benchmarks/test_quick_modes.py runs that part",
     r"pytest -m gpu tests/gpu": "the CUDA tests (`make test-gpu`); without a GPU they skip with their reason in "
     "`make test`",
 }

@@ -8,6 +8,7 @@ for it by name is refused in one line.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -22,15 +23,26 @@ from hf_llmkit.quantization import _lut_native as native
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROWS = 24
-CASES = {  # name: (cols, DKMSettings.build options); 200 columns leave a tail of 8 after three chunks of 64
+# name: (cols, DKMSettings.build options). Each loop's paths: the AVX2 chunks of 64 columns (block scales of 64k
+# columns or none) and its 8-column words (smaller blocks, the tail after the last chunk: 200 = 3 x 64 + 8), the
+# 3-bit chunk loads near the end of the stream, tables repeated to 8 entries (1-2 bits) or split in two (4 bits),
+# per-weight lookups of 5-8 bit tables, tables per group of rows, and block sizes no SIMD loop takes (4 columns).
+CASES = {
+    "1bit": (128, dict(bits=1)),
     "2bit": (192, dict(bits=2)),
+    "2bit_scales8_tail": (264, dict(bits=2, scale_block_size=8)),
+    "2bit_scales128": (384, dict(bits=2, scale_block_size=128)),
     "3bit_tail": (200, dict(bits=3)),
+    "3bit_scales64_groups": (128, dict(bits=3, scale_block_size=64, groups=4, lut_dtype="bfloat16")),
     "3bit_scales16_fp16": (192, dict(bits=3, scale_block_size=16, lut_dtype="float16")),
     "4bit_scales64": (256, dict(bits=4, scale_block_size=64)),
     "4bit_per_channel_scales32": (128, dict(bits=4, scale_block_size=32, groups=ROWS)),
-    "4bit_groups_scales8": (64, dict(bits=4, scale_block_size=8, groups=6)),  # 8 columns: the portable loops
+    "4bit_groups_scales8": (64, dict(bits=4, scale_block_size=8, groups=6)),
     "4bit_scales_bf16": (128, dict(bits=4, scale_block_size=32, lut_dtype="bfloat16")),
+    "4bit_scales4": (64, dict(bits=4, scale_block_size=4)),  # blocks of 4 columns: the portable loops only
     "5bit": (128, dict(bits=5)),
+    "6bit_scales16": (72, dict(bits=6, scale_block_size=8)),
+    "8bit": (136, dict(bits=8, lut_dtype="bfloat16")),
     "8bit_scales": (64, dict(bits=8, scale_block_size=32)),
 }
 
@@ -47,6 +59,7 @@ def loops(request):
     native.cap_loops(native.LOOPS[-1])
 
 
+@functools.cache  # read-only pairs, shared by every loop level's tests
 def packed_pair(name: str) -> tuple[DKMLinear, PalettizedLinear]:
     cols, options = CASES[name]
     options = dict(options)
@@ -72,14 +85,63 @@ def test_decode_is_the_hard_assignment_bitwise(name, loops):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_product_is_the_decoded_linear_within_float32_rounding(name, loops):
     """1 to 11 tokens (over 8 takes two passes) in each compute dtype (bfloat16 inputs take the AVX512-BF16 loops
-    where the CPU has them); each weight rounded to that dtype, as the decoded path's."""
+    where the CPU has them); each weight rounded to that dtype, as the decoded path's; the output rounded into the
+    compute dtype by the kernel is the float32 one rounded by torch, bit for bit."""
     dkm, packed = packed_pair(name)
     for dtype in native.DECODE_DTYPES:
         w = dkm.hard_weight(dtype).float()
         for tokens in (1, 2, 5, 8, 11):
             x = torch.randn(tokens, w.shape[1]).to(dtype)
             want = x.float() @ w.T
-            torch.testing.assert_close(native.gemv(packed, x, dtype), want, rtol=1e-5, atol=1e-5)
+            got = native.gemv(packed, x, dtype)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(native.gemv(packed, x, dtype, dtype), got.to(dtype))
+
+
+@pytest.mark.parametrize("name", ["3bit_tail", "4bit_scales64", "8bit_scales"])
+def test_threads_share_rows_and_change_no_bit(name, loops):
+    dkm, packed = packed_pair(name)
+    x = torch.randn(3, CASES[name][0])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.gemv(packed, x, torch.float32)
+        torch.set_num_threads(2)
+        assert torch.equal(native.gemv(packed, x, torch.float32), one)
+        assert torch.equal(native.decode(packed, torch.bfloat16), dkm.hard_weight(torch.bfloat16))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", ["3bit_tail", "6bit_scales16", "8bit"])
+def test_rows_lookup_is_the_decoded_rows_bitwise(name):
+    dkm, packed = packed_pair(name)
+    ids = torch.tensor([[0, 23, 5], [5, 5, 11]])
+    for dtype in native.DECODE_DTYPES:
+        assert torch.equal(native.decode_rows(packed, ids, dtype), dkm.hard_weight(dtype)[ids]), dtype
+
+
+def test_the_loops_a_cpu_takes_are_named_and_capped_in_one_line():
+    assert native.loops(3) in native.LOOPS and native.loops(8, 32, bf16_inputs=True) in native.LOOPS
+    assert native.loops(4, 4) == "portable"  # blocks of 4 columns: no SIMD loop takes them
+    with pytest.raises(ValueError, match="use one of portable, avx2, avx512, avx512_bf16"):
+        native.cap_loops("neon")
+    native.cap_loops("portable")
+    try:
+        assert native.loops(3) == "portable"
+    finally:
+        native.cap_loops(native.LOOPS[-1])
+
+
+def test_the_operator_torch_compile_captures_is_the_kernel(loops):
+    """`gemv_op` (what a compiled graph calls) gives the eager kernel's bits; its fake gives the shape and dtype."""
+    _, packed = packed_pair("4bit_scales_bf16")
+    x = torch.randn(2, 1, 128).bfloat16()
+    s = packed.settings
+    args = (packed.weight_packed, packed.weight_lut, packed.weight_scale, ROWS, s.bits, s.groups, torch.bfloat16)
+    got = native.gemv_op(x, *args, torch.bfloat16)
+    assert got.shape == (2, 1, ROWS) and torch.equal(got, native.gemv(packed, x, torch.bfloat16, torch.bfloat16))
+    torch.library.opcheck(torch.ops.hf_llmkit.lut_gemv.default, (x, *args, torch.float32))
 
 
 def test_auto_takes_the_kernel_on_cpu_and_the_layer_agrees(monkeypatch, caplog):

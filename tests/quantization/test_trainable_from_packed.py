@@ -84,22 +84,6 @@ def test_every_peft_method_adapts_it_and_names_the_fix_on_packed_layers(tmp_path
         assert torch.equal(reloaded(IDS).logits, expected)
 
 
-def test_tied_embeddings_asked_to_be_clustered_stay_dense_and_say_so(caplog):
-    """Issue 46: with tied embeddings, `quantize_embeddings=True` left them dense without a word."""
-    import logging
-
-    with caplog.at_level(logging.WARNING, logger="hf_llmkit"):
-        model = quantize_model(tiny_llama(tie_word_embeddings=True), DKMConfig(quantize_embeddings=True))
-    assert type(model.model.embed_tokens) is torch.nn.Embedding
-    [line] = [r.getMessage() for r in caplog.records if "quantize_embeddings" in r.getMessage()]
-    assert "model.embed_tokens is tied to lm_head and stays in full precision" in line
-    assert "tie_word_embeddings=False" in line
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="hf_llmkit"):
-        quantize_model(tiny_llama(tie_word_embeddings=False), DKMConfig(quantize_embeddings=True))
-    assert "quantize_embeddings" not in caplog.text
-
-
 def test_it_says_nothing_per_layer(tmp_path, caplog):
     """Found attacking issue 46: each layer warned that its latent weights restart from the hard assignment (14
     lines for a 2-layer model, advising a callback that has nothing to do with it)."""

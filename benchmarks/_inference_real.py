@@ -1,0 +1,140 @@
+"""Part `real` of benchmarks/dkm_inference.py: the real SmolLM2-135M-Instruct (`hf_llmkit.testing.smollm2_path()`,
+30 layers, hidden 576, a tied 49,152 x 576 embedding: a quarter of the weights) against llama.cpp on the same
+weights.
+
+Variants: dense bf16 / fp32; ours at 3 and 4 bits from the dequantized weights (`DKMConfig` k-means start, no
+training: the speed does not depend on it) with the tied embedding / LM head clustered at 8 bits
+(`quantize_embeddings=True, embedding_bits=8`, tied weights kept tied), saved and reloaded, in bf16 (and fp32 at 3
+bits), and at 3 bits with transformers' static cache, with and without `torch.compile` of the forward;
+bitsandbytes nf4; llama.cpp on the shipped Q4_1 file (Q4_1 layers, Q8_0 embedding) and on the K-quants it makes
+from it (`_inference_llama_cpp.py`). Prompts are real text (the corpus, SmolLM2's tokenizer), the same ids for
+every variant. Besides tokens/s and prefill time, each of ours and the dense rows reports the milliseconds per
+generated token spent inside the modules that multiply by weights (the kernel) and the rest (the framework:
+norms, attention, cache, `generate`'s own steps, Python), and llama.cpp its own evaluation time per token.
+"""
+
+from __future__ import annotations
+
+from _common import markdown_table
+
+LLAMA = {"llama.cpp Q4_1 (the shipped file)": "Q4_1", "llama.cpp Q4_K_M": "Q4_K_M", "llama.cpp Q3_K_M": "Q3_K_M"}
+SAME_BITS = {4: ("llama.cpp Q4_1 (the shipped file)", "llama.cpp Q4_K_M"), 3: ("llama.cpp Q3_K_M",)}
+EMBEDDING_8BIT = dict(quantize_embeddings=True, embedding_bits=8)
+TAIL = " scales/64, 8-bit tied embedding"
+DTYPE = {"bfloat16": "bf16", "float32": "fp32"}
+
+
+def ours(bits: int) -> dict:
+    """Block scales per 64 columns (without them a table per tensor leaves 3 bits unusable at this size)."""
+    options = dict(lut_dtype="bfloat16", scale_block_size=64, kmeans_iters=8, kmeans_sample=16384, **EMBEDDING_8BIT)
+    return dict(kind="ours", bits=bits, options=options, shares=(bits,), split=True)
+
+
+def plan(quick: bool, compile_: bool) -> dict[str, dict]:
+    """The real-model variants (a quick run: dense bf16, ours 3-bit and the shipped llama.cpp file)."""
+    variants = {
+        "dense bf16": dict(kind="dense", dtype="bfloat16", bits=16, split=True),
+        "dense fp32": dict(kind="dense", dtype="float32", bits=32, split=True),
+    }
+    for bits in (4, 3):
+        for dtype in ("bfloat16", "float32"):
+            variants[f"ours DKM {bits}-bit{TAIL}, {DTYPE[dtype]}"] = dict(ours(bits), dtype=dtype)
+    variants[f"ours DKM 3-bit{TAIL}, fp32, static cache"] = dict(ours(3), dtype="float32", cache="static")
+    variants["bitsandbytes nf4"] = dict(kind="bnb", bits=4)
+    if compile_:
+        variants[f"ours DKM 3-bit{TAIL}, fp32, static cache + torch.compile"] = dict(
+            ours(3), dtype="float32", cache="static", compile=True
+        )
+    variants |= {name: dict(kind="llama_cpp", gguf=gguf, bits=int(gguf[1])) for name, gguf in LLAMA.items()}
+    if quick:
+        keep = ("dense bf16", f"ours DKM 3-bit{TAIL}, bf16", "llama.cpp Q4_1 (the shipped file)")
+        variants = {k: v for k, v in variants.items() if k in keep}
+    for spec in variants.values():
+        spec["batch8"] = False
+    return variants
+
+
+def text_ids(folder, count: int) -> list[int]:
+    """`count` token ids of ordinary English (the embedded corpus) by the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    from hf_llmkit.testing import corpus_texts
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids: list[int] = []
+    for text in corpus_texts():
+        ids += tokenizer(text)["input_ids"]
+        if len(ids) >= count:
+            return ids[:count]
+    raise ValueError(f"the corpus has fewer than {count} tokens")
+
+
+def verdicts(part: dict) -> list[str]:
+    """At each thread count: ours within 2x of llama.cpp's tokens/s at the same bits (medians), and where the time
+    of a token goes: our kernel and framework milliseconds, llama.cpp's evaluation."""
+    lines = []
+    for threads, cell in part["threads"].items():
+        s = cell["summary"]
+        where = f"[SmolLM2-135M, {part['cpu']}, {threads} thread(s)]"
+        for name, v in s.items():
+            if not name.startswith("ours") or "error" in v or "static cache" in name:
+                continue
+            bits = int(name.split("DKM ")[1][0])
+            for peer in SAME_BITS[bits]:
+                p = s.get(peer)
+                if not p or "error" in p:
+                    lines.append(f"{where} {name} vs {peer}: no comparison ({p['error'] if p else 'not run'})")
+                    continue
+                ratio = v["tokens_per_s_b1"] / p["tokens_per_s_b1"]
+                lines.append(
+                    f"{where} {name}: {v['tokens_per_s_b1']:.1f} tokens/s, {ratio:.2f}x {peer}'s "
+                    f"{p['tokens_per_s_b1']:.1f} ({'holds' if ratio >= 0.5 else 'FAILS'} >= 0.5); a token takes us "
+                    f"{1e3 / v['tokens_per_s_b1']:.1f} ms: {v.get('kernel_ms_per_token', 0):.1f} in the kernels, "
+                    f"{v.get('framework_ms_per_token', 0):.1f} in the framework; llama.cpp "
+                    f"{1e3 / p['tokens_per_s_b1']:.1f} ms, {p.get('kernel_ms_per_token', 0):.1f} in its evaluation"
+                )
+    return lines
+
+
+def _ms(v: dict, key: str) -> str:
+    return f"{v[key]:.1f}" if key in v else ""
+
+
+def table(part: dict, threads: str) -> str:
+    s = part["threads"][threads]["summary"]
+    rows = [
+        [
+            "variant",
+            "tokens/s batch 1",
+            "x dense bf16",
+            "prefill s (512 tokens)",
+            "ms/token: kernels",
+            "ms/token: framework",
+            "weights MiB",
+            "perplexity (512 tokens)",
+            "first 8 tokens as dense fp32's",
+            "loops / code",
+        ]
+    ]
+    reference = s.get("dense fp32", {}).get("first_tokens") or []
+    for name, v in s.items():
+        if "error" in v:
+            rows.append([name, f"did not run: {v['error']}", *[""] * 8])
+            continue
+        first = v.get("first_tokens") or []
+        agree = next((i for i, (a, b) in enumerate(zip(first, reference)) if a != b), min(len(first), len(reference)))
+        rows.append(
+            [
+                f"**{name}**" if name.startswith("ours") else name,
+                f"{v['tokens_per_s_b1']:.1f}",
+                f"{v['b1_x_bf16']:.2f}" if v.get("b1_x_bf16") else "",
+                f"{v['prefill_s']:.3f}",
+                _ms(v, "kernel_ms_per_token"),
+                _ms(v, "framework_ms_per_token"),
+                f"{v['weight_bytes'] / 2**20:,.1f}",
+                f"{v['perplexity']:,.1f}" if "perplexity" in v else "",
+                f"{agree}" if reference else "",
+                v.get("loops", ""),
+            ]
+        )
+    return markdown_table(rows)
