@@ -26,6 +26,7 @@ COLD_BYTES = 96 * 2**20  # well above the last-level cache of the CPUs measured:
 MODEL = dict(hidden=1024, layers=4, intermediate=2816, vocab=4096, heads=16)
 TINY = dict(hidden=128, layers=2, intermediate=384, vocab=4096, heads=4)
 DTYPES = ("bfloat16", "float32")
+PREFILL = 32  # the whole-model rows time generation; their prefill (untabled) is kept short
 
 
 def cpu_name() -> str:

@@ -159,7 +159,7 @@ def run_loops(args, device: str, work: Path) -> dict:
     new_tokens = args.new_tokens["issue"]
     dense_dir = work / "loops" / "dense"
     common = dict(shape=shape, dense_dir=str(dense_dir), device=device, prompt=args.prompt, new_tokens=new_tokens,
-                  prefill=args.prefill, repeats=args.repeats, batch8=False)  # fmt: skip
+                  prefill=loops.PREFILL, repeats=args.repeats, batch8=False)  # fmt: skip
     runner.child("prepare", dict(common, kind="checkpoint", name="dense checkpoint", dir=str(dense_dir)), work, 3600)
     kernels = runner.child("kernels", dict(name="kernel table", quick=args.quick, device=device), work, 3600)
     rounds = 1 if args.quick else args.rounds["issue"]
