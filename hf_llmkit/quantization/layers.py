@@ -244,17 +244,12 @@ class _Clustered:
         """The soft assignment with block scales: the table clusters `W / s` (the scales of the current latent
         weight, kept in `scales`, or with `recipe="calibrated"` the kept ones; constants to autograd) and the
         clustered weight is `s` times it."""
-        w = self.weight
         scales = self.scales
         if self.settings.config.recipe != "calibrated":  # that recipe keeps its start's scales, the table's units
-            scales = self.fresh_scales(w)
+            scales = self.fresh_scales(self.weight)
             with torch.no_grad():
                 self.scales.copy_(scales)
-        spread = dkm.expand_scales(scales, w.shape[1])
-        normalized = (w.float() / spread).to(w.dtype)
-        clustered, cents = engines.soft_cluster(None, normalized, start, self.settings, self.shard_group)
-        w_c = (clustered.float() * spread).to(w.dtype)
-        return (w_c if x is None else x @ w_c.to(x.dtype).t()), cents
+        return engines.soft_cluster(x, self.weight, start, self.settings, self.shard_group, scales=scales)
 
 
 def _accept_checkpoint_tensors(module, state_dict, prefix, *_args) -> None:
