@@ -6,7 +6,8 @@ minutes). The library lands in `<hf_llmkit cache>/kernels/` under a name that ca
 machine's architecture, is written to a private temporary and renamed into place, so concurrent processes never load
 a half-written one. It needs `cc` (or `$CC`); where there is none, or the build fails, `library()` is None, the
 reason is logged once, and the caller takes its torch path. Users: the packed DKM layers
-(`quantization/_lut_native.py`) and the MoE experts' SwiGLU (`parallel/moe/swiglu_kernel.py`).
+(`quantization/_lut_native.py`), DKM training's interval engine (`quantization/engines/interval_kernel.py`) and the
+MoE experts' SwiGLU (`parallel/moe/swiglu_kernel.py`).
 """
 
 from __future__ import annotations

@@ -209,11 +209,11 @@ class _Clustered:
         return self.training and torch.is_grad_enabled() and self.weight.requires_grad
 
     def _trained_weight(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """`recipe="calibrated"`, training forward: the hard-assigned weight (evaluation's and the saved model's, bit
-        for bit) with a straight-through gradient to the latent weight; None otherwise. DKM's soft assignment would
-        blend two entries for the many GPTQ-compensated latent weights between them: training would optimise that
-        blend, not the rounded model (docs/dkm.md)."""
-        if self.settings.config.recipe != "calibrated" or not self._use_soft():
+        """A straight-through training forward (`training_forward`, by default `recipe="calibrated"`'s): the
+        hard-assigned weight (evaluation's and the saved model's, bit for bit) with a straight-through gradient to the
+        latent weight; None otherwise. DKM's soft assignment would blend two entries for the many GPTQ-compensated
+        latent weights between them: training would optimise that blend, not the rounded model (docs/dkm.md)."""
+        if not self.settings.config.straight_through or not self._use_soft():
             return None
         return self.hard_weight(dtype) + (self.weight - self.weight.detach()).to(dtype)  # adds an exact zero
 

@@ -85,6 +85,8 @@ CASES = {  # (dtype, tables, bits, rows, cols, scale block, tolerance)
     "float32, 8 bits": (torch.float32, 1, 8, 64, 96, 0, 5e-3),  # the same, 256 entries for 6,144 weights
     "float32, 1 bit": (torch.float32, 1, 1, 64, 96, 0, 1e-5),
     "float32, scales per 32 inputs": (torch.float32, 1, 3, 64, 96, 32, 1e-5),
+    "float32, scales per 16 of 80 inputs": (torch.float32, 2, 3, 64, 80, 16, 1e-5),  # blocks shorter than the loops'
+    "float32, 100 inputs": (torch.float32, 1, 2, 64, 100, 0, 1e-5),
     "bfloat16 by pattern": (torch.bfloat16, 1, 3, 512, 256, 0, 2e-2),
     "bfloat16 by pattern, 2 tables": (torch.bfloat16, 2, 4, 512, 256, 0, 2e-2),
     "float16 by pattern": (torch.float16, 1, 3, 512, 256, 0, 5e-3),

@@ -256,9 +256,10 @@ static inline __attribute__((always_inline)) void run_row(int op, const consts_t
     for (int64_t c = 0; c < cols;) {
         int64_t end = bs ? c + bs : cols;
         float s = bs ? scales[r * (cols / bs) + c / bs] : 1.0f;
-        for (; c < end; c += BLK) {
+        while (c < end) {
             int n = end - c < BLK ? (int)(end - c) : BLK;
             block(op, t, src, kind, base + c, s, n, io, acc);
+            c += n;
         }
     }
 }
@@ -516,15 +517,19 @@ void dkm_group_std(const void *src, int kind, const double *mult, int64_t rows, 
         double n = 0, s1 = 0, s2 = 0;
         float v[BLK];
         for (int64_t r = r0; r < r1; r++)
-            for (int64_t c = 0; c < cols; c += BLK) {
-                int cnt = cols - c < BLK ? (int)(cols - c) : BLK;
+            for (int64_t c = 0; c < cols;) {
+                int64_t end = p.bs ? c + p.bs : cols;
                 float sc = p.bs ? scales[r * (cols / p.bs) + c / p.bs] : 1.0f;
-                load(src, kind, r * cols + c, sc, cnt, v);
-                for (int i = 0; i < cnt; i++) {
-                    double w = mult ? mult[r * cols + c + i] : 1.0;
-                    n += w;
-                    s1 += w * v[i];
-                    s2 += w * (double)v[i] * v[i];
+                while (c < end) {
+                    int cnt = end - c < BLK ? (int)(end - c) : BLK;
+                    load(src, kind, r * cols + c, sc, cnt, v);
+                    for (int i = 0; i < cnt; i++) {
+                        double w = mult ? mult[r * cols + c + i] : 1.0;
+                        n += w;
+                        s1 += w * v[i];
+                        s2 += w * (double)v[i] * v[i];
+                    }
+                    c += cnt;
                 }
             }
         part[3 * ch] = n;
