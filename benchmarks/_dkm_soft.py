@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from _common import RESULTS, run_record, write_results
 from _dkm_soft_report import STRAIGHT
+
 SOFT = "soft, tables and scales kept"
 VARIANTS = {  # name -> (DKMConfig changes, temperature schedule (first, last) or None)
     STRAIGHT: ({}, None),

@@ -91,8 +91,11 @@ def study_verdicts(study: dict) -> list[str]:
             best = min(soft, key=lambda r: sign * r[first])
             wins = [m for m in metrics if (best[m] < straight[m]) == (m in LOWER_IS_BETTER)]
             parts = ", ".join(f"{m} {best[m]:.4g} vs {straight[m]:.4g}" for m in metrics)
-            verdict = "soft wins" if len(wins) == len(metrics) else (
-                "straight-through wins" if not wins else f"mixed (soft better on {', '.join(wins)})")
+            verdict = (
+                "soft wins"
+                if len(wins) == len(metrics)
+                else ("straight-through wins" if not wins else f"mixed (soft better on {', '.join(wins)})")
+            )
             lines.append(f"{name}, {bits}-bit: {verdict}: the best soft variant ({best['variant']}) against "
                          f"straight-through: {parts}")  # fmt: skip
     return lines
@@ -106,9 +109,9 @@ def dkm_soft(results: dict) -> str:
     if not study:
         return "Not measured yet: `python benchmarks/dkm_quality.py --only soft`."
     parts = [
-        f"Every variant: the same {study['steps']} AdamW steps (learning rate {study['lr']:g}) of distillation from the "
-        "source model on the same batches, from the same calibrated start (`recipe=\"calibrated\"`: block scales per "
-        "64 inputs, tables refit to the output error, GPTQ-rounded latent weights), evaluated as saved (the hard "
+        f"Every variant: the same {study['steps']} AdamW steps (learning rate {study['lr']:g}) of distillation from "
+        'the source model on the same batches, from the same calibrated start (`recipe="calibrated"`: block scales '
+        "per 64 inputs, tables refit to the output error, GPTQ-rounded latent weights), evaluated as saved (the hard "
         "assignment). At the start: blended = the share of weights whose largest attention is under 0.99 at the "
         "variant's temperature, loss = the distillation loss of the model the variant trains (soft or hard) on a "
         "training batch, gradient = the share of latent weights whose gradient is at least a thousandth of their "
