@@ -59,12 +59,25 @@ def add_arguments(parser) -> None:
     parser.add_argument("--soft-variants", nargs="*", default=None, help="only these variants (names or indices)")
 
 
-def save_section(name: str, data: dict) -> None:
-    """Write `data` as section `name` of `benchmarks/results/dkm_soft.json`, keeping the other sections."""
+def _earlier() -> dict:
     path = RESULTS / "dkm_soft.json"
     earlier = json.loads(path.read_text()) if path.is_file() else {}
     earlier.pop("recorded", None)
-    write_results("dkm_soft", {**earlier, name: {**data, "measured": run_record()}})
+    return earlier
+
+
+def save_section(name: str, data: dict) -> None:
+    """Write `data` as section `name` of `benchmarks/results/dkm_soft.json`, keeping the other sections."""
+    write_results("dkm_soft", {**_earlier(), name: {**data, "measured": run_record()}})
+
+
+def merged_rows(workload: str, rows: list[dict]) -> list[dict]:
+    """`rows` with the earlier study's rows of `workload` that this run did not measure (another width or variant,
+    a run of its own), in width order."""
+    earlier = _earlier().get("study", {}).get("workloads", {}).get(workload, {}).get("rows", [])
+    done = {(r["bits"], r["variant"]) for r in rows}
+    kept = [r for r in earlier if (r["bits"], r["variant"]) not in done]
+    return sorted(kept + rows, key=lambda r: r["bits"])  # stable: each width's rows in their order
 
 
 # -- the SmolLM2 workload --------------------------------------------------------------------------------------------
@@ -258,7 +271,8 @@ def study(args) -> dict:
     from _dkm_workloads import MiniLM
 
     steps = args.soft_steps or args.steps
-    out = {"steps": steps, "lr": args.lr, "variants": _selected(args), "workloads": {}}
+    out = {"steps": steps, "lr": args.lr, "variants": _selected(args),
+           "workloads": _earlier().get("study", {}).get("workloads", {})}  # fmt: skip
     for kind in args.soft_workloads:
         if kind == "minilm":
             workload = MiniLM(quick=args.quick)
@@ -283,6 +297,7 @@ def study(args) -> dict:
         name = workload.name + (f" (first {args.soft_layers} layers)" if args.soft_layers and kind != "minilm" else "")
         held = workload.held_out
         held = {"sentences": len(held)} if isinstance(held, list) else held
-        out["workloads"][name] = {"metrics": list(workload.metrics), "rows": rows, "held_out": held}
+        out["workloads"][name] = {"metrics": list(workload.metrics), "rows": merged_rows(name, rows),
+                                  "held_out": held}  # fmt: skip
         save_section("study", out)  # a finished workload is kept at once
     return out

@@ -10,8 +10,9 @@ interleaved rounds (`_common.Bench`: the order rotated each round, min and media
   49,152-token embedding stays in float32.
 
 Variants: the plain model in float32; DKM 3 and 4 bits with float32 latent weights (the interval engine: its C
-kernel on this CPU), a table per channel, bfloat16 latent weights (the whole model in bfloat16, the kernel counting
-their bit patterns); the same engines on torch's ops (`interval_kernel.torch_ops()`: the engines as they were
+kernel on this CPU), a table per channel, bfloat16 latent weights (the rest of the model in float32; the kernel
+counts their bit patterns) and, for MiniLM, the whole model in bfloat16 (the earlier table's rows); the same engines
+on torch's ops (`interval_kernel.torch_ops()`: the engines as they were
 before the kernel, the bfloat16 rows on the table engine); and `recipe="calibrated"`'s training forward (the hard
 assignment with straight-through gradients), all against the plain float32 step. Each row also has the bytes its step
 saves for backward (each storage once, parameters left out; DKM's own through its marshaling hooks): the kernel saves
@@ -62,18 +63,22 @@ class SmolLM2Steps:
         return model(input_ids=batch, labels=batch).loss
 
 
-def _plan(small: bool) -> list[tuple[str, int | None, torch.dtype | None, dict, bool]]:
-    """(label, bits, latent dtype, DKMConfig options, on torch's ops) of every variant; every variant's model is held
-    at once (interleaved rounds), so a large model (`small=False`) gets the rows that answer the issue only."""
+def _plan(small: bool) -> list[tuple[str, int | None, str | None, dict, bool]]:
+    """(label, bits, bf16 ("latent": the DKM layers' latent weights, "model": the whole model; None: float32),
+    DKMConfig options, on torch's ops) of every variant. Every variant's model is held at once (interleaved rounds),
+    so a large model (`small=False`) gets the rows that answer the issue only; its whole model in bf16 would time this
+    CPU's bf16 matrix products of the LM head, not DKM."""
     per_channel = {"granularity": "per_grouped_channel", "group_size": 1}
     calibrated = {"recipe": "calibrated", "calibration": None}  # its training forward: the hard assignment + STE
     plan = [("plain fp32", None, None, {}, False)]
     plan += [(f"DKM {b}-bit fp32", b, None, {}, False) for b in STEP_BITS]
     plan += [("DKM 3-bit fp32, a table per channel", 3, None, per_channel, False)] if small else []
-    plan += [(f"DKM {b}-bit bf16", b, torch.bfloat16, {}, False) for b in STEP_BITS]
+    plan += [(f"DKM {b}-bit bf16", b, "latent", {}, False) for b in STEP_BITS]
+    plan += [("DKM 3-bit bf16, the whole model in bf16", 3, "model", {}, False)] if small else []
     plan += [("DKM 3-bit fp32, torch ops (no kernel)", 3, None, {}, True)]
     plan += [("DKM 3-bit fp32, a table per channel, torch ops", 3, None, per_channel, True)] if small else []
-    plan += [("DKM 3-bit bf16, torch ops (table engine)", 3, torch.bfloat16, {}, True)]
+    plan += [("DKM 3-bit bf16, torch ops (table engine)", 3, "latent", {}, True)]
+    plan += [("DKM 3-bit bf16, the whole model in bf16, torch ops", 3, "model", {}, True)] if small else []
     plan += [("DKM 3-bit fp32, recipe='calibrated'", 3, None, calibrated, False)] if small else []
     return plan
 
@@ -98,17 +103,25 @@ def _saved_bytes(model, step) -> int:
     return meter.stats.stored_bytes + inner
 
 
-def workload_steps(workload, rounds: int, extra_skip=()) -> dict:
+def workload_steps(workload, rounds: int, extra_skip=(), quick: bool = False) -> dict:
     """{"summary": Bench's per-variant summary, "saved_mib": {label: MiB}} of one workload."""
+    from _dkm_helpers import bf16_latent
+
+    from hf_llmkit.quantization import DKMLinear
+
     variants, saved = {}, {}
     batch = next(iter(workload.batches(1)))
     small = not getattr(workload, "large", False)
     for label, bits, dtype, options, torch_ops in _plan(small):
+        if quick and dtype == "model":  # --quick quantizes one layer: the others would time bf16 matrix products
+            continue
         model = workload.load()
-        if dtype is not None:
-            model = model.to(dtype)
+        if dtype == "model":
+            model = model.to(torch.bfloat16)
         if bits is not None:
             peers.dkm(model, bits, workload.skip + tuple(extra_skip), None, **options)
+        if dtype == "latent":
+            bf16_latent(model, DKMLinear)
         for module in model.modules():  # the teacher runs without dropout; so does every student here
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
@@ -141,7 +154,7 @@ def step_times(args, minilm_cls) -> dict:
         out = {"threads": args.step_threads, "kernel_loops": loops, "workloads": {}}
         for workload in (minilm_cls(quick=args.quick), SmolLM2Steps(quick=args.quick)):
             extra = args.extra_skip if workload.name.startswith("all-MiniLM") else ()
-            out["workloads"][workload.name] = workload_steps(workload, args.step_rounds, extra)
+            out["workloads"][workload.name] = workload_steps(workload, args.step_rounds, extra, args.quick)
     finally:
         torch.set_num_threads(threads)
     return out

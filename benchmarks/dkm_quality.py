@@ -18,8 +18,10 @@ every Linear but the head quantized:
 - post-training: plain k-means (our tables without training), coremltools `PostTrainingPalettizer` (k-means), HQQ
   (group 64), GPTQ (llmcompressor, group 64, calibrated on training inputs), bitsandbytes nf4 (4.5 bits).
 Bits per weight are counted from what each method stores over the quantized matrices: indices or integers plus
-lookup tables, scales and zero points. Each row also has its compute time and peak tensor memory; the step-time
-section times one training step of plain fp32 MiniLM against DKM's (fp32 and bf16 latents) in interleaved rounds.
+lookup tables, scales and zero points. Each row also has its compute time and peak tensor memory. Two sections write
+benchmarks/results/dkm_soft.json: `--only steps` (`_dkm_steps.py`) times one training step of MiniLM and of SmolLM2,
+plain against DKM's (its C kernel, torch's ops, fp32 and bf16 latents), and `--only soft` (`_dkm_soft.py`) trains
+from the calibrated start with DKM's soft assignment against straight-through training and measures why one wins.
 
 Writes benchmarks/results/dkm_quality.json and dkm_quality.png (quality against bits per weight, per workload).
 """

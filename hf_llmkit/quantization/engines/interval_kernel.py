@@ -143,6 +143,17 @@ def _weight_points(weight: torch.Tensor, groups: int, scales) -> _Points:
     return _Points(w, kind, w.shape[0], w.shape[1], groups, s)
 
 
+_PATTERN_VALUES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _pattern_values(dtype: torch.dtype) -> torch.Tensor:
+    """The float32 value of each of the 65,536 bit patterns of a 16-bit dtype (computed once)."""
+    if dtype not in _PATTERN_VALUES:
+        bits = torch.arange(PATTERNS, dtype=torch.int32).to(torch.int16)
+        _PATTERN_VALUES[dtype] = bits.view(dtype).float()
+    return _PATTERN_VALUES[dtype]
+
+
 class _Patterns:
     """The distinct bit patterns of each table of a 16-bit weight: their values and counts `[G, U]` (padded with
     zero counts), and where each sits among all 65,536 (`slot`, flat `g 65536 + pattern`, of the filled places
@@ -155,15 +166,15 @@ class _Patterns:
         library().dkm_pattern_counts(self.bits.data_ptr(), n, groups, counts.data_ptr(), _threads())
         self.slot = counts.view(-1).nonzero().squeeze(1)  # [sum U], in group order
         group = self.slot // PATTERNS
-        patterns = torch.arange(PATTERNS, dtype=torch.int32).to(torch.int16).view(weight.dtype).float()
+        patterns = _pattern_values(weight.dtype)
         if groups == 1:
             width, self.place = self.slot.numel(), None
         else:
             per = torch.bincount(group, minlength=groups)
             width = int(per.max())
             self.place = group * width + torch.arange(group.numel()) - (torch.cumsum(per, 0) - per)[group]
-        self.values = self._padded(patterns[self.slot % PATTERNS], groups, width)
-        self.mult = self._padded(counts.view(-1)[self.slot].double(), groups, width)
+        self.values = self._padded(patterns.index_select(0, self.slot - group * PATTERNS), groups, width)
+        self.mult = self._padded(counts.view(-1).index_select(0, self.slot).double(), groups, width)
         self.n, self.groups = n, groups
 
     def _padded(self, filled: torch.Tensor, groups: int, width: int) -> torch.Tensor:
@@ -177,7 +188,7 @@ class _Patterns:
 
     def gather(self, table: torch.Tensor) -> torch.Tensor:
         """A `[G * 65536]` per-pattern table at the points, `[G, U]`."""
-        return self._padded(table[self.slot], self.groups, self.values.shape[1])
+        return self._padded(table.index_select(0, self.slot), self.groups, self.values.shape[1])
 
     def spread(self, per_point: torch.Tensor) -> torch.Tensor:
         """A `[G, U]` per-point float32 table as `[G * 65536]` (patterns absent from a table: 0)."""
