@@ -236,8 +236,15 @@ def run_variant(workload, start, name: str, steps: int, lr: float, batch) -> dic
         config.temperature = schedule[0]
     if config.straight_through is False:
         row["blended_at_start"] = blended_share(model, config.temperature)
+    kept = [(layer, layer.centroids.clone(), None if layer.scales is None else layer.scales.clone())
+            for layer in _layers(model)]  # fmt: skip
     row["loss_at_start"] = _loss(workload, model, batch)  # the objective training starts from
     row["gradient_share_at_start"] = gradient_share(workload, model, batch)
+    for layer, tables, scales in kept:  # those forwards ran DKM's iterations (recipe="dkm"): training starts over
+        layer.centroids.copy_(tables)
+        if scales is not None:
+            layer.scales.copy_(scales)
+        layer.dkm_step = None
     done = [0]
 
     def anneal():
