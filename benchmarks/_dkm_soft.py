@@ -278,8 +278,7 @@ def study(args) -> dict:
     from _dkm_workloads import MiniLM
 
     steps = args.soft_steps or args.steps
-    out = {"steps": steps, "lr": args.lr, "variants": _selected(args),
-           "workloads": _earlier().get("study", {}).get("workloads", {})}  # fmt: skip
+    out = {"steps": steps, "lr": args.lr, "variants": _selected(args), "workloads": {}}
     for kind in args.soft_workloads:
         if kind == "minilm":
             workload = MiniLM(quick=args.quick)
@@ -306,5 +305,12 @@ def study(args) -> dict:
         held = {"sentences": len(held)} if isinstance(held, list) else held
         out["workloads"][name] = {"metrics": list(workload.metrics), "rows": merged_rows(name, rows),
                                   "held_out": held}  # fmt: skip
-        save_section("study", out)  # a finished workload is kept at once
-    return out
+        save_section("study", _with_earlier(out))  # a finished workload is kept at once
+    return _with_earlier(out)
+
+
+def _with_earlier(out: dict) -> dict:
+    """`out` with the workloads of the results file that this run did not measure (read now: another run of the
+    section may have written since this one began)."""
+    earlier = _earlier().get("study", {}).get("workloads", {})
+    return {**out, "workloads": {**earlier, **out["workloads"]}}

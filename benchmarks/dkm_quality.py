@@ -300,7 +300,7 @@ def main() -> None:
     if "steps" in sections:  # its own results file, dkm_soft.json (`_dkm_steps.py`)
         soft_section.save_section("steps", steps_section.step_times(args, MiniLM))
     if "soft" in sections:  # soft assignment against straight-through training (`_dkm_soft.py`)
-        soft_section.save_section("study", soft_section.study(args))
+        soft_section.save_section("study", soft_section.study(args))  # each workload also as it finishes
     if "job" in sections:
         results["job_times"] = {"rows": job_times(args), "measured": run_record()}
         save(results)

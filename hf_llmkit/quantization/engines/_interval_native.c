@@ -358,32 +358,40 @@ static problem_t make_problem(const void *src, int kind, int64_t rows, int64_t c
  * chunk order) */
 static void pass(const problem_t *p, int op, const consts_t *consts, const io_t *io, double *acc, int threads) {
     int64_t width = 4 * (int64_t)(p->k + 1), lanes = LANES * width;
-    double *part = calloc((size_t)(p->chunks * lanes), sizeof(double));
+    double *part = calloc((size_t)(p->chunks * width), sizeof(double));
     int avx2 = dkm_level();
     (void)threads;
     (void)avx2;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && p->chunks > 1)
-    for (int64_t ch = 0; ch < p->chunks; ch++) {
-        int64_t g = ch / p->chunks_per_group;
-        int64_t r0 = g * p->per_group + (ch % p->chunks_per_group) * p->chunk_rows;
-        int64_t r1 = r0 + p->chunk_rows;
-        if (r1 > (g + 1) * p->per_group) r1 = (g + 1) * p->per_group;
-        for (int64_t r = r0; r < r1; r++) {
+#pragma omp parallel num_threads(threads) if (threads > 1 && p->chunks > 1)
+    {
+        double *copies = malloc((size_t)lanes * sizeof(double)); /* this thread's LANES copies of a chunk's sums */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t ch = 0; ch < p->chunks; ch++) {
+            int64_t g = ch / p->chunks_per_group;
+            int64_t r0 = g * p->per_group + (ch % p->chunks_per_group) * p->chunk_rows;
+            int64_t r1 = r0 + p->chunk_rows;
+            if (r1 > (g + 1) * p->per_group) r1 = (g + 1) * p->per_group;
+            memset(copies, 0, (size_t)lanes * sizeof(double));
+            for (int64_t r = r0; r < r1; r++) {
 #ifdef HAVE_X86
-            if (avx2) {
-                row_avx2(op, consts + g, p->src, p->kind, r, p->cols, p->scales, p->bs, io, part + ch * lanes);
-                continue;
-            }
+                if (avx2) {
+                    row_avx2(op, consts + g, p->src, p->kind, r, p->cols, p->scales, p->bs, io, copies);
+                    continue;
+                }
 #endif
-            row_portable(op, consts + g, p->src, p->kind, r, p->cols, p->scales, p->bs, io, part + ch * lanes);
+                row_portable(op, consts + g, p->src, p->kind, r, p->cols, p->scales, p->bs, io, copies);
+            }
+            double *mine = part + ch * width; /* the copies added in a fixed order: the chunk's partial sums */
+            for (int64_t l = 0; l < LANES; l++)
+                for (int64_t i = 0; i < width; i++) mine[i] += copies[l * width + i];
         }
+        free(copies);
     }
     if (acc) {
         memset(acc, 0, (size_t)(p->groups * width) * sizeof(double));
         for (int64_t ch = 0; ch < p->chunks; ch++) {
             double *a = acc + (ch / p->chunks_per_group) * width;
-            for (int64_t l = 0; l < LANES; l++)
-                for (int64_t i = 0; i < width; i++) a[i] += part[ch * lanes + l * width + i];
+            for (int64_t i = 0; i < width; i++) a[i] += part[ch * width + i];
         }
     }
     free(part);
@@ -394,11 +402,36 @@ static void pass(const problem_t *p, int op, const consts_t *consts, const io_t 
 typedef struct {
     int k;
     double tau;
-    double c[MAXK];       /* sorted */
-    int order[MAXK];      /* sorted position -> slot */
-    double big_l[MAXK + 1], big_r[MAXK + 1];
-    double a[MAXK + 1], b[MAXK + 1];
+    double *c;            /* [K] sorted */
+    int *order;           /* [K] sorted position -> slot */
+    double *big_l, *big_r; /* [K + 1] */
+    double *a, *b;        /* [K + 1] */
 } table_t;
+
+/* the tables of `groups` groups, their arrays in one allocation (`tables_free`) */
+static table_t *tables_alloc(int64_t groups, int k) {
+    table_t *t = malloc((size_t)groups * sizeof(table_t));
+    int64_t per = k + 4 * (int64_t)(k + 1);
+    double *store = malloc((size_t)(groups * per) * sizeof(double));
+    int *orders = malloc((size_t)(groups * k) * sizeof(int));
+    for (int64_t g = 0; g < groups; g++) {
+        double *d = store + g * per;
+        t[g].k = k;
+        t[g].c = d;
+        t[g].big_l = d + k;
+        t[g].big_r = t[g].big_l + (k + 1);
+        t[g].a = t[g].big_r + (k + 1);
+        t[g].b = t[g].a + (k + 1);
+        t[g].order = orders + g * k;
+    }
+    return t;
+}
+
+static void tables_free(table_t *t) {
+    free(t[0].c);
+    free(t[0].order);
+    free(t);
+}
 
 /* e^{-(c_{j-1} - c_k) / tau} / L_j (k < j) */
 static inline double left_p(const table_t *t, int j, int k) { return exp((t->c[k] - t->c[j - 1]) / t->tau) / t->big_l[j]; }
@@ -593,7 +626,7 @@ int dkm_forward(const void *src, int kind, const double *mult, int64_t rows, int
                 const float *scales, int64_t bs, int k, const double *tau, const double *eps, int iters,
                 double *traj, double *sums, float *out, int round_bf16, int threads) {
     problem_t p = make_problem(src, kind, rows, cols, groups, scales, bs, k);
-    table_t *tabs = malloc((size_t)groups * sizeof(table_t));
+    table_t *tabs = tables_alloc(groups, k);
     stage_consts_t sc = alloc_consts(groups, k);
     io_t io = {mult, NULL, NULL, NULL, NULL, round_bf16};
     int done = 0;
@@ -630,7 +663,7 @@ int dkm_forward(const void *src, int kind, const double *mult, int64_t rows, int
         pass(&p, OP_OUT, sc.consts, &io, NULL, threads);
     }
     free_consts(&sc);
-    free(tabs);
+    tables_free(tabs);
     return done;
 }
 
@@ -645,7 +678,7 @@ void dkm_backward(const void *src, int kind, const double *mult, int64_t rows, i
                   const double *sums, const float *g, const double *gsum, float *grad, float *grad_steps,
                   float *out, int round_bf16, int threads) {
     problem_t p = make_problem(src, kind, rows, cols, groups, scales, bs, k);
-    table_t *tabs = malloc((size_t)groups * sizeof(table_t));
+    table_t *tabs = tables_alloc(groups, k);
     stage_consts_t sc = alloc_consts(groups, k);
     int64_t width = 4 * (int64_t)(k + 1);
     double *acc = malloc((size_t)(groups * width) * sizeof(double));
@@ -723,7 +756,7 @@ void dkm_backward(const void *src, int kind, const double *mult, int64_t rows, i
     free(gamma);
     free(acc);
     free_consts(&sc);
-    free(tabs);
+    tables_free(tabs);
 }
 
 /* ---- 16-bit weights without scales: the points are the distinct bit patterns of each group ------------------------
