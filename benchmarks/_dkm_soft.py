@@ -268,6 +268,8 @@ def run_variant(workload, start, name: str, steps: int, lr: float, batch) -> dic
 
 def _selected(args) -> list[str]:
     names = list(VARIANTS)
+    if args.quick and not args.soft_variants:  # --quick: the two the verdict compares
+        return [STRAIGHT, SOFT]
     if not args.soft_variants:
         return names
     return [names[int(v)] if v.isdigit() else v for v in args.soft_variants]
@@ -287,7 +289,7 @@ def study(args) -> dict:
         skip = workload.skip + (args.extra_skip if kind == "minilm" else ())
         batch = next(iter(workload.batches(1)))
         rows = []
-        for bits in args.soft_bits:
+        for bits in args.soft_bits[:1] if args.quick else args.soft_bits:
             began = time.perf_counter()
             start = calibrated_start(workload, bits, skip)
             rows.append({"variant": "calibrated start, no training", "bits": bits,
@@ -304,7 +306,7 @@ def study(args) -> dict:
         held = workload.held_out
         held = {"sentences": len(held)} if isinstance(held, list) else held
         out["workloads"][name] = {"metrics": list(workload.metrics), "rows": merged_rows(name, rows),
-                                  "held_out": held}  # fmt: skip
+                                  "held_out": held, "steps": steps, "lr": args.lr}  # fmt: skip
         save_section("study", _with_earlier(out))  # a finished workload is kept at once
     return _with_earlier(out)
 

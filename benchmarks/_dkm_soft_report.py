@@ -109,8 +109,8 @@ def dkm_soft(results: dict) -> str:
     if not study:
         return "Not measured yet: `python benchmarks/dkm_quality.py --only soft`."
     parts = [
-        f"Every variant: the same {study['steps']} AdamW steps (learning rate {study['lr']:g}) of distillation from "
-        'the source model on the same batches, from the same calibrated start (`recipe="calibrated"`: block scales '
+        "Every variant of a model: the same AdamW steps (their number and learning rate with its table) of "
+        'distillation from the source model on the same batches, from the same calibrated start (`recipe="calibrated"`: block scales '
         "per 64 inputs, tables refit to the output error, GPTQ-rounded latent weights), evaluated as saved (the hard "
         "assignment). At the start: blended = the share of weights whose largest attention is under 0.99 at the "
         "variant's temperature, loss = the distillation loss of the model the variant trains (soft or hard) on a "
@@ -132,7 +132,8 @@ def dkm_soft(results: dict) -> str:
                          _number(r.get("table_moved")), _number(r.get("train_s", r.get("calibrate_s")))])  # fmt: skip
         held = data.get("held_out") or {}
         what = ", ".join(f"{v:,} {k}" for k, v in held.items())
-        parts.append(f"**{name}** (held out: {what}):\n\n" + markdown_table(rows))
+        budget = f"{data.get('steps', study['steps'])} steps, learning rate {data.get('lr', study['lr']):g}"
+        parts.append(f"**{name}** ({budget}; held out: {what}):\n\n" + markdown_table(rows))
     verdicts = study_verdicts(study)
     text = "\n\n".join(parts) + "\n\nThe verdicts:\n\n" + "\n".join(f"- {line}" for line in verdicts)
     return text + f"\n\nThese rows: {_when(study)}.\n\n" + measured({"recorded": study["measured"]})
