@@ -111,7 +111,8 @@ def dkm_soft(results: dict) -> str:
     parts = [
         "Every variant of a model: the same AdamW steps (their number and learning rate with its table) of "
         "distillation from the source model on the same batches, from the same calibrated start "
-        '(`recipe="calibrated"`: block scales per 64 inputs, tables refit to the output error, GPTQ-rounded latent weights), evaluated as saved (the hard "
+        '(`recipe="calibrated"`: block scales per 64 inputs, tables refit to the output error, GPTQ-rounded latent '
+        "weights), evaluated as saved (the hard "
         "assignment). At the start: blended = the share of weights whose largest attention is under 0.99 at the "
         "variant's temperature, loss = the distillation loss of the model the variant trains (soft or hard) on a "
         "training batch, gradient = the share of latent weights whose gradient is at least a thousandth of their "
