@@ -149,28 +149,26 @@ static inline __attribute__((always_inline)) void output(const consts_t *t, cons
         for (int i = 0; i < BLK; i++) x[i] = bf16_round(x[i]);
 }
 
-/* the sums of n <= BLK points into `acc`, point i into copy i % LANES of the K + 1 intervals (`width` of them):
- * sum[j][0..3] += (a, b, c, d)[i] (the points in groups of LANES, each copy's address computed once) */
-static inline __attribute__((always_inline)) void scatter4_any(double *restrict acc, int width,
-                                                               const int *restrict j, int n, const float *a,
-                                                               const float *b, const float *c, const float *d) {
+/* the sums of n <= BLK points into `acc` [K + 1][LANES][4], point i into copy i % LANES of its interval:
+ * sum[j][i % LANES][0..3] += (a, b, c, d)[i] (a copy's place is its interval's plus a constant) */
+static inline __attribute__((always_inline)) void scatter4_any(double *restrict acc, const int *restrict j, int n,
+                                                               const float *a, const float *b, const float *c,
+                                                               const float *d) {
     sum4 *restrict a4 = (sum4 *)acc;
     sum4 q[BLK];
     for (int i = 0; i < BLK; i++) q[i] = (sum4){a[i], b[i], c[i], d[i]};
     int i = 0;
     for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) a4[l * width + j[i + l]] += q[i + l];
-    for (; i < n; i++) a4[(i & (LANES - 1)) * width + j[i]] += q[i];
+        for (int l = 0; l < LANES; l++) a4[j[i + l] * LANES + l] += q[i + l];
+    for (; i < n; i++) a4[j[i] * LANES + (i & (LANES - 1))] += q[i];
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 /* the same with AVX: four points' (a, b, c, d) transposed in registers, widened to double and added at once */
-__attribute__((target("avx2,fma"))) static void scatter4_avx2(double *restrict acc, int width,
-                                                              const int *restrict j, int n, const float *a,
-                                                              const float *b, const float *c, const float *d) {
-    double *lane[LANES];
-    for (int l = 0; l < LANES; l++) lane[l] = acc + 4 * l * width;
+__attribute__((target("avx2,fma"))) static void scatter4_avx2(double *restrict acc, const int *restrict j, int n,
+                                                              const float *a, const float *b, const float *c,
+                                                              const float *d) {
     int i = 0;
     for (; i + LANES <= n; i += LANES) {
         for (int h = 0; h < LANES; h += 4) {
@@ -180,13 +178,13 @@ __attribute__((target("avx2,fma"))) static void scatter4_avx2(double *restrict a
             __m128 t2 = _mm_unpackhi_ps(p0, p1), t3 = _mm_unpackhi_ps(p2, p3);
             __m128 q[4] = {_mm_movelh_ps(t0, t1), _mm_movehl_ps(t1, t0), _mm_movelh_ps(t2, t3), _mm_movehl_ps(t3, t2)};
             for (int l = 0; l < 4; l++) {
-                double *dst = lane[h + l] + 4 * j[i + h + l];
+                double *dst = acc + 4 * (j[i + h + l] * LANES + h + l);
                 _mm256_storeu_pd(dst, _mm256_add_pd(_mm256_loadu_pd(dst), _mm256_cvtps_pd(q[l])));
             }
         }
     }
     for (; i < n; i++) {
-        double *dst = lane[i & (LANES - 1)] + 4 * j[i];
+        double *dst = acc + 4 * (j[i] * LANES + (i & (LANES - 1)));
         dst[0] += a[i];
         dst[1] += b[i];
         dst[2] += c[i];
@@ -198,15 +196,14 @@ __attribute__((target("avx2,fma"))) static void scatter4_avx2(double *restrict a
 #define SCATTER4(level, ...) scatter4_any(__VA_ARGS__)
 #endif
 
-static inline __attribute__((always_inline)) void scatter1(double *restrict acc, int width, const int *restrict j,
+static inline __attribute__((always_inline)) void scatter1(double *restrict acc, const int *restrict j,
                                                            int n, const float *restrict a) {
-    double q[BLK], *lane[LANES];
+    double q[BLK];
     for (int i = 0; i < BLK; i++) q[i] = a[i];
-    for (int l = 0; l < LANES; l++) lane[l] = acc + 4 * l * width;
     int i = 0;
     for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) lane[l][4 * j[i + l]] += q[i + l];
-    for (; i < n; i++) lane[i & (LANES - 1)][4 * j[i]] += q[i];
+        for (int l = 0; l < LANES; l++) acc[4 * (j[i + l] * LANES + l)] += q[i + l];
+    for (; i < n; i++) acc[4 * (j[i] * LANES + (i & (LANES - 1)))] += q[i];
 }
 
 /* one block of n <= BLK points at `at`: acc [LANES][K + 1] x 4 doubles (OP_SUMS: N, Su, Suv, Sv; OP_OUT_BWD:
@@ -216,7 +213,6 @@ static inline __attribute__((always_inline)) void block(int level, int op, const
                                                         double *restrict acc) {
     float v[BLK], u[BLK], x[BLK], y[BLK], z[BLK], one[BLK];
     int j[BLK];
-    int width = t->k + 1;
     load(src, kind, at, scale, n, v);
     locate(t, v, j, u);
     const double *mult = io->mult ? io->mult + at : NULL;
@@ -228,13 +224,13 @@ static inline __attribute__((always_inline)) void block(int level, int op, const
                 x[i] = y[i] * v[i];
                 z[i] = one[i] * v[i];
             }
-            SCATTER4(level, acc, width, j, n, one, y, x, z);
+            SCATTER4(level, acc, j, n, one, y, x, z);
         } else {
             for (int i = 0; i < BLK; i++) {
                 one[i] = 1.0f;
                 x[i] = u[i] * v[i];
             }
-            SCATTER4(level, acc, width, j, n, one, u, x, v);
+            SCATTER4(level, acc, j, n, one, u, x, v);
         }
     } else if (op == OP_OUT) {
         output(t, j, u, scale, io->round_bf16, x);
@@ -268,7 +264,7 @@ static inline __attribute__((always_inline)) void block(int level, int op, const
             z[i] *= y[i];
             v[i] = 0.0f;
         }
-        SCATTER4(level, acc, width, j, n, x, one, z, v);
+        SCATTER4(level, acc, j, n, x, one, z, v);
     } else { /* OP_STEP_BWD */
         float mk = -t->kappa;
         for (int i = 0; i < BLK; i++) {
@@ -280,12 +276,13 @@ static inline __attribute__((always_inline)) void block(int level, int op, const
         for (int i = 0; i < n; i++) grad[i] += x[i];
         if (mult)
             for (int i = 0; i < n; i++) y[i] *= (float)mult[i];
-        scatter1(acc, width, j, n, y);
+        scatter1(acc, j, n, y);
     }
 }
 
 /* a run of points of one row: [c0, c1) of row r, scale blocks of `bs` columns (0: no scales) */
-static inline __attribute__((always_inline)) void run_row(int level, int op, const consts_t *t, const void *src, int kind,
+static inline __attribute__((always_inline)) void run_row(int level, int op, const consts_t *t, const void *src,
+                                                          int kind,
                                                           int64_t r, int64_t cols, const float *scales, int64_t bs,
                                                           const io_t *io, double *acc) {
     int64_t base = r * cols;
@@ -383,7 +380,7 @@ static void pass(const problem_t *p, int op, const consts_t *consts, const io_t 
             }
             double *mine = part + ch * width; /* the copies added in a fixed order: the chunk's partial sums */
             for (int64_t l = 0; l < LANES; l++)
-                for (int64_t i = 0; i < width; i++) mine[i] += copies[l * width + i];
+                for (int64_t i = 0; i < width; i++) mine[i] += copies[(i / 4 * LANES + l) * 4 + i % 4];
         }
         free(copies);
     }
@@ -434,9 +431,13 @@ static void tables_free(table_t *t) {
 }
 
 /* e^{-(c_{j-1} - c_k) / tau} / L_j (k < j) */
-static inline double left_p(const table_t *t, int j, int k) { return exp((t->c[k] - t->c[j - 1]) / t->tau) / t->big_l[j]; }
+static inline double left_p(const table_t *t, int j, int k) {
+    return exp((t->c[k] - t->c[j - 1]) / t->tau) / t->big_l[j];
+}
 /* e^{-(c_k - c_j) / tau} / R_j (k >= j) */
-static inline double right_q(const table_t *t, int j, int k) { return exp((t->c[j] - t->c[k]) / t->tau) / t->big_r[j]; }
+static inline double right_q(const table_t *t, int j, int k) {
+    return exp((t->c[j] - t->c[k]) / t->tau) / t->big_r[j];
+}
 
 static void build_table(table_t *t, const double *slots, int k, double tau) {
     t->k = k;
@@ -524,7 +525,8 @@ static void table_backward(const table_t *t, const double *dtheta, const double 
             double dot = 0;
             for (int c = 0; c < j; c++) {
                 p[c] = left_p(t, j, c);
-                dp[c] = (da ? da[j] * t->c[c] : 0.0) + (alpha ? beta[c] * s[4 * j + 1] + alpha[c] * s[4 * j + 2] : 0.0);
+                dp[c] = (da ? da[j] * t->c[c] : 0.0) +
+                        (alpha ? beta[c] * s[4 * j + 1] + alpha[c] * s[4 * j + 2] : 0.0);
                 dot += dp[c] * p[c];
             }
             for (int c = 0; c < j; c++) dc[c] += (da ? da[j] * p[c] : 0.0) + p[c] * (dp[c] - dot + th) / t->tau;
