@@ -18,10 +18,11 @@ for name, folder in MAPPED.items():
     for sub in find_packages(where=folder):
         packages.append(f"{name}.{sub}")
 
-# The C kernels (the packed DKM layers', the MoE experts' and routing's): sources compiled on the user's machine at
-# first use (hf_llmkit/native.py)
+# The C kernels (the packed DKM layers', DKM training's interval engine, the MoE experts' and routing's): sources
+# compiled on the user's machine at first use (hf_llmkit/native.py)
 package_data = {
     "hf_llmkit.quantization": ["_lut_native.c"],
+    "hf_llmkit.quantization.engines": ["_interval_native.c"],
     "hf_llmkit.parallel.moe": ["_swiglu_native.c", "_routing_native.c"],
 }
 

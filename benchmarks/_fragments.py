@@ -592,15 +592,6 @@ def dkm_quality(results: dict) -> str:
     seeds = _seed_spread(data)
     if seeds:
         text += "\n\n" + seeds
-    steps = data.get("step_times")
-    if steps:
-        rows = [["one MiniLM training step", "min s", "median s", "x plain fp32 (min / median)"]]
-        for label, s in steps["summary"].items():
-            ratio = f"{s['ratio_min']:.2f} / {s['ratio_median']:.2f}" if "ratio_min" in s else "-"
-            rows.append([label, f"{s['min_s']:.3f}", f"{s['median_s']:.3f}", ratio])
-        when = steps.get("measured")
-        when = f"\n\nThese rows: {when['date']}, `{when['command']}`." if when else ""
-        text += "\n\n" + markdown_table(rows) + when
     return text + "\n\n" + measured(data)
 
 
@@ -714,6 +705,9 @@ def _on_cuda(name: str) -> None:
 
 for _name in CUDA_VARIANTS:
     _on_cuda(_name)
+
+
+import _dkm_soft_report  # noqa: E402, F401 - registers dkm_steps and dkm_soft (issue 43's soft-assignment study)
 
 
 @fragment("gpu_check.cuda", "gpu_check.cuda")

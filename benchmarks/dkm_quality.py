@@ -18,8 +18,10 @@ every Linear but the head quantized:
 - post-training: plain k-means (our tables without training), coremltools `PostTrainingPalettizer` (k-means), HQQ
   (group 64), GPTQ (llmcompressor, group 64, calibrated on training inputs), bitsandbytes nf4 (4.5 bits).
 Bits per weight are counted from what each method stores over the quantized matrices: indices or integers plus
-lookup tables, scales and zero points. Each row also has its compute time and peak tensor memory; the step-time
-section times one training step of plain fp32 MiniLM against DKM's (fp32 and bf16 latents) in interleaved rounds.
+lookup tables, scales and zero points. Each row also has its compute time and peak tensor memory. Two sections write
+benchmarks/results/dkm_soft.json: `--only steps` (`_dkm_steps.py`) times one training step of MiniLM and of SmolLM2,
+plain against DKM's (its C kernel, torch's ops, fp32 and bf16 latents), and `--only soft` (`_dkm_soft.py`) trains
+from the calibrated start with DKM's soft assignment against straight-through training and measures why one wins.
 
 Writes benchmarks/results/dkm_quality.json and dkm_quality.png (quality against bits per weight, per workload).
 """
@@ -36,9 +38,9 @@ from pathlib import Path
 
 import _dkm_job as job_section
 import _dkm_peers as peers
-import torch
+import _dkm_soft as soft_section
+import _dkm_steps as steps_section
 from _common import (
-    Bench,
     PeakMemory,
     load_note,
     machine_state,
@@ -161,36 +163,6 @@ def main_job_row(workload, bits: int, args) -> dict:
     return row
 
 
-def step_times(args) -> dict:
-    """One distillation step of MiniLM: plain fp32 vs DKM with fp32 and bf16 latent weights, 3 and 4 bits, and the
-    calibrated recipe's (hard assignment with straight-through gradients)."""
-    workload = MiniLM(quick=args.quick)
-    variants = {}
-    per_channel = {"granularity": "per_grouped_channel", "group_size": 1}
-    plan = [("plain fp32", None, None, {}), ("DKM 3-bit fp32", 3, None, {}), ("DKM 4-bit fp32", 4, None, {})]
-    plan += [("DKM 3-bit fp32, a table per channel", 3, None, per_channel)]
-    plan += [("DKM 3-bit bf16", 3, torch.bfloat16, {}), ("DKM 4-bit bf16", 4, torch.bfloat16, {})]
-    calibrated = {"recipe": "calibrated", "calibration": None}  # its training forward: the hard assignment + STE
-    plan += [("DKM 3-bit fp32, recipe='calibrated'", 3, None, calibrated)]
-    plan += [("DKM 4-bit fp32, recipe='calibrated'", 4, None, calibrated)]
-    for label, bits, dtype, options in plan:
-        model = workload.load()
-        if bits is not None:
-            peers.dkm(model.to(dtype) if dtype else model, bits, workload.skip + args.extra_skip, None, **options)
-        batch = next(iter(workload.batches(1)))
-
-        def step(model=model, batch=batch):
-            model.train()
-            workload.loss(model, batch).backward()
-            model.zero_grad(set_to_none=True)
-
-        variants[label] = step
-    timings = Bench(rounds=args.step_rounds, warmup=1).run(variants, baseline="plain fp32")
-    print("\n### One MiniLM training step (16 sentences), ratio to the plain fp32 step\n")
-    print(timings.table())
-    return timings.to_json()
-
-
 def job_times(args) -> list[dict]:
     """The main job at Llama shapes, DKM against full fine-tuning, each in a fresh process (`_dkm_job.py`)."""
     import tempfile
@@ -260,12 +232,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu"], help="CPU only (the peers' CPU paths)")
     parser.add_argument("--steps", type=int, default=None, help="training steps of every trained method")
     parser.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate of every trained method")
-    parser.add_argument("--only", nargs="*", choices=["minilm", "lm", "steps", "job"], default=None)
+    parser.add_argument("--only", nargs="*", choices=["minilm", "lm", "steps", "job", "soft"], default=None)
     parser.add_argument("--lm-dir", type=Path, default=None, help="pretrained causal LM (trained there if missing)")
     parser.add_argument("--lm-size", default="22m", choices=["22m", "5m"], help="the causal LM's size")
     parser.add_argument("--lm-pretrain-steps", type=int, default=300, help="steps of the causal LM's pretraining")
     parser.add_argument("--coreml-dkm", action="store_true", help="also train coremltools' DKMPalettizer (slow)")
     parser.add_argument("--step-rounds", type=int, default=3, help="timed rounds of the step-time section")
+    parser.add_argument("--step-threads", type=int, default=1, help="torch threads of the step-time section")
+    soft_section.add_arguments(parser)
     parser.add_argument("--job-shapes", nargs="*", default=None, choices=list(job_section.SHAPES),
                         help="the job section's Llama shapes (default 280M and 1B; --quick: tiny)")  # fmt: skip
     parser.add_argument("--bits", type=int, nargs="*", choices=BITS, default=None, help="only these widths")
@@ -323,8 +297,10 @@ def main() -> None:
             "measured": run_record(),  # when, by which command (kept by a later --only run)
         })  # fmt: skip
         print_table(w.name, w.metrics, rows)
-    if "steps" in sections:
-        results["step_times"] = {**step_times(args), "measured": run_record()}  # kept by a later --only run
+    if "steps" in sections:  # its own results file, dkm_soft.json (`_dkm_steps.py`)
+        soft_section.save_section("steps", steps_section.step_times(args, MiniLM))
+    if "soft" in sections:  # soft assignment against straight-through training (`_dkm_soft.py`)
+        soft_section.save_section("study", soft_section.study(args))  # each workload also as it finishes
     if "job" in sections:
         results["job_times"] = {"rows": job_times(args), "measured": run_record()}
         save(results)

@@ -8,8 +8,8 @@ a half-written one. The file ends with the sha256 of what precedes it (a loader 
 cached library that is truncated or altered (a full disk, a copy cut short) is built again instead of loaded, since
 loading one dies of SIGBUS with no message. It needs `cc` (or `$CC`); where there is none, or the build fails, or the
 cache cannot be written, `library()` is None, the reason and its fix are logged once, and the caller takes its torch
-path. Users: the packed DKM layers
-(`quantization/_lut_native.py`) and the MoE experts' SwiGLU (`parallel/moe/swiglu_kernel.py`).
+path. Users: the packed DKM layers (`quantization/_lut_native.py`), DKM training's interval engine
+(`quantization/engines/interval_kernel.py`) and the MoE experts' SwiGLU (`parallel/moe/swiglu_kernel.py`).
 """
 
 from __future__ import annotations

@@ -66,6 +66,7 @@ def test_regular_install_wheel_contains_mapped_packages(tmp_path):
         "__init__.py", "callbacks/__init__.py", "trainers/__init__.py", "quantization/_lut_native.c",
         "parallel/moe/_swiglu_native.c",
         "parallel/moe/_routing_native.c",
+        "quantization/engines/_interval_native.c",
     )  # fmt: skip
     for required in (f"hf_llmkit/{name}" for name in required_files):
         assert required in names

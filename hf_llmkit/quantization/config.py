@@ -19,6 +19,7 @@ from hf_llmkit.quantization.engines import ENGINES
 GRANULARITIES = ("per_tensor", "per_grouped_channel")
 LUT_DTYPES = ("float32", "float16", "bfloat16")
 RECIPES = ("dkm", "calibrated")
+TRAINING_FORWARDS = ("auto", "soft", "straight_through")
 # recipe="calibrated": QAT from the best post-training state (the fields a user left at their defaults)
 CALIBRATED_RECIPE = {"scale_block_size": 64, "lut_dtype": "float16", "calibration_refit": True,
                      "calibration_samples": 128, "dkm_iters": 0}  # fmt: skip
@@ -80,6 +81,13 @@ class DKMConfig(QuantizationConfigMixin):
             final model (no second calibration: it would take the trained latents for full-precision weights). Its
             training forward is that rounding itself, the saved model's forward, with straight-through gradients to
             the latent weights (DKM's soft assignment would blend the entries around GPTQ-compensated weights).
+        training_forward (`str`, defaults to `"auto"`):
+            What a training forward computes: `"soft"` (DKM's soft assignment: each weight a blend of the table's
+            entries by its attention over them, at `temperature`), `"straight_through"` (the hard assignment,
+            evaluation's and the saved model's forward, with straight-through gradients to the latent weights; the
+            tables move only where DKM's iterations run, which they do not here), or `"auto"`: soft for
+            `recipe="dkm"`, straight-through for `recipe="calibrated"` (measured better from that start:
+            docs/dkm.md, "Soft assignment or straight-through").
         latent_lr_scale (`float`, defaults to 1.0):
             Factor on the learning rate of the DKM layers' latent weights, applied by `LLMKitTrainer` (and so the
             main jobs) and by `hf_llmkit.quantization.scale_latent_lr(optimizer, model)` in a loop of your own; a
@@ -150,6 +158,10 @@ class DKMConfig(QuantizationConfigMixin):
         default="dkm",
         metadata={"help": "'dkm' or 'calibrated' (QAT from refit + GPTQ-calibrated tables, block scales, 16-bit)."},
     )
+    training_forward: str = field(
+        default="auto",
+        metadata={"help": "'auto', 'soft' (DKM's attention) or 'straight_through' (the hard assignment + STE)."},
+    )
     latent_lr_scale: float = field(
         default=1.0, metadata={"help": "Learning-rate factor of latent weights (recipe 'calibrated': 0.1 at 4+ bits)."}
     )
@@ -191,6 +203,10 @@ class DKMConfig(QuantizationConfigMixin):
                 )
         if self.recipe not in RECIPES:
             raise ValueError(f"DKMConfig.recipe must be one of {RECIPES}, got {self.recipe!r}.")
+        if self.training_forward not in TRAINING_FORWARDS:
+            raise ValueError(
+                f"DKMConfig.training_forward must be one of {TRAINING_FORWARDS}, got {self.training_forward!r}."
+            )
         if self.recipe == "calibrated":
             self._fill_calibrated_recipe()
         positive = ("cluster_dim", "group_size", "kmeans_iters", "kmeans_sample")
@@ -249,6 +265,13 @@ class DKMConfig(QuantizationConfigMixin):
             )
         if self.cluster_dim != 1:
             raise ValueError("DKMConfig(recipe='calibrated') calibrates scalar tables: use cluster_dim=1.")
+
+    @property
+    def straight_through(self) -> bool:
+        """Whether a training forward is the hard assignment with straight-through gradients (`training_forward`)."""
+        if self.training_forward == "auto":
+            return self.recipe == "calibrated"
+        return self.training_forward == "straight_through"
 
     @property
     def table_dtype(self) -> torch.dtype:

@@ -209,11 +209,11 @@ class _Clustered:
         return self.training and torch.is_grad_enabled() and self.weight.requires_grad
 
     def _trained_weight(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """`recipe="calibrated"`, training forward: the hard-assigned weight (evaluation's and the saved model's, bit
-        for bit) with a straight-through gradient to the latent weight; None otherwise. DKM's soft assignment would
-        blend two entries for the many GPTQ-compensated latent weights between them: training would optimise that
-        blend, not the rounded model (docs/dkm.md)."""
-        if self.settings.config.recipe != "calibrated" or not self._use_soft():
+        """A straight-through training forward (`training_forward`, by default `recipe="calibrated"`'s): the
+        hard-assigned weight (evaluation's and the saved model's, bit for bit) with a straight-through gradient to the
+        latent weight; None otherwise. DKM's soft assignment would blend two entries for the many GPTQ-compensated
+        latent weights between them: training would optimise that blend, not the rounded model (docs/dkm.md)."""
+        if not self.settings.config.straight_through or not self._use_soft():
             return None
         return self.hard_weight(dtype) + (self.weight - self.weight.detach()).to(dtype)  # adds an exact zero
 
@@ -244,17 +244,12 @@ class _Clustered:
         """The soft assignment with block scales: the table clusters `W / s` (the scales of the current latent
         weight, kept in `scales`, or with `recipe="calibrated"` the kept ones; constants to autograd) and the
         clustered weight is `s` times it."""
-        w = self.weight
         scales = self.scales
         if self.settings.config.recipe != "calibrated":  # that recipe keeps its start's scales, the table's units
-            scales = self.fresh_scales(w)
+            scales = self.fresh_scales(self.weight)
             with torch.no_grad():
                 self.scales.copy_(scales)
-        spread = dkm.expand_scales(scales, w.shape[1])
-        normalized = (w.float() / spread).to(w.dtype)
-        clustered, cents = engines.soft_cluster(None, normalized, start, self.settings, self.shard_group)
-        w_c = (clustered.float() * spread).to(w.dtype)
-        return (w_c if x is None else x @ w_c.to(x.dtype).t()), cents
+        return engines.soft_cluster(x, self.weight, start, self.settings, self.shard_group, scales=scales)
 
 
 def _accept_checkpoint_tensors(module, state_dict, prefix, *_args) -> None:

@@ -72,6 +72,14 @@ def test_engine_equals_float64_naive_dkm(engine, dtype, d, groups, tol):
     assert layer.weight.grad.abs().sum() > 0 and not torch.equal(layer.centroids, start)
 
 
+@pytest.mark.parametrize("dtype, groups, tol", [c[1:2] + c[3:] for c in CASES if c[0] == "interval"], ids=str)
+def test_the_interval_engine_on_torch_ops_equals_float64_naive_dkm(dtype, groups, tol):
+    """On the CPU the interval engine runs its C kernel (tests/quantization/test_interval_kernel.py); its torch ops,
+    what accelerators and machines without a C compiler run, are held to the same reference here."""
+    with engines.interval_kernel.torch_ops():
+        test_engine_equals_float64_naive_dkm("interval", dtype, 1, groups, tol)
+
+
 def test_auto_rule():
     def pick(dtype, **options):
         settings = DKMSettings.build(8, **options)
@@ -82,7 +90,11 @@ def test_auto_rule():
     big = torch.zeros(4096, 1024)  # a table of 2**22 weights: the bucketed engine's buckets compress it
     assert engines.resolve(DKMSettings.build(4096), big, None) == "bucketed"
     assert engines.resolve(DKMSettings.build(4096, groups=2), big, None) == "interval"
-    assert pick(torch.bfloat16) == "table" and pick(torch.float16) == "table"
+    # 16-bit weights: the interval engine where its C kernel serves (it iterates over their bit patterns), else table
+    sixteen = "interval" if engines.interval_kernel.available(torch.zeros(1, dtype=torch.bfloat16)) else "table"
+    assert pick(torch.bfloat16) == sixteen and pick(torch.float16) == sixteen
+    with engines.interval_kernel.torch_ops():
+        assert pick(torch.bfloat16) == "table" and pick(torch.float16) == "table"
     assert pick(torch.float32, cluster_dim=2) == "table"
     assert pick(torch.float32, uniquify=False) == "naive"
     settings = DKMSettings.build(8)

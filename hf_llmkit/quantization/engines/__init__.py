@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from hf_llmkit.quantization.engines import bucketed, interval, naive, table
+from hf_llmkit.quantization import _dkm as dkm
+from hf_llmkit.quantization.engines import bucketed, interval, interval_kernel, naive, table
 
 # weights per table from which "auto" takes the bucketed engine: one 4096x4096 table steps about 2x faster there than
 # in the interval engine at 3 bits (as fast at 4), one 1024x1024 table 1.4-3x slower (benchmarks/dkm.py, 1 thread)
@@ -61,8 +62,10 @@ def resolve(settings, weight: torch.Tensor, group) -> str:
     - "naive" when `uniquify=False` and nothing is sharded (DKM as written, its memory included);
     - for float32 scalar weights, unsharded, all finite: "interval", or "bucketed" where a table has at least
       `BUCKETED_FROM` weights (its buckets compress them: faster there, and nothing weight-sized saved);
-    - "table" otherwise: 16-bit weights, vectors, sharding, and weights holding NaN/Inf (the bucketed grid needs
-      finite values; the table engine propagates NaN like naive DKM, so a diverged step shows as a NaN loss).
+    - for 16-bit scalar weights, unsharded, all finite, where the interval kernel serves (the CPU, a C compiler):
+      "interval" (the kernel iterates over their distinct values);
+    - "table" otherwise: 16-bit weights elsewhere, vectors, sharding, and weights holding NaN/Inf (the bucketed grid
+      needs finite values; the table engine propagates NaN like naive DKM, so a diverged step shows as a NaN loss).
 
     A pinned engine that cannot run this layer raises a ValueError naming the fix.
     """
@@ -75,6 +78,8 @@ def resolve(settings, weight: torch.Tensor, group) -> str:
             if not all_finite(weight):
                 return "table"
             return "bucketed" if weight.numel() // settings.groups >= BUCKETED_FROM else "interval"
+        if settings.cluster_dim == 1 and not sharded and interval_kernel.available(weight) and all_finite(weight):
+            return "interval"
         return "table"
     reason = unsupported(cfg.engine, weight.dtype, settings.cluster_dim, sharded)
     if reason is None and cfg.engine in ("bucketed", "interval") and not all_finite(weight):
@@ -84,6 +89,19 @@ def resolve(settings, weight: torch.Tensor, group) -> str:
     return cfg.engine
 
 
-def soft_cluster(x, weight, centroids, settings, group=None):
-    """DKM's soft-clustered `x @ W_c^T` (or `W_c`) and refined centroids, by the engine `resolve` picks."""
-    return RUN[resolve(settings, weight, group)](x, weight, centroids, settings, group)
+def soft_cluster(x, weight, centroids, settings, group=None, scales=None):
+    """DKM's soft-clustered `x @ W_c^T` (or `W_c`) and refined centroids, by the engine `resolve` picks.
+
+    With block `scales` `[rows, cols / block]` (constants to autograd) the table clusters `W / s` and the clustered
+    weight is `s` times it: the interval kernel folds them into its passes, the other engines cluster the divided
+    weight."""
+    engine = resolve(settings, weight, group)
+    if scales is None:
+        return RUN[engine](x, weight, centroids, settings, group)
+    if engine == "interval" and interval_kernel.serves(x, weight):
+        return interval_kernel.run(x, weight, centroids, settings, scales)
+    spread = dkm.expand_scales(scales, weight.shape[1])
+    normalized = (weight.float() / spread).to(weight.dtype)
+    clustered, cents = RUN[engine](None, normalized, centroids, settings, group)
+    w_c = (clustered.float() * spread).to(weight.dtype)
+    return (w_c if x is None else x @ w_c.to(x.dtype).t()), cents

@@ -37,6 +37,7 @@ import torch
 from hf_llmkit.compat.torch import sigmoid_slope
 from hf_llmkit.quantization import _dkm as dkm
 from hf_llmkit.quantization._dkm import autocast_off
+from hf_llmkit.quantization.engines import interval_kernel
 
 CELLS = 256  # grid cells per table for locating intervals
 
@@ -237,7 +238,10 @@ def soft_dkm(w: torch.Tensor, centroids: torch.Tensor, tau: torch.Tensor, iters:
 
 def run(x, weight, centroids, settings, group=None):
     """The engine interface (see `engines/__init__.py`): `(x @ W_c^T or W_c, refined centroids)`. Clusters scalars
-    (`cluster_dim=1`), unsharded; 16-bit weights compute in float32."""
+    (`cluster_dim=1`), unsharded; 16-bit weights compute in float32. On the CPU the C kernel serves
+    (`interval_kernel.py`), elsewhere these torch ops."""
+    if interval_kernel.serves(x, weight):
+        return interval_kernel.run(x, weight, centroids, settings)
     cfg, groups = settings.config, settings.groups
     w = weight.reshape(groups, -1)
     if w.dtype not in (torch.float32, torch.float64):
