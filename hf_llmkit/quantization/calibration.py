@@ -25,6 +25,7 @@ training from calibrated weights moves the tables away from the rounding they we
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -156,18 +157,35 @@ def round_onto_table(
         errors = torch.empty_like(block)
         columns, raw = block.unbind(0), errors.unbind(0)
         units = None if spread is None else spread[start:stop].unbind(0)
-        for i, col in enumerate(columns):
-            unit = col if units is None else col / units[i]
-            if shared:
-                nearest = ranked.index_select(0, torch.searchsorted(mid, unit))
-            else:
-                nearest = ranked.gather(1, torch.searchsorted(mid, unit.unsqueeze(1))).squeeze(1)
-            if units is not None:
-                nearest.mul_(units[i])
-            torch.sub(col, nearest, out=raw[i])
-            block[i + 1 :].addr_(absorb[i, i + 1 :], raw[i], alpha=-1)  # the later columns absorb the error
+        with _one_thread(w.device):
+            for i, col in enumerate(columns):
+                unit = col if units is None else col / units[i]
+                if shared:
+                    nearest = ranked.index_select(0, torch.searchsorted(mid, unit))
+                else:
+                    nearest = ranked.gather(1, torch.searchsorted(mid, unit.unsqueeze(1))).squeeze(1)
+                if units is not None:
+                    nearest.mul_(units[i])
+                torch.sub(col, nearest, out=raw[i])
+                block[i + 1 :].addr_(absorb[i, i + 1 :], raw[i], alpha=-1)  # the later columns absorb the error
         w[stop:].addmm_(u[start:stop, stop:].t(), errors.div_(diag), alpha=-1)
     return w[torch.argsort(order)].t()
+
+
+@contextmanager
+def _one_thread(device: torch.device):
+    """One torch thread on CPU for the column loop: its operations are a few thousand elements each, too small to
+    share out (a search among the table's midpoints splits from 200 elements), and each one split waits for the other
+    threads to be scheduled, milliseconds an operation on a loaded machine."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @torch.no_grad()
