@@ -646,3 +646,6 @@ def gpu_check(results: dict) -> str:
         rows.append([name, row["status"], f"{row['seconds']:.0f}", f"{row['budget_s']:.0f}", command])
     head = f"The parts before the report, {data['seconds']:.0f} s of the check's {data['total_s']:.0f}:\n\n"
     return head + markdown_table(rows) + "\n\n" + measured(data)
+
+
+import _dkm_real_report  # noqa: E402,F401  (registers the real-model fragments)

@@ -1,8 +1,16 @@
-"""Quality per bit: DKM against real peers at 2, 3 and 4 bits per weight, on real weights (issues 20, 32).
+"""Quality per bit: DKM against real peers at 2, 3 and 4 bits per weight, on real weights (issues 20, 32, 43).
 
     bash benchmarks/install_peers.sh          # once: torchao, HQQ, llmcompressor (GPTQ) beside our pins
     python benchmarks/dkm_quality.py          # both workloads (tens of minutes on 2 busy cores)
     python benchmarks/dkm_quality.py --quick  # MiniLM at 2 and 4 bits, 1 step, no GPTQ, no step timing: seconds
+    python benchmarks/dkm_quality.py --only smollm2 --bits 3   # the real LLM's table, one width (hours)
+    python benchmarks/dkm_quality.py --only calibration        # our calibrated start against GPTQ's time
+    python benchmarks/dkm_quality.py --only recipe             # the whole path on the real LLM, stage by stage
+
+The real decoder LLM, SmolLM2-135M-Instruct (`_dkm_smollm2.py`, `_dkm_real.py`, `_dkm_llamacpp.py`,
+`_dkm_recipe.py`; rendered by `_dkm_real_report.py`): perplexity, KL from the source model, top-1 agreement and the
+worst block on held-out text, against every peer including llama.cpp's K-quants; rows of a width measured again
+replace that width's rows only, and every row is saved as it is measured.
 
 Workloads (`_dkm_workloads.py`): all-MiniLM-L6-v2 (embedding cosine to fp32, mean / worst sentence, Spearman of
 pairwise similarities) and a Llama pretrained here by `examples/run_clm.py` (held-out perplexity, worst block's
@@ -36,6 +44,7 @@ from pathlib import Path
 
 import _dkm_job as job_section
 import _dkm_peers as peers
+import _dkm_real as real
 import torch
 from _common import (
     Bench,
@@ -55,21 +64,26 @@ LM_DIR = Path.home() / ".cache" / "hf_llmkit" / "dkm_quality_lm"  # + "_<size>"
 
 
 def save(results: dict) -> Path:
-    """Write the results, keeping the sections of an earlier run that this one did not measure (`--only`)."""
+    """Write the results, keeping the sections of an earlier run that this one did not measure (`--only`); the real
+    model's rows of the widths this run did not measure (`--bits`) stay too (`_dkm_real.merge`)."""
     from _common import RESULTS
 
     path = RESULTS / "dkm_quality.json"
-    if path.is_file():
-        earlier = json.loads(path.read_text())
-        results = {**earlier, **results, "workloads": {**earlier.get("workloads", {}), **results["workloads"]}}
-        for section in ("step_times", "job_times"):
-            if section not in results and section in earlier:
-                results[section] = earlier[section]
-        seeds = {**earlier.get("seeds", {})}
-        for name, runs in results.get("seeds", {}).items():
-            seeds[name] = {**seeds.get(name, {}), **runs}
-        if seeds:
-            results["seeds"] = seeds
+    earlier = json.loads(path.read_text()) if path.is_file() else {}
+    fresh = results
+    results = {**earlier, **results, "workloads": {**earlier.get("workloads", {}), **results["workloads"]}}
+    seeds = {**earlier.get("seeds", {})}
+    for name, runs in fresh.get("seeds", {}).items():
+        seeds[name] = {**seeds.get(name, {}), **runs}
+    if seeds:
+        results["seeds"] = seeds
+    if "real_model" in fresh:
+        results["real_model"] = real.merge(earlier.get("real_model"), fresh["real_model"])
+    real_seeds = dict(earlier.get("real_model_seeds", {}))
+    for seed, section in fresh.get("real_model_seeds", {}).items():
+        real_seeds[seed] = real.merge(real_seeds.get(seed), section)
+    if real_seeds:
+        results["real_model_seeds"] = real_seeds
     return write_results("dkm_quality", results)
 
 
@@ -209,6 +223,22 @@ def job_times(args) -> list[dict]:
     return rows
 
 
+def recipe_section(args) -> dict:
+    """The whole path on the real model (`_dkm_recipe.py`; --quick: its two-layer slice, two steps a job)."""
+    import tempfile
+
+    import _dkm_recipe
+
+    from hf_llmkit.testing import smollm2_path
+
+    model = str(smollm2_path(num_hidden_layers=2 if args.quick else None))
+    with tempfile.TemporaryDirectory(prefix="dkm_recipe_") as work:
+        section = _dkm_recipe.run(model, Path(work), quick=args.quick)
+    for stage in section["stages"]:
+        print(f"  recipe: {stage}", file=sys.stderr, flush=True)
+    return {**section, "model": Path(model).name, "measured": run_record()}
+
+
 def print_table(name: str, metrics: tuple[str, ...], rows: list[dict]) -> None:
     head = ["method", "bits/weight", *metrics, "seconds", "peak MB"]
     table = [head]
@@ -260,7 +290,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu"], help="CPU only (the peers' CPU paths)")
     parser.add_argument("--steps", type=int, default=None, help="training steps of every trained method")
     parser.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate of every trained method")
-    parser.add_argument("--only", nargs="*", choices=["minilm", "lm", "steps", "job"], default=None)
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        choices=["minilm", "lm", "steps", "job", "smollm2", "calibration"],
+        default=None,
+        help="sections (default: all but smollm2 and calibration, the real model's)",
+    )
+    parser.add_argument("--calibration-rounds", type=int, default=2, help="rounds of the calibration-cost section")
     parser.add_argument("--lm-dir", type=Path, default=None, help="pretrained causal LM (trained there if missing)")
     parser.add_argument("--lm-size", default="22m", choices=["22m", "5m"], help="the causal LM's size")
     parser.add_argument("--lm-pretrain-steps", type=int, default=300, help="steps of the causal LM's pretraining")
@@ -325,6 +362,22 @@ def main() -> None:
         print_table(w.name, w.metrics, rows)
     if "steps" in sections:
         results["step_times"] = {**step_times(args), "measured": run_record()}  # kept by a later --only run
+    if "smollm2" in sections:
+
+        def keep_real(section: dict) -> None:  # after every row: a long run keeps what it measured
+            if args.seed:
+                results["real_model_seeds"] = {str(args.seed): section}
+            else:
+                results["real_model"] = section
+            save(results)
+
+        keep_real(real.run(args, keep_real))
+    if "recipe" in sections:
+        results["real_model_recipe"] = recipe_section(args)
+        save(results)
+    if "calibration" in sections:
+        results["real_model_calibration"] = real.calibration_cost(args)
+        save(results)
     if "job" in sections:
         results["job_times"] = {"rows": job_times(args), "measured": run_record()}
         save(results)
@@ -334,6 +387,9 @@ def main() -> None:
     results = json.loads(out.read_text())
     drawn = plot(results)
     results["plot"] = recorded_path(drawn) if drawn else None
+    if results.get("real_model"):
+        drawn = real.plot(results["real_model"])
+        results["real_model"]["plot"] = recorded_path(drawn) if drawn else None
     out = write_results("dkm_quality", results)
     print(f"\n{load_note(results['machine_before'], results['machine_after'])}; wrote {out}")
 
