@@ -97,12 +97,13 @@ def tokenizer_check(text: str, eval_ids) -> dict:
     return {"tokens": len(ours), "equal_ids": same, "identical": theirs[: len(ours)] == ours}
 
 
-def rows(workload, bits_list, threads: int, work: Path):
-    """The source Q4_1 file run by llama.cpp (its engine's own distance to the float32 source) and its pure K-quant
-    at each of `bits_list`: a row of the table each, yielded as measured (or a row saying why it did not run)."""
+def rows(workload, bits_list, threads: int, work: Path, source: bool = True):
+    """llama.cpp's pure K-quant at each of `bits_list` and (`source`) the source Q4_1 file itself (its engine's own
+    distance to the float32 source): a row of the table each, yielded as measured (or saying why it did not run)."""
     missing = available()
-    plan = [("llama.cpp, the source Q4_1 file (its engine against our float32 reading)", None)]
-    plan += [(f"llama.cpp Q{b}_K (pure; 576-wide rows take its fallback)", b) for b in bits_list]
+    plan = [(f"llama.cpp Q{b}_K (pure; 576-wide rows take its fallback)", b) for b in bits_list]
+    if source:
+        plan.append(("llama.cpp, the source Q4_1 file (its engine against our float32 reading)", None))
     for name, bits in plan:
         row = {"method": name, "bits": bits or 4, "trained": False, "steps": 0, "reference": bits is None}
         if missing:

@@ -29,12 +29,13 @@ import _dkm_llamacpp as llamacpp
 import _dkm_peers as peers
 import torch
 from _common import Timings, machine_state, run_record
-from _dkm_smollm2 import SmolLM2, cluster_embedding
+from _dkm_smollm2 import TRAIN_BATCH, TRAIN_TOKENS, SmolLM2, cluster_embedding
 from _dkm_workloads import make_trainer
 
 BITS = (2, 3, 4)
 START = {"scale_block_size": 64, "lut_dtype": "float16", "calibration_refit": True}  # recipe="calibrated"'s start
 EMBEDDING_BITS = 8
+EMBEDDING_WIDTH = 3  # the width whose trained model is also measured with its embedding clustered
 
 
 def _names(bits: int) -> dict[str, str]:
@@ -93,14 +94,15 @@ def width_rows(workload, bits: int, args, train, calibration, rows: list, extra:
 
         return run
 
-    row, _ = _measure(workload, names["start"], bits, False, args.steps, start)
+    row, model = _measure(workload, names["start"], bits, False, args.steps, start)
     rows.append(row)
     keep()
+    del model  # its state is kept: the trained rows start from it
     if "start" in state:
         row, model = _measure(workload, names["trained"], bits, True, args.steps, from_start({"recipe": "calibrated"}))
         rows.append(row)
         keep()
-        if model is not None and "error" not in row and bits == 3 and not args.quick:
+        if model is not None and "error" not in row and bits == EMBEDDING_WIDTH and not args.quick:
             emb = cluster_embedding(model, EMBEDDING_BITS)
             method = f"{names['trained']} + embedding / tied LM head {EMBEDDING_BITS}-bit k-means"
             extra.append({"method": method, "bits": bits, "bpw": row["bpw"], "embedding_bpw": emb,
@@ -133,8 +135,8 @@ def run(args, keep=lambda section: None) -> dict:
     rows, extra, tokenizer = [], [], {}
     save = lambda: keep(_section(workload, args, rows, extra, tokenizer.get("check")))  # noqa: E731
     if not args.seed:
-        rows.append({"method": "fp32 (reference)", "bits": 32, "bpw": 32.0, **workload.evaluate(workload.teacher)})
-        if not args.quick:
+        rows.append({"method": "fp32 (reference)", "bits": 32, "bpw": 32.0, **workload.reference_metrics()})
+        if not args.quick and EMBEDDING_WIDTH in widths:
             model = workload.load()
             emb = cluster_embedding(model, EMBEDDING_BITS)
             extra.append({"method": f"source decoder + embedding / tied LM head {EMBEDDING_BITS}-bit k-means (ours)",
@@ -147,7 +149,7 @@ def run(args, keep=lambda section: None) -> dict:
         if llamacpp.available() is None:
             tokenizer["check"] = llamacpp.tokenizer_check(workload.eval_text, workload.eval_ids)
         with tempfile.TemporaryDirectory(prefix="dkm_llamacpp_") as work:
-            for row in llamacpp.rows(workload, widths, torch.get_num_threads(), Path(work)):
+            for row in llamacpp.rows(workload, widths, torch.get_num_threads(), Path(work), source=4 in widths):
                 rows.append({**row, "data_free": True})
                 save()
     return _section(workload, args, rows, extra, tokenizer.get("check"))
@@ -163,7 +165,7 @@ def _section(workload, args, rows: list, extra: list, tokenizer: dict | None) ->
         "split": workload.split,
         "block": workload.block,
         "calibration": list(workload.calibration_shape),
-        "train_batch": [4, 128],
+        "train_batch": [TRAIN_BATCH, TRAIN_TOKENS],
         "metrics": list(workload.metrics),
         "steps": args.steps,
         "lr": args.lr,
@@ -228,8 +230,9 @@ def merge(earlier: dict | None, new: dict) -> dict:
         rows = [r for r in earlier.get(key, []) if r["method"] not in fresh] + new[key]
         out[key] = sorted(rows, key=lambda r: (r["bits"] != 32, r["bits"]))  # stable: each width keeps its order
     out["llama_cpp_tokenizer"] = new.get("llama_cpp_tokenizer") or earlier.get("llama_cpp_tokenizer")
-    runs = earlier.get("runs", [])
-    out["runs"] = runs if new["measured"] in runs else [*runs, new["measured"]]  # saved again by the same run
+    run = new["measured"]  # a run saves after every row: its latest record replaces its earlier ones
+    same = lambda r: (r.get("command"), r.get("started")) == (run.get("command"), run.get("started"))  # noqa: E731
+    out["runs"] = [*(r for r in earlier.get("runs", []) if not same(r)), run]
     return out
 
 

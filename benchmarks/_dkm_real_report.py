@@ -103,13 +103,27 @@ def _seed_margin(section: dict, seeds: dict, bits: int, metric: str, best: dict)
     return f"margin {margin:.4f} over the best such peer at either seed, {word} the seed-to-seed spread {spread:.4f}"
 
 
-@fragment("dkm_smollm2", "dkm_quality")
-def dkm_smollm2(results: dict) -> str:
+def _real_model(name: str, key: str, only: str):
+    """Register `render(data, section)` as fragment `name` of dkm_quality.json's `key` section; while that section
+    is missing the fragment says which command measures it."""
+
+    def register(render):
+        @fragment(name, "dkm_quality")
+        def fragment_text(results: dict) -> str:
+            data = results["dkm_quality"]
+            if not data.get(key):
+                return f"Not measured yet: `python benchmarks/dkm_quality.py --only {only}`.\n\n" + measured(data)
+            return render(data, data[key])
+
+        fragment_text.__doc__ = render.__doc__
+        return fragment_text
+
+    return register
+
+
+@_real_model("dkm_smollm2", "real_model", "smollm2")
+def dkm_smollm2(data: dict, section: dict) -> str:
     """dkm_quality.py --only smollm2: the real decoder LLM's quality per bit against every peer, and the targets."""
-    data = results["dkm_quality"]
-    section = data.get("real_model")
-    if not section:
-        return "Not measured yet: `python benchmarks/dkm_quality.py --only smollm2`.\n\n" + measured(data)
     split, (samples, tokens), (batch, window) = section["split"], section["calibration"], section["train_batch"]
     head = (
         f"{section['model']} ({section['parameters'] / 1e6:.1f}M parameters, {section['layers']} layers; every "
@@ -159,13 +173,9 @@ def dkm_smollm2(results: dict) -> str:
     return "\n\n".join(parts) + "\n\n" + measured({"recorded": runs[-1]})
 
 
-@fragment("dkm_calibration_cost", "dkm_quality")
-def dkm_calibration_cost(results: dict) -> str:
+@_real_model("dkm_calibration_cost", "real_model_calibration", "calibration")
+def dkm_calibration_cost(data: dict, cost: dict) -> str:
     """dkm_quality.py --only calibration: our calibrated start against llmcompressor's GPTQ, same model and samples."""
-    data = results["dkm_quality"]
-    cost = data.get("real_model_calibration")
-    if not cost:
-        return "Not measured yet: `python benchmarks/dkm_quality.py --only calibration`.\n\n" + measured(data)
     rows = [["SmolLM2-135M, whole model", "wall s: min / median", "x GPTQ (min / median)", "CPU s: min / median",
              "x GPTQ (min / median)"]]  # fmt: skip
     cpu = cost["cpu_seconds"]
@@ -189,13 +199,9 @@ def dkm_calibration_cost(results: dict) -> str:
     )
 
 
-@fragment("dkm_recipe", "dkm_quality")
-def dkm_recipe(results: dict) -> str:
+@_real_model("dkm_recipe", "real_model_recipe", "recipe")
+def dkm_recipe(data: dict, recipe: dict) -> str:
     """dkm_quality.py --only recipe: the whole path on the real model, each stage's wall time and peak RSS."""
-    data = results["dkm_quality"]
-    recipe = data.get("real_model_recipe")
-    if not recipe:
-        return "Not measured yet: `python benchmarks/dkm_quality.py --only recipe`.\n\n" + measured(data)
     rows = [["stage", "wall s", "peak RSS GiB", "held-out response loss: before -> after", "what it left"]]
     sizes = recipe["folder_mb"]
     for stage in recipe["stages"]:

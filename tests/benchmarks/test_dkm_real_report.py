@@ -41,7 +41,13 @@ def test_a_width_measured_again_replaces_its_rows_and_keeps_the_others():
     again = _dkm_real.merge(first, _section([_row("fp32 (reference)", 32, 32.0, 20.0, 0.0),
                                              _row("GPTQ 3-bit", 3, 3.3, 25.0, 0.2)]))  # fmt: skip
     assert [r["method"] for r in again["rows"]] == ["fp32 (reference)", "GPTQ 2-bit", "GPTQ 3-bit"]
-    assert len(again["runs"]) == 2 and _dkm_real.merge(again, _section([]))["runs"] == again["runs"]  # saved twice
+    assert [r["command"] for r in again["runs"]] == [
+        "--bits 2",
+        "python benchmarks/dkm_quality.py --only smollm2 --bits 3",
+    ]
+    later = _section([_row("GPTQ 3-bit", 3, 3.3, 24.0, 0.2)])  # the same run saved again after its next row
+    later["measured"] = {**later["measured"], "date": "2026-11-29 07:00"}
+    assert [r["date"] for r in _dkm_real.merge(again, later)["runs"]] == ["2026-11-29 06:00", "2026-11-29 07:00"]
 
 
 def test_verdicts_hold_only_against_every_peer_at_the_same_or_more_bits():
