@@ -648,4 +648,28 @@ def gpu_check(results: dict) -> str:
     return head + markdown_table(rows) + "\n\n" + measured(data)
 
 
+@fragment("dkm_onnx", "dkm_onnx")
+def dkm_onnx(results: dict) -> str:
+    """benchmarks/dkm_onnx.py: onnxruntime serving of the DKM export against the dense ONNX export."""
+    data = results["dkm_onnx"]
+    titles = {"tiny": "tiny Llama (smoke test)", "issue": "Llama hidden 1,024, 8 layers, MLP 2,816, vocabulary 4,096",
+              "smollm2": "SmolLM2-135M-Instruct (the real model, 30 layers)"}  # fmt: skip
+    parts = []
+    for size, cell in data["sizes"].items():
+        rows = [["onnxruntime, 1 thread", "tokens/s batch 1", "x dense", "prefill s", "x dense",
+                 "peak RSS over imports MiB", "x dense", "file MiB", "session load s"]]  # fmt: skip
+        for name, v in cell["summary"].items():
+            rows.append([name, f"{v['tokens_per_s_b1']:.2f}", f"{v['b1_x_dense']:.2f}", f"{v['prefill_s']:.2f}",
+                         f"{v['prefill_x_dense']:.1f}", f"{v['peak_over_base_mib']:,.0f}", f"{v['peak_x_dense']:.2f}",
+                         f"{v['file_mib']:,.1f}", f"{v['load_s']:.2f}"])  # fmt: skip
+        config = data["config"]
+        parts.append(
+            f"{titles.get(size, size)}, DKM 3-bit (bf16 tables); batch-1 greedy tokens after a 16-token prompt "
+            f"({config['new_tokens']} timed, {config['slow_tokens']} on the standard-op path), prefill of "
+            f"{config['prefill']} tokens; {config['rounds']} round(s), a fresh process per variant and round, order "
+            "rotated; every variant generated the PyTorch model's tokens:\n\n" + markdown_table(rows)
+        )
+    return "\n\n".join(parts) + "\n\n" + measured(data, "1 onnxruntime thread")
+
+
 import _dkm_real_report  # noqa: E402,F401  (registers the real-model fragments)

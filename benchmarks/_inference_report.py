@@ -94,7 +94,9 @@ def verdicts(results: dict) -> list[str]:
                 peers = {
                     n: v
                     for n, v in s.items()
-                    if not n.startswith(("ours", "dense")) and "error" not in v and _bits(n, size["specs"]) == bits
+                    if not n.startswith(("ours", "dense", "onnxruntime"))
+                    and "error" not in v
+                    and _bits(n, size["specs"]) == bits
                 }
                 if not ours_b or not peers:
                     lines.append(f"{where} {bits}-bit: no {'peer' if ours_b else 'ours'} ran at {bits} bits")

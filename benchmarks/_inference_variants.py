@@ -99,8 +99,12 @@ def prepare(spec: dict) -> None:
             model.save_pretrained(out)
         elif kind == "gptq":
             _gptq_prepare(spec, out)
+        elif kind == "onnx":  # onnxruntime rows: _inference_onnx.py
+            from _inference_onnx import prepare as onnx_prepare
+
+            onnx_prepare(spec)
     except Exception as e:  # the reason a peer cannot run, for `load` to raise
-        if kind in ("checkpoint", "ours"):
+        if kind in ("checkpoint", "ours", "onnx"):
             raise
         out.mkdir(parents=True, exist_ok=True)
         (out / "UNAVAILABLE").write_text(f"{type(e).__name__}: {str(e).splitlines()[0][:240] if str(e) else ''}")

@@ -123,7 +123,12 @@ def run(mode: str, spec: dict, out: str) -> None:
         Path(out).write_text("{}")
         return
     try:
-        result = measure(spec)
+        if spec["kind"] == "onnx":  # onnxruntime rows: _inference_onnx.py
+            from _inference_onnx import measure as onnx_measure
+
+            result = onnx_measure(spec)
+        else:
+            result = measure(spec)
     except variants.Unavailable as e:
         result = {"error": str(e)}
     except Exception as e:  # a peer that breaks at run time: its one line, the traceback on stderr

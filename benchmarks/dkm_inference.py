@@ -72,6 +72,16 @@ PEERS = {
     "GPTQ 4-bit g64 (gptqmodel)": dict(kind="gptq", bits=4),
 }
 
+ONNX_OPTIONS = dict(lut_dtype="bfloat16", kmeans_iters=5, kmeans_sample=4096)
+ONNX = {  # onnxruntime serving the exports (_inference_onnx.py); the standard-op path times 2 tokens per call
+    "onnxruntime dense fp32 export": dict(kind="onnx", bits=3, options=ONNX_OPTIONS, onnx_file="dense",
+                                          onnx_kernel=False),
+    "onnxruntime DKM 3-bit, standard ops": dict(kind="onnx", bits=3, options=ONNX_OPTIONS, onnx_file="packed",
+                                                onnx_kernel=False, onnx_tokens=2),
+    "onnxruntime DKM 3-bit, our kernel": dict(kind="onnx", bits=3, options=ONNX_OPTIONS, onnx_file="packed",
+                                              onnx_kernel=True),
+}  # fmt: skip
+
 
 def plan(size: str, quick: bool) -> dict[str, dict]:
     """The variants run at one size: everything at the issue's size; at ~1B the ones whose preparation fits the
@@ -87,9 +97,10 @@ def plan(size: str, quick: bool) -> dict[str, dict]:
             "torchao int4 g64 weight-only",
             "GPTQ 4-bit g64 (gptqmodel)",
         ]
-        return {k: v for k, v in (DENSE | mine | PEERS).items() if k in keep}
+        quick_onnx = {k: v for k, v in ONNX.items() if v["onnx_kernel"]}  # dkm_onnx.py --quick runs all three
+        return {k: v for k, v in (DENSE | mine | PEERS).items() if k in keep} | quick_onnx
     if size == "issue":  # 6 of the 8 ours cells: each costs minutes to quantize on a shared 2-core machine
-        return {k: v for k, v in (DENSE | mine | PEERS).items() if k not in ISSUE_LEFT_OUT}
+        return {k: v for k, v in (DENSE | mine | PEERS).items() if k not in ISSUE_LEFT_OUT} | ONNX
     if size == "1b":
         keep = [
             "dense bf16",
@@ -179,7 +190,7 @@ def run_rounds(size: str, specs: dict, names: list[str], threads: int, rounds: i
             runs[name].append(got)
             tps = f"{statistics.median(got['tokens_per_s_b1']):.1f} tokens/s" if "error" not in got else got["error"]
             print(f"[{size}, {threads} thr, round {r + 1}] {name}: {tps}", flush=True)
-            if "error" in got and specs[name]["kind"] in ("dense", "ours"):
+            if "error" in got and specs[name]["kind"] in ("dense", "ours", "onnx"):
                 raise SystemExit(f"error: {name} failed: {got['error']}")  # ours and dense must run
     return {"runs": runs, "before": before, "after": machine_state()}
 
@@ -202,7 +213,7 @@ def run_size(size: str, args, device: str, work: Path) -> dict:
     }
     start = time.perf_counter()
     _worker("prepare", dict(common, kind="checkpoint", name="dense checkpoint", dir=str(dense_dir)), work, 3600)
-    todo = [spec for spec in specs.values() if spec["kind"] in ("ours", "bnb", "gptq")]
+    todo = [spec for spec in specs.values() if spec["kind"] in ("ours", "bnb", "gptq", "onnx")]
     print(f"[{size}] preparing {len(todo)} checkpoints, {args.jobs} at a time", flush=True)
     _prepare_all(todo, args.jobs, work)
     prepare_s = time.perf_counter() - start

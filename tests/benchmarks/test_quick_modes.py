@@ -34,6 +34,7 @@ CASES = {
     "dkm.py": ("dkm.json", ()),
     "dkm_quality.py": ("dkm_quality.json", ()),  # the peers: benchmarks/install_peers.sh
     "dkm_inference.py": ("dkm_inference.json", pytest.mark.slow),  # a fresh process per variant and round
+    "dkm_onnx.py": ("dkm_onnx.json", pytest.mark.slow),  # two exports, a fresh process per variant
     "lm_data_memory.py": ("lm_data_memory.json", ()),  # one 8 MB line
     "moe.py": ("moe.json", pytest.mark.slow),
     "callbacks.py": ("callbacks.json", pytest.mark.slow),

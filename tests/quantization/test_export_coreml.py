@@ -1,6 +1,8 @@
 """`export_coreml`: the Core ML program's palettized weights decode bit for bit to ours (read back from the saved
 package through coremltools), for tables per tensor and per grouped channel, 3 to 5 bits, vectors, embeddings and
-block scales; bad input is one ValueError."""
+block scales, in float32 and (rounded to float16, 16-bit tables and scales kept at 16 bits) float16; the program is
+stateful (a float16 key/value cache as Core ML states, flexible lengths) and the module it is traced from generates
+our tokens; bad input is one ValueError before any work."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def test_program_weights_decode_bitwise_to_ours(case, tmp_path):
 
     config, reload = CASES[case]
     model = _model(config, reload, tmp_path)
-    path = export_coreml(model, tmp_path / "model.mlpackage", seq_len=8)
+    path = export_coreml(model, tmp_path / "model.mlpackage", seq_len=8, precision="float32")
     ops = list(load_program(path).functions["main"].operations)
     weights = {w.name.replace(".", "_"): w for w in palettized_weights(model)}
     luts = {op.name.removesuffix("_palettized"): op for op in ops if op.op_type == "constexpr_lut_to_dense"}
@@ -85,7 +87,67 @@ def test_bad_input_is_one_value_error(tmp_path):
         export_coreml(model, tmp_path / "m.mlmodel")
     with pytest.raises(ValueError, match="precision must be one of"):
         export_coreml(model, tmp_path / "m.mlpackage", precision="int8")
-    with pytest.raises(ValueError, match="seq_len must be a positive integer"):
+    with pytest.raises(ValueError, match=r"seq_len must be an integer in \[1, 65536\]"):
         export_coreml(model, tmp_path / "m.mlpackage", seq_len=0)
     with pytest.raises(ValueError, match="expected a transformers causal LM"):
         export_coreml(torch.nn.Linear(2, 2), tmp_path / "m.mlpackage")
+    (tmp_path / "file.mlpackage").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a package folder"):
+        export_coreml(model, tmp_path / "file.mlpackage")
+    assert not (tmp_path / "m.mlpackage").exists()
+
+
+def test_float16_program_is_stateful_flexible_and_keeps_16_bit_tables(tmp_path):
+    """Read back from the package: float16 compute, 16-bit tables and scales decoding to our weights rounded to
+    float16, the unclustered embedding and head in float16, the cache as two float16 states updated in place, and
+    `input_ids` / `causal_mask` lengths flexible up to seq_len."""
+    from coremltools.converters.mil.mil import types
+
+    from hf_llmkit.compat.coremltools import load_program
+
+    model = _model(DKMConfig(bits=3, scale_block_size=16, lut_dtype="float16"), True, tmp_path)
+    path = export_coreml(model, tmp_path / "model.mlpackage", seq_len=32)
+    main = load_program(path).functions["main"]
+    kinds = {name: types.is_state(v.sym_type) for name, v in main.inputs.items()}
+    assert kinds == {"input_ids": False, "causal_mask": False, "keyCache": True, "valueCache": True}
+    cache = main.inputs["keyCache"].sym_type.wrapped_type()
+    assert types.builtin_to_string(cache.get_primitive()) == "fp16" and cache.get_shape() == (1, 1, 2, 32, 16)
+    for name in ("input_ids", "causal_mask"):
+        assert any(not isinstance(d, int) for d in main.inputs[name].shape), name  # symbolic: flexible
+    ops = list(main.operations)
+    op_types = [op.op_type for op in ops]
+    assert op_types.count("read_state") == 2 and op_types.count("coreml_update_state") >= 2
+    dtype = {op.name: types.builtin_to_string(op.outputs[0].dtype) for op in ops}
+    assert {dtype[op.name] for op in ops if op.op_type in ("linear", "matmul", "softmax")} == {"fp16"}
+    weights = {w.name.replace(".", "_"): w for w in palettized_weights(model)}
+    for op in ops:
+        if op.op_type != "constexpr_lut_to_dense":
+            continue
+        weight = weights[op.name.removesuffix("_palettized")]
+        assert types.builtin_to_string(op.lut.dtype) == "fp16"
+        (scales,) = op.outputs[0].child_ops
+        assert types.builtin_to_string(scales.scale.dtype) == "fp16"
+        value = scales.materialized_val_inference()
+        ours = weight.decoded().half().numpy()  # fp16 table x fp16 scale: exact in fp32, then rounded once
+        assert value.dtype == np.float16 and np.array_equal(value.view(np.int16), ours.view(np.int16)), op.name
+    dense = [op for op in ops if op.op_type == "const" and getattr(op.outputs[0].val, "size", 0) >= 64 * 32]
+    assert {dtype[op.name] for op in dense if "indices" not in op.name} == {"fp16"}  # embedding and head
+
+
+def test_the_traced_stateful_module_generates_our_tokens(tmp_path):
+    """The module the converter traces, driven as a device would (prefill, then one token per call with the
+    cache in its buffers), generates what the model generates."""
+    from hf_llmkit.quantization.export._coreml_state import causal_mask
+    from hf_llmkit.quantization.export.coreml import stateful_model
+
+    model = _model(DKMConfig(bits=4), True, tmp_path)
+    stateful = stateful_model(model, palettized_weights(model), seq_len=32, batch_size=1).eval()
+    ids = torch.tensor([[5, 9, 33, 2, 7]])
+    with torch.no_grad():
+        ours = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, 5:].tolist()
+        logits = stateful(ids, causal_mask(5))
+        got = []
+        for step in range(6):
+            got.append(int(logits[0, -1].argmax()))
+            logits = stateful(torch.tensor([[got[-1]]]), causal_mask(1, past=5 + step))
+    assert got == ours

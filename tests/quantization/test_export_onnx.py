@@ -1,8 +1,15 @@
-"""`export_onnx`: the ONNX file keeps the checkpoint's packed indices, tables and scales as initializers, decodes
-them with standard ops bit for bit to ours, runs in onnxruntime with our logits within 1e-5, and is no larger than
-the compact checkpoint plus its unquantized parts; bad input is one ValueError."""
+"""`export_onnx`: an ONNX decoder with a key/value cache, a padding mask and positions, whose palettized nodes decode
+bit for bit to our weights with standard ops (any runtime) and with our C kernel (`onnxruntime_session`); greedy
+generation from it equals ours token for token on a slice of the real SmolLM2, optimum's `ORTModelForCausalLM`
+generates from the folder, a left-padded prompt's last logits equal the unpadded prompt's, the file holds the
+checkpoint's own tensors, onnxruntime folds nothing weight-sized, large models go to external data; bad input is one
+ValueError before any work."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,25 +19,16 @@ from transformers import AutoModelForCausalLM
 
 from hf_llmkit import DKMConfig
 from hf_llmkit.quantization import export_onnx, quantize_model
-from hf_llmkit.quantization.export import palettized_weights
-from hf_llmkit.quantization.export.onnx import OnnxPalettized
+from hf_llmkit.quantization.export import _onnx_lut as lut_op
+from hf_llmkit.quantization.export import greedy_generate, onnxruntime_session, palettized_weights
+from hf_llmkit.quantization.export import onnx as onnx_export
+from hf_llmkit.quantization.export.onnx import cache_shapes
 from hf_llmkit.testing import tiny_llama
 
 onnx = pytest.importorskip("onnx", reason="ONNX export needs onnx, onnxscript and onnxruntime (the `export` extra)")
 ort = pytest.importorskip("onnxruntime", reason="ONNX export needs onnxruntime (the `export` extra)")
 pytest.importorskip("onnxscript", reason="torch.onnx's exporter needs onnxscript (the `export` extra)")
-
-
-class _Weight(torch.nn.Module):
-    """The decoded weight of one exported layer as the graph's output (`x` only gives the graph an input)."""
-
-    def __init__(self, layer: OnnxPalettized) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer.decoded_weight() + x
-
+pytest.importorskip("onnxruntime_extensions", reason="the ONNX kernels need onnxruntime-extensions (`export` extra)")
 
 DECODE_CASES = {
     "3bit-per-tensor": DKMConfig(bits=3),
@@ -43,89 +41,262 @@ DECODE_CASES = {
 }
 
 
+def _node_model(layer: lut_op.OnnxPalettized, gather: bool):
+    """An ONNX model of one palettized node (its function inside) whose output is the whole decoded weight:
+    the rows 0..rows-1 (`LutGather`) or the identity times W^T (`LutMatMul`), both exact."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    packed, table, meta, *rest = layer.tensors()
+    names = lut_op.INPUTS[1:] + (["scale"] if rest[-1] is not None else [])
+    values = [packed, table, meta, *rest[:-1]] + ([rest[-1]] if rest[-1] is not None else [])
+    inits = [numpy_helper.from_array(v.numpy(), n) for n, v in zip(names, values)]
+    name = lut_op.op_name(gather, rest[-1] is not None)
+    node = helper.make_node(name, ["x", *names], ["y"], domain=lut_op.DOMAIN)
+    x_type = TensorProto.INT64 if gather else TensorProto.FLOAT
+    graph = helper.make_graph(
+        [node],
+        "one_node",
+        [helper.make_tensor_value_info("x", x_type, None)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(lut_op.DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets, functions=lut_op.function_protos({name}))
+
+
 @pytest.mark.parametrize("case", list(DECODE_CASES))
-def test_graph_decodes_bitwise_to_ours(case, tmp_path):
+def test_nodes_decode_bitwise_to_ours_with_standard_ops_and_with_our_kernel(case, tmp_path):
     model = quantize_model(tiny_llama(num_hidden_layers=1), DECODE_CASES[case]).eval()
     weights = palettized_weights(model)
     picks = [weights[0], weights[-1]] if weights[0].kind == "embedding" else [weights[-1]]  # down_proj: [64, 128]
     for weight in picks:
-        layer = OnnxPalettized(model.get_submodule(weight.name), weight)
-        path = tmp_path / f"{weight.name}.onnx"
-        torch.onnx.export(_Weight(layer), (torch.zeros(()),), str(path), dynamo=True, optimize=False)
-        (value,) = ort.InferenceSession(str(path)).run(None, {"x": np.zeros((), np.float32)})
+        layer = lut_op.OnnxPalettized(model.get_submodule(weight.name), weight)
         ours = weight.decoded().numpy()
-        assert value.dtype == np.float32 and np.array_equal(value.view(np.int32), ours.view(np.int32)), weight.name
+        for gather in (True, False):
+            path = tmp_path / f"{weight.name}-{gather}.onnx"
+            onnx.save(_node_model(layer, gather), str(path))
+            x = np.arange(ours.shape[0]) if gather else np.eye(ours.shape[1], dtype=np.float32)
+            for session in (ort.InferenceSession(str(path)), onnxruntime_session(path)):
+                (value,) = session.run(None, {"x": x})
+                value = value if gather else value.T
+                assert value.dtype == np.float32 and np.array_equal(value.view(np.int32), ours.view(np.int32)), (
+                    weight.name,
+                    gather,
+                )
 
 
-def test_logits_match_and_the_file_is_compact(tmp_path):
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A reloaded 2-layer checkpoint with fp16 tables and block scales, exported as an optimum folder once."""
+    folder = tmp_path_factory.mktemp("onnx")
     config = DKMConfig(bits=3, scale_block_size=16, lut_dtype="float16")
-    quantize_model(tiny_llama(num_hidden_layers=1), config).eval().save_pretrained(tmp_path / "ckpt")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
-    path = export_onnx(model, tmp_path / "model.onnx")
-    session = ort.InferenceSession(str(path))
-    for shape in ((1, 5), (3, 17)):  # batch and sequence are dynamic
-        ids = torch.randint(0, 512, shape, generator=torch.Generator().manual_seed(0))
-        (logits,) = session.run(None, {"input_ids": ids.numpy()})
-        with torch.no_grad():
-            ours = model(ids).logits
-        assert np.abs(logits - ours.numpy()).max() <= 1e-5
+    torch.manual_seed(0)
+    quantize_model(tiny_llama(num_hidden_layers=2), config).eval().save_pretrained(folder / "ckpt")
+    model = AutoModelForCausalLM.from_pretrained(folder / "ckpt")
+    model.generation_config.pad_token_id = 0
+    return model, export_onnx(model, folder / "exported"), folder / "ckpt"
 
-    # The initializers are the checkpoint's tensors, in their saved dtypes (plus a few bytes of decode constants).
-    graph = onnx.load(str(path)).graph
+
+def _feed(model, ids, mask, positions):
+    layers, heads, head_dim = cache_shapes(model.config)
+    past = {f"past_key_values.{i}.{t}": np.zeros((ids.shape[0], heads, 0, head_dim), np.float32)
+            for i in range(layers) for t in ("key", "value")}  # fmt: skip
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, **past}
+
+
+def test_left_padded_prompts_give_the_unpadded_prompts_last_logits(exported):
+    model, folder, _ = exported
+    session = ort.InferenceSession(str(folder / "model.onnx"))
+    ids = np.array([[0, 0, 0, 7, 81, 300, 12], [5, 9, 33, 2, 7, 400, 18]])
+    mask = np.array([[0, 0, 0, 1, 1, 1, 1], [1] * 7])
+    positions = np.maximum(np.cumsum(mask, 1) - 1, 0)
+    (logits, *_) = session.run(None, _feed(model, ids, mask, positions))
+    for row, start in ((0, 3), (1, 0)):
+        alone = ids[row : row + 1, start:]
+        (single, *_) = session.run(None, _feed(model, alone, np.ones_like(alone), np.arange(alone.shape[1])[None]))
+        assert np.abs(logits[row, -1] - single[0, -1]).max() <= 1e-5
+        with torch.no_grad():
+            ours = model(torch.from_numpy(alone)).logits[0, -1].numpy()
+        assert np.abs(single[0, -1] - ours).max() <= 1e-5
+
+
+def test_greedy_generate_refuses_a_file_without_a_cache_and_negative_lengths(exported, tmp_path):
+    from onnx import TensorProto, helper
+
+    model, folder, _ = exported
+    node = helper.make_node("Identity", ["input_ids"], ["logits"])
+    ids_type = helper.make_tensor_value_info("input_ids", TensorProto.INT64, None)
+    graph = helper.make_graph(
+        [node], "old", [ids_type], [helper.make_tensor_value_info("logits", TensorProto.INT64, None)]
+    )
+    onnx.save(helper.make_model(graph), str(tmp_path / "old.onnx"))
+    with pytest.raises(ValueError, match="no key/value cache inputs"):
+        greedy_generate(ort.InferenceSession(str(tmp_path / "old.onnx")), np.ones((1, 2), np.int64), max_new_tokens=1)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0"):
+        greedy_generate(ort.InferenceSession(str(folder / "model.onnx")), np.ones((1, 2), np.int64), max_new_tokens=-1)
+
+
+def test_cached_steps_match_the_model_and_the_kernel_session(exported):
+    model, folder, _ = exported
+    ids = torch.tensor([[5, 9, 33, 2, 7], [0, 0, 11, 4, 90]])
+    mask = torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])
+    with torch.no_grad():
+        ours = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False).numpy()
+    for session in (ort.InferenceSession(str(folder / "model.onnx")), onnxruntime_session(folder / "model.onnx")):
+        got = greedy_generate(session, ids.numpy(), mask.numpy(), max_new_tokens=6)
+        assert np.array_equal(got, ours)
+
+
+def test_the_file_holds_the_checkpoint_tensors_and_onnxruntime_folds_nothing_weight_sized(exported, tmp_path):
+    model, folder, ckpt = exported
+    graph = onnx.load(str(folder / "model.onnx")).graph
     stored = {i.name.removeprefix("m."): onnx.numpy_helper.to_array(i) for i in graph.initializer}
-    with safe_open(tmp_path / "ckpt" / "model.safetensors", "np") as saved:
+    with safe_open(ckpt / "model.safetensors", "np") as saved:
         checkpoint_tensors = {name: saved.get_tensor(name) for name in saved.keys()}  # noqa: SIM118
     # the one-byte stand-ins for the dense weights (integration.stand_in_weight) have nothing to do in the graph
     checkpoint_tensors = {n: t for n, t in checkpoint_tensors.items() if not (n.endswith(".weight") and t.size == 1)}
     for name, tensor in checkpoint_tensors.items():
-        assert stored[name].tobytes() == tensor.tobytes(), name  # reshaped at most
+        assert stored[name].tobytes() == tensor.tobytes(), name  # reshaped at most ([n / 8, bits] bytes)
     extra = sum(v.nbytes for name, v in stored.items() if name not in checkpoint_tensors)
-    assert extra <= 128 * len(palettized_weights(model))
-    # No dense copy of a clustered weight: its only weight-sized tensors are the packed ones.
+    assert extra <= 160 * len(palettized_weights(model)) + 512  # the decode constants (132 bytes a layer), RoPE
     for weight in palettized_weights(model):
-        assert weight.name + ".weight" not in stored
-    # File bound of the issue: the compact checkpoint plus the unquantized parts.
-    checkpoint = (tmp_path / "ckpt" / "model.safetensors").stat().st_size
-    unquantized = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert path.stat().st_size <= checkpoint + unquantized, (path.stat().st_size, checkpoint, unquantized)
+        assert weight.name + ".weight" not in stored  # no dense copy of a clustered weight
+    # onnxruntime's optimized graph (constant folding on) holds no more initializer bytes than the file
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(folder / "model.onnx"), options)
+    optimized = onnx.load(str(tmp_path / "optimized.onnx")).graph.initializer
+    total = sum(v.nbytes for v in stored.values())
+    assert sum(onnx.numpy_helper.to_array(i).nbytes for i in optimized) <= total * 1.05
 
 
-def test_bad_input_is_one_value_error(tmp_path):
+def test_optimum_ort_model_generates_from_the_folder_with_its_cache(exported, tmp_path):
+    from tests.quantization.optimum_peer import optimum_python
+
+    model, folder, _ = exported
+    python, why = optimum_python()
+    if python is None:
+        pytest.skip(why)
+    ids = torch.tensor([[5, 9, 33, 2, 7], [0, 0, 11, 4, 90]])
+    mask = torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])
+    with torch.no_grad():
+        ours = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    script = (
+        "import sys, torch\n"
+        "from optimum.onnxruntime import ORTModelForCausalLM\n"
+        "m = ORTModelForCausalLM.from_pretrained(sys.argv[1])\n"
+        "assert m.can_use_cache, 'no cache'\n"
+        f"ids = torch.tensor({ids.tolist()}); mask = torch.tensor({mask.tolist()})\n"
+        "out = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, use_cache=True)\n"
+        "print(out.tolist())\n"
+    )
+    done = subprocess.run([str(python), "-c", script, str(folder)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == str(ours.tolist())
+
+
+def test_generation_round_trips_on_the_real_model_slice(tmp_path):
+    """Issue 42 part 3: SmolLM2-135M's first two layers, DKM 4-bit, reloaded, exported; greedy generation from
+    onnxruntime (our kernel; the standard-op nodes are checked bitwise above) equals ours token for token on a
+    left-padded batch of real prompts."""
+    from transformers import AutoTokenizer
+
+    from hf_llmkit.testing import smollm2_path
+
+    path = smollm2_path(num_hidden_layers=2)
+    config = DKMConfig(bits=4, kmeans_iters=3)
+    AutoModelForCausalLM.from_pretrained(path, quantization_config=config).eval().save_pretrained(tmp_path / "dkm")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "dkm")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    batch = tokenizer(
+        ["The capital of France is", "Python is a"], return_tensors="pt", padding=True, padding_side="left"
+    )
+    assert batch["attention_mask"].min() == 0  # the second prompt is padded
+    with torch.no_grad():
+        ours = model.generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    file = export_onnx(model, tmp_path / "model.onnx")
+    ids, mask = batch["input_ids"].numpy(), batch["attention_mask"].numpy()
+    got = greedy_generate(onnxruntime_session(file), ids, mask, max_new_tokens=6)
+    assert np.array_equal(got, ours.numpy())
+
+
+def test_external_data_above_the_threshold(tmp_path, monkeypatch):
+    """The path models above protobuf's 2 GiB take (`EXTERNAL_DATA_ABOVE`), with a threshold of 0 bytes."""
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_ABOVE", 0)
+    model = quantize_model(tiny_llama(num_hidden_layers=1), DKMConfig(bits=3)).eval()
+    file = export_onnx(model, tmp_path / "out" / "model.onnx")
+    data = tmp_path / "out" / "model.onnx.data"
+    assert data.is_file() and data.stat().st_size > file.stat().st_size
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.onnx", "model.onnx.data"]
+    ids = np.array([[3, 17, 99, 4]])
+    (logits, *_) = ort.InferenceSession(str(file)).run(None, _feed(model, ids, np.ones_like(ids), np.arange(4)[None]))
+    with torch.no_grad():
+        assert np.abs(logits - model(torch.from_numpy(ids)).logits.numpy()).max() <= 1e-5
+
+
+def test_bad_input_is_one_value_error_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="has no DKM layers"):
         export_onnx(tiny_llama(), tmp_path / "m.onnx")
     model = quantize_model(tiny_llama(num_hidden_layers=1), DKMConfig(bits=3)).eval()
-    with pytest.raises(ValueError, match="must end in .onnx"):
+    with pytest.raises(ValueError, match="must be an .onnx file or a new folder"):
         export_onnx(model, tmp_path / "m.pt")
     with pytest.raises(ValueError, match="opset must be an integer >= 18"):
         export_onnx(model, tmp_path / "m.onnx", opset=11)
     with pytest.raises(ValueError, match="expected a transformers causal LM"):
         export_onnx(torch.nn.Linear(2, 2), tmp_path / "m.onnx")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    with pytest.raises(ValueError, match="exists and is not an empty folder"):
+        export_onnx(model, tmp_path / "full")
+    (tmp_path / "dir.onnx").mkdir()
+    with pytest.raises(ValueError, match="is a folder: name the file"):
+        export_onnx(model, tmp_path / "dir.onnx")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is not a folder"):
+        export_onnx(model, tmp_path / "file" / "m.onnx")
+    with pytest.raises(ValueError, match="external_data must be True or False"):
+        export_onnx(model, tmp_path / "m.onnx", external_data="yes")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.onnx", "file", "full"]  # nothing written
 
 
-def test_command_refuses_a_model_without_dkm_layers(tmp_path):
-    import subprocess
-    import sys
+@pytest.mark.parametrize("folder", [True, False])
+def test_an_interrupted_write_leaves_nothing_and_a_finished_one_replaces_the_target(tmp_path, folder):
+    """`staging`, which every export writes through: an error half-way leaves nothing under the target's name."""
+    from hf_llmkit.quantization.export._common import staging
 
-    tiny_llama(num_hidden_layers=1).save_pretrained(tmp_path / "dense")
-    cmd = [sys.executable, "-m", "hf_llmkit.quantization.export", "onnx", str(tmp_path / "dense"), "m.onnx"]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stderr.strip().splitlines()[-1].startswith("error: export_onnx: the model has no DKM layers")
-    assert not (tmp_path / "m.onnx").exists()
+    target = tmp_path / ("served" if folder else "model.onnx")
+    with pytest.raises(RuntimeError, match="disk full"), staging(target, folder=folder) as tmp:
+        (tmp / "model.onnx").write_bytes(b"half")
+        raise RuntimeError("disk full")
+    assert list(tmp_path.iterdir()) == []
+    with staging(target, folder=folder) as tmp:
+        (tmp / "model.onnx").write_bytes(b"whole")
+        (tmp / "model.onnx.data").write_bytes(b"data")
+    written = target / "model.onnx" if folder else target
+    assert written.read_bytes() == b"whole" and not list(tmp_path.glob(".*partial*"))
+    if folder:  # another writer filled the folder meanwhile: refused, the other's files kept
+        (tmp_path / "again").mkdir()
+        with (
+            pytest.raises(ValueError, match="written by something else"),
+            staging(tmp_path / "again", folder=True) as t,
+        ):
+            (t / "model.onnx").write_bytes(b"mine")
+            (tmp_path / "again" / "theirs").write_text("x")
+        assert [p.name for p in (tmp_path / "again").iterdir()] == ["theirs"]
 
 
-def test_command_exports_a_saved_checkpoint_that_runs_like_the_model(tmp_path):
-    """The documented command on a compact checkpoint: `python -m hf_llmkit.quantization.export onnx CHECKPOINT
-    model.onnx` writes a file onnxruntime runs to the reloaded model's logits."""
-    import subprocess
-    import sys
-
+def test_command_exports_a_folder_that_generates_like_the_model(tmp_path):
+    """`python -m hf_llmkit.quantization.export onnx CHECKPOINT FOLDER` on a compact checkpoint: the folder (model,
+    config, tokenizer-free here) generates what the reloaded model generates."""
     quantize_model(tiny_llama(num_hidden_layers=1), DKMConfig(bits=3)).eval().save_pretrained(tmp_path / "dkm")
-    cmd = [sys.executable, "-m", "hf_llmkit.quantization.export", "onnx", str(tmp_path / "dkm"), "model.onnx"]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    cmd = [sys.executable, "-m", "hf_llmkit.quantization.export", "onnx", str(tmp_path / "dkm"), "served"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    ids = torch.randint(0, 512, (1, 8))
-    (logits,) = ort.InferenceSession(str(tmp_path / "model.onnx")).run(None, {"input_ids": ids.numpy()})
+    assert Path(done.stdout.strip().splitlines()[-1]) == Path("served")
+    assert {"model.onnx", "config.json", "generation_config.json"} <= {p.name for p in (tmp_path / "served").iterdir()}
+    ids = np.array([[3, 17, 99, 4]])
+    got = greedy_generate(onnxruntime_session(tmp_path / "served" / "model.onnx"), ids, max_new_tokens=4)
     with torch.no_grad():
-        ours = AutoModelForCausalLM.from_pretrained(tmp_path / "dkm")(ids).logits.numpy()
-    assert np.abs(logits - ours).max() <= 1e-5
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "dkm")
+        ours = model.generate(input_ids=torch.from_numpy(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert np.array_equal(got, ours.numpy())

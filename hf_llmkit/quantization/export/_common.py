@@ -8,8 +8,12 @@ layers compute (`_dkm.decode`), the reference every export is checked against bi
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -103,17 +107,28 @@ def check_causal_lm(model: nn.Module, caller: str) -> None:
             f"{caller}: expected a transformers causal LM (e.g. AutoModelForCausalLM.from_pretrained(<DKM "
             f"checkpoint>)), got {type(model).__name__}."
         )
+    if any(type(m).__module__.startswith("hf_llmkit.parallel.moe") for m in model.modules()):
+        raise ValueError(
+            f"{caller}: the model holds hf_llmkit MoELayer blocks (a live upcycled model), whose dropless dispatch "
+            "does not trace: save it with save_pretrained and export AutoModelForCausalLM.from_pretrained(<folder>) "
+            "(transformers' native MoE class)."
+        )
 
 
 def causal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Causal attention of unpadded sequences with standard ops only (key/value heads repeated by expand +
-    reshape, `F.scaled_dot_product_attention(is_causal=True)`), the kernel of the exported programs."""
+    """Attention with standard ops only (key/value heads repeated by expand + reshape,
+    `F.scaled_dot_product_attention`), the kernel of the exported programs: causal over unpadded sequences without
+    a mask, else the additive 4-D mask `[B, 1, S, >= keys]` the export wrapper builds (padding and causality)."""
     rep = query.shape[1] // key.shape[1]
     if rep > 1:
         b, h, s, d = key.shape  # [B, H_kv, S, D]
         key = key[:, :, None].expand(b, h, rep, s, d).reshape(b, h * rep, s, d)
         value = value[:, :, None].expand(b, h, rep, s, d).reshape(b, h * rep, s, d)
-    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    if attention_mask is None:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    else:
+        mask = attention_mask[:, :, :, : key.shape[-2]]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
     return out.transpose(1, 2).contiguous(), None  # [B, S, H, D]
 
 
@@ -150,6 +165,10 @@ def export_copy(model: nn.Module, weights: list[PaletteWeight], swap) -> CausalL
         parent, _, leaf = w.name.rpartition(".")
         setattr(twin.get_submodule(parent), leaf, swap(dkm_layers[w.name], w))
     twin.set_attn_implementation(EXPORT_ATTENTION)
+    text = twin.config.get_text_config(decoder=True)
+    if getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None):
+        # MoE experts: the batched product is standard ops (grouped_mm's CPU fallback and histc do not convert)
+        twin.set_experts_implementation("batched_mm")
     return CausalLogits(twin).eval()
 
 
@@ -166,3 +185,49 @@ def dense_module(module: nn.Module, weight: PaletteWeight) -> nn.Module:
     if bias is not None:
         dense.bias = nn.Parameter(bias.detach().float().cpu(), requires_grad=False)
     return dense
+
+
+def check_output(path: Path, caller: str, *, kind: str) -> None:
+    """A ValueError, before any work, for an output that cannot be written whole. `kind`: "folder" (a new or empty
+    folder), "file" (not a folder) or "package" (a Core ML package folder, replaced when it exists); every kind needs
+    its nearest existing ancestor to be a writable folder."""
+    if kind == "folder" and path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ValueError(f"{caller}: {str(path)!r} exists and is not an empty folder: name a new folder.")
+    if kind == "file" and path.is_dir():
+        raise ValueError(f"{caller}: {str(path)!r} is a folder: name the file to write.")
+    if kind == "package" and path.exists() and not path.is_dir():
+        raise ValueError(f"{caller}: {str(path)!r} is a file, not a package folder: name a new package.")
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"{caller}: cannot write {str(path)!r}: {str(ancestor)!r} is not a folder.")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"{caller}: cannot write {str(path)!r}: {str(ancestor)!r} is not writable.")
+
+
+@contextlib.contextmanager
+def staging(path: Path, *, folder: bool):
+    """Yield a private folder beside `path` to write the export into; on success it is renamed into place (`folder`:
+    it becomes `path`; else each entry lands beside `path`, `path` itself last, replacing what was there), on any
+    error it is removed: an interrupted export leaves nothing under the target's name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if folder:
+            if path.exists() and (not path.is_dir() or any(path.iterdir())):
+                raise ValueError(f"{str(path)!r} was written by something else during the export: name a new folder.")
+            if path.is_dir():
+                path.rmdir()  # empty
+            os.replace(tmp, path)
+            return
+        for item in sorted(tmp.iterdir(), key=lambda p: p.name == path.name):
+            target = path.parent / item.name
+            if item.is_dir() and target.is_dir():
+                shutil.rmtree(target)
+            os.replace(item, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,106 +1,202 @@
-"""`export_onnx`: a DKM causal LM as one ONNX file that keeps the packed indices, tables and block scales as
-initializers and decodes them with standard ops, run by any ONNX runtime.
+"""`export_onnx`: a DKM causal LM as an ONNX decoder with a key/value cache, in the layout optimum's
+`ORTModelForCausalLM` generates from, keeping the packed indices, tables and block scales as initializers.
 
-ONNX has no lookup-table weight op, so each clustered layer is swapped, on a copy, for `OnnxPalettized`, whose
-weight is computed in the graph from the compact checkpoint's own tensors: `bits` bytes hold 8 indices
-(little-endian bit stream, `_packing`), each read from the two bytes that hold it (`Gather`, `Mul`, `Add`, `Div`,
-`Mod`); `Gather` reads the table (one table per group of rows, offset by `g * K`) and `Mul` applies the block
-scales. The decoded weight is bit for bit `_dkm.decode`'s. Exported with `torch.onnx.export` (the dynamo exporter,
-no graph optimisation, so no decode is folded into a dense constant); optimum's exporter (the `optimum-onnx`
-package, 0.1.0) needs transformers < 4.58 and optimum 2.1, so it cannot install beside ours.
+Inputs: `input_ids` `[batch, sequence]`, `attention_mask` `[batch, past + sequence]` (1 for real tokens, 0 for
+padding: left-padded batches generate like their unpadded rows), `position_ids` `[batch, sequence]` and
+`past_key_values.{i}.key` / `.value` `[batch, kv_heads, past, head_dim]` (past = 0 on the first call); outputs
+`logits` `[batch, sequence, vocab]` and `present.{i}.key` / `.value` `[batch, kv_heads, past + sequence, head_dim]`.
+Every size is dynamic. Each clustered layer is one `LutMatMul` / `LutGather` node whose standard-op definition ships
+in the file (`_onnx_lut.py`: any ONNX runtime decodes it bit for bit to our weights), and which onnxruntime with
+onnxruntime-extensions runs with our C kernel (`_onnx_kernels.py`). Exported with `torch.onnx.export` (the dynamo
+exporter, no graph optimisation). Tensors go to an external data file beside the model when they pass
+`EXTERNAL_DATA_ABOVE` bytes (protobuf cannot hold 2 GiB). optimum's own exporter (the `optimum-onnx` release on the
+registry) needs transformers < 4.58, so it cannot run beside ours; its runtime class loads our folders.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hf_llmkit.quantization.export._common import PaletteWeight, check_causal_lm, export_copy, palettized_weights
+from hf_llmkit.quantization.export import _onnx_lut as lut_op
+from hf_llmkit.quantization.export._common import (
+    check_causal_lm,
+    check_output,
+    dense_module,
+    export_copy,
+    palettized_weights,
+    staging,
+)
 
 OPSET = 18
+MODEL_FILE = "model.onnx"  # the name optimum's ORTModelForCausalLM looks for in a folder
+EXTERNAL_DATA_ABOVE = 1 << 30  # bytes of tensors above which they go to `<file>.data` (protobuf's limit is 2 GiB)
 
 
-class OnnxPalettized(nn.Module):
-    """A clustered Linear / Embedding whose weight is decoded from its packed indices with standard ONNX ops."""
+class CausalLMWithCache(nn.Module):
+    """`(input_ids, attention_mask, position_ids, *past) -> (logits, *present)` of a transformers causal LM, past and
+    present as `key, value` per layer (what the export traces)."""
 
-    def __init__(self, module: nn.Module, weight: PaletteWeight) -> None:
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.kind, self.shape, self.bits = weight.kind, weight.shape, weight.bits
-        self.count, k, b = weight.count, 1 << weight.bits, weight.bits
-        self.register_buffer("weight_packed", weight.packed.clone())
-        self.register_buffer("weight_lut", weight.lut.reshape(-1, weight.cluster_dim).clone())  # [G * K, d]
-        self.register_buffer("weight_scale", None if weight.scale is None else weight.scale.clone())
-        self.pad = (-weight.packed.numel()) % b  # bytes up to whole groups of 8 indices
-        # Index p of a group of 8 starts at bit p * bits: in byte p * bits // 8, at bit p * bits % 8 of it.
-        starts = [p * b for p in range(8)]
-        self.register_buffer("first_byte", torch.tensor([s // 8 for s in starts], dtype=torch.int64))
-        self.register_buffer("shift", torch.tensor([1 << (s % 8) for s in starts], dtype=torch.int32))
-        groups = weight.groups
-        self.register_buffer("group_offsets", (torch.arange(groups, dtype=torch.int64) * k).unsqueeze(-1))
-        self.k, self.groups, self.cluster_dim = k, groups, weight.cluster_dim
-        bias = getattr(module, "bias", None) if weight.kind == "linear" else None
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float().cpu(), requires_grad=False)
+        self.m = model
 
-    def decoded_weight(self) -> torch.Tensor:
-        packed = self.weight_packed
-        if self.pad:
-            packed = torch.cat([packed, packed.new_zeros(self.pad)])
-        # [n8, bits + 1] bytes (a zero byte after each group) -> the two bytes holding each index -> [n8, 8] indices;
-        # every value stays below 2**16, exact in any integer or float arithmetic a runtime uses
-        groups = packed.reshape(-1, self.bits).to(torch.int32)
-        groups = torch.cat([groups, groups.new_zeros(groups.shape[0], 1)], dim=1)
-        pairs = groups[:, self.first_byte] + groups[:, self.first_byte + 1] * 256
-        idx = torch.remainder(torch.div(pairs, self.shift, rounding_mode="floor"), self.k).to(torch.int64)
-        idx = idx.reshape(-1)[: self.count].reshape(self.groups, -1) + self.group_offsets  # [G, n]
-        w = F.embedding(idx.reshape(-1), self.weight_lut.float())  # Gather: [G * n, d]
-        w = w.reshape(self.shape)
-        if self.weight_scale is not None:
-            rows, blocks = self.weight_scale.shape
-            spread = self.weight_scale.float().unsqueeze(-1).expand(rows, blocks, self.shape[1] // blocks)
-            w = w * spread.reshape(self.shape)
-        return w
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        from transformers import DynamicCache
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "embedding":
-            return F.embedding(x, self.decoded_weight())
-        return F.linear(x, self.decoded_weight(), self.bias)
+        seq, total = input_ids.shape[1], attention_mask.shape[1]
+        query_at = torch.arange(seq, device=input_ids.device) + (total - seq)  # [S]: each query's slot
+        causal = torch.arange(total, device=input_ids.device)[None, :] <= query_at[:, None]  # [S, T]
+        allowed = causal[None, None] & attention_mask[:, None, None, :].bool()  # [B, 1, S, T]
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        cache = DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2])))
+        out = self.m(
+            input_ids=input_ids,
+            attention_mask=mask,  # 4-D: transformers passes it to the attention as it is
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            return_dict=True,
+        )
+        return (out.logits, *[t for layer in cache.layers for t in (layer.keys, layer.values)])
 
 
-def export_onnx(model: nn.Module, path: str | Path, *, opset: int = OPSET) -> Path:
-    """Write `model` (a DKM causal LM: a reloaded compact checkpoint or a live DKM model) to the ONNX file `path`:
-    input `input_ids` int64 `[batch, sequence]` (unpadded; both dynamic), output `logits`; clustered weights kept as
-    packed indices + tables (+ block scales) decoded in the graph, everything else as in the model (float32).
-    Returns the file's path."""
+def cache_shapes(config) -> tuple[int, int, int]:
+    """(layers, key/value heads, head size) of the cache of a transformers decoder config."""
+    text = config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads, head_dim
+
+
+def io_names(layers: int) -> tuple[list[str], list[str]]:
+    kv = [f"{{}}.{i}.{t}" for i in range(layers) for t in ("key", "value")]
+    inputs = ["input_ids", "attention_mask", "position_ids"] + [n.format("past_key_values") for n in kv]
+    return inputs, ["logits"] + [n.format("present") for n in kv]
+
+
+def export_onnx(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    opset: int = OPSET,
+    external_data: bool | None = None,
+    dense: bool = False,
+    tokenizer_from: str | Path | None = None,
+) -> Path:
+    """Write `model` (a DKM causal LM: a reloaded compact checkpoint or a live DKM model) as an ONNX decoder with a
+    key/value cache (module docstring). `path` ending in `.onnx`: that file (and `<path>.data` with external data);
+    any other path: a new folder holding `model.onnx`, `config.json` and `generation_config.json`, which optimum's
+    `ORTModelForCausalLM.from_pretrained(path)` generates from. `external_data`: None decides by size
+    (`EXTERNAL_DATA_ABOVE`). `dense`: store the decoded float32 weights instead (8-10x the bytes; what a runtime
+    without our kernels serves fastest). `tokenizer_from`: a checkpoint folder whose tokenizer files the output
+    folder gets too (what generating from it needs). Nothing is written until the export succeeded. Returns the
+    output's path."""
     check_causal_lm(model, "export_onnx")
     path = Path(path)
-    if path.suffix != ".onnx":
-        raise ValueError(f"export_onnx: path must end in .onnx, got {str(path)!r}.")
     if isinstance(opset, bool) or not isinstance(opset, int) or opset < OPSET:
         raise ValueError(f"export_onnx: opset must be an integer >= {OPSET}, got {opset!r}.")
+    for name, value in (("external_data", external_data), ("dense", dense)):
+        if not (isinstance(value, bool) or (value is None and name == "external_data")):
+            raise ValueError(f"export_onnx: {name} must be True or False, got {value!r}.")
+    check_onnx_target(path)
+    check_output(path, "export_onnx", kind="file" if path.suffix == ".onnx" else "folder")
     weights = palettized_weights(model, caller="export_onnx")
-    wrapper = export_copy(model, weights, OnnxPalettized)
-    ids = torch.zeros(2, 8, dtype=torch.long)
-    batch, seq = torch.export.Dim("batch", max=1024), torch.export.Dim("sequence", max=1 << 16)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    layers, kv_heads, head_dim = cache_shapes(model.config)
+    wrapper = CausalLMWithCache(export_copy(model, weights, dense_module if dense else lut_op.OnnxPalettized).m).eval()
+    batch, past, seq = 2, 3, 4
+    args = (
+        torch.ones(batch, seq, dtype=torch.long),
+        torch.ones(batch, past + seq, dtype=torch.long),
+        torch.arange(past, past + seq).repeat(batch, 1),
+        *[torch.zeros(batch, kv_heads, past, head_dim) for _ in range(2 * layers)],
+    )
+    b, s = torch.export.Dim("batch", max=4096), torch.export.Dim("sequence", max=1 << 20)
+    p, t = torch.export.Dim("past", min=0, max=1 << 20), torch.export.Dim("total", max=1 << 21)
+    dynamic = ({0: b, 1: s}, {0: b, 1: t}, {0: b, 1: s}, ({0: b, 2: p},) * (2 * layers))  # *past: one entry
+    inputs, outputs = io_names(layers)
     with torch.no_grad():
         program = torch.onnx.export(
             wrapper,
-            (ids,),
-            input_names=["input_ids"],
-            output_names=["logits"],
-            dynamic_shapes={"input_ids": {0: batch, 1: seq}},
+            args,
+            input_names=inputs,
+            output_names=outputs,
+            dynamic_shapes=dynamic,
             opset_version=opset,
+            custom_translation_table={torch.ops.llmkit_export.lut.default: lut_op.translation},
             dynamo=True,
             optimize=False,
             verbose=False,
         )
-    import onnx
-
-    proto = program.model_proto
-    for node in proto.graph.node:  # the exporter's per-node provenance (stack traces...): 10x the tiny model's weights
-        del node.metadata_props[:]
-    onnx.save_model(proto, str(path))
+    _finish(program.model)
+    if external_data is None:
+        external_data = sum(v.const_value.nbytes for v in program.model.graph.initializers.values()) > (
+            EXTERNAL_DATA_ABOVE
+        )
+    folder = path.suffix != ".onnx"
+    with staging(path, folder=folder) as tmp:
+        name = MODEL_FILE if folder else path.name
+        _save(program.model, tmp / name, external_data)
+        if folder:
+            model.config.to_json_file(tmp / "config.json")
+            _generation_config(model, tmp)
+            if tokenizer_from is not None:
+                copy_tokenizer(Path(tokenizer_from), tmp)
     return path
+
+
+def check_onnx_target(path: Path) -> None:
+    """A ValueError before any work for an output the export cannot write as a whole (see `staging`)."""
+    if path.suffix not in (".onnx", ""):
+        raise ValueError(f"export_onnx: path must be an .onnx file or a new folder (no suffix), got {str(path)!r}.")
+
+
+def _finish(model) -> None:
+    """Drop the exporter's per-node provenance (10x a tiny model's weights) and add the palettized ops' functions."""
+    import onnx_ir as ir
+
+    used = set()
+    for node in model.graph.all_nodes():
+        node.metadata_props.clear()
+        if node.domain == lut_op.DOMAIN:
+            used.add(node.op_type)
+    model.opset_imports[lut_op.DOMAIN] = 1
+    for proto in lut_op.function_protos(used):
+        function = ir.serde.deserialize_function(proto)
+        model.functions[function.identifier()] = function
+
+
+def _save(model, file: Path, external_data: bool) -> None:
+    import onnx_ir as ir
+
+    if external_data:
+        ir.save(model, file, external_data=file.name + ".data")
+    else:
+        ir.save(model, file)
+
+
+def _generation_config(model: nn.Module, folder: Path) -> None:
+    config = getattr(model, "generation_config", None)
+    if config is not None:
+        config.to_json_file(folder / "generation_config.json")
+    text = json.loads((folder / "config.json").read_text())
+    text.pop("quantization_config", None)  # the ONNX file holds the palettized layers; no loader must requantize
+    text["use_cache"] = True
+    (folder / "config.json").write_text(json.dumps(text, indent=2, sort_keys=True) + "\n")
+
+
+def copy_tokenizer(checkpoint: Path, folder: Path) -> None:
+    """Copy a checkpoint's tokenizer files into an exported folder (what `generate` needs beside the model)."""
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.model",
+        "chat_template.jinja",
+    ):
+        if (checkpoint / name).is_file():
+            shutil.copy2(checkpoint / name, folder / name)
