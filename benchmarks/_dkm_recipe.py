@@ -6,7 +6,7 @@
        python examples/run_sft.py --model_name_or_path SFT/merged --quantization dkm --dkm_bits 3
            --dkm_recipe calibrated ...
     3. reload the compact checkpoint (`PalettizedLinear` layers) and generate greedily
-    4. export: python -m hf_llmkit.quantization.export onnx DKM model.onnx
+    4. export: python -m hf_llmkit.quantization.export onnx DKM ONNX_FOLDER
 
 Each stage's wall time and peak resident memory (the stage process's own, from `os.wait4`) go into the results; the
 jobs' evaluation losses on held-out instruction records (response tokens) before and after each job follow the
@@ -74,7 +74,7 @@ def run(model: str, work: Path, quick: bool = False) -> dict:
         ("reload the compact checkpoint and generate", "generate",
          [*me, "generate", str(work / "generate.json"), str(work / "dkm")]),
         ("export ONNX (python -m hf_llmkit.quantization.export onnx)", "export",
-         [sys.executable, "-m", "hf_llmkit.quantization.export", "onnx", str(work / "dkm"), str(work / "model.onnx")]),
+         [sys.executable, "-m", "hf_llmkit.quantization.export", "onnx", str(work / "dkm"), str(work / "onnx")]),
     ]  # fmt: skip
     stages = []
     for label, key, argv in plan:
@@ -87,7 +87,7 @@ def run(model: str, work: Path, quick: bool = False) -> dict:
         if key in ("sft", "dkm", "generate"):
             row.update(json.loads((work / f"{key}.json").read_text()))
         if key == "export":
-            row["onnx_mb"] = (work / "model.onnx").stat().st_size / 2**20
+            row["onnx_mb"] = sum(f.stat().st_size for f in (work / "onnx").glob("model.onnx*")) / 2**20
         stages.append(row)
     sizes = {name: _folder_mb(work / path) for name, path in (("merged", "sft/merged"), ("dkm", "dkm"))}
     return {"stages": stages, "folder_mb": sizes, "size": size,

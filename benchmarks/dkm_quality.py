@@ -35,6 +35,7 @@ Writes benchmarks/results/dkm_quality.json and dkm_quality.png (quality against 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -69,6 +70,21 @@ def save(results: dict) -> Path:
     from _common import RESULTS
 
     path = RESULTS / "dkm_quality.json"
+    with _locked(path):  # two runs of other sections or widths may save at once: read, merge and write as one
+        return _merge_into(path, results)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    import fcntl
+    import tempfile
+
+    with open(Path(tempfile.gettempdir()) / f"hf_llmkit_{path.stem}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _merge_into(path: Path, results: dict) -> Path:
     earlier = json.loads(path.read_text()) if path.is_file() else {}
     fresh = results
     results = {**earlier, **results, "workloads": {**earlier.get("workloads", {}), **results["workloads"]}}
@@ -293,9 +309,9 @@ def main() -> None:
     parser.add_argument(
         "--only",
         nargs="*",
-        choices=["minilm", "lm", "steps", "job", "smollm2", "calibration"],
+        choices=["minilm", "lm", "steps", "job", "smollm2", "calibration", "recipe"],
         default=None,
-        help="sections (default: all but smollm2 and calibration, the real model's)",
+        help="sections (default: all but the real model's smollm2, calibration and recipe)",
     )
     parser.add_argument("--calibration-rounds", type=int, default=2, help="rounds of the calibration-cost section")
     parser.add_argument("--lm-dir", type=Path, default=None, help="pretrained causal LM (trained there if missing)")
@@ -384,13 +400,14 @@ def main() -> None:
     results["machine_after"] = machine_state()
     results["seconds"] = time.perf_counter() - start
     out = save(results)
-    results = json.loads(out.read_text())
-    drawn = plot(results)
-    results["plot"] = recorded_path(drawn) if drawn else None
-    if results.get("real_model"):
-        drawn = real.plot(results["real_model"])
-        results["real_model"]["plot"] = recorded_path(drawn) if drawn else None
-    out = write_results("dkm_quality", results)
+    with _locked(out):  # the plots of what the file holds now (another run may have saved rows meanwhile)
+        results = json.loads(out.read_text())
+        drawn = plot(results)
+        results["plot"] = recorded_path(drawn) if drawn else None
+        if results.get("real_model"):
+            drawn = real.plot(results["real_model"])
+            results["real_model"]["plot"] = recorded_path(drawn) if drawn else None
+        out = write_results("dkm_quality", results)
     print(f"\n{load_note(results['machine_before'], results['machine_after'])}; wrote {out}")
 
 
