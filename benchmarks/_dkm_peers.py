@@ -9,7 +9,8 @@ bits, 16 with `lut_dtype="float16"`); bitsandbytes nf4 keeps an fp32 absmax per 
 quantization): 4.5 bits. Trained methods get a `train` callable (the workload's distillation step, the same batches
 and budget for every trained method).
 
-Peers (`benchmarks/install_peers.sh` installs them): torchao 0.18 QAT (`IntxFakeQuantizeConfig`), HQQ 0.2.8,
+Peers (`benchmarks/install_peers.sh` installs them): torchao 0.18 QAT (`IntxFakeQuantizeConfig`) and weight-only
+PTQ (`IntxWeightOnlyConfig`), HQQ 0.2.8,
 llmcompressor 0.14 GPTQ, bitsandbytes nf4, coremltools 9 k-means palettization (`PostTrainingPalettizer`) and DKM
 (`DKMPalettizer`). A peer that cannot run here raises; the benchmark records the one-line reason.
 """
@@ -36,27 +37,52 @@ SCALE_BITS = 16  # a peer's scale or zero point, as its deployed format stores i
 # ---- ours --------------------------------------------------------------------------------------------------------
 
 
-def dkm(model, bits: int, skip, train: Callable | None, *, calibration=None, **options) -> float:
+def dkm(model, bits: int, skip, train: Callable | None, *, calibration=None, start=None, **options) -> float:
     """DKM (hf_llmkit): k-means tables, then (with `train`) DKM training, then (with `calibration`, model inputs)
     GPTQ's rounding onto the trained tables (`hf_llmkit.quantization.calibrate`); bits of the packed export + its
     tables and block scales (in `lut_dtype`, float32 unless `options` say otherwise). With `recipe="calibrated"` the
-    calibration comes first and training starts from it (what `DKMTrainingStateCallback` does in a Trainer)."""
+    calibration comes first and training starts from it (what `DKMTrainingStateCallback` does in a Trainer). With
+    `start` (`dkm_state` of a calibrated model) training starts from that model's latent weights, tables and scales
+    instead, and nothing is calibrated."""
     from hf_llmkit import DKMConfig
     from hf_llmkit.quantization import DKMLinear, calibrate, keep_training_state, quantize_model
 
     config = DKMConfig(bits=bits, modules_to_not_convert=list(skip), **options)
     quantize_model(model, config)
     keep_training_state(model, False)  # this loop saves no checkpoints
-    layers = [m for m in model.modules() if isinstance(m, DKMLinear)]
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, DKMLinear)}
     first = config.recipe == "calibrated"
-    if calibration is not None and first:
-        calibrate(model, [calibration])
+    if start is not None:
+        with torch.no_grad():
+            for name, layer in layers.items():
+                for tensor, saved in zip((layer.weight, layer.centroids, layer.scales), start[name]):
+                    if saved is not None:
+                        tensor.copy_(saved)
+    elif calibration is not None and first:
+        calibrate(model, _rows(calibration))
     if train is not None:
         train(model)
-    if calibration is not None and not first:
-        calibrate(model, [calibration])
-    stored = sum(t.nbytes * 8 for m in layers for t in m.export().values())
-    return stored / sum(m.weight.numel() for m in layers)
+    if calibration is not None and not first and start is None:
+        calibrate(model, _rows(calibration))
+    stored = sum(t.nbytes * 8 for m in layers.values() for t in m.export().values())
+    return stored / sum(m.weight.numel() for m in layers.values())
+
+
+def dkm_state(model) -> dict[str, tuple]:
+    """{name: (latent weight, table, block scales or None)} of every DKM Linear: a start `dkm` can train from."""
+    from hf_llmkit.quantization import DKMLinear
+
+    return {
+        n: tuple(None if t is None else t.detach().clone() for t in (m.weight, m.centroids, m.scales))
+        for n, m in model.named_modules()
+        if isinstance(m, DKMLinear)
+    }
+
+
+def _rows(calibration: dict, size: int = 8) -> list[dict]:
+    """The calibration inputs in batches of `size` rows (the first batch runs the whole model, LM head included)."""
+    count = len(next(iter(calibration.values())))
+    return [{k: v[i : i + size] for k, v in calibration.items()} for i in range(0, count, size)]
 
 
 TABLE_BUDGET = 0.25  # bits per weight the per-channel tables may add: about what a g64 peer's scale + zero cost
@@ -114,6 +140,18 @@ def coreml_dkm(model, bits: int, skip, train: Callable) -> float:
 
 
 # ---- post-training peers -----------------------------------------------------------------------------------------
+
+
+def torchao_ptq(model, bits: int, skip, train=None, group_size: int = 64) -> float:
+    """torchao weight-only post-training quantization (`IntxWeightOnlyConfig`, int`bits`, asymmetric, a scale and a
+    zero point per group of `group_size` inputs, no data): a 16-bit scale and a `bits`-bit zero point per group."""
+    from torchao.quantization import IntxWeightOnlyConfig, MappingType, PerGroup, quantize_
+
+    targets = linears(model, skip)
+    groups = sum(m.weight.numel() // group_size for m in targets.values())
+    config = IntxWeightOnlyConfig(getattr(torch, f"int{bits}"), PerGroup(group_size), MappingType.ASYMMETRIC)
+    quantize_(model, config, filter_fn=lambda m, name: name in targets)
+    return (_numel(targets) * bits + groups * (SCALE_BITS + bits)) / _numel(targets)
 
 
 def coreml_kmeans(model, bits: int, skip, train=None) -> float:

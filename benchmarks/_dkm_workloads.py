@@ -227,14 +227,19 @@ def _run_clm():
 
 def make_trainer(workload, steps: int, lr: float, seed: int = 0):
     """`train(model, step_hook=None)`: `steps` AdamW steps of the workload's distillation loss (the same batches
-    for every trained method) on the Linear layers' weights and biases (embeddings and norms stay: the quantized
-    matrices are what QAT adapts; Adam's first steps move every trained tensor by about `lr`). Dropout is off: the
-    teacher runs without it, and a student trained under it learns to match a noisier copy of itself."""
+    for every trained method) on the Linear layers' weights and biases but the workload's `frozen` ones (embeddings
+    and norms stay: the quantized matrices are what QAT adapts; Adam's first steps move every trained tensor by
+    about `lr`). Dropout is off: the teacher runs without it, and a student trained under it learns to match a
+    noisier copy of itself."""
 
     from hf_llmkit.quantization import scale_latent_lr
 
+    frozen = getattr(workload, "frozen", ())  # Linear layers a workload keeps (a tied LM head: the embedding)
+
     def train(model, step_hook=None) -> None:
-        linear_params = {id(p) for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()}
+        linear_params = {id(p) for n, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear) and not (frozen and n.endswith(frozen))
+                         for p in m.parameters()}  # fmt: skip
         params = [p for p in model.parameters() if p.requires_grad and id(p) in linear_params]
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
         scale_latent_lr(opt, model)  # what LLMKitTrainer does: DKMConfig.latent_lr_scale (no-op for other models)

@@ -744,3 +744,6 @@ def dkm_onnx(results: dict) -> str:
             "rotated; every variant generated the PyTorch model's tokens:\n\n" + markdown_table(rows)
         )
     return "\n\n".join(parts) + "\n\n" + measured(data, "1 onnxruntime thread")
+
+
+import _dkm_real_report  # noqa: E402,F401  (registers the real-model fragments)

@@ -1,8 +1,16 @@
-"""Quality per bit: DKM against real peers at 2, 3 and 4 bits per weight, on real weights (issues 20, 32).
+"""Quality per bit: DKM against real peers at 2, 3 and 4 bits per weight, on real weights (issues 20, 32, 43).
 
     bash benchmarks/install_peers.sh          # once: torchao, HQQ, llmcompressor (GPTQ) beside our pins
     python benchmarks/dkm_quality.py          # both workloads (tens of minutes on 2 busy cores)
     python benchmarks/dkm_quality.py --quick  # MiniLM at 2 and 4 bits, 1 step, no GPTQ, no step timing: seconds
+    python benchmarks/dkm_quality.py --only smollm2 --bits 3   # the real LLM's table, one width (hours)
+    python benchmarks/dkm_quality.py --only calibration        # our calibrated start against GPTQ's time
+    python benchmarks/dkm_quality.py --only recipe             # the whole path on the real LLM, stage by stage
+
+The real decoder LLM, SmolLM2-135M-Instruct (`_dkm_smollm2.py`, `_dkm_real.py`, `_dkm_llamacpp.py`,
+`_dkm_recipe.py`; rendered by `_dkm_real_report.py`): perplexity, KL from the source model, top-1 agreement and the
+worst block on held-out text, against every peer including llama.cpp's K-quants; rows of a width measured again
+replace that width's rows only, and every row is saved as it is measured.
 
 Workloads (`_dkm_workloads.py`): all-MiniLM-L6-v2 (embedding cosine to fp32, mean / worst sentence, Spearman of
 pairwise similarities) and a Llama pretrained here by `examples/run_clm.py` (held-out perplexity, worst block's
@@ -29,6 +37,7 @@ Writes benchmarks/results/dkm_quality.json and dkm_quality.png (quality against 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -38,6 +47,7 @@ from pathlib import Path
 
 import _dkm_job as job_section
 import _dkm_peers as peers
+import _dkm_real as real
 import _dkm_soft as soft_section
 import _dkm_steps as steps_section
 from _common import (
@@ -57,21 +67,41 @@ LM_DIR = Path.home() / ".cache" / "hf_llmkit" / "dkm_quality_lm"  # + "_<size>"
 
 
 def save(results: dict) -> Path:
-    """Write the results, keeping the sections of an earlier run that this one did not measure (`--only`)."""
+    """Write the results, keeping the sections of an earlier run that this one did not measure (`--only`); the real
+    model's rows of the widths this run did not measure (`--bits`) stay too (`_dkm_real.merge`)."""
     from _common import RESULTS
 
     path = RESULTS / "dkm_quality.json"
-    if path.is_file():
-        earlier = json.loads(path.read_text())
-        results = {**earlier, **results, "workloads": {**earlier.get("workloads", {}), **results["workloads"]}}
-        for section in ("step_times", "job_times"):
-            if section not in results and section in earlier:
-                results[section] = earlier[section]
-        seeds = {**earlier.get("seeds", {})}
-        for name, runs in results.get("seeds", {}).items():
-            seeds[name] = {**seeds.get(name, {}), **runs}
-        if seeds:
-            results["seeds"] = seeds
+    with _locked(path):  # two runs of other sections or widths may save at once: read, merge and write as one
+        return _merge_into(path, results)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    import fcntl
+    import tempfile
+
+    with open(Path(tempfile.gettempdir()) / f"hf_llmkit_{path.stem}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _merge_into(path: Path, results: dict) -> Path:
+    earlier = json.loads(path.read_text()) if path.is_file() else {}
+    fresh = results
+    results = {**earlier, **results, "workloads": {**earlier.get("workloads", {}), **results["workloads"]}}
+    seeds = {**earlier.get("seeds", {})}
+    for name, runs in fresh.get("seeds", {}).items():
+        seeds[name] = {**seeds.get(name, {}), **runs}
+    if seeds:
+        results["seeds"] = seeds
+    if "real_model" in fresh:
+        results["real_model"] = real.merge(earlier.get("real_model"), fresh["real_model"])
+    real_seeds = dict(earlier.get("real_model_seeds", {}))
+    for seed, section in fresh.get("real_model_seeds", {}).items():
+        real_seeds[seed] = real.merge(real_seeds.get(seed), section)
+    if real_seeds:
+        results["real_model_seeds"] = real_seeds
     return write_results("dkm_quality", results)
 
 
@@ -181,6 +211,22 @@ def job_times(args) -> list[dict]:
     return rows
 
 
+def recipe_section(args) -> dict:
+    """The whole path on the real model (`_dkm_recipe.py`; --quick: its two-layer slice, two steps a job)."""
+    import tempfile
+
+    import _dkm_recipe
+
+    from hf_llmkit.testing import smollm2_path
+
+    model = str(smollm2_path(num_hidden_layers=2 if args.quick else None))
+    with tempfile.TemporaryDirectory(prefix="dkm_recipe_") as work:
+        section = _dkm_recipe.run(model, Path(work), quick=args.quick)
+    for stage in section["stages"]:
+        print(f"  recipe: {stage}", file=sys.stderr, flush=True)
+    return {**section, "model": Path(model).name, "measured": run_record()}
+
+
 def print_table(name: str, metrics: tuple[str, ...], rows: list[dict]) -> None:
     head = ["method", "bits/weight", *metrics, "seconds", "peak MB"]
     table = [head]
@@ -232,7 +278,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu"], help="CPU only (the peers' CPU paths)")
     parser.add_argument("--steps", type=int, default=None, help="training steps of every trained method")
     parser.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate of every trained method")
-    parser.add_argument("--only", nargs="*", choices=["minilm", "lm", "steps", "job", "soft"], default=None)
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        choices=["minilm", "lm", "steps", "job", "soft", "smollm2", "calibration", "recipe"],
+        default=None,
+        help="sections (default: all but soft and the real model's smollm2, calibration and recipe)",
+    )
+    parser.add_argument("--calibration-rounds", type=int, default=2, help="rounds of the calibration-cost section")
     parser.add_argument("--lm-dir", type=Path, default=None, help="pretrained causal LM (trained there if missing)")
     parser.add_argument("--lm-size", default="22m", choices=["22m", "5m"], help="the causal LM's size")
     parser.add_argument("--lm-pretrain-steps", type=int, default=300, help="steps of the causal LM's pretraining")
@@ -301,16 +354,36 @@ def main() -> None:
         soft_section.save_section("steps", steps_section.step_times(args, MiniLM))
     if "soft" in sections:  # soft assignment against straight-through training (`_dkm_soft.py`)
         soft_section.save_section("study", soft_section.study(args))  # each workload also as it finishes
+    if "smollm2" in sections:
+
+        def keep_real(section: dict) -> None:  # after every row: a long run keeps what it measured
+            if args.seed:
+                results["real_model_seeds"] = {str(args.seed): section}
+            else:
+                results["real_model"] = section
+            save(results)
+
+        keep_real(real.run(args, keep_real))
+    if "recipe" in sections:
+        results["real_model_recipe"] = recipe_section(args)
+        save(results)
+    if "calibration" in sections:
+        results["real_model_calibration"] = real.calibration_cost(args)
+        save(results)
     if "job" in sections:
         results["job_times"] = {"rows": job_times(args), "measured": run_record()}
         save(results)
     results["machine_after"] = machine_state()
     results["seconds"] = time.perf_counter() - start
     out = save(results)
-    results = json.loads(out.read_text())
-    drawn = plot(results)
-    results["plot"] = recorded_path(drawn) if drawn else None
-    out = write_results("dkm_quality", results)
+    with _locked(out):  # the plots of what the file holds now (another run may have saved rows meanwhile)
+        results = json.loads(out.read_text())
+        drawn = plot(results)
+        results["plot"] = recorded_path(drawn) if drawn else None
+        if results.get("real_model"):
+            drawn = real.plot(results["real_model"])
+            results["real_model"]["plot"] = recorded_path(drawn) if drawn else None
+        out = write_results("dkm_quality", results)
     print(f"\n{load_note(results['machine_before'], results['machine_after'])}; wrote {out}")
 
 

@@ -371,6 +371,7 @@ def run_job(job: Job, steps: DataSteps, argv: list[str] | None = None) -> dict[s
     results: dict[str, Any] = {"parameters": total, "trainable_parameters": trainable}
     results.update(calibrate_untrained(args, trainer, train, steps.collator(built)))  # the recipe, untrained
     results.update(train_and_evaluate(args, trainer))
+    results.update(features.finished(args, trainer))  # e.g. the merged model, after the adapter's evaluation
     results.update(output_dir=args.training.output_dir, wall_time_s=time.perf_counter() - start)
     results["adapter_base"] = str(base_dir) if base_dir is not None else None
     if trainer.is_world_process_zero():

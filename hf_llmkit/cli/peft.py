@@ -46,6 +46,13 @@ RECIPE_DEFAULTS = {
 }  # fmt: skip
 # peft's LoraConfig accepts any number; these are the values that make sense (checked before any work).
 HOST_BOUNDS = {"lora_rank": {"ge": 1}, "lora_alpha": {"gt": 0}, "lora_dropout": {"ge": 0, "lt": 1}}
+# Methods whose adapter is a linear change of base weights and biases: `merge_and_unload` folds it in exactly.
+MERGEABLE = ("lora", "bitfit")
+MERGE_ADAPTER = Option(
+    flag="merge_adapter", field="merge_adapter", type=bool, default=False,
+    help="After training, also save the model with the adapter merged into its weights, a plain model any "
+    "from_pretrained loads, to output_dir/merged (LoRA, BitFit).",
+)  # fmt: skip
 
 
 def _method_options(method: PeftMethod) -> list[Option]:
@@ -133,6 +140,11 @@ class _PeftMethods:
                 if getattr(self, option.flag) is not None:
                     raise ValueError(f"--{option.flag} needs a --peft_method (e.g. --peft_method lora)")
             return
+        if self.merge_adapter and self.peft_method not in MERGEABLE:
+            raise ValueError(
+                f"--merge_adapter folds the adapter into the weights; a {self.peft_method} adapter is not a change "
+                f"of weights to fold: use --peft_method {' or '.join(MERGEABLE)}, or drop --merge_adapter"
+            )
         config_fields = {f.name for f in dataclasses.fields(self.methods[self.peft_method].config_cls)}
         for option in self.shared_options:
             if getattr(self, option.flag) is not None and option.field not in config_fields:
@@ -176,7 +188,7 @@ def peft_arguments(methods: Mapping[str, PeftMethod] = PEFT_METHODS) -> type:
     ]
     groups.append(
         FlagGroup(
-            "a --peft_method (e.g. --peft_method lora)", tuple(o.flag for o in shared),
+            "a --peft_method (e.g. --peft_method lora)", (*(o.flag for o in shared), MERGE_ADAPTER.flag),
             lambda v: v["peft_method"] != "none",
         )
     )  # fmt: skip
@@ -186,7 +198,7 @@ def peft_arguments(methods: Mapping[str, PeftMethod] = PEFT_METHODS) -> type:
     )  # fmt: skip
     return arguments_class(
         "PeftArguments",
-        [choice, *shared, *(o for options in method_options.values() for o in options)],
+        [choice, MERGE_ADAPTER, *shared, *(o for options in method_options.values() for o in options)],
         doc="Which PEFT method to train with, and its options (derived from `hf_llmkit.tuners.PEFT_METHODS`).",
         module=__name__,
         namespace={

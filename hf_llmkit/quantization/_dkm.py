@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 # Added under the square root of the distance: keeps its gradient finite at a zero distance.
@@ -127,7 +128,7 @@ def kmeans(vectors: torch.Tensor, k: int, iters: int, sample: int, seed: int = 0
 
     Groups larger than `sample` vectors are clustered on a fixed-seed uniform sample, so initialising a
     LLaMA-sized layer takes a fraction of a second per table, not minutes. Scalars (`d == 1`) take
-    `weighted_kmeans_1d` (the same iterations, sorted centroids, O(n log K) per step).
+    `weighted_kmeans_1d` (the same iterations, sorted centroids, O(K log n) per step after one sort).
     """
     groups, n, d = vectors.shape
     if n > sample:
@@ -177,16 +178,34 @@ def decode(table: torch.Tensor, indices: torch.Tensor, shape, scales: torch.Tens
 @torch.no_grad()
 def weighted_kmeans_1d(values: torch.Tensor, weights: torch.Tensor, centroids: torch.Tensor, iters: int):
     """Lloyd k-means of scalars `values` `[G, n]` counted by `weights` `[G, n]` (>= 0), from `centroids` `[G, K]`;
-    returns sorted centroids `[G, K]` (float32). Each step finds nearest centroids by a search among the midpoints
-    of the sorted table (O(n log K) time, O(n) memory); a centroid no weight chooses stays where it is."""
-    x, wt = values.float(), weights.float()
+    returns sorted centroids `[G, K]` (float32). The values are sorted once, with running sums (float64) of the
+    weights and weighted values: every cell of a sorted table is then a run of sorted values between two midpoints
+    (a value exactly at a midpoint takes the smaller entry), found by K - 1 binary searches, and its weighted mean
+    is a difference of running sums, so a step costs O(K log n), not O(n); a centroid no weight chooses stays."""
+    x, order = _sort_rows(values.float())
+    wt = weights.float().gather(1, order).double()
+    zero = torch.zeros(x.shape[0], 1, dtype=torch.float64, device=x.device)
+    mass = torch.cat([zero, wt.cumsum(1)], 1)  # [G, n + 1]: mass[i] = weight of the i smallest values
+    moment = torch.cat([zero, (x.double() * wt).cumsum(1)], 1)
     c = centroids.float().sort(dim=1).values
+    ends = torch.full((x.shape[0], 1), x.shape[1], dtype=torch.long, device=x.device)
     for _ in range(iters):
-        nearest = torch.searchsorted((c[:, 1:] + c[:, :-1]) / 2, x.contiguous())
-        num = torch.zeros_like(c).scatter_add_(1, nearest, x * wt)
-        den = torch.zeros_like(c).scatter_add_(1, nearest, wt)
-        new = torch.where(den > 0, num / den.clamp_min(torch.finfo(torch.float32).tiny), c).sort(dim=1).values
+        cuts = torch.searchsorted(x, ((c[:, 1:] + c[:, :-1]) / 2).contiguous(), right=True)  # values <= midpoint
+        bounds = torch.cat([torch.zeros_like(ends), cuts, ends], 1)  # [G, K + 1]: cell j = [bounds j, bounds j+1)
+        den = mass.gather(1, bounds[:, 1:]) - mass.gather(1, bounds[:, :-1])
+        num = moment.gather(1, bounds[:, 1:]) - moment.gather(1, bounds[:, :-1])
+        new = torch.where(den > 0, (num / den.clamp_min(torch.finfo(torch.float64).tiny)).float(), c)
+        new = new.sort(dim=1).values
         if torch.equal(new, c):
             break
         c = new
     return c
+
+
+def _sort_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x.sort(dim=1)` of a `[G, n]` tensor; on CPU by numpy's argsort, several times faster there than torch's sort
+    for the millions of weights of a layer (the order of equal values may differ: it never matters to a sum)."""
+    if x.device.type != "cpu":
+        return x.sort(dim=1)
+    order = torch.from_numpy(np.argsort(x.detach().numpy(), axis=1)).to(torch.long)
+    return x.gather(1, order), order

@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
+from hf_llmkit.compat.torch import version_counter
 from hf_llmkit.quantization._dkm import expand_scales, weighted_kmeans_1d
 from hf_llmkit.quantization.layers import DKMLinear
 
@@ -106,14 +108,20 @@ def _inputs(
     expected: dict[str, int] = {}
     pending = 0  # layers still short of their expected calls in this batch
 
+    last: list = [None, -1, None, 0]  # (input, its version, X^T X, rows): layers fed the same tensor (q/k/v) share it
+
     def hook(name):
         def record(module, args):
             nonlocal pending
-            x = args[0].detach() if shards is None else shards.gather(args[0].detach())
-            x = x.reshape(-1, x.shape[-1]).float()
-            with torch.autocast(x.device.type, enabled=False):  # a Trainer's bf16 autocast wraps model.forward
-                sums[name] = sums.get(name, 0) + x.t() @ x
-            counts[name] = counts.get(name, 0) + x.shape[0]
+            inp = args[0]
+            if inp is not last[0] or version_counter(inp) != last[1]:
+                x = inp.detach() if shards is None else shards.gather(inp.detach())  # SP: the whole sequence
+                x = x.reshape(-1, x.shape[-1]).float()
+                with torch.autocast(x.device.type, enabled=False):  # a Trainer's bf16 autocast wraps model.forward
+                    last[:] = [inp, version_counter(inp), x.t() @ x, x.shape[0]]
+            product = last[2]
+            sums[name] = sums[name].add_(product) if name in sums else product.clone()
+            counts[name] = counts.get(name, 0) + last[3]
             calls[name] += 1
             if expected and calls[name] == expected[name]:
                 pending -= 1
@@ -144,6 +152,7 @@ def _inputs(
                 calls.update(dict.fromkeys(calls, 0))
                 pending = len(expected)
     finally:
+        last.clear()
         for handle in handles:
             handle.remove()
         for layer in layers.values():
@@ -152,43 +161,80 @@ def _inputs(
     return {name: sums[name] / counts[name] for name in sums}
 
 
-@torch.no_grad()
-def round_onto_table(
-    weight: torch.Tensor, table: torch.Tensor, h: torch.Tensor, scales: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The compensated weight `[rows, cols]` whose nearest entries in `table` `[rows, K]` (each row's own table) are
-    GPTQ's rounding under input moments `h` `[cols, cols]`; float32. With `scales` `[rows, cols]` (block scales
-    spread over the columns) a weight's candidates are its row's table times its scale: it is rounded as the hard
-    assignment does, `w / s` to the nearest entry."""
-    w = weight.detach().float().clone()
-    spread = None if scales is None else scales.float()
+def factor(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(GPTQ's column order, the upper Cholesky factor of the inverse of the dampened moments in that order) of input
+    moments `h` `[cols, cols]`: what the rounding of every layer fed these inputs shares."""
     h = h.float().clone()
-    cols = w.shape[1]
+    cols = h.shape[0]
     dead = torch.diag(h) == 0  # features never seen: their weights cannot matter
     h[dead, dead] = 1.0
     order = torch.argsort(torch.diag(h), descending=True)  # GPTQ's act-order: the most active inputs first
-    w, h = w[:, order], h[order][:, order]
-    spread = None if spread is None else spread[:, order]
+    h = h[order][:, order]
     h += DAMP * torch.diag(h).mean() * torch.eye(cols, device=h.device)
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    out = torch.empty_like(w)
-    table = table.float()
+    return order, torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+
+
+@torch.no_grad()
+def round_onto_table(
+    weight: torch.Tensor,
+    table: torch.Tensor,
+    h: torch.Tensor,
+    scales: torch.Tensor | None = None,
+    factored: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The compensated weight `[rows, cols]` whose nearest entries in `table` (`[rows, K]`, each row's own table, or
+    `[1, K]`, one for all rows) are GPTQ's rounding under input moments `h` `[cols, cols]` (`factored`: their
+    `factor(h)`, computed once for the layers that share them); float32. With `scales` `[rows, cols]` (block scales
+    spread over the columns) a weight's candidates are its row's table times its scale: it is rounded as the hard
+    assignment does, `w / s` to the nearest entry (a search among the midpoints of the sorted table, a value exactly
+    at a midpoint taking the smaller entry). The weight is walked column by column in its transpose, so every column
+    the loop reads and updates is contiguous, and each column keeps the value it had when it was rounded."""
+    order, u = factor(h) if factored is None else factored
+    cols = u.shape[0]
+    w = weight.detach().float().t()[order].contiguous()  # [cols, rows], updated in place
+    spread = None if scales is None else scales.float().t()[order].contiguous()
+    ranked = table.float().sort(dim=1).values  # [rows or 1, K]
+    mid = ((ranked[:, 1:] + ranked[:, :-1]) / 2).contiguous()
+    shared = ranked.shape[0] == 1
+    if shared:
+        ranked, mid = ranked[0], mid[0]
     for start in range(0, cols, BLOCK):
         stop = min(start + BLOCK, cols)
-        block, u_block = w[:, start:stop].clone(), u[start:stop, start:stop]
+        block, u_block = w[start:stop], u[start:stop, start:stop]
+        diag = u_block.diagonal().unsqueeze(1)
+        absorb = u_block / diag  # row i: what the later columns take of column i's raw error
         errors = torch.empty_like(block)
-        for i in range(stop - start):
-            col = block[:, i]
-            out[:, start + i] = col
-            unit = col if spread is None else col / spread[:, start + i]
-            nearest = table.gather(1, (unit.unsqueeze(1) - table).abs().argmin(1, keepdim=True)).squeeze(1)
-            if spread is not None:
-                nearest = nearest * spread[:, start + i]
-            err = (col - nearest) / u_block[i, i]
-            block[:, i:] -= err.unsqueeze(1) * u_block[i, i:].unsqueeze(0)
-            errors[:, i] = err
-        w[:, stop:] -= errors @ u[start:stop, stop:]
-    return out[:, torch.argsort(order)]
+        columns, raw = block.unbind(0), errors.unbind(0)
+        units = None if spread is None else spread[start:stop].unbind(0)
+        with _one_thread(w.device):
+            for i, col in enumerate(columns):
+                unit = col if units is None else col / units[i]
+                if shared:
+                    nearest = ranked.index_select(0, torch.searchsorted(mid, unit))
+                else:
+                    nearest = ranked.gather(1, torch.searchsorted(mid, unit.unsqueeze(1))).squeeze(1)
+                if units is not None:
+                    nearest.mul_(units[i])
+                torch.sub(col, nearest, out=raw[i])
+                block[i + 1 :].addr_(absorb[i, i + 1 :], raw[i], alpha=-1)  # the later columns absorb the error
+        w[stop:].addmm_(u[start:stop, stop:].t(), errors.div_(diag), alpha=-1)
+    return w[torch.argsort(order)].t()
+
+
+@contextmanager
+def _one_thread(device: torch.device):
+    """One torch thread on CPU for the column loop: its operations are a few thousand elements each, too small to
+    share out (a search among the table's midpoints splits from 200 elements), and each one split waits for the other
+    threads to be scheduled, milliseconds an operation on a loaded machine."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @torch.no_grad()
@@ -276,6 +322,7 @@ def calibrate(model: nn.Module, batches: Iterable, max_moment_bytes: int = MOMEN
     done = 0
     for chunk in chunks(layers, max_moment_bytes):
         moments = _inputs(model, chunk, batches)
+        shared: tuple = (None, None)  # (moments, their factor): q/k/v (gate/up) see the same inputs
         for name, h in moments.items():
             layer = chunk[name]
             rows = layer.weight.shape[0]
@@ -284,8 +331,12 @@ def calibrate(model: nn.Module, batches: Iterable, max_moment_bytes: int = MOMEN
             spread = None if scales is None else expand_scales(scales, layer.weight.shape[1]).to(device)
             if layer.settings.config.calibration_refit:
                 refit_tables(layer, h.to(device), spread)
-            table = layer.lookup_table()[..., 0].repeat_interleave(rows // layer.settings.groups, 0)
-            new = round_onto_table(layer.weight, table.to(device), h.to(device), spread)
+            table = layer.lookup_table()[..., 0]  # [G, K]: one table for all rows stays [1, K]
+            if table.shape[0] > 1:
+                table = table.repeat_interleave(rows // table.shape[0], 0)
+            if shared[0] is None or not torch.equal(shared[0], h):
+                shared = (h, factor(h.to(device)))
+            new = round_onto_table(layer.weight, table.to(device), h.to(device), spread, shared[1])
             with torch.no_grad():  # in place: the version counter moves, so cached hard weights are rebuilt
                 layer.weight.copy_(new.to(layer.weight.dtype))
         done += len(moments)

@@ -170,3 +170,35 @@ def test_trains_on_the_embedded_set_and_reports_the_response_loss(run_sft, tmp_p
     assert "| eval loss after (response tokens) " in table and f"{results['eval_loss']:.3f}" in table
     assert json.loads((tmp_path / "eval_results.json").read_text())["eval_loss"] == pytest.approx(results["eval_loss"])
     assert AutoModelForCausalLM.from_pretrained(tmp_path).config.hidden_size == 64
+
+
+def test_merge_adapter_saves_the_merged_plain_model(run_sft, tmp_path):
+    """`--merge_adapter`: output_dir/merged is a plain model (no adapter files) whose logits are the trained adapter
+    model's; the adapter and its base are saved as before."""
+    from peft import PeftModel
+
+    flags = [*TINY, "--output_dir", str(tmp_path), "--max_steps", "2", "--learning_rate", "3e-2"]
+    results = run_sft.run([*flags, "--peft_method", "lora", "--merge_adapter"])
+    merged_dir = tmp_path / "merged"
+    assert results["merged_model"] == str(merged_dir) and not (merged_dir / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, tmp_path)(ids).logits
+        assert not torch.allclose(adapted, plain, atol=1e-3)  # the adapter learned something to merge
+        assert torch.allclose(merged(ids).logits, adapted, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--merge_adapter"], "--merge_adapter has no effect without a --peft_method"),
+        (["--peft_method", "bottleneck", "--merge_adapter"], "a bottleneck adapter is not a change of weights"),
+        (["--peft_method", "lora", "--merge_adapter", "--quantization", "dkm"], "this run's base is quantized"),
+    ],
+)
+def test_merge_adapter_refuses_what_it_cannot_merge_before_any_work(run_sft, tmp_path, flags, expected):
+    with pytest.raises(run_sft.UsageError, match=expected):
+        run_sft.parse_args([*TINY, "--output_dir", str(tmp_path), *flags])

@@ -25,8 +25,8 @@ from hf_llmkit.cli.features.sequence_parallel import SEQUENCE_PARALLEL
 
 __all__ = [
     "FEATURES", "BuildState", "Feature", "adapter_base_dir", "argument_types", "build_stages", "callbacks",
-    "check_combinations", "default_values", "derived_defaults", "flag_groups", "folder_suffixes", "load_config",
-    "setup_rows", "train_results",
+    "check_combinations", "default_values", "derived_defaults", "finished", "flag_groups", "folder_suffixes",
+    "load_config", "setup_rows", "train_results",
 ]  # fmt: skip
 
 FEATURES: tuple[Feature, ...] = (PEFT, DKM, KBIT, MOE, SEQUENCE_PARALLEL, RUN)
@@ -87,6 +87,10 @@ def callbacks(args: Any) -> list[Any]:
 
 def train_results(args: Any, examples: int, *, warn: bool = False) -> dict:
     return dict(chain.from_iterable(f.train_results(args, examples, warn=warn).items() for f in _registry()))
+
+
+def finished(args: Any, trainer: Any) -> dict:
+    return dict(chain.from_iterable(f.finished(args, trainer).items() for f in _registry()))
 
 
 def setup_rows(args: Any) -> list[tuple[str, str]]:

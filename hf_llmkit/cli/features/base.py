@@ -12,6 +12,7 @@ any of these, each a no-op by default:
 - `load_config(args)`: the `quantization_config` the model is loaded with; `model_stage(args, state)`: what it does
   to the loaded model (`state.model`), run in the order of `stage` (upcycle, quantize, check, prepare, wrap);
 - `callbacks(args)`: the Trainer callbacks it adds; `train_results(args, examples)`: what it adds to the results;
+  `finished(args, trainer)`: what it writes once the job has trained, saved and evaluated (a merged model);
 - `row` and `describe(args)`: its line in the results table (`row_when_off` when it is off).
 """
 
@@ -68,6 +69,9 @@ class Feature:
         return []
 
     def train_results(self, args: Any, examples: int, *, warn: bool = False) -> dict[str, Any]:
+        return {}
+
+    def finished(self, args: Any, trainer: Any) -> dict[str, Any]:
         return {}
 
     def describe(self, args: Any) -> str | None:

@@ -50,6 +50,45 @@ class Peft(Feature):
             state.template = PTuningTemplate(state.tokenizer, peft_config)
         state.model = get_peft_model(state.model, peft_config)
 
+    def check(self, args) -> None:
+        if not args.peft.merge_adapter:
+            return
+        if args.dkm.quantization is not None or args.kbit.load_in_kbits != 16:
+            raise ValueError(
+                "--merge_adapter folds the adapter into full-precision weights, and this run's base is quantized "
+                "(--quantization dkm / --load_in_kbits): drop --merge_adapter, or merge in a run without quantization"
+            )
+        training = args.training
+        zero3 = getattr(training, "hf_deepspeed_config", None) is not None and training.hf_deepspeed_config.is_zero3()
+        if zero3 or training.fsdp:
+            raise ValueError(
+                "--merge_adapter merges one process's whole weights, and ZeRO-3 / FSDP shard them: drop "
+                "--merge_adapter and merge the saved adapter afterwards (PeftModel.from_pretrained(base, adapter)"
+                ".merge_and_unload())"
+            )
+
+    def finished(self, args, trainer) -> dict:
+        """`--merge_adapter`: the adapter merged into the base weights, saved as a plain model (and the tokenizer)
+        to output_dir/merged, written whole or not at all (a temporary folder renamed)."""
+        if not args.peft.merge_adapter:
+            return {}
+        import shutil
+
+        from hf_llmkit.data.cache import publish_once
+
+        target = Path(args.training.output_dir) / "merged"
+        if trainer.is_world_process_zero():
+            merged = trainer.model.merge_and_unload()  # the last use of the adapter model: merged in place
+
+            def write(folder: Path) -> None:
+                merged.save_pretrained(folder)
+                if trainer.processing_class is not None:
+                    trainer.processing_class.save_pretrained(folder)
+
+            shutil.rmtree(target, ignore_errors=True)  # an earlier run's merge of another adapter
+            publish_once(target, write)
+        return {"merged_model": str(target)}
+
     def describe(self, args):
         return args.peft.describe()
 
