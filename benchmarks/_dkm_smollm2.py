@@ -145,11 +145,15 @@ class SmolLM2:
             yield self._windows(TRAIN_BATCH, TRAIN_TOKENS, gen)
 
     def loss(self, model, batch) -> torch.Tensor:
-        """Distillation: KL(source || student) of the next-token distributions, averaged over tokens."""
-        with torch.no_grad():
-            target = F.log_softmax(self.teacher(input_ids=batch).logits.float(), -1)
-        logits = model(input_ids=batch).logits.float()
-        return F.kl_div(F.log_softmax(logits, -1), target, log_target=True, reduction="batchmean") / batch.shape[1]
+        return distillation_loss(self.teacher, model, batch)
+
+
+def distillation_loss(teacher, model, batch: torch.Tensor) -> torch.Tensor:
+    """KL(source || student) of the next-token distributions, averaged over tokens."""
+    with torch.no_grad():
+        target = F.log_softmax(teacher(input_ids=batch).logits.float(), -1)
+    logits = model(input_ids=batch).logits.float()
+    return F.kl_div(F.log_softmax(logits, -1), target, log_target=True, reduction="batchmean") / batch.shape[1]
 
 
 @torch.no_grad()

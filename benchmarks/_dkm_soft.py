@@ -35,6 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 from _common import RESULTS, run_record, write_results
+from _dkm_smollm2 import distillation_loss
 from _dkm_soft_report import STRAIGHT
 
 SOFT = "soft, tables and scales kept"
@@ -123,10 +124,7 @@ class SmolLM2Study:
             yield torch.stack([self.train_ids[s : s + tokens] for s in starts])
 
     def loss(self, model, batch) -> torch.Tensor:
-        with torch.no_grad():
-            target = F.log_softmax(self.teacher(input_ids=batch).logits.float(), -1)
-        logits = model(input_ids=batch).logits.float()
-        return F.kl_div(F.log_softmax(logits, -1), target, log_target=True, reduction="batchmean") / batch.shape[1]
+        return distillation_loss(self.teacher, model, batch)
 
     @torch.no_grad()
     def evaluate(self, model) -> dict[str, float]:

@@ -114,14 +114,17 @@ def measure(spec: dict, prompt: list[int], long: list[int]) -> dict:
     eval_ms = []
     tokens: list[int] = []
     for _ in range(spec["repeats"]):
-        before = llama_cpp.llama_perf_context(llm.ctx)  # cumulative over the context's life: take the difference
+        llama_cpp.llama_perf_context_reset(llm.ctx)  # counters of this generation only
         start = time.perf_counter()
         tokens = generate(n)
-        times["generate_b1"].append(time.perf_counter() - start)
+        wall = time.perf_counter() - start
+        times["generate_b1"].append(wall)
         after = llama_cpp.llama_perf_context(llm.ctx)  # its evaluations of single generated tokens
-        evaluated = after.n_eval - before.n_eval
-        if evaluated > 0:
-            eval_ms.append((after.t_eval_ms - before.t_eval_ms) / evaluated)
+        if after.n_eval > 0:
+            per_token = after.t_eval_ms / after.n_eval
+            if per_token > 1e3 * wall / max(after.n_eval, 1) * 1.05:  # a compute time above the wall time
+                raise RuntimeError(f"llama.cpp reported {per_token:.1f} ms per evaluated token, above the wall time")
+            eval_ms.append(per_token)
         start = time.perf_counter()
         prefill()
         times["prefill"].append(time.perf_counter() - start)
