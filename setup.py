@@ -21,7 +21,8 @@ for name, folder in MAPPED.items():
 # The C kernels (the packed DKM layers', DKM training's interval engine, the MoE experts' and routing's): sources
 # compiled on the user's machine at first use (hf_llmkit/native.py)
 package_data = {
-    "hf_llmkit.quantization": ["_lut_native.c"],
+    "hf_llmkit": ["_avx2_level.c"],
+    "hf_llmkit.quantization": ["_lut_native.c", "_lut_avx2.c", "_lut_avx512.c"],
     "hf_llmkit.quantization.engines": ["_interval_native.c"],
     "hf_llmkit.parallel.moe": ["_swiglu_native.c", "_routing_native.c"],
 }

@@ -77,18 +77,7 @@ static int max_level = 1; /* swiglu_max_level(0) keeps the portable loops (tests
 void swiglu_max_level(int level) { max_level = level; }
 
 /* 1: the AVX2 loops serve on this CPU, 0: the portable ones. */
-int swiglu_level(void) {
-#ifdef HAVE_X86
-    static int cpu = -1;
-    if (cpu < 0) {
-        __builtin_cpu_init();
-        cpu = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    }
-    return max_level >= 1 && cpu;
-#else
-    return 0;
-#endif
-}
+int swiglu_level(void) { return max_level >= 1 && cpu_has_avx2_fma(); }
 
 /* hidden [rows, inter] from h [rows, 2 * inter] (rows `ldh` floats apart). */
 void swiglu_forward(const float *h, int64_t rows, int64_t inter, int64_t ldh, float *hidden, int threads) {

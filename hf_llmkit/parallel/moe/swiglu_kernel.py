@@ -28,8 +28,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 # -fno-trapping-math: the clamps and the rounding in exp vectorize (no floating-point exception is ever read)
 _KERNEL = CLibrary(
-    Path(__file__).with_name("_swiglu_native.c"), "swiglu", "The MoE experts' CPU kernel", "experts use torch ops",
-    _declare, flags=("-fno-trapping-math",),
+    (Path(__file__).parents[2] / "_avx2_level.c", Path(__file__).with_name("_swiglu_native.c")), "swiglu",
+    "The MoE experts' CPU kernel", "experts use torch ops", _declare, flags=("-fno-trapping-math",),
 )  # fmt: skip
 LOOPS = ("portable", "avx2")  # the C source's levels
 

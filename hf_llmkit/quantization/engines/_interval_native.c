@@ -316,18 +316,7 @@ static int max_level = 1; /* dkm_max_level(0) keeps the portable loops (tests co
 void dkm_max_level(int level) { max_level = level; }
 
 /* 1: the AVX2 loops serve on this CPU, 0: the portable ones */
-int dkm_level(void) {
-#ifdef HAVE_X86
-    static int cpu = -1;
-    if (cpu < 0) {
-        __builtin_cpu_init();
-        cpu = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    }
-    return max_level >= 1 && cpu;
-#else
-    return 0;
-#endif
-}
+int dkm_level(void) { return max_level >= 1 && cpu_has_avx2_fma(); }
 
 /* ---- a problem: its shape, its groups, its chunks -------------------------------------------------------------- */
 

@@ -53,8 +53,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 # -fno-trapping-math: the clamps and the rounding in exp vectorize (no floating-point exception is ever read)
 _KERNEL = CLibrary(
-    Path(__file__).with_name("_interval_native.c"), "dkm_interval", "The DKM training CPU kernel",
-    "the interval engine uses torch ops", _declare, flags=("-fno-trapping-math",),
+    (Path(__file__).parents[2] / "_avx2_level.c", Path(__file__).with_name("_interval_native.c")), "dkm_interval",
+    "The DKM training CPU kernel", "the interval engine uses torch ops", _declare, flags=("-fno-trapping-math",),
 )  # fmt: skip
 LOOPS = ("portable", "avx2")  # the C source's levels
 _STATE = {"enabled": True}
