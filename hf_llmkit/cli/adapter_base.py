@@ -6,9 +6,12 @@ renamed into place, so a run killed while writing it leaves none (the resumed ru
 
 A DKM base keeps its layers' training state (latent weights and tables, next to the packed export): it reloads as
 trainable DKM layers, `nn.Linear`s every PEFT method wraps (a compact checkpoint's packed layers are none) and that
-compute what the run did. A PEFT adapter freezes them, so only DKM's calibration changes them during the run: the
-recipe's before the first step (`--dkm_recipe calibrated`), or `--dkm_calibration_samples`' after the last;
-`BaseAfterCalibration` writes the base again from the model's layers once that has run.
+compute what the run did. A PEFT adapter freezes their parameters, yet their state still changes during the run:
+DKM's calibration (the recipe's before the first step, `--dkm_recipe calibrated`, or `--dkm_calibration_samples`'
+after the last) and the layers' own updates in training forwards (a calibrated recipe with block scales changed
+the evaluated model after the start's base was written: tests/examples/test_run_clm_adapter_base.py, cell
+dkm-recipe-bottleneck). `BaseAfterCalibration` writes the base again from the model's layers after the start's
+calibration and when training ends.
 """
 
 from __future__ import annotations
@@ -76,8 +79,8 @@ def refresh_dkm_base(model: Any, folder: Path) -> int:
 
 
 class BaseAfterCalibration(TrainerCallback):
-    """Writes a DKM adapter base again after the calibration that changes it (added after the trainer's
-    `DKMTrainingStateCallback`, so its calibration has run)."""
+    """Writes a DKM adapter base again after the start's calibration and when training ends, from the layers the run
+    evaluates (added after the trainer's `DKMTrainingStateCallback`, so its calibration has run)."""
 
     def __init__(self, folder: Path, *, at_start: bool) -> None:
         self.folder, self.at_start = folder, at_start
@@ -91,5 +94,4 @@ class BaseAfterCalibration(TrainerCallback):
             self._refresh(args, model)
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
-        if not self.at_start:
-            self._refresh(args, model)
+        self._refresh(args, model)

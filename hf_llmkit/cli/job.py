@@ -364,7 +364,7 @@ def run_job(job: Job, steps: DataSteps, argv: list[str] | None = None) -> dict[s
         trainer = build_trainer(args, built, train, evaluation, data_collator=steps.collator(built))
     trainer.add_callback(FlagRecord(args, job.prog))  # the record is written once nothing can refuse the run
     dkm = args.dkm.build_config()
-    if base_dir is not None and dkm is not None and dkm.calibration_samples:  # after the trainer's DKM callback
+    if base_dir is not None and dkm is not None:  # after the trainer's DKM callback: the evaluated layers' state
         trainer.add_callback(BaseAfterCalibration(base_dir, at_start=dkm.recipe == "calibrated"))
     features.train_results(args, len(train), warn=True)  # e.g. more DKM calibration samples than examples: warned
     total, trainable = count_parameters(built.model)

@@ -33,7 +33,7 @@ def test_calibration_samples_above_the_training_examples_are_clamped_and_reporte
     args = run_clm.parse_args(flags)
     with caplog.at_level(logging.WARNING):
         done = args.dkm.calibration(64, warn=True)
-    assert done == {"dkm_calibration_samples": 64}
+    assert done == {"dkm_calibration_samples": 64, "dkm_recipe": "dkm"}  # the count as clamped, the recipe named
     assert _warnings(caplog) == [
         "--dkm_calibration_samples 100000 is more than the 64 training examples: using all 64"
     ]

@@ -118,7 +118,8 @@ def test_a_converter_failure_of_any_type_is_one_line_and_writes_nothing(tmp_path
 
 def test_dkm_upcycled_moe_exports_to_onnx_and_core_ml(tmp_path):
     """A DKM + upcycled-MoE output (saved, reloaded as transformers' Mixtral) exports: ONNX generates our tokens
-    (experts traced with batched_mm), Core ML converts; the live model (hf_llmkit MoELayer) is one ValueError."""
+    (experts traced with batched_mm), Core ML converts; a live model with hf_llmkit's MoELayer blocks (upcycled with a
+    capacity factor: transformers' blocks cannot drop tokens) is one ValueError."""
     import numpy as np
     from transformers import AutoModelForCausalLM
 
@@ -126,7 +127,8 @@ def test_dkm_upcycled_moe_exports_to_onnx_and_core_ml(tmp_path):
     from hf_llmkit.quantization.export import export_coreml, export_onnx, greedy_generate, onnxruntime_session
 
     torch.manual_seed(0)
-    live = quantize_model(upcycle_to_moe(tiny_llama(num_hidden_layers=1), num_experts=4, top_k=2), DKMConfig(bits=3))
+    moe = upcycle_to_moe(tiny_llama(num_hidden_layers=1), num_experts=4, top_k=2, capacity_factor=4.0)  # drops nothing
+    live = quantize_model(moe, DKMConfig(bits=3))
     with pytest.raises(ValueError, match="save it with save_pretrained and export"):
         export_onnx(live.eval(), tmp_path / "live.onnx")
     live.eval().save_pretrained(tmp_path / "moe")

@@ -23,6 +23,7 @@ from hf_llmkit.quantization.export import _onnx_lut as lut_op
 from hf_llmkit.quantization.export import greedy_generate, onnxruntime_session, palettized_weights
 from hf_llmkit.quantization.export import onnx as onnx_export
 from hf_llmkit.quantization.export.onnx import cache_shapes
+from hf_llmkit.quantization.integration import IMPORT_MARKER
 from hf_llmkit.testing import tiny_llama
 
 onnx = pytest.importorskip("onnx", reason="ONNX export needs onnx, onnxscript and onnxruntime (the `export` extra)")
@@ -154,7 +155,9 @@ def test_the_file_holds_the_checkpoint_tensors_and_onnxruntime_folds_nothing_wei
     with safe_open(ckpt / "model.safetensors", "np") as saved:
         checkpoint_tensors = {name: saved.get_tensor(name) for name in saved.keys()}  # noqa: SIM118
     # the one-byte stand-ins for the dense weights (integration.stand_in_weight) have nothing to do in the graph
-    checkpoint_tensors = {n: t for n, t in checkpoint_tensors.items() if not (n.endswith(".weight") and t.size == 1)}
+    # and neither has the marker that names the import a load without hf_llmkit needs (integration.IMPORT_MARKER)
+    checkpoint_tensors = {n: t for n, t in checkpoint_tensors.items()
+                          if not (n.endswith(".weight") and t.size == 1) and n != IMPORT_MARKER}  # fmt: skip
     for name, tensor in checkpoint_tensors.items():
         assert stored[name].tobytes() == tensor.tobytes(), name  # reshaped at most ([n / 8, bits] bytes)
     extra = sum(v.nbytes for name, v in stored.items() if name not in checkpoint_tensors)
