@@ -59,7 +59,8 @@ def verdicts(section: dict, seeds: dict) -> list[str]:
             cheaper = [r for r in same if not _ours(r) and r["bpw"] < best["bpw"] - 0.005]
             ahead = [r for r in rivals if not _better(m, best[m], r[m])]
             said = (f"{m} {_value(m, best[m])} ({best['method']}, {best['bpw']:.2f} bits/weight): "
-                    + ("lowest of every peer at the same or more bits" if not ahead else
+                    + ("NOT SHOWN: no peer measured at the same or more bits yet" if not rivals else
+                       "lowest of every peer at the same or more bits" if not ahead else
                        "NOT the lowest: " + ", ".join(f"{r['method']} {_value(m, r[m])} ({r['bpw']:.2f})"
                                                       for r in ahead)))  # fmt: skip
             if rivals and not ahead:

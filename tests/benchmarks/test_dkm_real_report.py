@@ -71,6 +71,8 @@ def test_verdicts_hold_only_against_every_peer_at_the_same_or_more_bits():
     lines = verdicts(_section(rows), {})
     assert "NOT the lowest: GPTQ 3-bit g64 (llmcompressor) 0.1000 (3.30)" in lines[0]
     assert "does NOT improve on its start" in lines[2]
+    alone = verdicts(_section(rows[:2] + rows[3:]), {})  # no peer at the same or more bits: nothing is claimed
+    assert "NOT SHOWN: no peer measured at the same or more bits yet" in alone[0] and "lowest" not in alone[0]
 
 
 def test_the_seed_margin_counts_a_data_free_peer_as_the_same_at_every_seed():
