@@ -62,6 +62,7 @@ from _common import (
 from _dkm_workloads import CALIBRATION_SAMPLES, CausalLM, MiniLM, lm_recipe, make_trainer
 
 BITS = (2, 3, 4)
+WORKLOAD_SETTINGS = ("steps", "lr", "calibration_samples", "dropout", "machine_before")  # the tables ran with
 QUICK_BITS = (2, 4)  # --quick: the 2-bit rows' branch and the 4-bit one (nf4 included), seconds each
 LM_DIR = Path.home() / ".cache" / "hf_llmkit" / "dkm_quality_lm"  # + "_<size>"
 
@@ -90,6 +91,8 @@ def _merge_into(path: Path, results: dict) -> Path:
     earlier = json.loads(path.read_text()) if path.is_file() else {}
     fresh = results
     results = {**earlier, **results, "workloads": {**earlier.get("workloads", {}), **results["workloads"]}}
+    if not fresh["workloads"] and not fresh.get("seeds"):  # other sections only: the workloads' settings stay theirs
+        results.update({k: earlier[k] for k in WORKLOAD_SETTINGS if k in earlier})
     seeds = {**earlier.get("seeds", {})}
     for name, runs in fresh.get("seeds", {}).items():
         seeds[name] = {**seeds.get(name, {}), **runs}
@@ -102,7 +105,7 @@ def _merge_into(path: Path, results: dict) -> Path:
         real_seeds[seed] = real.merge(real_seeds.get(seed), section)
     if real_seeds:
         results["real_model_seeds"] = real_seeds
-    return write_results("dkm_quality", results)
+    return write_results("dkm_quality", results, path=path)
 
 
 def tables_per(size: int) -> str:

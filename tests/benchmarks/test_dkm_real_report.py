@@ -100,3 +100,19 @@ def test_every_real_model_fragment_renders_from_results_and_says_when_not_measur
             "ratio_median": 0.55, "cpu_ratio_min": 0.47, "cpu_ratio_median": 0.48, "measured": RECORD}  # fmt: skip
     text = dkm_calibration_cost({"dkm_quality": {"recorded": RECORD, "real_model_calibration": cost}})
     assert "no more time than GPTQ: holds (ours / GPTQ, min / median: wall 0.50 / 0.55, CPU 0.47 / 0.48)" in text
+
+
+def test_a_real_model_run_keeps_the_workloads_settings(tmp_path):
+    """Found on the first real-model run: `--only smollm2 --steps 24` rewrote the top-level steps that the MiniLM and
+    small-Llama tables were trained with (their text then said 24 steps for rows trained 40)."""
+    import json
+
+    import dkm_quality
+
+    path = tmp_path / "dkm_quality.json"
+    earlier = {"steps": 40, "lr": 2e-5, "workloads": {"minilm": {"rows": []}}}
+    path.write_text(json.dumps(earlier))
+    fresh = {"steps": 24, "lr": 1e-4, "workloads": {}, "real_model": _section([_row(START, 3, 3.25, 24.0, 0.2)])}
+    merged = dkm_quality._merge_into(path, fresh)
+    data = json.loads(merged.read_text())
+    assert data["steps"] == 40 and data["lr"] == 2e-5 and "minilm" in data["workloads"] and data["real_model"]
