@@ -12,9 +12,9 @@
   needs one per kind of layer a model holds, more than the default 8 across models in one process; without it the
   kernel falls back to decoding the weight (correct, only slower).
 - `nn.Module._apply(fn, recurse)`: how `.to()`, `.half()`, `.cuda()` reach every parameter and buffer. DKM's layers
-  (hf_llmkit.quantization.layers) override it so their tables keep their dtype through a dtype cast (`.to(float16)`
-  would round them and the saved checkpoint would no longer match its config), as `from_pretrained(dtype=...)` keeps
-  them (`apply_keeping_dtypes`).
+  (hf_llmkit.quantization.layers and .palettized) override it so their tables keep their dtype through a dtype cast
+  (`.to(float16)` would round them and the saved checkpoint would no longer match its config), as
+  `from_pretrained(dtype=...)` keeps them (`apply_keeping_dtypes`).
 - `Module._buffers`: a module's own buffers by name. The packed DKM layers (hf_llmkit.quantization._lut_native) read
   their three tensors on every token of generation; `nn.Module.__getattr__`'s fallback chain costs a few
   microseconds per read, a measurable share of a small model's token time.

@@ -1,12 +1,12 @@
-"""Modules that replace `nn.Linear` / `nn.Embedding`: trainable DKM layers and packed inference layers.
+"""The trainable DKM layers that replace `nn.Linear` / `nn.Embedding`: `DKMLinear` / `DKMEmbedding`.
 
-`DKMLinear` / `DKMEmbedding` keep the latent weight (trainable) and a centroid table (`centroids`, `[G, K, d]`),
-and with `scale_block_size` the absmax scale of every block of input features (`scales`, `[rows, cols / block]`): the
-table then clusters the weight divided by its scales, and the clustered weight is multiplied back.
-In training mode (with a weight that requires grad) the forward uses DKM's soft assignment, computed by one of
-four engines (see `_soft`); otherwise it uses the hard assignment. `PalettizedLinear` / `PalettizedEmbedding` are
-what a compact checkpoint reloads into: packed n-bit indices (`weight_packed`, uint8), the lookup table
-(`weight_lut`, in `lut_dtype`) and the block scales (`weight_scale`, in `lut_dtype`) when there are any.
+They keep the latent weight (trainable) and a centroid table (`centroids`, `[G, K, d]`), and with `scale_block_size`
+the absmax scale of every block of input features (`scales`, `[rows, cols / block]`): the table then clusters the
+weight divided by its scales, and the clustered weight is multiplied back. In training mode (with a weight that
+requires grad) the forward uses DKM's soft assignment, computed by one of four engines (see `_soft`); otherwise it
+uses the hard assignment. What a compact checkpoint reloads into, `PalettizedLinear` / `PalettizedEmbedding`, is in
+`palettized.py` (importable from here too); what both kinds are built from and checked against, `DKMSettings` and the
+table checks, in `layer_settings.py`.
 
 State dicts: a DKM layer's own is `weight`, `centroids` (+ `scales`, `bias`). A checkpoint written by `save_pretrained`
 holds `weight_packed` + `weight_lut` (+ `weight_scale`) instead (compact), plus the layer's own while
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,70 +25,26 @@ from torch import nn
 
 from hf_llmkit.compat.torch import apply_keeping_dtypes, version_counter
 from hf_llmkit.quantization import _dkm as dkm
-from hf_llmkit.quantization import engines, lut_gemv, steps
-from hf_llmkit.quantization._packing import pack_indices, packed_numel, unpack_indices
-from hf_llmkit.quantization.config import DKMConfig
+from hf_llmkit.quantization import engines, steps
+from hf_llmkit.quantization._packing import pack_indices, unpack_indices
 from hf_llmkit.quantization.engines.table import make_shard_group
+from hf_llmkit.quantization.layer_settings import TABLES, DKMSettings, check_scales, check_table
 from hf_llmkit.quantization.lut_gemv import compute_dtype
 from hf_llmkit.quantization.marshal import MarshalHooks
+from hf_llmkit.quantization.palettized import PalettizedEmbedding, PalettizedLinear
+
+__all__ = [
+    "TABLES",
+    "DKMEmbedding",
+    "DKMLinear",
+    "DKMSettings",
+    "PalettizedEmbedding",
+    "PalettizedLinear",
+    "check_scales",
+    "check_table",
+]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DKMSettings:
-    """What one DKM layer clusters with: its `DKMConfig` (where every option is declared, once) and what the layer's
-    kind and shape decide, its index bits (embeddings have their own) and number of tables."""
-
-    config: DKMConfig
-    bits: int
-    groups: int
-
-    @classmethod
-    def from_config(cls, config: DKMConfig, kind: str, rows: int) -> DKMSettings:
-        """Settings of a `kind` ("linear" / "embedding") layer with `rows` output channels (embedding rows)."""
-        return cls(config=config, bits=config.bits_for(kind), groups=config.num_groups(rows))
-
-    @classmethod
-    def build(cls, rows: int, *, groups: int = 1, kind: str = "linear", **options) -> DKMSettings:
-        """Settings of a standalone layer with `rows` output channels, `groups` tables (`rows / groups` channels
-        each) and the `DKMConfig` options given (e.g. `DKMSettings.build(64, bits=4, cluster_dim=2)`)."""
-        if groups > 1:
-            options.update(granularity="per_grouped_channel", group_size=rows // groups)
-        return cls.from_config(DKMConfig(**options), kind, rows)
-
-    @property
-    def cluster_dim(self) -> int:
-        return self.config.cluster_dim
-
-    @property
-    def scale_block(self) -> int:
-        """Input features per block scale (0: the weights are clustered unscaled)."""
-        return self.config.scale_block_size
-
-    def scales_shape(self, shape) -> tuple[int, int] | None:
-        """Shape of the block scales of a `[rows, cols]` weight (None without scales)."""
-        return (shape[0], shape[1] // self.scale_block) if self.scale_block else None
-
-
-def check_table(name: str, table: torch.Tensor, shape: tuple[int, ...]) -> None:
-    """A lookup table / centroid table must have the layer's shape and only finite values."""
-    if tuple(table.shape) != shape:
-        raise ValueError(f"{name!r} has shape {tuple(table.shape)}, expected {shape}; the checkpoint does not match.")
-    if not bool(torch.isfinite(table).all()):
-        raise ValueError(f"{name!r} holds NaN/Inf values: the checkpoint is corrupt; restore it from a good copy.")
-
-
-def check_scales(name: str, scales: torch.Tensor | None, shape: tuple[int, int]) -> None:
-    """Block scales must be present (the config has `scale_block_size`), of the layer's shape, finite and > 0."""
-    if scales is None:
-        raise ValueError(
-            f"The DKM checkpoint has no {name!r} but its quantization_config sets scale_block_size: set it to 0 "
-            "in config.json if the checkpoint was saved without block scales."
-        )
-    check_table(name, scales, shape)
-    if not bool((scales > 0).all()):
-        raise ValueError(f"{name!r} holds scales <= 0: the checkpoint is corrupt; restore it from a good copy.")
 
 
 class _Clustered:
@@ -296,11 +251,6 @@ def _accept_checkpoint_tensors(module, state_dict, prefix, *_args) -> None:
     )
 
 
-# Buffers a dtype cast of the model (`.to(torch.float16)`) leaves in their dtype: the tables and block scales, as
-# `from_pretrained(..., dtype=...)` leaves them (the saved checkpoint must match its config's `lut_dtype`).
-TABLES = ("centroids", "scales", "weight_lut", "weight_scale")
-
-
 class DKMLinear(nn.Linear, _Clustered):
     """`nn.Linear` whose weight is clustered by DKM during training (soft) and hard-assigned otherwise."""
 
@@ -351,110 +301,3 @@ class DKMEmbedding(nn.Embedding, _Clustered):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         weight = self.clustered_weight(self.weight.dtype)
         return F.embedding(ids, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq)
-
-
-class _Packed(nn.Module):
-    """Packed indices + lookup table of one weight, kept as saved (no decoded copy); `lut_gemv` multiplies by it."""
-
-    def _apply(self, fn, recurse=True):
-        return apply_keeping_dtypes(self, lambda: super(_Packed, self)._apply(fn, recurse), TABLES)
-
-    def _init_packed(self, shape: tuple[int, int], settings: DKMSettings, device) -> None:
-        self.settings, self.weight_shape = settings, shape
-        k = 1 << settings.bits
-        self.register_buffer(
-            "weight_packed", torch.zeros(packed_numel(self.count, settings.bits), dtype=torch.uint8, device=device)
-        )
-        table = torch.zeros(settings.groups, k, settings.cluster_dim, device=device, dtype=settings.config.table_dtype)
-        self.register_buffer("weight_lut", table)
-        scales = settings.scales_shape(shape)
-        dtype = settings.config.table_dtype
-        scale = None if scales is None else torch.ones(scales, device=device, dtype=dtype)
-        self.register_buffer("weight_scale", scale)
-        self.register_load_state_dict_pre_hook(_check_packed_tensors)
-
-    @property
-    def count(self) -> int:
-        """Indices stored: one per weight vector."""
-        return self.weight_shape[0] * self.weight_shape[1] // self.settings.cluster_dim
-
-    def check_packed(self, name: str) -> None:
-        """Raise a ValueError naming the tensor when the loaded tensors do not match the config or are corrupt.
-
-        Indices are in range by construction once the shapes match: a `bits`-bit field addresses exactly the
-        `2**bits` rows of the table. The padding bits after the last index must be zero, as `pack_indices` writes them.
-        """
-        s = self.settings
-        want_packed = (packed_numel(self.count, s.bits),)
-        want_lut = (s.groups, 1 << s.bits, s.cluster_dim)
-        got_packed, got_lut = tuple(self.weight_packed.shape), tuple(self.weight_lut.shape)
-        if self.weight_packed.dtype != torch.uint8 or got_packed != want_packed or got_lut != want_lut:
-            raise ValueError(
-                f"The DKM checkpoint does not match its quantization_config at {name!r}: expected weight_packed "
-                f"uint8 {want_packed} and weight_lut {want_lut} (bits={s.bits}, cluster_dim={s.cluster_dim}, "
-                f"{s.groups} table(s)), found {self.weight_packed.dtype} {got_packed} and {got_lut}. Re-export the "
-                "checkpoint, or fix 'bits'/'cluster_dim'/'granularity'/'group_size' in its config.json."
-            )
-        check_table(f"{name}.weight_lut", self.weight_lut, want_lut)
-        if self.weight_scale is not None:
-            check_scales(f"{name}.weight_scale", self.weight_scale, s.scales_shape(self.weight_shape))
-        pad = (-self.count * s.bits) % 8
-        if pad and int(self.weight_packed[-1]) >> (8 - pad):
-            raise ValueError(f"{name + '.weight_packed'!r} has non-zero padding bits: the checkpoint is corrupt.")
-
-    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The decoded dense weight in `dtype` (the hard assignment's, bit for bit)."""
-        return lut_gemv.decode_weight(self, dtype)
-
-    def extra_repr(self) -> str:
-        # peft prints the module it cannot adapt: the repr names the way to train adapters on it
-        rows, cols = self.weight_shape
-        return (f"{cols} -> {rows}, {self.settings.bits}-bit packed DKM layer; adapters train on it after "
-                "hf_llmkit.quantization.trainable_from_packed(model)")  # fmt: skip
-
-
-def _check_packed_tensors(module, state_dict, prefix, *_args) -> None:
-    """Load-state-dict pre-hook of the packed layers: drop a training checkpoint's extra tensors, check the table."""
-    for extra in ("weight", "centroids", "scales", *steps.STEP_NAMES):
-        state_dict.pop(prefix + extra, None)
-    lut = state_dict.get(prefix + "weight_lut")
-    if lut is not None:
-        check_table(prefix + "weight_lut", lut, tuple(module.weight_lut.shape))
-    scale = state_dict.get(prefix + "weight_scale")
-    if scale is not None and module.weight_scale is not None:
-        check_scales(prefix + "weight_scale", scale, tuple(module.weight_scale.shape))
-
-
-class PalettizedLinear(_Packed):
-    """Inference `Linear` of a compact DKM checkpoint."""
-
-    def __init__(
-        self, in_features: int, out_features: int, bias: bool, settings: DKMSettings, device=None, dtype=None
-    ):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self._init_packed((out_features, in_features), settings, device)
-        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return lut_gemv.linear(self, x, self.bias)
-
-
-class PalettizedEmbedding(_Packed):
-    """Inference `Embedding` of a compact DKM checkpoint."""
-
-    def __init__(
-        self, num_embeddings: int, embedding_dim: int, padding_idx, settings: DKMSettings, device=None, dtype=None
-    ):
-        super().__init__()
-        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
-        self.dtype = dtype or torch.get_default_dtype()
-        self._init_packed((num_embeddings, embedding_dim), settings, device)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of the decoded table, read from their own index bits (no whole-table decode)."""
-        if ids.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"PalettizedEmbedding takes integer ids (int32/int64), got {ids.dtype}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            raise IndexError(f"ids must lie in [0, {self.num_embeddings}), got {int(ids.min())}..{int(ids.max())}")
-        return lut_gemv.decode_rows(self, ids).to(self.dtype)

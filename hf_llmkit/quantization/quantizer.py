@@ -4,7 +4,7 @@ On-the-fly (`from_pretrained(path, quantization_config=DKMConfig(...))`): target
 while the model is on the meta device, and each layer's k-means runs as its weight loads (`DKMInitTables`). Saving
 writes packed indices + lookup tables (and the training state during Trainer runs). Reloading a DKM checkpoint
 builds, per layer, what the checkpoint holds: packed inference layers, or trainable layers for a Trainer checkpoint's
-training state; the tensor names are checked against the config before any weight is read.
+training state; the tensor names are checked against the config before any weight is read (`layout.py`).
 
 A sharded model (FSDP2, ZeRO-3) packs from the full state dict the Trainer gathers on every rank before its main
 process writes: `exporting_from` hands it to the save (`LLMKitTrainer._save` does; transformers' `save_pretrained`
@@ -22,6 +22,7 @@ from transformers.quantizers.base import HfQuantizer
 from hf_llmkit.compat.transformers import get_module_from_name, keep_in_fp32_modules
 from hf_llmkit.quantization import integration, tied
 from hf_llmkit.quantization.config import DKMConfig
+from hf_llmkit.quantization.layout import LOADED_NAMES, read_layout
 from hf_llmkit.quantization.training_state import guard_training_state
 
 
@@ -63,7 +64,7 @@ class DKMHfQuantizer(HfQuantizer):
         packed: bool | dict = self.pre_quantized
         if self.pre_quantized:
             targets = list(integration.dkm_targets(model, self.quantization_config, self.modules_to_not_convert))
-            layout = integration.read_layout(model, checkpoint_files, targets, self.quantization_config)
+            layout = read_layout(model, checkpoint_files, targets, self.quantization_config)
             if layout is not None:
                 packed = layout
         integration.replace_with_dkm_layers(model, self.quantization_config, self.modules_to_not_convert, packed)
@@ -74,7 +75,7 @@ class DKMHfQuantizer(HfQuantizer):
         module, tensor_name = get_module_from_name(model, param_name)
         if self.pre_quantized:
             # Lets packed tensors of any shape reach `_process_model_after_weight_loading`, which names the problem.
-            return isinstance(module, integration.PACKED) and tensor_name in integration.LOADED_NAMES
+            return isinstance(module, integration.PACKED) and tensor_name in LOADED_NAMES
         return isinstance(module, integration.TRAINABLE) and tensor_name == "weight"
 
     def get_quantize_ops(self):

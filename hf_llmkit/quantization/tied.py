@@ -18,7 +18,8 @@ from torch import nn
 from hf_llmkit.compat.transformers import should_convert_module, tied_parameters, untie
 from hf_llmkit.quantization import lut_gemv
 from hf_llmkit.quantization.config import DKMConfig
-from hf_llmkit.quantization.layers import DKMEmbedding, PalettizedEmbedding
+from hf_llmkit.quantization.layers import DKMEmbedding
+from hf_llmkit.quantization.palettized import PalettizedEmbedding
 
 
 class TiedDKMHead(nn.Module):

@@ -21,7 +21,8 @@ from torch import nn
 
 from hf_llmkit.quantization import _dkm as dkm
 from hf_llmkit.quantization._packing import unpack_indices
-from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear, PalettizedEmbedding, PalettizedLinear
+from hf_llmkit.quantization.layers import DKMEmbedding, DKMLinear
+from hf_llmkit.quantization.palettized import PalettizedEmbedding, PalettizedLinear
 
 EXPORT_ATTENTION = "llmkit_export_causal"
 _DKM_LAYERS = (PalettizedLinear, PalettizedEmbedding, DKMLinear, DKMEmbedding)
