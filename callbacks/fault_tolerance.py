@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -63,6 +62,7 @@ from hf_llmkit.checkpoints.lifecycle import CheckpointGuard, ManifestSettings
 from hf_llmkit.checkpoints.lock import OutputDirLock, hold_output_dir
 from hf_llmkit.checkpoints.loss_watch import LossWatch
 from hf_llmkit.checkpoints.names import checkpoint_folder
+from hf_llmkit.checkpoints.preemption import PreemptionSignals, preemption_message
 from hf_llmkit.checkpoints.status import classify_checkpoint, latest_complete_checkpoint
 from hf_llmkit.checkpoints.transaction import GUARD, begin_save, close_run, transaction_of
 from hf_llmkit.compat.transformers import saved_callback_state
@@ -102,9 +102,7 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
         check_weights_on_save: bool = True,
         manifest_retries: int = 3,
     ):
-        unknown = [name for name in signals if not isinstance(getattr(signal, str(name), None), signal.Signals)]
-        if unknown:
-            raise ValueError(f"unknown signal names {unknown}; use names such as 'SIGTERM' or 'SIGUSR1'")
+        self.preemption = PreemptionSignals(signals)  # validates the names first
         if exit_code is not None and not 0 <= exit_code <= 255:
             raise ValueError(f"exit_code must be in 0..255 (or None for the trainer's default), got {exit_code}")
         if max_rollbacks < 0:
@@ -112,17 +110,13 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
         if manifest_retries < 0:
             raise ValueError(f"manifest_retries must be >= 0, got {manifest_retries}")
         self.checksum, self.fsync, self.exit_code = checksum, fsync, exit_code
-        self.signal_names = tuple(signals)
-        self.signals = tuple(getattr(signal, name) for name in signals)
+        self.signal_names, self.signals = self.preemption.names, self.preemption.signals
         self.max_rollbacks, self.manifest_retries = max_rollbacks, manifest_retries
         self.check_weights_on_save = check_weights_on_save
         self.watch = LossWatch(
             spike_factor=loss_spike_factor, warmup_steps=loss_spike_warmup_steps, ema_decay=loss_ema_decay
         )
         self.rollbacks = 0  # resumable state (see `state`)
-        self._signal: int | None = None
-        self._old_handlers: dict[int, object] = {}  # installed now: signal -> the handler ours replaced
-        self._replaced: dict[int, object] = {}  # every handler ours replaced, kept to pass a late signal on
         self._pending: StopRequest | None = None  # raised once the step's saves are done
         self._lock: tuple[str, OutputDirLock] | None = None  # (output_dir, this run's share of its lock)
 
@@ -173,26 +167,7 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
     def good_steps(self, value: int) -> None:
         self.watch.good_steps = value
 
-    # -- signals --------------------------------------------------------------------------------------------
-    def _on_signal(self, signum, frame) -> None:
-        if signum not in self._old_handlers:  # training is over: this handler was left installed by someone else
-            _pass_on(signum, frame, self._replaced.get(signum))
-            return
-        if self._signal is None:
-            logger.warning("received %s: saving at the next step boundary, then stopping", signal.Signals(signum).name)
-        self._signal = signum
-
-    def _install_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            logger.warning("FaultToleranceCallback: not on the main thread, signal handlers not installed")
-            return
-        for signum in self.signals:
-            if signum not in self._old_handlers:
-                previous = signal.signal(signum, self._on_signal)
-                if previous == self._on_signal:  # still ours from an earlier run (left by someone else's restore)
-                    previous = self._replaced.get(signum, signal.SIG_DFL)
-                self._old_handlers[signum] = self._replaced[signum] = previous
-
+    # -- signals (`hf_llmkit.checkpoints.preemption`) --------------------------------------------------------
     def _refuse_jit_checkpoint(self, args, state) -> None:
         """transformers' JIT checkpoint and this callback cannot both own SIGTERM: refuse before any work."""
         if getattr(args, "enable_jit_checkpoint", False) and signal.SIGTERM in self.signals:
@@ -206,10 +181,7 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
     def close(self) -> None:
         """Restore the signal handlers and remove the loss hook. Runs at `on_train_end`; `LLMKitTrainer` also calls
         it when training ends with an exception."""
-        for signum, handler in reversed(list(self._old_handlers.items())):  # the last replaced goes back first
-            if signal.getsignal(signum) == self._on_signal:  # else someone installed theirs over ours: it stays
-                signal.signal(signum, handler)
-        self._old_handlers.clear()
+        self.preemption.restore()
         self.watch.detach()
         if self._lock is not None:
             close_run(self._lock[0])  # a transaction left open by an exception is over
@@ -321,21 +293,22 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
         # the missing `stateful_callbacks` entry (transformers 5.23): give it one. Resumed from one saved with it,
         # the entry holds this callback's saved attributes (rollback count, loss average): restore them.
         self._restore(saved_callback_state(state, name, self.state()))
-        self._signal, self._pending = None, None
-        self._install_signals()
+        self.preemption.received, self._pending = None, None
+        self.preemption.install()
         self.watch.attach(model)
         if state.is_world_process_zero:  # checkpoints newer than the resume point must not be taken for this run's
             tidy_checkpoints(args.output_dir, resume_step=state.global_step)
         barrier()
 
     def on_step_end(self, args, state, control, **kwargs):
-        signal_seen, nonfinite, loss = self.watch.verdict(args.device, signal_seen=self._signal is not None)
+        received = self.preemption.received
+        signal_seen, nonfinite, loss = self.watch.verdict(args.device, signal_seen=received is not None)
         if nonfinite:
             self._diverged(args, state, control, "non-finite training loss")
         elif self.watch.is_spike(loss):
             self._diverged(args, state, control, f"loss spike {loss:.4g} (running average {self.watch.ema:.4g})")
         elif signal_seen:
-            name = signal.Signals(self._signal).name if self._signal else "a signal"
+            name = signal.Signals(received).name if received else "a signal"
             control.should_save = True
             self._stop(control, StopRequest("preempted", state.global_step, name, exit_code=self.exit_code))
         self._begin_save(args, state, control)
@@ -388,21 +361,3 @@ class FaultToleranceCallback(TrainerCallback, ExportableState, CheckpointGuard):
         self.close()
         self._raise_pending(args, state)
         return control
-
-
-def _pass_on(signum: int, frame, handler) -> None:
-    """Deliver a signal to the handler ours had replaced: call it, or let the default action happen."""
-    if callable(handler):
-        handler(signum, frame)
-    elif handler == signal.SIG_DFL or handler is None:
-        signal.signal(signum, signal.SIG_DFL)  # e.g. SIGTERM's default: the process ends
-        signal.raise_signal(signum)
-
-
-def preemption_message(request: StopRequest, output_dir: str) -> str:
-    """The one line a preempted run ends with: what happened, where the checkpoint is, how to continue."""
-    checkpoint = checkpoint_folder(output_dir, request.step)
-    return (
-        f"received {request.reason}: stopped at step {request.step} after saving the complete checkpoint "
-        f"{checkpoint}; run the same command again to continue from it"
-    )

@@ -9,7 +9,8 @@ Both `hf_llmkit.trainers` and `hf_llmkit.callbacks` import this package; neither
   rotation; `retries`: transient write errors and the one line a failed write ends with.
 - `transaction`: every save as one transaction (begin -> the registered contributors' parts -> complete -> rotate);
   `lifecycle`: its two ends; `resume_rule`: where a run resumes from; `lock`: one run per output folder.
-- `collectives`: the few collectives checkpoint writes need; `loss_watch`: when a run must roll back.
+- `collectives`: the few collectives checkpoint writes need; `loss_watch`: when a run must roll back;
+  `preemption`: the signals that make a run save and stop.
 
 Resume a run of any `Trainer` from its newest checkpoint that is complete (never a half-written one, which is what
 `transformers.trainer_utils.get_last_checkpoint` and `resume_from_checkpoint=True` can pick):
