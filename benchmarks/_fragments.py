@@ -2,56 +2,19 @@
 
 A render function gets {results file name: its JSON} and returns markdown; `measured(...)` is the closing line of
 every fragment (the date, command, machine and load that the results file recorded, and "LOADED MACHINE" when the
-load exceeded the core count during the run). Register a new fragment with `@fragment("name", "results_file")`.
+load exceeded the core count during the run). Register a new fragment with `@fragment("name", "results_file")`
+(`_fragment_registry.py`); importing this module registers every fragment, those of `_dkm_real_report.py` and
+`_dkm_soft_report.py` included.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime
 
+import _dkm_real_report  # noqa: F401 - registers the real-model fragments
+import _dkm_soft_report  # noqa: F401 - registers dkm_steps and dkm_soft (issue 43's soft-assignment study)
 from _common import markdown_table
-
-
-@dataclass(frozen=True)
-class Fragment:
-    files: tuple[str, ...]
-    render: Callable[[dict[str, dict]], str]
-
-
-FRAGMENTS: dict[str, Fragment] = {}
-
-
-def fragment(name: str, *files: str) -> Callable:
-    def register(render: Callable[[dict[str, dict]], str]) -> Callable:
-        if name in FRAGMENTS:
-            raise ValueError(f"fragment {name!r} is registered twice")
-        FRAGMENTS[name] = Fragment(files, render)
-        return render
-
-    return register
-
-
-def measured(data: dict, threads: str | None = None) -> str:
-    """`_Measured <date> by <command>: <machine>; <load>._` from a results file's `recorded` block."""
-    rec, load = data["recorded"], data["recorded"]["load_1min"]
-    machine = rec["machine"]
-    cpu = f" ({machine['cpu']})" if machine.get("cpu") else ""
-    gpu = f"GPU {machine['gpu']}" if machine.get("gpu") else "no GPU"
-    took = ""
-    if rec.get("started"):
-        minutes = (datetime.fromisoformat(rec["date"]) - datetime.fromisoformat(rec["started"])).total_seconds() / 60
-        took = f" (a run of {max(round(minutes), 1)} min)"
-    line = (
-        f"_Measured {rec['date']}{took} by `{rec['command']}`: {machine['cores']} cores{cpu}, {gpu}, torch "
-        f"{machine['torch']}{', ' + threads if threads else ''}; 1-minute load average {load['start']:.1f} at the "
-        f"start, {load['mean']:.1f} on average, {load['max']:.1f} at most"
-    )
-    if rec["loaded"]:
-        line += " — LOADED MACHINE: the load exceeded the core count, timings are less reliable"
-    return line + "._"
+from _fragment_registry import FRAGMENTS, fragment, measured
 
 
 def pair(values: list[float], digits: int = 2) -> str:
@@ -707,9 +670,6 @@ for _name in CUDA_VARIANTS:
     _on_cuda(_name)
 
 
-import _dkm_soft_report  # noqa: E402, F401 - registers dkm_steps and dkm_soft (issue 43's soft-assignment study)
-
-
 @fragment("gpu_check.cuda", "gpu_check.cuda")
 def gpu_check(results: dict) -> str:
     """benchmarks/gpu_check.py: each part's status, seconds and budget in the last GPU check."""
@@ -744,6 +704,3 @@ def dkm_onnx(results: dict) -> str:
             "rotated; every variant generated the PyTorch model's tokens:\n\n" + markdown_table(rows)
         )
     return "\n\n".join(parts) + "\n\n" + measured(data, "1 onnxruntime thread")
-
-
-import _dkm_real_report  # noqa: E402,F401  (registers the real-model fragments)

@@ -1,0 +1,52 @@
+"""The registry of the docs fragments `benchmarks/report.py` writes: name -> (results files, render function).
+
+A render function gets {results file name: its JSON} and returns markdown; `measured(...)` is the closing line of
+every fragment. Register one with `@fragment("name", "results_file")`. The fragments themselves are in `_fragments.py`
+(which imports every module that registers more, e.g. `_dkm_real_report.py`, `_dkm_soft_report.py`); those modules
+import this one, never `_fragments.py` (tests/benchmarks/test_import_graph.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+
+@dataclass(frozen=True)
+class Fragment:
+    files: tuple[str, ...]
+    render: Callable[[dict[str, dict]], str]
+
+
+FRAGMENTS: dict[str, Fragment] = {}
+
+
+def fragment(name: str, *files: str) -> Callable:
+    def register(render: Callable[[dict[str, dict]], str]) -> Callable:
+        if name in FRAGMENTS:
+            raise ValueError(f"fragment {name!r} is registered twice")
+        FRAGMENTS[name] = Fragment(files, render)
+        return render
+
+    return register
+
+
+def measured(data: dict, threads: str | None = None) -> str:
+    """`_Measured <date> by <command>: <machine>; <load>._` from a results file's `recorded` block."""
+    rec, load = data["recorded"], data["recorded"]["load_1min"]
+    machine = rec["machine"]
+    cpu = f" ({machine['cpu']})" if machine.get("cpu") else ""
+    gpu = f"GPU {machine['gpu']}" if machine.get("gpu") else "no GPU"
+    took = ""
+    if rec.get("started"):
+        minutes = (datetime.fromisoformat(rec["date"]) - datetime.fromisoformat(rec["started"])).total_seconds() / 60
+        took = f" (a run of {max(round(minutes), 1)} min)"
+    line = (
+        f"_Measured {rec['date']}{took} by `{rec['command']}`: {machine['cores']} cores{cpu}, {gpu}, torch "
+        f"{machine['torch']}{', ' + threads if threads else ''}; 1-minute load average {load['start']:.1f} at the "
+        f"start, {load['mean']:.1f} on average, {load['max']:.1f} at most"
+    )
+    if rec["loaded"]:
+        line += " — LOADED MACHINE: the load exceeded the core count, timings are less reliable"
+    return line + "._"
