@@ -30,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _common import add_device_argument, machine_state, write_results  # noqa: E402
+from _process_memory import reset_peak, status_kib  # noqa: E402
 
 SHAPES = {
     "tiny": dict(hidden=128, layers=2, intermediate=384, vocab=4096, heads=4),
@@ -87,13 +88,6 @@ def prepare(size: str, work: Path) -> dict:
     }
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
 def measure(spec: dict) -> dict:
     """One variant in this (fresh) process."""
     import numpy as np
@@ -106,8 +100,8 @@ def measure(spec: dict) -> dict:
     torch.set_num_threads(1)
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1
-    Path("/proc/self/clear_refs").write_text("5")
-    base = _status_kib("VmRSS")
+    reset_peak()
+    base = status_kib("VmRSS")
     started = time.perf_counter()
     session = (
         onnxruntime_session(spec["file"], options)
@@ -130,7 +124,7 @@ def measure(spec: dict) -> dict:
         "tokens_per_s_b1": n / generate_s,
         "prefill_s": prefill_s,
         "load_s": load_s,
-        "peak_over_base_mib": (_status_kib("VmHWM") - base) / 1024,
+        "peak_over_base_mib": (status_kib("VmHWM") - base) / 1024,
         "file_mib": sum(p.stat().st_size for p in Path(spec["file"]).parent.glob("model.onnx*")) / 2**20,
     }
 
