@@ -5,7 +5,7 @@ one-line reason, rows are saved as they are measured, and a rerun measures only 
   that writes its result as JSON to `out`. A crash (any signal, a nonzero exit), a hang past `timeout` or a missing
   result comes back as `{"error": "<one line>"}` (`exit_reason`), never as an exception; the child dies with its
   parent (a benchmark killed mid-run leaves no orphan measuring on). `start_child` / `child_result` are its halves,
-  for benchmarks that run several children at once.
+  for benchmarks that run several children at once; `run_command` is the same for a fresh interpreter.
 - `measure_rounds(names, rounds, measure, stored=..., on_row=...)`: interleaved rounds, the order rotated each round
   (`_common.rotated`); each measurement is a row stamped with its own 1-minute load (`stamp`: `load_1min`, `cores`,
   `loaded` where the load exceeded the core count) and its round; an exception from one measurement is that row's
@@ -108,23 +108,31 @@ def exit_reason(exitcode: int | None, timeout: float | None = None) -> str:
     return f"failed: exit {exitcode} (its output is above)"
 
 
-def crash_names() -> set[str]:
-    return {n.strip() for n in os.environ.get(CRASH_ENV, "").split("|") if n.strip()}
+def crash_if_named(name: str) -> None:
+    """Fault injection: this (measuring) process dies of SIGSEGV, as a native crash would, where $HF_LLMKIT_BENCH_CRASH
+    names `name`; nothing otherwise."""
+    if name in {n.strip() for n in os.environ.get(CRASH_ENV, "").split("|") if n.strip()}:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
+        os.kill(os.getpid(), signal.SIGSEGV)
 
 
-def _child(target: Callable, args: tuple, name: str, out: str, parent: int) -> None:
-    if sys.platform.startswith("linux"):  # die with the benchmark (PR_SET_PDEATHSIG = 1)
+def die_with_parent(parent: int | None = None) -> None:
+    """This process gets SIGKILL when the one that started it dies (Linux: PR_SET_PDEATHSIG), so that a benchmark
+    killed mid-run leaves no orphan measuring on; exits at once where `parent` already died."""
+    if sys.platform.startswith("linux"):
         import ctypes
 
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-        if os.getppid() != parent:  # the benchmark died before the line above ran
-            os._exit(1)
-    if name in crash_names():  # fault injection: a native crash before the work starts
-        import resource
+    if parent is not None and os.getppid() != parent:  # the benchmark died before the line above ran
+        os._exit(1)
 
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        os.kill(os.getpid(), signal.SIGSEGV)
+
+def _child(target: Callable, args: tuple, name: str, out: str, parent: int) -> None:
+    die_with_parent(parent)
+    crash_if_named(name)
     target(*args, out)
 
 
@@ -156,6 +164,24 @@ def child_result(process, out: Path, timeout: float | None = None) -> dict:
 def run_child(target: Callable, args: tuple, out: Path, *, name: str, timeout: float, context=None) -> dict:
     """`target(*args, str(out))` in a child process: what it wrote to `out`, or its one-line error (`child_result`)."""
     return child_result(start_child(target, args, out, name=name, context=context), out, timeout)
+
+
+def run_command(argv: list[str], out: Path, *, timeout: float) -> dict:
+    """`argv` as a fresh process (a new interpreter) that writes its result (JSON) to `out`: that result, or its
+    one-line error as `child_result` gives it. The script it runs calls `die_with_parent` and `crash_if_named`."""
+    import subprocess
+
+    Path(out).unlink(missing_ok=True)
+    try:
+        done = subprocess.run(argv, timeout=timeout)
+    except subprocess.TimeoutExpired:  # subprocess.run killed it
+        return {"error": exit_reason(None, timeout)}
+    if done.returncode != 0:
+        return {"error": exit_reason(done.returncode)}
+    try:
+        return json.loads(Path(out).read_text())
+    except (OSError, ValueError) as e:
+        return {"error": f"no result: {one_line(e)}"}
 
 
 # -- rounds of rows, resumable --------------------------------------------------------------------------------------
