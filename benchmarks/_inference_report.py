@@ -105,15 +105,17 @@ def verdicts(results: dict) -> list[str]:
         for threads, cell in size["threads"].items():
             where = f"[{size_name}, {threads} thread{'s' * (threads != '1')}]"
             s = cell.get("summary", {})
-            if not usable(s.get(BASE)):  # every target is a ratio to dense bf16
-                why = no_verdict(BASE, s[BASE]) if s.get(BASE, {}).get("loaded") else f"{BASE}: did not run"
-                lines.append(f"{where} no verdicts: {why}")
-                continue
-            lines += [f"{where} {no_verdict(n, v)}" for n, v in s.items() if v.get("loaded") and n != BASE]
+            lines += [f"{where} {no_verdict(n, v)}" for n, v in s.items() if v.get("loaded")]
             judged = ("b1_x_bf16", "prefill_x_bf16", "decoder_weights_x_bf16")  # None: no base row in its rounds
             mine = {
                 n: v for n, v in s.items() if n.startswith("ours") and usable(v) and None not in map(v.get, judged)
             }
+            if not usable(s.get(BASE)):  # every target is a ratio to dense bf16
+                why = "measured on a loaded machine" if s.get(BASE, {}).get("loaded") else "did not run"
+                lines += [
+                    f"{where} {bits}-bit: no verdict ({BASE}, the base of every ratio, {why})" for bits in (3, 4)
+                ]
+                continue
             for name, v in mine.items():
                 fast, small = _says(v["b1_x_bf16"] >= 1), _says(v["decoder_weights_x_bf16"] <= 0.25)
                 pre = _says(v["prefill_x_bf16"] <= 1.5)
@@ -132,8 +134,8 @@ def verdicts(results: dict) -> list[str]:
                     and v.get("b1_x_bf16") is not None
                     and _bits(n, size["specs"]) == bits
                 }
-                if not ours_b or not peers:
-                    lines.append(f"{where} {bits}-bit: no {'peer' if ours_b else 'ours'} ran at {bits} bits")
+                if not ours_b or not peers:  # none ran, or each was measured on a loaded machine
+                    lines.append(f"{where} {bits}-bit: no {'peer' if ours_b else 'ours'} row to judge at {bits} bits")
                     continue
                 best = max(ours_b, key=lambda n: ours_b[n]["b1_x_bf16"])  # per-round ratios: the drift cancels
                 peer = max(peers, key=lambda n: peers[n]["b1_x_bf16"])

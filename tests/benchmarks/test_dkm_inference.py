@@ -16,7 +16,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from _inference_report import summarize, verdicts  # noqa: E402
+from _inference_report import summarize, table, verdicts  # noqa: E402
 from _inference_variants import weight_bytes  # noqa: E402
 
 
@@ -79,6 +79,36 @@ def test_ratios_are_per_round_and_verdicts_name_what_holds_and_what_fails():
     assert three.startswith("[tiny, 1 thread] 3-bit: ours the fastest 3-bit format: FAILS") and "HQQ 3-bit" in three
     four = next(line for line in lines if " 4-bit: " in line)
     assert "within 10% of the fastest 4-bit format: holds" in four and "0.94x" in four
+
+
+def test_a_row_measured_on_a_loaded_machine_is_marked_and_judged_by_no_verdict():
+    busy = dict(load_1min=3.5, cores=2, loaded=True)
+    ours = "ours DKM 3-bit (a table per tensor)"
+    runs = {
+        "dense bf16": [_run(10, 1.0, 1600)],
+        ours: [{**_run(11, 1.0, 350), **busy}],
+        "HQQ 3-bit g64": [_run(9, 1, 300)],
+    }
+    size = {"specs": {n: {"bits": 16 if n == "dense bf16" else 3} for n in runs}, "threads": {"1": {"runs": runs}}}
+    summarize(size)
+    lines = verdicts({"sizes": {"tiny": size}})
+    assert lines[0] == f"[tiny, 1 thread] {ours}: no verdict (measured at a 1-minute load of 3.5 on 2 cores: " + (
+        "rerun with --only-missing)"
+    )
+    assert "[tiny, 1 thread] 3-bit: no ours row to judge at 3 bits" in lines and len(lines) == 3
+    assert f"| **{ours}** (LOADED: load 3.5 > 2 cores) |" in table(size, "1")
+    runs["dense bf16"][0].update(busy)  # the base of every ratio loaded: no target is judged
+    summarize(size)
+    assert verdicts({"sizes": {"tiny": size}})[-1] == (
+        "[tiny, 1 thread] 4-bit: no verdict (dense bf16, the base of every ratio, measured on a loaded machine)"
+    )
+    # a part saved half way, before its base was measured: its rows render, their ratios left empty
+    half = {"specs": size["specs"], "threads": {"1": {"runs": {ours: [_run(11, 1.0, 350), None]}}}}
+    summarize(half)
+    assert half["threads"]["1"]["summary"][ours]["b1_x_bf16"] is None and "| 11.00 " in table(half, "1")
+    assert verdicts({"sizes": {"tiny": half}})[0].endswith(
+        "no verdict (dense bf16, the base of every ratio, did not run)"
+    )
 
 
 # -- a peer that crashes is a row; the part goes on, saved row by row, and resumes (issue 49) ----------------------
