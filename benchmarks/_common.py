@@ -21,9 +21,8 @@ Devices: every benchmark takes `--device {cpu,cuda}` (`add_device_argument`; def
 `PeakMemory` counts the tensors the block creates (`_tensor_memory.TensorMemory`), the same quantity without an
 allocator. `--quick` (every benchmark has it) runs the smallest sizes for 1-2 rounds: a smoke test in seconds.
 
-Benchmarks that run each variant in a process of its own (a peer's native code can crash or hang) take the rest of
-the harness from `_slices.py`: a crashed, hung or unloadable variant is a row with its reason, rows are saved as
-they are measured, and `--only-missing` measures only the rows a results file lacks (or holds from a loaded machine).
+A variant in a process of its own (a peer's native code can crash or hang): `_slices.py`, rows saved as measured,
+a crash a row with its reason, `--only-missing` to resume.
 """
 
 from __future__ import annotations

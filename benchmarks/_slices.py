@@ -112,8 +112,10 @@ def crash_if_named(name: str) -> None:
     """Fault injection: this (measuring) process dies of SIGSEGV, as a native crash would, where $HF_LLMKIT_BENCH_CRASH
     names `name`; nothing otherwise."""
     if name in {n.strip() for n in os.environ.get(CRASH_ENV, "").split("|") if n.strip()}:
+        import faulthandler
         import resource
 
+        faulthandler.disable()  # no Python traceback dump (pytest enables it): the signal's default, as in C
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
         os.kill(os.getpid(), signal.SIGSEGV)
 

@@ -24,8 +24,10 @@ def _writes(value, out: str) -> None:
 
 
 def _aborts(out: str) -> None:
+    import faulthandler
     import resource
 
+    faulthandler.disable()  # pytest's traceback dump: noise here
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     os.abort()
 
