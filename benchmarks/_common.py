@@ -20,6 +20,9 @@ Devices: every benchmark takes `--device {cpu,cuda}` (`add_device_argument`; def
 `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, above what was allocated at entry); on CPU
 `PeakMemory` counts the tensors the block creates (`_tensor_memory.TensorMemory`), the same quantity without an
 allocator. `--quick` (every benchmark has it) runs the smallest sizes for 1-2 rounds: a smoke test in seconds.
+
+A variant in a process of its own (a peer's native code can crash or hang): `_slices.py`, rows saved as measured,
+a crash a row with its reason, `--only-missing` to resume.
 """
 
 from __future__ import annotations
@@ -300,8 +303,7 @@ class Bench:
         seconds: dict[str, list[float]] = {name: [] for name in names}
         before = machine_state()
         for round_index in range(self.warmup + self.rounds):
-            shift = round_index % len(names)
-            for name in names[shift:] + names[:shift]:
+            for name in rotated(names, round_index):
                 elapsed = self._time(variants[name])
                 if round_index >= self.warmup:
                     seconds[name].append(elapsed)
@@ -318,6 +320,12 @@ class Bench:
         return (time.perf_counter() - start) / self.repeat
 
 
+def rotated(names: list[str], round_index: int) -> list[str]:
+    """The order of round `round_index`: `names` rotated by one more each round (none always first or last)."""
+    shift = round_index % len(names) if names else 0
+    return names[shift:] + names[:shift]
+
+
 def markdown_table(rows: list[list[str]]) -> str:
     """Rows of strings (the first is the header) as an aligned markdown table."""
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
@@ -331,9 +339,17 @@ def write_results(name: str, data: dict[str, Any], *, path: str | Path | None = 
     `$HF_LLMKIT_BENCH_RESULTS` moves the folder, `path` the file), with `recorded`: the date, command, machine and
     the load over the whole run (`run_record`)."""
     path = Path(path) if path is not None else RESULTS / f"{results_name(name)}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**data, "recorded": run_record()}, indent=2, default=str) + "\n")
+    atomic_write_text(path, json.dumps({**data, "recorded": run_record()}, indent=2, default=str) + "\n")
     return path
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it over `path`: a run killed mid-write leaves the
+    old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
 
 
 def plot_lines(

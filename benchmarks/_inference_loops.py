@@ -8,7 +8,7 @@ each forced in turn (`_lut_native.cap_loops`), so that one machine measures its 
   measured here (a sum over a buffer of the same total size). Variants interleaved in rotated rounds, one process.
 - `model_plan`: the issue's random Llama (hidden 1,024, 4 layers, MLP 2,816, vocabulary 4,096), batch-1 `generate`
   tokens/s of dense bf16 / fp32 and of ours saved and reloaded at each bits x scales x dtype x loop level, each a
-  fresh process per round (`dkm_inference.run_rounds`), ratios per round against dense bf16 and fp32.
+  fresh process per round (`_inference_runner.run_part`), ratios per round against dense bf16 and fp32.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from _common import Bench, markdown_table
+from _slices import mark, no_verdict, usable
 
 ROWS, COLS = 2816, 1024
 COLD_BYTES = 96 * 2**20  # well above the last-level cache of the CPUs measured: every call streams from memory
 MODEL = dict(hidden=1024, layers=4, intermediate=2816, vocab=4096, heads=16)
 TINY = dict(hidden=128, layers=2, intermediate=384, vocab=4096, heads=4)
 DTYPES = ("bfloat16", "float32")
+DENSE = ("dense bf16", "dense fp32")  # the bases of the verdicts
 PREFILL = 32  # the whole-model rows time generation; their prefill (untabled) is kept short
 
 
@@ -150,18 +152,27 @@ def _ratio_vs(summary: dict, name: str, base: str) -> float | None:
     return mine["tokens_per_s_b1"] / theirs["tokens_per_s_b1"]
 
 
+def _x(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
 def verdicts(part: dict) -> list[str]:
     """Per loop level and variant: ours >= 1.5x dense bf16 and >= dense fp32 in batch-1 tokens/s (the per-round
-    ratio for bf16, medians for fp32); per kernel row: its time over the streaming floor."""
+    ratio for bf16, medians for fp32); rows (or bases) measured on a loaded machine are judged by none."""
     lines = []
     for threads, cell in part["threads"].items():
-        s = cell["summary"]
+        s = cell.get("summary", {})
+        where = f"[{part['cpu']}, {threads} thread(s)]"
         for name, v in s.items():
-            if not name.startswith("ours") or "error" in v:
+            if v.get("loaded"):
+                lines.append(f"{where} {no_verdict(name, v)}")
+            if not name.startswith("ours") or not usable(v) or not all(map(usable, map(s.get, DENSE))):
                 continue
             fp32 = _ratio_vs(s, name, "dense fp32")
+            if v.get("b1_x_bf16") is None or fp32 is None:
+                continue
             lines.append(
-                f"[{part['cpu']}, {threads} thread(s)] {name}: {v['b1_x_bf16']:.2f}x dense bf16 "
+                f"{where} {name}: {v['b1_x_bf16']:.2f}x dense bf16 "
                 f"({'holds' if v['b1_x_bf16'] >= 1.5 else 'FAILS'} >= 1.5), {fp32:.2f}x dense fp32 "
                 f"({'holds' if fp32 >= 1 else 'FAILS'} >= 1)"
             )
@@ -169,7 +180,8 @@ def verdicts(part: dict) -> list[str]:
 
 
 def kernel_rows(table: dict) -> str:
-    rows = [["loop, weight, inputs", "us per layer (min / median)", "x dense bf16", "x dense fp32", "x stream floor"]]
+    head = mark("loop, weight, inputs", table)  # the table's rows are timed in one process: one load for them all
+    rows = [[head, "us per layer (min / median)", "x dense bf16", "x dense fp32", "x stream floor"]]
     r = table["rows"]
     bf16, fp32 = r["dense bf16 F.linear"]["median_s"], r["dense fp32 F.linear"]["median_s"]
     for name, v in r.items():
@@ -186,12 +198,13 @@ def kernel_rows(table: dict) -> str:
 
 
 def model_rows(part: dict, threads: str) -> str:
-    s = part["threads"][threads]["summary"]
+    s = part["threads"][threads].get("summary", {})
     rows = [["variant [loop]", "tokens/s batch 1", "x dense bf16 (per round)", "x dense fp32", "loops taken"]]
     for name, v in s.items():
         if "error" in v:
             rows.append([name, f"did not run: {v['error']}", "", "", ""])
             continue
         fp32 = _ratio_vs(s, name, "dense fp32")
-        rows.append([name, f"{v['tokens_per_s_b1']:.1f}", f"{v['b1_x_bf16']:.2f}", f"{fp32:.2f}", v.get("loops", "")])
+        tps = f"{v['tokens_per_s_b1']:.1f}"
+        rows.append([mark(name, v), tps, _x(v.get("b1_x_bf16")), _x(fp32), v.get("loops", "")])
     return markdown_table(rows)

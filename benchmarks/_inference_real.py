@@ -16,9 +16,11 @@ norms, attention, cache, `generate`'s own steps, Python), and llama.cpp its own 
 from __future__ import annotations
 
 from _common import markdown_table
+from _inference_llama_cpp import EXTRA_BUFTS_OFF
+from _slices import mark, no_verdict, usable
 
 LLAMA = {"llama.cpp Q4_1 (the shipped file)": "Q4_1", "llama.cpp Q4_K_M": "Q4_K_M", "llama.cpp Q3_K_M": "Q3_K_M"}
-SAME_BITS = {4: ("llama.cpp Q4_1 (the shipped file)", "llama.cpp Q4_K_M"), 3: ("llama.cpp Q3_K_M",)}
+SAME_BITS = {4: ("Q4_1", "Q4_K_M"), 3: ("Q3_K_M",)}  # llama.cpp's files at ours' bits
 EMBEDDING_8BIT = dict(quantize_embeddings=True, embedding_bits=8)
 TAIL = " scales/64, 8-bit tied embedding"
 DTYPE = {"bfloat16": "bf16", "float32": "fp32"}
@@ -30,8 +32,16 @@ def ours(bits: int) -> dict:
     return dict(kind="ours", bits=bits, options=options, shares=(bits,), split=True)
 
 
-def plan(quick: bool, compile_: bool) -> dict[str, dict]:
-    """The real-model variants (a quick run: dense bf16, ours 3-bit and the shipped llama.cpp file)."""
+def llama_name(name: str, extra_bufts: bool) -> str:
+    """A llama.cpp row's name, saying so where it loads without ggml's extra buffer types (`EXTRA_BUFTS_OFF`)."""
+    if extra_bufts:
+        return name
+    return f"{name[:-1]}; {EXTRA_BUFTS_OFF})" if name.endswith(")") else f"{name} ({EXTRA_BUFTS_OFF})"
+
+
+def plan(quick: bool, compile_: bool, extra_bufts: bool = True) -> dict[str, dict]:
+    """The real-model variants (a quick run: dense bf16, ours 3-bit and the shipped llama.cpp file); llama.cpp with
+    `use_extra_bufts=False` where `extra_bufts` is False (a CPU with AMX: `_inference_llama_cpp.use_extra_bufts`)."""
     variants = {
         "dense bf16": dict(kind="dense", dtype="bfloat16", bits=16, split=True),
         "dense fp32": dict(kind="dense", dtype="float32", bits=32, split=True),
@@ -45,10 +55,14 @@ def plan(quick: bool, compile_: bool) -> dict[str, dict]:
         variants[f"ours DKM 3-bit{TAIL}, fp32, static cache + torch.compile"] = dict(
             ours(3), dtype="float32", cache="static", compile=True
         )
-    variants |= {name: dict(kind="llama_cpp", gguf=gguf, bits=int(gguf[1])) for name, gguf in LLAMA.items()}
     if quick:
-        keep = ("dense bf16", f"ours DKM 3-bit{TAIL}, bf16", "llama.cpp Q4_1 (the shipped file)")
+        keep = ("dense bf16", f"ours DKM 3-bit{TAIL}, bf16")
         variants = {k: v for k, v in variants.items() if k in keep}
+    for name, gguf in LLAMA.items():
+        if quick and gguf != "Q4_1":
+            continue
+        spec = dict(kind="llama_cpp", gguf=gguf, bits=int(gguf[1]))
+        variants[llama_name(name, extra_bufts)] = spec if extra_bufts else dict(spec, extra_bufts=False)
     for spec in variants.values():
         spec["batch8"] = False
     return variants
@@ -71,19 +85,26 @@ def text_ids(folder, count: int) -> list[int]:
 
 def verdicts(part: dict) -> list[str]:
     """At each thread count: ours within 2x of llama.cpp's tokens/s at the same bits (medians), and where the time
-    of a token goes: our kernel and framework milliseconds, llama.cpp's evaluation."""
+    of a token goes: our kernel and framework milliseconds, llama.cpp's evaluation. A row measured on a loaded
+    machine is judged by none."""
     lines = []
+    files = {spec.get("gguf"): name for name, spec in part["specs"].items() if spec["kind"] == "llama_cpp"}
     for threads, cell in part["threads"].items():
-        s = cell["summary"]
+        s = cell.get("summary", {})
         where = f"[SmolLM2-135M, {part['cpu']}, {threads} thread(s)]"
         for name, v in s.items():
             if not name.startswith("ours") or "error" in v or "static cache" in name:
                 continue
+            if v.get("loaded"):
+                lines.append(f"{where} {no_verdict(name, v)}")
+                continue
             bits = int(name.split("DKM ")[1][0])
-            for peer in SAME_BITS[bits]:
+            for gguf in SAME_BITS[bits]:
+                peer = files.get(gguf, f"llama.cpp {gguf}")
                 p = s.get(peer)
-                if not p or "error" in p:
-                    lines.append(f"{where} {name} vs {peer}: no comparison ({p['error'] if p else 'not run'})")
+                if not usable(p):
+                    why = p.get("error", "measured on a loaded machine") if p else "not run"
+                    lines.append(f"{where} {name} vs {peer}: no comparison ({why})")
                     continue
                 ratio = v["tokens_per_s_b1"] / p["tokens_per_s_b1"]
                 lines.append(
@@ -101,7 +122,7 @@ def _ms(v: dict, key: str) -> str:
 
 
 def table(part: dict, threads: str) -> str:
-    s = part["threads"][threads]["summary"]
+    s = part["threads"][threads].get("summary", {})
     rows = [
         [
             "variant",
@@ -121,11 +142,12 @@ def table(part: dict, threads: str) -> str:
         if "error" in v:
             rows.append([name, f"did not run: {v['error']}", *[""] * 8])
             continue
+        label = f"**{name}**" if name.startswith("ours") else name
         first = v.get("first_tokens") or []
         agree = next((i for i, (a, b) in enumerate(zip(first, reference)) if a != b), min(len(first), len(reference)))
         rows.append(
             [
-                f"**{name}**" if name.startswith("ours") else name,
+                mark(label, v),
                 f"{v['tokens_per_s_b1']:.1f}",
                 f"{v['b1_x_bf16']:.2f}" if v.get("b1_x_bf16") else "",
                 f"{v['prefill_s']:.3f}",

@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 from _common import markdown_table
+from _slices import load_of, mark, no_verdict, usable
 
 BASE = "dense bf16"
 MIB = 2**20
@@ -21,7 +22,7 @@ def _per_round(got: list[dict], base: list[dict], key: str, times: bool = False)
     inverse, so that every ratio reads "x as fast" for tokens/s and "x the time" for prefill)."""
     out = []
     for r, b in zip(got, base):
-        if "error" in r or "error" in b:
+        if not r or not b or "error" in r or "error" in b:  # a row not measured (yet) or that did not run
             continue
         mine = r["times"][key] if times else r[key]
         theirs = b["times"][key] if times else b[key]
@@ -32,21 +33,26 @@ def _per_round(got: list[dict], base: list[dict], key: str, times: bool = False)
 def summarize(size: dict, base: str = BASE) -> None:
     """Adds `summary` to every threads cell of a part: per variant the medians, memory, which loops multiplied and
     per-round ratios to `base` (its tokens/s over the base's of the same round; prefill seconds over the base's),
-    and where measured the kernel's and the framework's milliseconds per generated token."""
+    and where measured the kernel's and the framework's milliseconds per generated token. Rows not measured yet (a
+    part saved half way) are left out; a ratio without a base row of the same round is None; `loaded` (and the
+    highest load) where a row was measured on a machine above its core count."""
     for cell in size["threads"].values():
-        runs, summary = cell["runs"], {}
+        runs, summary = cell.get("runs", {}), {}
         for name, got in runs.items():
-            ok = [r for r in got if "error" not in r]
+            ok = [r for r in got if r and "error" not in r]
             if not ok:
-                summary[name] = {"error": got[0]["error"]}
+                failed = [r for r in got if r]
+                if failed:
+                    summary[name] = {"error": failed[0]["error"]}
                 continue
-            speed = _per_round(got, runs[base], "tokens_per_s_b1")
+            speed = _per_round(got, runs.get(base, []), "tokens_per_s_b1")
+            prefill = _per_round(got, runs.get(base, []), "prefill", times=True)
             entry = {
                 "tokens_per_s_b1": _median(ok, "tokens_per_s_b1"),
                 "prefill_s": statistics.median(t for r in ok for t in r["times"]["prefill"]),
                 "b1_x_bf16": statistics.median(speed) if speed else None,
                 "b1_x_bf16_range": [min(speed), max(speed)] if speed else None,
-                "prefill_x_bf16": statistics.median(_per_round(got, runs[base], "prefill", times=True) or [0.0]),
+                "prefill_x_bf16": statistics.median(prefill) if prefill else None,
                 "weight_bytes": ok[0]["weight_bytes"],
                 "decoder_weight_bytes": ok[0]["decoder_weight_bytes"],
                 "load_s": statistics.median(r["load_s"] for r in ok),
@@ -57,8 +63,9 @@ def summarize(size: dict, base: str = BASE) -> None:
                 "rounds": len(ok),
             }
             if all("tokens_per_s_b8" in r for r in ok):
+                b8 = _per_round(got, runs.get(base, []), "tokens_per_s_b8")
                 entry["tokens_per_s_b8"] = _median(ok, "tokens_per_s_b8")
-                entry["b8_x_bf16"] = statistics.median(_per_round(got, runs[base], "tokens_per_s_b8") or [0.0])
+                entry["b8_x_bf16"] = statistics.median(b8) if b8 else None
             if all("rss_base_mib" in r for r in ok):
                 entry["peak_rss_mib"] = max(r["peak_rss_mib"] for r in ok)
                 entry["peak_load_over_base_mib"] = max(r["peak_rss_load_mib"] - r["rss_base_mib"] for r in ok)
@@ -72,10 +79,12 @@ def summarize(size: dict, base: str = BASE) -> None:
                 token = [1e3 / statistics.median(r["tokens_per_s_b1"]) for r in ok]
                 entry["kernel_ms_per_token"] = statistics.median(kernel)
                 entry["framework_ms_per_token"] = statistics.median(t - k for t, k in zip(token, kernel))
+            entry.update(load_of(ok))
             summary[name] = entry
+        reference = summary.get(base, {"error": "not measured"})
         for s in summary.values():
-            if "error" not in s and "error" not in summary[base]:
-                s["decoder_weights_x_bf16"] = s["decoder_weight_bytes"] / summary[base]["decoder_weight_bytes"]
+            if "error" not in s and "error" not in reference:
+                s["decoder_weights_x_bf16"] = s["decoder_weight_bytes"] / reference["decoder_weight_bytes"]
         cell["summary"] = summary
 
 
@@ -95,8 +104,18 @@ def verdicts(results: dict) -> list[str]:
     for size_name, size in results["sizes"].items():
         for threads, cell in size["threads"].items():
             where = f"[{size_name}, {threads} thread{'s' * (threads != '1')}]"
-            s = cell["summary"]
-            mine = {n: v for n, v in s.items() if n.startswith("ours") and "error" not in v}
+            s = cell.get("summary", {})
+            lines += [f"{where} {no_verdict(n, v)}" for n, v in s.items() if v.get("loaded")]
+            judged = ("b1_x_bf16", "prefill_x_bf16", "decoder_weights_x_bf16")  # None: no base row in its rounds
+            mine = {
+                n: v for n, v in s.items() if n.startswith("ours") and usable(v) and None not in map(v.get, judged)
+            }
+            if not usable(s.get(BASE)):  # every target is a ratio to dense bf16
+                why = "measured on a loaded machine" if s.get(BASE, {}).get("loaded") else "did not run"
+                lines += [
+                    f"{where} {bits}-bit: no verdict ({BASE}, the base of every ratio, {why})" for bits in (3, 4)
+                ]
+                continue
             for name, v in mine.items():
                 fast, small = _says(v["b1_x_bf16"] >= 1), _says(v["decoder_weights_x_bf16"] <= 0.25)
                 pre = _says(v["prefill_x_bf16"] <= 1.5)
@@ -111,11 +130,12 @@ def verdicts(results: dict) -> list[str]:
                     n: v
                     for n, v in s.items()
                     if not n.startswith(("ours", "dense", "onnxruntime"))
-                    and "error" not in v
+                    and usable(v)
+                    and v.get("b1_x_bf16") is not None
                     and _bits(n, size["specs"]) == bits
                 }
-                if not ours_b or not peers:
-                    lines.append(f"{where} {bits}-bit: no {'peer' if ours_b else 'ours'} ran at {bits} bits")
+                if not ours_b or not peers:  # none ran, or each was measured on a loaded machine
+                    lines.append(f"{where} {bits}-bit: no {'peer' if ours_b else 'ours'} row to judge at {bits} bits")
                     continue
                 best = max(ours_b, key=lambda n: ours_b[n]["b1_x_bf16"])  # per-round ratios: the drift cancels
                 peer = max(peers, key=lambda n: peers[n]["b1_x_bf16"])
@@ -149,8 +169,8 @@ def table(size: dict, threads: str) -> str:
         ]
     ]
     reasons = []
-    for name, v in size["threads"][threads]["summary"].items():
-        label = f"**{name}**" if name.startswith("ours") else name
+    for name, v in size["threads"][threads].get("summary", {}).items():
+        label = mark(f"**{name}**" if name.startswith("ours") else name, v)
         if "error" in v:
             rows.append([label, "did not run (below)", *[""] * 10])
             reasons.append(f"- {name}: {v['error']}")
@@ -160,13 +180,13 @@ def table(size: dict, threads: str) -> str:
             [
                 label,
                 f"{v['tokens_per_s_b1']:.2f}",
-                f"{v['b1_x_bf16']:.2f}",
-                f"{v['tokens_per_s_b8']:.2f}",
-                f"{v['b8_x_bf16']:.2f}",
+                _fmt(v.get("b1_x_bf16"), ".2f"),
+                _fmt(v.get("tokens_per_s_b8"), ".2f"),
+                _fmt(v.get("b8_x_bf16"), ".2f"),
                 f"{v['prefill_s']:.3f}",
-                f"{v['prefill_x_bf16']:.2f}",
+                _fmt(v.get("prefill_x_bf16"), ".2f"),
                 f"{v['decoder_weight_bytes'] / MIB:,.1f}",
-                f"{v['decoder_weights_x_bf16']:.3f}",
+                _fmt(v.get("decoder_weights_x_bf16"), ".3f"),
                 f"{v['weight_bytes'] / MIB:,.1f}",
                 peak,
                 v["module"]
@@ -178,6 +198,10 @@ def table(size: dict, threads: str) -> str:
         rows.append([name, "not run (below)", *[""] * 10])
         reasons.append(f"- {name}: {why}")
     return markdown_table(rows) + ("\n\nWhy a variant did not run:\n\n" + "\n".join(reasons) if reasons else "")
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
 
 
 def heading(size_name: str, size: dict, threads: str, config: dict) -> str:
@@ -212,7 +236,7 @@ def plot(results: dict) -> Path | None:
     fig, axes = plt.subplots(1, len(sizes), figsize=(7 * len(sizes), 5), squeeze=False)
     for ax, (name, size) in zip(axes[0], sizes):
         threads = next(iter(size["threads"]))
-        for variant, v in size["threads"][threads]["summary"].items():
+        for variant, v in size["threads"][threads].get("summary", {}).items():
             if "error" in v:
                 continue
             ours = variant.startswith("ours")

@@ -24,22 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _inference_variants as variants  # noqa: E402
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> bool:
-    """Reset the kernel's resident high-water mark (VmHWM) of this process; False where the kernel refuses."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
+from _process_memory import reset_peak, status_kib  # noqa: E402
 
 
 def _timed(fn, sync) -> float:
@@ -77,7 +62,7 @@ def measure(spec: dict) -> dict:
 
         _lut_native.cap_loops(spec["loops"])
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    base_rss = _status_kib("VmRSS")
+    base_rss = status_kib("VmRSS")
     start = time.perf_counter()
     prompt, long = _prompts(spec, device)
     if spec["kind"] == "llama_cpp":
@@ -89,8 +74,8 @@ def measure(spec: dict) -> dict:
             raise variants.Unavailable(str(e)) from e
     model = variants.load(spec)
     load_s = time.perf_counter() - start
-    loaded_rss, load_peak = _status_kib("VmRSS"), _status_kib("VmHWM")
-    reset = _reset_peak()
+    loaded_rss, load_peak = status_kib("VmRSS"), status_kib("VmHWM")
+    reset = reset_peak()
     n = spec["new_tokens"]
     options = {"cache_implementation": "static"} if spec.get("cache") == "static" else {}
     if spec.get("compile"):
@@ -137,8 +122,8 @@ def measure(spec: dict) -> dict:
         "rss_base_mib": base_rss / 1024,
         "rss_loaded_mib": loaded_rss / 1024,
         "peak_rss_load_mib": load_peak / 1024,
-        "peak_rss_inference_mib": _status_kib("VmHWM") / 1024 if reset else None,
-        "peak_rss_mib": max(load_peak, _status_kib("VmHWM")) / 1024,
+        "peak_rss_inference_mib": status_kib("VmHWM") / 1024 if reset else None,
+        "peak_rss_mib": max(load_peak, status_kib("VmHWM")) / 1024,
         "first_tokens": tokens[0][0, prompt[1].shape[1] :].tolist()[:8],
         "modules": variants.describe(model),
         "dkm_paths": variants.dkm_paths(),

@@ -5,6 +5,7 @@
     python benchmarks/dkm_inference.py --quick         # tiny models, one round, a few variants: a smoke test
     python benchmarks/dkm_inference.py --threads 1 2   # each thread count its own rounds (parts real and peers)
     python benchmarks/dkm_inference.py --device cuda   # every variant on the GPU (synchronized timings)
+    python benchmarks/dkm_inference.py --only-missing  # the rows a killed (or loaded) run left missing
 
 Three parts, each writing its own results file; every row names the loops (or code) that multiplied, every table
 its CPU:
@@ -24,6 +25,13 @@ its CPU:
 A peer that cannot run gets its one-line reason in the results file and the table (`bash
 benchmarks/install_peers.sh` installs them; llama.cpp: `pip install llama-cpp-python==0.3.36`, built from source).
 
+A peer that crashes (a signal, a nonzero exit), hangs (past 30 minutes) or cannot load is a row with its one-line
+reason, and every other row of the part is still measured. Each row is saved to the part's results file as it is
+measured, with the 1-minute load it was measured at; `--only-missing` measures only the rows the file lacks (a run
+killed half way) or recorded at a load above the core count (marked LOADED in the tables, used by no verdict).
+On a CPU that reports AMX, llama.cpp loads without its extra buffer types (`use_extra_bufts=False`: ggml's AMX
+path crashed there), which its rows' names say.
+
 Per variant: batch-1 (and in part peers batch-8) greedy `generate` tokens/s (new tokens after a short prompt, after
 a warm-up), the time of one prefill forward of 512 tokens, the bytes of the tensors the model holds and the peak
 resident memory (`VmHWM`) of loading and of inference. Each variant runs in a fresh process per round (its memory
@@ -41,14 +49,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import _inference_llama_cpp as llama
 import _inference_loops as loops
 import _inference_real as real
 import _inference_runner as runner
-from _common import add_device_argument, pick_device, recorded_path, write_results
+import _slices
+from _common import add_device_argument, pick_device, recorded_path
 from _inference_report import plot, print_tables, summarize, verdicts
 from _inference_variants import preimport
 
 PARTS = ("loops", "real", "peers")
+STARTED = time.perf_counter()
 
 SHAPES = {
     "tiny": dict(hidden=128, layers=2, intermediate=384, vocab=4096, heads=4),
@@ -134,8 +145,14 @@ NOT_RUN_AT_1B = {
 }
 
 
-def run_size(size: str, args, device: str, work: Path) -> dict:
-    """Part `peers`, one size: the random Llama written once, then every variant of `plan` prepared and timed."""
+def stored_entry(name: str, args, cpu: str) -> dict | None:
+    """With --only-missing, this CPU's entry of a per-CPU results file ({} where there is none); None without."""
+    return _slices.read_results(name).get("machines", {}).get(cpu, {}) if args.only_missing else None
+
+
+def run_size(size: str, args, device: str, work: Path, results: dict) -> dict:
+    """Part `peers`, one size: the random Llama written once, then every variant of `plan` prepared and timed; the
+    results file rewritten after every row (`save_peers`)."""
     shape, variants = SHAPES[size], plan(size, args.quick)
     dense_dir = work / size / "dense"
     common = dict(
@@ -148,9 +165,23 @@ def run_size(size: str, args, device: str, work: Path) -> dict:
         repeats=args.repeats,
     )
     runner.child("prepare", dict(common, kind="checkpoint", name="dense checkpoint", dir=str(dense_dir)), work, 3600)
-    part = runner.run_part(size, variants, common, args, work, args.threads, args.rounds[size])
     skipped = {k: v for k, v in NOT_RUN_AT_1B.items() if size == "1b" and not args.quick}
-    return {**part, "shape": shape, "not_run": skipped, "new_tokens": args.new_tokens[size]}
+    meta = {"shape": shape, "not_run": skipped, "new_tokens": args.new_tokens[size]}
+    stored = results["sizes"].get(size, {}) if args.only_missing else None
+    save = lambda part: save_peers(results, size, {**part, **meta})  # noqa: E731
+    part = runner.run_part(size, variants, common, args, work, args.threads, args.rounds[size], stored=stored,
+                           save=save)  # fmt: skip
+    save(part)
+    return {**part, **meta}
+
+
+def save_peers(results: dict, size: str, entry: dict) -> Path:
+    """dkm_inference.json as it stands: every size measured so far, summarized, and the verdicts."""
+    summarize(entry)
+    results["sizes"][size] = entry
+    results["verdicts"] = verdicts(results)
+    results["seconds"] = time.perf_counter() - STARTED
+    return _slices.update_results("dkm_inference", {(key,): value for key, value in results.items()})
 
 
 def run_loops(args, device: str, work: Path) -> dict:
@@ -160,14 +191,20 @@ def run_loops(args, device: str, work: Path) -> dict:
     dense_dir = work / "loops" / "dense"
     common = dict(shape=shape, dense_dir=str(dense_dir), device=device, prompt=args.prompt, new_tokens=new_tokens,
                   prefill=loops.PREFILL, repeats=args.repeats, batch8=False)  # fmt: skip
+    cpu = loops.cpu_name()
+    stored = stored_entry("dkm_inference_loops", args, cpu)
     runner.child("prepare", dict(common, kind="checkpoint", name="dense checkpoint", dir=str(dense_dir)), work, 3600)
-    kernels = runner.child("kernels", dict(name="kernel table", quick=args.quick, device=device), work, 3600)
+    kernels = (stored or {}).get("kernels")
+    if not (kernels and _slices.present(kernels) and kernels.get("quick") == args.quick):  # the kernel table's rows
+        before = _slices.load_1min()
+        kernels = runner.child("kernels", dict(name="kernel table", quick=args.quick, device=device), work, 3600)
+        kernels.update(quick=args.quick, **_slices.stamp(before))
     rounds = 1 if args.quick else args.rounds["issue"]
-    part = runner.run_part("loops", loops.model_plan(args.quick), common, args, work, [1], rounds)
-    part.update(cpu=loops.cpu_name(), kernels=kernels, shape=shape, new_tokens=new_tokens)
-    summarize(part)
-    part["verdicts"] = loops.verdicts(part)
-    return part
+    meta = dict(cpu=cpu, kernels=kernels, shape=shape, new_tokens=new_tokens)
+    save = lambda part: save_part("dkm_inference_loops", {**part, **meta}, loops.verdicts)  # noqa: E731
+    part = runner.run_part("loops", loops.model_plan(args.quick), common, args, work, [1], rounds, stored=stored,
+                           save=save)  # fmt: skip
+    return save_part("dkm_inference_loops", {**part, **meta}, loops.verdicts)
 
 
 def run_real(args, device: str, work: Path) -> dict:
@@ -176,12 +213,23 @@ def run_real(args, device: str, work: Path) -> dict:
                                             tokens=max(args.prompt, args.prefill)), work, 3600)  # fmt: skip
     new_tokens = args.new_tokens["issue"]
     common = dict(dense_dir=setup["folder"], device=device, prompt=args.prompt, new_tokens=new_tokens,
-                  prefill=args.prefill, repeats=args.repeats, text_ids=setup["ids"], shape=None)  # fmt: skip
+                  prefill=args.prefill, repeats=args.repeats, text_ids=setup["ids"], shape=None,
+                  layers=setup["layers"])  # fmt: skip
     rounds = 1 if args.quick else args.rounds["issue"]
-    part = runner.run_part("real", real.plan(args.quick, args.compile), common, args, work, args.threads, rounds)
-    part.update(cpu=loops.cpu_name(), new_tokens=new_tokens, layers=setup["layers"], llama_cpp=setup["llama_cpp"])
+    cpu = loops.cpu_name()
+    stored = stored_entry("dkm_inference_real", args, cpu)
+    meta = dict(cpu=cpu, new_tokens=new_tokens, layers=setup["layers"], llama_cpp=setup["llama_cpp"])
+    variants = real.plan(args.quick, args.compile, extra_bufts=llama.use_extra_bufts())
+    save = lambda part: save_part("dkm_inference_real", {**part, **meta}, real.verdicts)  # noqa: E731
+    part = runner.run_part("real", variants, common, args, work, args.threads, rounds, stored=stored, save=save)
+    return save_part("dkm_inference_real", {**part, **meta}, real.verdicts)
+
+
+def save_part(name: str, part: dict, judge) -> dict:
+    """A part of a per-CPU results file as it stands: summarized, judged (`judge(part)`: its verdict lines), saved."""
     summarize(part)
-    part["verdicts"] = real.verdicts(part)
+    part["verdicts"] = judge(part)
+    runner.save_per_cpu(name, part, sys.argv[1:])
     return part
 
 
@@ -198,6 +246,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="checkpoints prepared at once (untimed; default: 2)")
     parser.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS), help="(default: all)")
     parser.add_argument("--compile", action="store_true", help="part real: also a static cache + torch.compile row")
+    _slices.add_only_missing_argument(parser)
     add_device_argument(parser)
     args = parser.parse_args()
     device = pick_device(args.device).type
@@ -208,44 +257,52 @@ def main() -> None:
         args.new_tokens, args.prefill, args.prompt, args.rounds = 4, 32, 8, 1
     args.rounds = {s: max(1, args.rounds - (s == "1b")) for s in SHAPES}
     args.new_tokens = {s: max(1, args.new_tokens // (4 if s == "1b" else 1)) for s in SHAPES}
-    started = time.perf_counter()
+    failures = []
     with tempfile.TemporaryDirectory(prefix="dkm_inference_") as tmp:
         preimported = preimport() if device == "cpu" else {}  # once, for every forked child
         if "loops" in args.parts:
             part = run_loops(args, device, Path(tmp))
+            failures += runner.must_run_failures(part)
             print(f"\n### loops ({part['cpu']})\n\n" + loops.kernel_rows(part["kernels"]))
             print("\n" + loops.model_rows(part, "1") + "\n\n" + "\n".join(part["verdicts"]), flush=True)
-            print(f"wrote {runner.write_per_cpu('dkm_inference_loops', part, sys.argv[1:])}", flush=True)
+            print(f"wrote {_slices.results_path('dkm_inference_loops')}", flush=True)
         if "real" in args.parts:
             part = run_real(args, device, Path(tmp))
+            failures += runner.must_run_failures(part)
             for threads in part["threads"]:
                 print(f"\n### SmolLM2-135M, {threads} thread(s) ({part['cpu']})\n\n" + real.table(part, threads))
             print("\n" + "\n".join(part["verdicts"]), flush=True)
-            print(f"wrote {runner.write_per_cpu('dkm_inference_real', part, sys.argv[1:])}", flush=True)
+            print(f"wrote {_slices.results_path('dkm_inference_real')}", flush=True)
         if "peers" in args.parts:
-            results: dict = {
-                "argv": sys.argv[1:],
-                "device": device,
-                "cpu": loops.cpu_name(),
-                "config": {
-                    "prompt": args.prompt,
-                    "prefill": args.prefill,
-                    "repeats": args.repeats,
-                    "threads": args.threads,
-                },  # fmt: skip
-                "preimported": preimported,
-                "sizes": {size: run_size(size, args, device, Path(tmp)) for size in sizes},
-            }
-            for size in results["sizes"].values():
-                summarize(size)
-            results["verdicts"] = verdicts(results)
-            results["seconds"] = time.perf_counter() - started
-            print_tables(results)
-            print("\n" + "\n".join(results["verdicts"]))
-            path = plot(results)
-            results["plots"] = [recorded_path(path)] if path else []
-            out = write_results("dkm_inference", results)
-            print(f"\nwrote {out} ({results['seconds']:.0f} s)")
+            run_peers(args, device, Path(tmp), sizes, preimported, failures)
+    if failures:  # every row is written: the run fails after it, naming what must run and did not
+        raise SystemExit("error: dense / ours rows did not run:\n" + "\n".join(failures))
+
+
+def run_peers(args, device: str, work: Path, sizes: list[str], preimported: dict, failures: list[str]) -> None:
+    """Part `peers`: every size of `sizes` (with --only-missing, completing the file's own sizes where it was
+    measured on this CPU and device), then the tables, the verdicts and the plot."""
+    cpu = loops.cpu_name()
+    stored = _slices.read_results("dkm_inference") if args.only_missing else {}
+    config = {"prompt": args.prompt, "prefill": args.prefill, "repeats": args.repeats, "threads": args.threads}
+    same = stored.get("cpu") == cpu and stored.get("device") == device and stored.get("config") == config
+    results: dict = {
+        "argv": sys.argv[1:],
+        "device": device,
+        "cpu": cpu,
+        "config": config,
+        "preimported": preimported,
+        "sizes": dict(stored.get("sizes", {})) if same else {},
+    }
+    for size in sizes:
+        part = run_size(size, args, device, work, results)
+        failures += runner.must_run_failures(part)
+    print_tables(results)
+    print("\n" + "\n".join(results["verdicts"]))
+    path = plot(results)
+    results["plots"] = [recorded_path(path)] if path else []
+    out = save_peers(results, sizes[-1], results["sizes"][sizes[-1]])
+    print(f"\nwrote {out} ({results['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python benchmarks/dkm_onnx.py                  # the issue's Llama (hidden 1024, 8 layers) and the real SmolLM2
     python benchmarks/dkm_onnx.py --quick          # a tiny Llama, one round: a smoke test
     python benchmarks/dkm_onnx.py --sizes smollm2  # only the real model (the whole 30 layers)
+    python benchmarks/dkm_onnx.py --only-missing   # the rows a killed (or loaded) run left missing
 
 One DKM 3-bit checkpoint per size (bf16 tables, `from_pretrained(..., quantization_config=DKMConfig(bits=3))` of the
 dense model, saved and reloaded) is exported three ways with `export_onnx`: `dense=True` (the decoded float32
@@ -12,7 +13,10 @@ C kernel through onnxruntime-extensions). Each variant runs in a fresh process p
 round, one intra-op thread: `greedy_generate` of batch 1 (tokens/s after a warm-up, the standard-op path over fewer
 tokens: it decodes every weight per token), one prefill forward, the file's bytes and the peak resident memory over
 the imports (`VmHWM` after `clear_refs`: the session's creation and serving). The tokens each variant generates must
-equal the PyTorch model's. Writes benchmarks/results/dkm_onnx.json; docs/dkm.md's export section renders it.
+equal the PyTorch model's. Writes benchmarks/results/dkm_onnx.json, row by row as they are measured (`_slices.py`):
+a variant whose process crashes or hangs is a row with its reason (the run then fails at its end, as it does when a
+variant's tokens differ), and `--only-missing` measures only the rows the file lacks or holds from a loaded
+machine (their table rows marked LOADED). docs/dkm.md's export section renders it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +32,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import add_device_argument, machine_state, write_results  # noqa: E402
+import _slices  # noqa: E402
+from _common import add_device_argument, cpu_model, machine_state  # noqa: E402
+from _process_memory import reset_peak, status_kib  # noqa: E402
 
 SHAPES = {
     "tiny": dict(hidden=128, layers=2, intermediate=384, vocab=4096, heads=4),
@@ -87,13 +92,6 @@ def prepare(size: str, work: Path) -> dict:
     }
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
 def measure(spec: dict) -> dict:
     """One variant in this (fresh) process."""
     import numpy as np
@@ -106,8 +104,8 @@ def measure(spec: dict) -> dict:
     torch.set_num_threads(1)
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1
-    Path("/proc/self/clear_refs").write_text("5")
-    base = _status_kib("VmRSS")
+    reset_peak()
+    base = status_kib("VmRSS")
     started = time.perf_counter()
     session = (
         onnxruntime_session(spec["file"], options)
@@ -130,61 +128,87 @@ def measure(spec: dict) -> dict:
         "tokens_per_s_b1": n / generate_s,
         "prefill_s": prefill_s,
         "load_s": load_s,
-        "peak_over_base_mib": (_status_kib("VmHWM") - base) / 1024,
+        "peak_over_base_mib": (status_kib("VmHWM") - base) / 1024,
         "file_mib": sum(p.stat().st_size for p in Path(spec["file"]).parent.glob("model.onnx*")) / 2**20,
     }
 
 
-def run_size(size: str, args, work: Path) -> dict:
-    prepared = json.loads(_child(["--prepare", size, str(work)], work, 7200))
-    runs = {name: [] for name in VARIANTS}
-    names = list(VARIANTS)
-    before = machine_state()
-    for r in range(args.rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            v = VARIANTS[name]
-            spec = dict(
-                v,
-                file=prepared["files"][v["file"]],
-                prompt=prepared["prompt"],
-                reference=prepared["reference"],
-                prefill=args.prefill,
-                new_tokens=args.new_tokens if v["kernel"] or v["file"] == "dense" else args.slow_tokens,
-            )
-            got = json.loads(_child(["--measure", json.dumps(spec)], work, 3600))
-            runs[name].append(got)
-            print(f"[{size}, round {r + 1}] {name}: {got['tokens_per_s_b1']:.2f} tokens/s", flush=True)
-            if not got["tokens_equal"]:
-                raise SystemExit(f"error: {name} generated other tokens than the PyTorch model")
-    prepared = {k: v for k, v in prepared.items() if k != "files"}  # paths of this machine's temporary folder
-    return {"prepared": prepared, "runs": runs, "summary": summarize(runs), "before": before, "after": machine_state()}
+def run_size(size: str, args, work: Path, stored: dict | None, save) -> dict:
+    """One size: the exports (made only when a row is to be measured), then `rounds` rounds of every variant, each a
+    fresh process; `save(size, entry)` after every row. `stored` (--only-missing): the size's entry in the file."""
+    prepared: dict = {}
+
+    def measure(name: str, r: int) -> dict:
+        if not prepared:
+            out = work / "prepared.json"
+            got = _slices.run_command(_argv("--prepare", size, str(work), out=out), out, timeout=7200)
+            if "error" in got:  # our own export: nothing of this size can be measured without it
+                raise SystemExit(f"error: the exports of {size} failed: {got['error']}")
+            prepared.update(got)
+        v = VARIANTS[name]
+        spec = dict(
+            v,
+            name=name,
+            file=prepared["files"][v["file"]],
+            prompt=prepared["prompt"],
+            reference=prepared["reference"],
+            prefill=args.prefill,
+            new_tokens=args.new_tokens if v["kernel"] or v["file"] == "dense" else args.slow_tokens,
+        )
+        out = work / f"measure-{time.monotonic_ns()}.json"
+        return _slices.run_command(_argv("--measure", json.dumps(spec), out=out), out, timeout=3600)
+
+    entry = {"prepared": (stored or {}).get("prepared"), "before": machine_state()}
+
+    def on_row(name: str, r: int, runs: dict) -> None:
+        row = runs[name][r]
+        got = row.get("error") or f"{row['tokens_per_s_b1']:.2f} tokens/s"
+        print(f"[{size}, round {r + 1}] {name if 'error' in row else _slices.mark(name, row)}: {got}", flush=True)
+        if prepared:  # the paths of this machine's temporary folder stay out
+            entry["prepared"] = {k: v for k, v in prepared.items() if k != "files"}
+        entry.update(runs=runs, after=machine_state(), **summarize(runs))
+        save(size, entry)
+
+    kept = None if stored is None else stored.get("runs", {})
+    runs = _slices.measure_rounds(list(VARIANTS), args.rounds, measure, stored=kept, on_row=on_row)
+    entry.update(runs=runs, **summarize(runs))
+    return entry
 
 
 def summarize(runs: dict) -> dict:
-    out = {}
+    """`summary`: per variant measured in a round with the dense export, the medians and the per-round ratios to
+    it (the name carries the LOADED mark where a row was measured above the core count: the docs table renders the
+    names); `not_run`: the variants whose rows are errors, with the first; `wrong_tokens`: those whose tokens differ
+    from the PyTorch model's."""
+    out, base = {}, runs.get(BASE, [])
     for name, got in runs.items():
-        speed = [g["tokens_per_s_b1"] / b["tokens_per_s_b1"] for g, b in zip(got, runs[BASE])]
+        pairs = [(g, b) for g, b in zip(got, base) if g and b and "error" not in g and "error" not in b]
+        if not pairs:
+            continue
+        ok = [g for g, _ in pairs]
+        speed = [g["tokens_per_s_b1"] / b["tokens_per_s_b1"] for g, b in pairs]
         out[name] = {
-            "tokens_per_s_b1": statistics.median(g["tokens_per_s_b1"] for g in got),
+            "tokens_per_s_b1": statistics.median(g["tokens_per_s_b1"] for g in ok),
             "b1_x_dense": statistics.median(speed),
             "b1_x_dense_range": [min(speed), max(speed)],
-            "prefill_s": statistics.median(g["prefill_s"] for g in got),
-            "prefill_x_dense": statistics.median(g["prefill_s"] / b["prefill_s"] for g, b in zip(got, runs[BASE])),
-            "peak_over_base_mib": max(g["peak_over_base_mib"] for g in got),
-            "load_s": statistics.median(g["load_s"] for g in got),
-            "file_mib": got[0]["file_mib"],
+            "prefill_s": statistics.median(g["prefill_s"] for g in ok),
+            "prefill_x_dense": statistics.median(g["prefill_s"] / b["prefill_s"] for g, b in pairs),
+            "peak_over_base_mib": max(g["peak_over_base_mib"] for g in ok),
+            "load_s": statistics.median(g["load_s"] for g in ok),
+            "file_mib": ok[0]["file_mib"],
+            **_slices.load_of(ok),
         }
     for s in out.values():
         s["peak_x_dense"] = s["peak_over_base_mib"] / out[BASE]["peak_over_base_mib"]
-    return out
+    errors = {name: next(g["error"] for g in got if g and "error" in g) for name, got in runs.items()
+              if any(g and "error" in g for g in got)}  # fmt: skip
+    wrong = sorted(name for name, got in runs.items() if any(g and g.get("tokens_equal") is False for g in got))
+    summary = {_slices.mark(name, v): v for name, v in out.items()}
+    return {"summary": summary, "not_run": errors, "wrong_tokens": wrong}
 
 
-def _child(argv: list[str], work: Path, timeout: float) -> str:
-    out = work / f"child-{time.monotonic_ns()}.json"
-    done = subprocess.run([sys.executable, __file__, *argv, "--out", str(out)], timeout=timeout)
-    if done.returncode != 0 or not out.exists():
-        raise SystemExit(f"error: {argv[0]} failed (exit {done.returncode}; its traceback is above)")
-    return out.read_text()
+def _argv(*argv: str, out: Path) -> list[str]:
+    return [sys.executable, __file__, *argv, "--out", str(out)]
 
 
 def main() -> None:
@@ -195,16 +219,21 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens timed (dense and our kernel)")
     parser.add_argument("--slow-tokens", type=int, default=2, help="tokens timed on the standard-op path")
     parser.add_argument("--prefill", type=int, default=128, help="tokens of the prefill forward")
+    _slices.add_only_missing_argument(parser)
     add_device_argument(parser)
     parser.add_argument("--prepare", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.prepare or args.measure:  # a child: it dies with the benchmark
+        _slices.die_with_parent()
     if args.prepare:
         Path(args.out).write_text(json.dumps(prepare(args.prepare[0], Path(args.prepare[1]))))
         return
     if args.measure:
-        Path(args.out).write_text(json.dumps(measure(json.loads(args.measure))))
+        spec = json.loads(args.measure)
+        _slices.crash_if_named(spec["name"])  # fault injection ($HF_LLMKIT_BENCH_CRASH); nothing otherwise
+        Path(args.out).write_text(json.dumps(measure(spec)))
         return
     if args.device not in (None, "cpu"):
         parser.error("onnxruntime runs here on the CPU: --device cpu (or leave it out)")
@@ -212,19 +241,35 @@ def main() -> None:
     if args.quick:
         args.rounds, args.new_tokens, args.slow_tokens, args.prefill = 1, 4, 2, 16
     started = time.perf_counter()
-    results: dict = {
-        "argv": sys.argv[1:],
-        "config": {k: getattr(args, k) for k in ("rounds", "new_tokens", "slow_tokens", "prefill")},
-    }
-    results["sizes"] = {}
+    config = {k: getattr(args, k) for k in ("rounds", "new_tokens", "slow_tokens", "prefill")}
+    stored = _slices.read_results("dkm_onnx") if args.only_missing else {}
+    settings = {k: v for k, v in config.items() if k != "rounds"}  # more rounds keep the rows of fewer
+    old = {k: v for k, v in stored.get("config", {}).items() if k != "rounds"}
+    same = stored.get("cpu") == cpu_model() and old == settings
+    results: dict = {"argv": sys.argv[1:], "cpu": cpu_model(), "config": config}
+    results["sizes"] = dict(stored.get("sizes", {})) if same else {}
+
+    def save(size: str, entry: dict) -> None:
+        results["sizes"][size] = entry
+        results["seconds"] = time.perf_counter() - started
+        _slices.update_results("dkm_onnx", {(key,): value for key, value in results.items()})
+
     for size in sizes:
         with tempfile.TemporaryDirectory(prefix=f"dkm_onnx_{size}_") as tmp:
-            results["sizes"][size] = run_size(size, args, Path(tmp))
-        results["seconds"] = time.perf_counter() - started
-        write_results("dkm_onnx", results)  # after each size: a long run stopped later keeps the sizes it finished
+            kept = results["sizes"].get(size, {}) if args.only_missing else None
+            save(size, run_size(size, args, Path(tmp), kept, save))
     for size, data in results["sizes"].items():
         print(f"\n{size}: " + json.dumps(data["summary"], indent=1))
-    print(f"\nwrote {write_results('dkm_onnx', results)}")
+    print(f"\nwrote {_slices.results_path('dkm_onnx')}")
+    failed = []
+    for size in sizes:
+        failed += [f"{size}: {name} did not run: {why}" for name, why in results["sizes"][size]["not_run"].items()]
+        failed += [
+            f"{size}: {name}'s tokens differ from the PyTorch model's"
+            for name in results["sizes"][size]["wrong_tokens"]
+        ]
+    if failed:  # every row is written: the run fails after it
+        raise SystemExit("error: " + "; ".join(failed))
 
 
 if __name__ == "__main__":

@@ -1,17 +1,22 @@
 """benchmarks/dkm_inference.py's accounting: the bytes a model holds (each storage once, quantization states kept as
-attributes included), the per-round ratios to dense bf16 and the target verdicts, on made-up runs."""
+attributes included), the per-round ratios to dense bf16 and the target verdicts, on made-up runs; a peer whose
+process crashes is a row and the part goes on, saved row by row and resumed with --only-missing; llama.cpp without
+its AMX buffers on a CPU that reports AMX."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from _inference_report import summarize, verdicts  # noqa: E402
+from _inference_report import summarize, table, verdicts  # noqa: E402
 from _inference_variants import weight_bytes  # noqa: E402
 
 
@@ -74,3 +79,153 @@ def test_ratios_are_per_round_and_verdicts_name_what_holds_and_what_fails():
     assert three.startswith("[tiny, 1 thread] 3-bit: ours the fastest 3-bit format: FAILS") and "HQQ 3-bit" in three
     four = next(line for line in lines if " 4-bit: " in line)
     assert "within 10% of the fastest 4-bit format: holds" in four and "0.94x" in four
+
+
+def test_a_row_measured_on_a_loaded_machine_is_marked_and_judged_by_no_verdict():
+    busy = dict(load_1min=3.5, cores=2, loaded=True)
+    ours = "ours DKM 3-bit (a table per tensor)"
+    runs = {
+        "dense bf16": [_run(10, 1.0, 1600)],
+        ours: [{**_run(11, 1.0, 350), **busy}],
+        "HQQ 3-bit g64": [_run(9, 1, 300)],
+    }
+    size = {"specs": {n: {"bits": 16 if n == "dense bf16" else 3} for n in runs}, "threads": {"1": {"runs": runs}}}
+    summarize(size)
+    lines = verdicts({"sizes": {"tiny": size}})
+    assert lines[0] == f"[tiny, 1 thread] {ours}: no verdict (measured at a 1-minute load of 3.5 on 2 cores: " + (
+        "rerun with --only-missing)"
+    )
+    assert "[tiny, 1 thread] 3-bit: no ours row to judge at 3 bits" in lines and len(lines) == 3
+    assert f"| **{ours}** (LOADED: load 3.5 > 2 cores) |" in table(size, "1")
+    runs["dense bf16"][0].update(busy)  # the base of every ratio loaded: no target is judged
+    summarize(size)
+    assert verdicts({"sizes": {"tiny": size}})[-1] == (
+        "[tiny, 1 thread] 4-bit: no verdict (dense bf16, the base of every ratio, measured on a loaded machine)"
+    )
+    # a part saved half way, before its base was measured: its rows render, their ratios left empty
+    half = {"specs": size["specs"], "threads": {"1": {"runs": {ours: [_run(11, 1.0, 350), None]}}}}
+    summarize(half)
+    assert half["threads"]["1"]["summary"][ours]["b1_x_bf16"] is None and "| 11.00 " in table(half, "1")
+    assert verdicts({"sizes": {"tiny": half}})[0].endswith(
+        "no verdict (dense bf16, the base of every ratio, did not run)"
+    )
+
+
+# -- a peer that crashes is a row; the part goes on, saved row by row, and resumes (issue 49) ----------------------
+
+
+def _llama_part(tmp_path, stored=None):
+    """Two llama.cpp rows of part `real` on the shipped file (no preparation), two rounds: the first row's process
+    crashes ($HF_LLMKIT_BENCH_CRASH), the second measures (or, without llama-cpp-python, says how to install it)."""
+    import _inference_runner as runner
+
+    spec = dict(kind="llama_cpp", gguf="Q4_1", bits=4, batch8=False)
+    variants = {"llama.cpp Q4_1 (the shipped file)": spec, "llama.cpp Q4_1, again": spec}
+    common = dict(dense_dir=str(tmp_path), device="cpu", prompt=4, new_tokens=2, prefill=8, repeats=1,
+                  text_ids=list(range(10, 30)), shape=None)  # fmt: skip
+    args = SimpleNamespace(jobs=1)
+    saves = []
+    part = runner.run_part("real", variants, common, args, tmp_path, [1], 2, stored=stored, save=saves.append)
+    return part, len(saves)
+
+
+def test_a_peer_whose_process_crashes_is_a_row_and_the_other_rows_are_measured_and_saved(
+    tmp_path, monkeypatch, capsys
+):
+    import _inference_real as real
+    import _inference_runner as runner
+
+    monkeypatch.setenv("HF_LLMKIT_BENCH_CRASH", "llama.cpp Q4_1 (the shipped file)")
+    part, saves = _llama_part(tmp_path)
+    runs = part["threads"]["1"]["runs"]
+    assert saves == 4  # the part was saved after every row
+    assert [row["error"] for row in runs["llama.cpp Q4_1 (the shipped file)"]] == [
+        "crashed: killed by SIGSEGV (exit -11)"
+    ] * 2
+    for row in runs["llama.cpp Q4_1, again"]:  # measured in spite of its crashing peer
+        assert row.get("tokens_per_s_b1") or row["error"].startswith("llama-cpp-python is not installed"), row
+        assert {"load_1min", "cores", "loaded", "round"} <= set(row)
+    assert runner.must_run_failures(part) == []  # a peer's crash does not fail the run
+    summarize(part)
+    [line] = [line for line in real.table(part, "1").splitlines() if "llama.cpp Q4_1 (the shipped file) " in line]
+    assert "| did not run: crashed: killed by SIGSEGV (exit -11) " in line
+    # --only-missing: the stored part less one row (a killed run) measures that row alone (the others pinned as
+    # recorded on an idle machine: a loaded one would be measured again)
+    for rows in runs.values():
+        for row in rows:
+            row["loaded"] = False
+    runs["llama.cpp Q4_1, again"][1] = None
+    capsys.readouterr()
+    resumed, saves = _llama_part(tmp_path, stored=json.loads(json.dumps(part)))
+    assert (
+        saves == 1
+        and "[real] 1 of 4 rows to measure (--only-missing): llama.cpp Q4_1, again" in capsys.readouterr().out
+    )
+    assert (
+        resumed["threads"]["1"]["runs"]["llama.cpp Q4_1 (the shipped file)"]
+        == runs["llama.cpp Q4_1 (the shipped file)"]
+    )
+    assert resumed["threads"]["1"]["runs"]["llama.cpp Q4_1, again"][1]["round"] == 2
+
+
+# -- llama.cpp on a CPU with AMX: no extra buffer types --------------------------------------------------------------
+
+SAPPHIRE_RAPIDS = (
+    "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: fpu vme sse "
+    "avx2 avx512f avx512_bf16 amx_bf16 avx512_fp16 amx_tile amx_int8 arch_lbr\n\nprocessor\t: 1\nflags\t\t: fpu\n"
+)
+EPYC = "processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni vaes\n"
+GRAVITON = "processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd evtstrm aes sve\n"
+
+
+def test_llama_cpp_loads_without_extra_buffer_types_where_the_cpu_reports_amx():
+    import _inference_llama_cpp as llama
+    import _inference_real as real
+
+    assert llama.amx_flags(SAPPHIRE_RAPIDS) == ["amx_bf16", "amx_tile", "amx_int8"]
+    assert not llama.use_extra_bufts(SAPPHIRE_RAPIDS)
+    assert (
+        llama.use_extra_bufts(EPYC) and llama.use_extra_bufts(GRAVITON) and llama.use_extra_bufts("")
+    )  # "": not Linux
+    plan = real.plan(quick=False, compile_=False, extra_bufts=False)
+    name = "llama.cpp Q4_1 (the shipped file; no AMX/repack buffers: use_extra_bufts=False)"
+    assert (
+        plan[name]["extra_bufts"] is False
+        and "llama.cpp Q3_K_M (no AMX/repack buffers: use_extra_bufts=False)" in plan
+    )
+    assert "llama.cpp Q4_1 (the shipped file)" in real.plan(quick=True, compile_=False)  # elsewhere: as before
+    # the verdicts find llama.cpp's rows by their file, whatever their names say
+    ours = "ours DKM 4-bit scales/64, 8-bit tied embedding, bf16"
+    row = {"tokens_per_s_b1": 50.0, "kernel_ms_per_token": 5.0}
+    summary = {ours: row, name: {"tokens_per_s_b1": 40.0, "kernel_ms_per_token": 20.0}}
+    part = {"cpu": "X", "specs": plan, "threads": {"1": {"summary": summary}}}
+    lines = real.verdicts(part)
+    assert any(f"{ours}: 50.0 tokens/s, 1.25x {name}'s 40.0 (holds >= 0.5)" in line for line in lines), lines
+    summary[name]["loaded"], summary[name]["load_1min"], summary[name]["cores"] = True, 3.0, 2
+    assert any(f"vs {name}: no comparison (measured on a loaded machine)" in line for line in real.verdicts(part))
+
+
+def test_use_extra_bufts_false_is_set_on_the_model_params_llama_builds(monkeypatch):
+    """`Llama()` has no such argument: the default model parameters it starts from carry it while it loads."""
+    import ctypes
+
+    import _inference_llama_cpp as llama
+
+    class Params(ctypes.Structure):
+        _fields_ = [("n_gpu_layers", ctypes.c_int32), ("use_extra_bufts", ctypes.c_bool)]
+
+    module = ModuleType("llama_cpp.llama_cpp")
+    module.llama_model_params = Params
+    module.llama_model_default_params = lambda: Params(0, True)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_cpp", module)
+    package = SimpleNamespace(__version__="0.3.36")
+    with llama._model_params(package, extra_bufts=False):
+        assert module.llama_model_default_params().use_extra_bufts is False  # what Llama(...) reads in its __init__
+    assert module.llama_model_default_params().use_extra_bufts is True
+
+    class Old(ctypes.Structure):
+        _fields_ = [("n_gpu_layers", ctypes.c_int32)]
+
+    module.llama_model_params = Old
+    with pytest.raises(llama.Unavailable, match="has no use_extra_bufts"), llama._model_params(package, False):
+        pass
