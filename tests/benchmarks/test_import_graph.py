@@ -15,11 +15,6 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 # Cycles known and being removed elsewhere, each as the set of modules it runs through (its strongly connected
 # component, so a module that joins it still fails the test).
-ALLOWED_CYCLES = {
-    # removed on branch harness; delete this entry when merged
-    frozenset({"_inference_onnx", "_inference_variants", "_inference_worker"}),
-}
-
 
 @functools.cache
 def import_graph(folder: Path = BENCHMARKS) -> dict[str, set[str]]:
@@ -103,10 +98,7 @@ def test_the_graph_sees_the_benchmarks_imports():
 def test_the_benchmarks_modules_import_each_other_without_a_cycle():
     graph = import_graph()
     found = cycles(graph)
-    unexpected = [a_cycle(graph, component) for component in found if component not in ALLOWED_CYCLES]
-    assert not unexpected, "import cycles among benchmarks/*.py:\n" + "\n".join(unexpected)
-    stale = [sorted(allowed) for allowed in ALLOWED_CYCLES if allowed not in found]
-    assert not stale, f"ALLOWED_CYCLES lists a cycle that is gone: delete its entry {stale}"
+    assert not found, "import cycles among benchmarks/*.py:\n" + "\n".join(a_cycle(graph, c) for c in found)
 
 
 def test_a_cycle_is_found_and_named(tmp_path):
