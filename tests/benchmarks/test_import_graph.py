@@ -16,6 +16,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 # Cycles known and being removed elsewhere, each as the set of modules it runs through (its strongly connected
 # component, so a module that joins it still fails the test).
 
+
 @functools.cache
 def import_graph(folder: Path = BENCHMARKS) -> dict[str, set[str]]:
     """`{module: the benchmarks modules it imports}` over `folder/*.py`, at any depth of each file."""
