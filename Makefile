@@ -40,8 +40,12 @@ install: $(STAMP)
 quickstart: install
 	$(PY) examples/run_clm.py
 
+# The versions under test, one line each (benchmarks/ci_time.py records them in results/ci.json)
+VERSIONS := -c "import sys, torch, transformers; print('versions under test: python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
+
 test: install  # the whole suite: what CI runs (tests marked gpu skip with their reason without a CUDA device)
 	$(PY) -m ruff check .
+	$(PY) $(VERSIONS)
 	$(PY) -m pytest $(WORKERS) $(PYTEST_ARGS)
 
 test-fast: install  # for your own loops: without the cells marked slow
@@ -55,6 +59,7 @@ test-lowest:
 	$(LOWEST_PY) -m pip install "$$($(PYTHON) .ci/lowest_versions.py torch)"
 	$(LOWEST_PY) -m pip install -e ".[$(LOWEST_EXTRAS)]" $$($(PYTHON) .ci/lowest_versions.py $(LOWEST_OF))
 	$(LOWEST_PY) -m pip list 2>/dev/null | grep -iE "^($$(echo $(LOWEST_OF) | tr ' ' '|')) "
+	$(LOWEST_PY) $(VERSIONS)
 	$(LOWEST_PY) -m pytest -m "not slow" $(WORKERS) $(PYTEST_ARGS) $$(grep -v '^#' .ci/capabilities)
 
 test-gpu: install  # the tests marked gpu, on a CUDA machine

@@ -35,10 +35,15 @@ def ci(results: dict) -> str:
     pytest = run["pytest"] or {"counts": {}, "seconds": 0.0}
     counts = ", ".join(f"{n} {kind}" for kind, n in pytest["counts"].items())
     status = "passed" if run["passed"] else f"FAILED (exit code {run['returncode']})"
+    stages = "".join(f", `{name}` {minutes(seconds)}" for name, seconds in run.get("stages_s", {}).items())
+    torch = " / ".join(v["torch"] for v in run.get("versions", []) if "torch" in v)
     return (
         f"CI from a fresh clone (`bash .ci/run` at {run['commit'][:7]}: a new virtual environment, empty caches) "
-        f"{status} in {run['total_s'] / 60:.1f} minutes: install {run['install_s']} s, ruff {run['ruff_s']} s, "
-        f"pytest {minutes(pytest['seconds'])} ({counts}).\n\n" + measured(run)
+        f"{status} in {run['total_s'] / 60:.1f} minutes{stages}: install {run['install_s']} s, "
+        f"ruff {run['ruff_s']} s, pytest {minutes(pytest['seconds'])} ({counts})"
+        + (f"; torch {torch}" if torch else "")
+        + ".\n\n"
+        + measured(run)
     )
 
 

@@ -27,6 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 INSTALL_DONE = re.compile(r"^touch \S*\.hf_llmkit-installed\s*$")  # make's echo of the install's last command
 PYTEST_START = re.compile(r"^\S*python\S* -m pytest\b")
 CI_FINISHED = re.compile(r"^CI finished in (\d+) s\s*$")  # .ci/run's last line
+STAGE_FINISHED = re.compile(r"^(make [\w-]+) finished in (\d+) s\s*$")  # .ci/run's line after each make target
+AFTER_RUFF = re.compile(r"^\S*python\S* -c .*versions under test")  # make's echo of the command after ruff
+VERSIONS = re.compile(r"^versions under test: (.+)$")  # the Makefile's line before each pytest run
 SUMMARY = re.compile(  # "=== 709 passed, 1 skipped in 421.87s (0:07:01) ===", or without the "=" under -q
     r"^(?:=+ )?(?P<counts>\d+ [a-z]+(?:, \d+ [a-z]+)*) in (?P<seconds>[\d.]+)s(?: \((?P<clock>[\d:]+)\))?(?: =+)?\s*$"
 )
@@ -37,9 +40,11 @@ def parse_log(lines: list[tuple[float, str]], returncode: int) -> dict:
     """Phases and pytest's summary from `.ci/run`'s output, each line with the seconds since the start. With more
     than one pytest run (a min-version subset after the suite), `pytest` is the largest and `pytest_runs` all."""
     install_end = next((t for t, line in lines if INSTALL_DONE.match(line)), None)
-    pytest_start = next((t for t, line in lines if PYTEST_START.match(line)), None)
+    pytest_start = next((t for t, line in lines if PYTEST_START.match(line) or AFTER_RUFF.match(line)), None)
     finished = [int(m[1]) for _, line in lines if (m := CI_FINISHED.match(line))]
     runs = [_summary(m) for _, line in lines if (m := SUMMARY.match(line))]
+    stages = {m[1]: int(m[2]) for _, line in lines if (m := STAGE_FINISHED.match(line))}
+    versions = [dict(zip(*[iter(m[1].split())] * 2)) for _, line in lines if (m := VERSIONS.match(line))]
     ruff = pytest_start - install_end if pytest_start is not None and install_end is not None else None
     return {
         "returncode": returncode,
@@ -49,6 +54,8 @@ def parse_log(lines: list[tuple[float, str]], returncode: int) -> dict:
         "ruff_s": round(ruff) if ruff is not None else None,
         "pytest": max(runs, key=_tests_run, default=None),
         "pytest_runs": runs,
+        "stages_s": stages,  # make test, make test-lowest
+        "versions": versions,  # per pytest run, in order: python, torch, transformers
     }
 
 

@@ -211,6 +211,8 @@ def test_ci_time_reads_install_ruff_and_pytest_from_a_captured_run():
     assert got["passed"] and got["total_s"] == 514 and got["install_s"] == 88 and got["ruff_s"] == 2
     assert got["pytest"]["counts"] == {"passed": 709, "skipped": 1, "deselected": 2, "warnings": 3}
     assert got["pytest"]["seconds"] == 421.87
+    assert got["stages_s"] == {"make test": 513, "make test-lowest": 1}
+    assert got["versions"] == [{"python": "3.11.7", "torch": "2.13.0+cpu", "transformers": "5.23.0"}]
 
 
 def test_ci_time_reads_the_summary_this_pytest_prints_and_keeps_the_largest_of_two_runs(tmp_path):
