@@ -49,18 +49,20 @@ def holder(tmp_path):
 
 
 def test_a_second_run_into_a_held_folder_stops_before_any_work_and_a_dead_holder_is_taken_over(
-    tmp_path, holder, run_clm, hermetic_cache, caplog
+    tmp_path, tmp_path_factory, holder, run_clm, monkeypatch, caplog
 ):
     writing = tmp_path / "checkpoint-3"
     before = sorted(p.name for p in tmp_path.iterdir())
-    blocks_before = sorted(hermetic_cache.rglob("lm-blocks-*"))
+    cache = tmp_path_factory.mktemp("cache")  # its own: the suite's cache is shared with the other xdist worker
+    monkeypatch.setenv("HF_LLMKIT_CACHE", str(cache))
+    blocks_before = sorted(cache.rglob("lm-blocks-*"))
     with pytest.raises(run_clm.UsageError) as error:  # the main job: one line and exit status 2 from `main()`
         run_clm.run([*TINY, "--output_dir", str(tmp_path)])
     line = str(error.value)
     assert isinstance(error.value.__cause__, OutputDirInUse) and "\n" not in line
     assert f"host {socket.gethostname()}, pid {holder.pid}, started 20" in line, line
     assert "let that run finish or stop it, or pass another --output_dir" in line
-    assert sorted(hermetic_cache.rglob("lm-blocks-*")) == blocks_before  # nothing tokenized
+    assert sorted(cache.rglob("lm-blocks-*")) == blocks_before  # nothing tokenized
     run_sft = load_example("run_sft")  # the other main job: the same flow (hf_llmkit.cli.job.run_job)
     with pytest.raises(run_sft.UsageError, match=f"pid {holder.pid}") as error:
         run_sft.run([*SFT_TINY, "--max_steps", "2", "--output_dir", str(tmp_path)])
