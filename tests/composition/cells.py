@@ -31,6 +31,7 @@ from tests.composition.clients import (
     trl_reference_model,
 )
 from tests.composition.matrix import Setup, cell
+from tests.one_launch import fresh_trainer_state
 
 SEQ, ROWS, STEPS = 16, 4, 4
 VIRTUAL_IDS = (500, 501)  # P-tuning v1's virtual tokens [P0][P1], at the start of every row (no loss there)
@@ -212,37 +213,19 @@ def _rank_drift(model) -> float:
     return max((other - sums).abs().max().item() for other in gathered)
 
 
-def fresh_accelerate_state(environ: dict[str, str]) -> None:
-    """Start the next cell as the first Trainer of a process (`environ`: the environment the process started with).
-
-    accelerate keeps one process-wide state and refuses a second DeepSpeed `Accelerator` while the first one's state
-    lives (`hf_llmkit.compat.accelerate`); an FSDP2 cell switched the shared distributed type (clients.py); an
-    `Accelerator` with a DeepSpeed or FSDP plugin leaves `ACCELERATE_USE_DEEPSPEED` / `ACCELERATE_USE_FSDP` set in
-    the environment, where the next cell's arguments would read them. transformers resets the same state (with the
-    partial one) before every non-DeepSpeed `TrainingArguments`; a ZeRO-3 cell's config must not partition the next
-    model."""
-    from accelerate.state import AcceleratorState
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    unset_hf_deepspeed_config()
-    os.environ.clear()
-    os.environ.update(environ)
-
-
 def run_cells(names: list[str], workdir: str, base_dir: str) -> dict[str, dict]:
     """Every cell in `names`, in order, on this rank (launched on the cells' ranks); a failure is recorded, not
-    raised, so the group's other cells still run."""
+    raised, so the group's other cells still run. Each cell starts with a fresh Trainer state (tests/one_launch.py)."""
     torch.set_num_threads(1)
     environ = dict(os.environ)
     results = {}
     for name in names:
-        fresh_accelerate_state(environ)
+        fresh_trainer_state(environ)
         try:
             results[name] = train_cell(cell(name).setup, Path(workdir) / name, base_dir)
         except Exception:  # noqa: BLE001 - reported by the cell's test
             results[name] = {"error": traceback.format_exc()}
-    fresh_accelerate_state(environ)
+    fresh_trainer_state(environ)
     return results
 
 

@@ -58,7 +58,7 @@ def tolerances(setup, base_dir: str, ref_losses: list[float], ref_logits: torch.
 
 def _group(c: Cell) -> int:
     """Cells launched together: every cell on the same number of ranks (one process group serves them all, DeepSpeed
-    cells included: `run_cells` gives each cell a fresh accelerate state)."""
+    cells included: `run_cells` gives each cell a fresh Trainer state)."""
     return c.setup.ranks
 
 
