@@ -31,6 +31,7 @@ from tests.composition.clients import (
     trl_reference_model,
 )
 from tests.composition.matrix import Setup, cell
+from tests.one_launch import fresh_trainer_state
 
 SEQ, ROWS, STEPS = 16, 4, 4
 VIRTUAL_IDS = (500, 501)  # P-tuning v1's virtual tokens [P0][P1], at the start of every row (no loss there)
@@ -214,14 +215,17 @@ def _rank_drift(model) -> float:
 
 def run_cells(names: list[str], workdir: str, base_dir: str) -> dict[str, dict]:
     """Every cell in `names`, in order, on this rank (launched on the cells' ranks); a failure is recorded, not
-    raised, so the group's other cells still run."""
+    raised, so the group's other cells still run. Each cell starts with a fresh Trainer state (tests/one_launch.py)."""
     torch.set_num_threads(1)
+    environ = dict(os.environ)
     results = {}
     for name in names:
+        fresh_trainer_state(environ)
         try:
             results[name] = train_cell(cell(name).setup, Path(workdir) / name, base_dir)
         except Exception:  # noqa: BLE001 - reported by the cell's test
             results[name] = {"error": traceback.format_exc()}
+    fresh_trainer_state(environ)
     return results
 
 

@@ -3,12 +3,14 @@
 with the trained model's outputs, and it matches its single-rank equivalent within 1e-5 (losses and outputs).
 A pair that cannot work is refused before any work with a one-line ValueError.
 
-Cells sharing ranks run in one launch (one process group serves them all; DeepSpeed cells one launch each); see
-`matrix.py` for the table and `readme_table.py` for the README section generated from it.
+The cells on the same number of ranks run in one launch (one process group serves them all, DeepSpeed and FSDP2
+cells included; starting ranks dominates the cost on CPU), and cells with the same single-rank equivalent share one
+reference run; see `matrix.py` for the table and `readme_table.py` for the README section generated from it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import replace
@@ -19,9 +21,16 @@ import torch
 
 from hf_llmkit.testing import launch
 from tests.composition.cells import build_model, reference, reload, run_cells
-from tests.composition.matrix import CELLS, Cell
+from tests.composition.matrix import CELLS, Cell, Setup
 
 TOLERANCE = 1e-5
+
+
+@functools.cache
+def shared_reference(single: Setup, base_dir: str) -> tuple[list[float], torch.Tensor]:
+    """`reference` of a single-rank setup, run once per test process (e.g. LoRA x ZeRO-2, ZeRO-3, FSDP2, sequence
+    parallel 2 and gradient checkpointing all replay plain LoRA)."""
+    return reference(single, base_dir)
 
 
 def split_autocast(setup) -> bool:
@@ -42,15 +51,15 @@ def tolerances(setup, base_dir: str, ref_losses: list[float], ref_logits: torch.
     """
     if not split_autocast(setup):
         return TOLERANCE, TOLERANCE
-    fp32_losses, fp32_logits = reference(replace(setup, precision=""), base_dir)
+    fp32_losses, fp32_logits = shared_reference(replace(setup, precision="").single_rank(), base_dir)
     loss_tol = max(abs(a - b) for a, b in zip(ref_losses, fp32_losses))
     return max(TOLERANCE, loss_tol), max(TOLERANCE, (ref_logits - fp32_logits).abs().max().item())
 
 
-def _group(c: Cell) -> tuple:
-    """Cells launched together; a DeepSpeed cell gets its own processes (accelerate allows one DeepSpeed
-    `Accelerator` per process)."""
-    return (c.slow, c.setup.ranks, c.name if c.setup.zero else "")
+def _group(c: Cell) -> int:
+    """Cells launched together: every cell on the same number of ranks (one process group serves them all, DeepSpeed
+    cells included: `run_cells` gives each cell a fresh Trainer state)."""
+    return c.setup.ranks
 
 
 class MatrixRuns:
@@ -116,7 +125,7 @@ def test_pair_trains_saves_reloads_and_matches_single_rank(name, runs, base_dir)
         assert result["sharded"], "FSDP2 did not shard the parameters (accelerate ran DDP instead)"
     if c.setup.precision == "fp16":
         assert result["scale"] is not None, "fp16 trained without a GradScaler"
-    ref_losses, ref_logits = reference(c.setup, str(base_dir))
+    ref_losses, ref_logits = shared_reference(c.setup.single_rank(), str(base_dir))
     loss_tol, logits_tol = tolerances(c.setup, str(base_dir), ref_losses, ref_logits)
     if loss_tol > TOLERANCE:  # how much of the allowance a split autocast cell uses (`pytest -s` shows it)
         print(f"{name}: losses within {max(abs(a - b) for a, b in zip(losses, ref_losses)):.2e} of {loss_tol:.2e}")

@@ -8,6 +8,10 @@ Run on several ranks (`torchrun`). In one launch every rank trains, from the sam
 AdamW, a linear schedule, gradient clipping, gradient accumulation and the MoE auxiliary losses are all on.
 Rank 0 writes the differences (full parameters, logged losses and gradient norms) to `--out` as JSON, plus the
 logits of run 1 on a fixed batch, which the test compares with the native checkpoint loaded by plain transformers.
+
+`--zero 0 2` runs all of it for each engine in turn (DDP, then ZeRO-2: one JSON entry per stage, each in its own
+folder), and `--run_clm FLAGS` then runs `examples/run_clm.py` with those flags in the same processes: one start-up
+of the ranks serves every check (tests/one_launch.py).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 from transformers import default_data_collator
@@ -133,13 +139,8 @@ def bad_setups(args) -> dict[str, str]:
     return errors
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--ep", type=int, default=2)
-    parser.add_argument("--zero", type=int, default=0, help="DeepSpeed ZeRO stage (0 = DDP)")
-    args = parser.parse_args()
-    root = os.path.dirname(args.out)
+def check(args, root: str) -> dict | None:
+    """Every run of the module docstring with `args.zero`, in `root`; rank 0's result (None on the other ranks)."""
     dense = train(args, 1, os.path.join(root, "ep1"))
     ep = train(args, args.ep, os.path.join(root, "ep"))
     ep_model = ep.accelerator.unwrap_model(ep.model)
@@ -150,30 +151,54 @@ def main() -> None:
     runs = {"dense": dense, "ep": ep, "resumed": resumed, "cross": cross}
     states = {name: full_state(trainer) for name, trainer in runs.items()}
     errors = bad_setups(args)
+    if int(os.environ["RANK"]) != 0:
+        return None
+    model = dense.accelerator.unwrap_model(dense.model).eval()
+    batch = default_data_collator(make_rows(2))
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.save(logits, os.path.join(root, "ep1_logits.pt"))
+    return {
+        "world": ep.args.world_size,
+        "engine": type(ep.model_wrapped).__name__,
+        "ep_size": layer.ep_size,
+        "local_experts": int(layer.experts.gate_up_proj.shape[0]),
+        "param_diff": max_diff(states["dense"], states["ep"]),
+        "losses": history(ep, "loss"),
+        "ref_losses": history(dense, "loss"),
+        "grad_norms": history(ep, "grad_norm"),
+        "ref_grad_norms": history(dense, "grad_norm"),
+        "resume_diff": max_diff(states["ep"], states["resumed"]),
+        "cross_resume_diff": max_diff(states["dense"], states["cross"]),
+        "moved": max_diff(states["dense"], {k: v for k, v in build_model().state_dict().items()}),
+        "checkpoint": os.path.join(root, "ep", f"checkpoint-{STEPS}"),
+        "logits": os.path.join(root, "ep1_logits.pt"),
+        "errors": errors,
+    }
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository's tests package, under a launcher
+    from tests.one_launch import fresh_trainer_state, run_example
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ep", type=int, default=2)
+    parser.add_argument("--zero", type=int, nargs="*", default=[0], help="DeepSpeed ZeRO stages (0 = DDP), in turn")
+    parser.add_argument("--run_clm", help="JSON list: then examples/run_clm.py's flags, run in these processes")
+    args = parser.parse_args()
+    environ = dict(os.environ)
+    results = {}
+    for stage in args.zero:
+        fresh_trainer_state(environ)
+        root = os.path.join(os.path.dirname(args.out), f"zero{stage}")
+        results[stage] = check(argparse.Namespace(ep=args.ep, zero=stage), root)
     if int(os.environ["RANK"]) == 0:
-        model = dense.accelerator.unwrap_model(dense.model).eval()
-        batch = default_data_collator(make_rows(2))
-        with torch.no_grad():
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        torch.save(logits, os.path.join(root, "ep1_logits.pt"))
-        result = {
-            "world": ep.args.world_size,
-            "engine": type(ep.model_wrapped).__name__,
-            "ep_size": layer.ep_size,
-            "local_experts": int(layer.experts.gate_up_proj.shape[0]),
-            "param_diff": max_diff(states["dense"], states["ep"]),
-            "losses": history(ep, "loss"),
-            "ref_losses": history(dense, "loss"),
-            "grad_norms": history(ep, "grad_norm"),
-            "ref_grad_norms": history(dense, "grad_norm"),
-            "resume_diff": max_diff(states["ep"], states["resumed"]),
-            "cross_resume_diff": max_diff(states["dense"], states["cross"]),
-            "moved": max_diff(states["dense"], {k: v for k, v in build_model().state_dict().items()}),
-            "checkpoint": os.path.join(root, "ep", f"checkpoint-{STEPS}"),
-            "errors": errors,
-        }
         with open(args.out, "w") as f:
-            json.dump(result, f)
+            json.dump(results, f)
+    if args.run_clm:
+        fresh_trainer_state(environ)
+        run_example("run_clm", json.loads(args.run_clm))
 
 
 if __name__ == "__main__":
