@@ -5,12 +5,13 @@ scheduler does), re-run the same command, and compare every final artifact with 
     python tests/callbacks/clm_kill_harness.py WORKDIR --cases cases.json   # {"name": {"flags": [...], ...}}
     python tests/callbacks/clm_kill_harness.py WORKDIR --example run_sft --cases cases.json   # another main job
 
-Prints one JSON line (one result, or name -> result). It imports run_clm (torch, transformers, peft, datasets) once
-and forks every run from that warm process, like `kill_harness.py`; with `--ranks 2` each run is two forked ranks
-joined by a gloo group (what `torchrun` sets up). Each run calls `run_clm.main()` with the command line, so exit
-codes are the script's own; each rank's output goes to `WORKDIR/logs/`.
+Prints one JSON line (one result, or name -> result); `run_cases` does the same as a function, for a process that is
+already warm (tests/warm.py). It imports run_clm (torch, transformers, peft, datasets) once and forks every run from
+that warm process, like `kill_harness.py`; with `--ranks 2` each run is two forked ranks joined by a gloo group (what
+`torchrun` sets up). Each run calls `run_clm.main()` with the command line, so exit codes are the script's own; each
+rank's output goes to `WORKDIR/logs/`.
 
-1. reference: the command, uninterrupted, into `WORKDIR/reference`;
+1. reference: the command, uninterrupted, into `WORKDIR/reference` (cases of one command share the first one's);
 2. interrupted: the command into `WORKDIR/resumed`, signalled (every rank) once its first checkpoint is complete;
    SIGKILL ends it at once, SIGTERM lets it save and exit on its own;
 3. resumed: the same command again, to the end.
@@ -22,6 +23,7 @@ Then every file of the final model, adapter and tokenizer folders is compared (r
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -80,6 +82,7 @@ class Run:
         port = free_port()
         self.logs = [log.with_name(f"{log.name}-rank{rank}.log") for rank in range(world)]
         self.pids = []
+        gc.freeze()  # what exists now is never collected in a run: no run copies or walks the warm heap
         for rank in range(world):
             pid = os.fork()
             if pid == 0:
@@ -164,10 +167,17 @@ def compare(reference: Path, resumed: Path) -> dict:
     return report
 
 
-def run_case(run_clm, workdir: Path, argv: list[str], *, ranks: int, signum: int, timeout: float) -> dict:
-    reference, resumed, logs = workdir / "reference", workdir / "resumed", workdir / "logs"
+def run_case(
+    run_clm, workdir: Path, argv: list[str], *, ranks: int, signum: int, timeout: float, reference: tuple | None = None
+) -> dict:
+    """One case; `reference`: (folder, exit codes) of an uninterrupted run of the same command, when one was run."""
+    resumed, logs = workdir / "resumed", workdir / "logs"
     start = time.monotonic()
-    ref_codes = Run(run_clm, [*argv, "--output_dir", str(reference)], ranks, logs / "reference").wait(timeout)
+    if reference is None:
+        reference = workdir / "reference"
+        ref_codes = Run(run_clm, [*argv, "--output_dir", str(reference)], ranks, logs / "reference").wait(timeout)
+    else:
+        reference, ref_codes = reference
     interrupted = Run(run_clm, [*argv, "--output_dir", str(resumed)], ranks, logs / "interrupted")
     first = _first_complete_checkpoint(resumed, interrupted, timeout)
     signalled = interrupted.signal(signum)
@@ -177,6 +187,7 @@ def run_case(run_clm, workdir: Path, argv: list[str], *, ranks: int, signum: int
     final_codes = final.wait(timeout)
     return {
         "reference_exit": ref_codes,
+        "reference": str(reference),
         "interrupted_after": first,
         "signalled": signalled,
         "interrupted_exit": interrupted_codes,
@@ -200,25 +211,36 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=240.0)
     parser.add_argument("--example", default="run_clm", choices=["run_clm", "run_sft"], help="the main job to run")
     ns = parser.parse_args(sys.argv[1:split])
-    run_clm = load_example(ns.example)
     if ns.cases is None:
+        run_clm, argv = load_example(ns.example), sys.argv[split + 1 :]
         signum = getattr(signal, ns.signal)
-        result = run_case(
-            run_clm, ns.workdir, sys.argv[split + 1 :], ranks=ns.ranks, signum=signum, timeout=ns.timeout
-        )
+        result = run_case(run_clm, ns.workdir, argv, ranks=ns.ranks, signum=signum, timeout=ns.timeout)
     else:
-        result = {
-            name: run_case(
-                run_clm,
-                ns.workdir / name,
-                case["flags"],
-                ranks=case.get("ranks", 1),
-                signum=getattr(signal, case.get("signal", "SIGKILL")),
-                timeout=ns.timeout,
-            )
-            for name, case in json.loads(ns.cases.read_text()).items()
-        }
+        result = run_cases(str(ns.workdir), json.loads(ns.cases.read_text()), ns.example, ns.timeout)
     print(json.dumps(result), flush=True)
+
+
+def run_cases(workdir: str, cases: dict, example: str = "run_clm", timeout: float = 240.0) -> dict:
+    """Every case (name -> {flags, ranks, signal}) into `workdir/<name>`: name -> result. Cases with the same command
+    share one uninterrupted reference run (the first one's). Runs in the process that calls it (tests/warm.py forks
+    one for it)."""
+    torch.set_num_threads(1)
+    run_clm = load_example(example)
+    results, references = {}, {}
+    for name, case in cases.items():
+        key = (tuple(case["flags"]), case.get("ranks", 1))
+        result = run_case(
+            run_clm,
+            Path(workdir) / name,
+            case["flags"],
+            ranks=case.get("ranks", 1),
+            signum=getattr(signal, case.get("signal", "SIGKILL")),
+            timeout=timeout,
+            reference=references.get(key),
+        )
+        references.setdefault(key, (Path(result["reference"]), result["reference_exit"]))
+        results[name] = result
+    return results
 
 
 if __name__ == "__main__":

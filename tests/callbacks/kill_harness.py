@@ -11,6 +11,7 @@ resumes. The final weights are compared bitwise with an uninterrupted run of the
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -87,6 +88,7 @@ def train_once(output_dir: str) -> None:
 
 
 def _fork_train(output_dir: str) -> int:
+    gc.freeze()  # what exists now is never collected in an attempt: no attempt copies or walks the warm heap
     pid = os.fork()
     if pid == 0:  # child: train, then leave without running the parent's cleanup handlers
         code = 0

@@ -1,4 +1,4 @@
-"""Functions for SavePeftModelCallback tests that run in fresh interpreters (`hf_llmkit.testing.launch`)."""
+"""Functions for SavePeftModelCallback tests that run in processes of their own (children of tests/warm.py)."""
 
 from __future__ import annotations
 

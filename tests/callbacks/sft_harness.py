@@ -15,6 +15,7 @@ this warm process (imports once). Runs, each compared with an uninterrupted refe
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -89,6 +90,7 @@ class Attempt:
 
     def __init__(self, output_dir: Path):
         self.output_dir, self.code = output_dir, None
+        gc.freeze()  # what exists now is never collected in an attempt: no attempt copies or walks the warm heap
         self.pid = os.fork()
         if self.pid == 0:
             code = 0

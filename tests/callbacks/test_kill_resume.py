@@ -3,23 +3,13 @@ the same command, and require the final weights to be bitwise identical to an un
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-HARNESS = Path(__file__).with_name("kill_harness.py")
+from tests import warm
 
 
 def test_killed_and_resumed_run_matches_uninterrupted_run(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(HARNESS), str(tmp_path), "--kills", "12", "--seed", "0"],
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # The harness (`python tests/callbacks/kill_harness.py WORKDIR --kills 12 --seed 0`) as a function, in a child of
+    # the warm interpreter (tests/warm.py): it forks every attempt from there, as from its own process.
+    result = warm.call("tests.callbacks.kill_harness:run", tmp_path, 12, 0, timeout=400)
     attempts = result["attempts"]
     killed = [a for a in attempts if a["killed"]]
     assert len(killed) >= 10, attempts

@@ -2,19 +2,19 @@
 checkpoint and re-run with the same command ends with every final artifact (model, adapter, tokenizer)
 byte-identical to an uninterrupted run, for every training method it offers (issue 11, sections 2 and 3).
 
-Full fine-tuning, LoRA, bottleneck and the SIGTERM case share one harness process (one import) in `make test`;
-the other methods are `slow`."""
+Every case the session runs is run by one harness job (a child of the warm interpreter, tests/warm.py: no import of
+its own), which runs one uninterrupted reference per command (the SIGKILL and SIGTERM cases of full fine-tuning share
+theirs). Full fine-tuning, LoRA, bottleneck and the SIGTERM case are in `make test`; the other methods are `slow`."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-HARNESS = Path(__file__).with_name("clm_kill_harness.py")
+from tests import warm
+from tests.callbacks.clm_kill_harness import run_cases
+
 # The tiny settings of tests/examples, 6 steps with a checkpoint every 2 (the kill lands after checkpoint-2).
 TINY = [
     "--vocab_size", "512", "--hidden_size", "64", "--intermediate_size", "128", "--num_hidden_layers", "2",
@@ -50,22 +50,22 @@ SLOW = {
 
 
 def _harness(workdir: Path, cases: dict, *, example: str = "run_clm", tiny: list[str] = TINY) -> dict:
-    spec = workdir / "cases.json"
-    spec.write_text(json.dumps({name: {**case, "flags": [*tiny, *case["flags"]]} for name, case in cases.items()}))
-    proc = subprocess.run(
-        [sys.executable, str(HARNESS), str(workdir), "--cases", str(spec), "--example", example],
-        capture_output=True,
-        text=True,
-        timeout=300 + 150 * len(cases),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """`clm_kill_harness.run_cases` for `cases` (their flags after `tiny`) in a child of the warm interpreter."""
+    cases = {name: {**case, "flags": [*tiny, *case["flags"]]} for name, case in cases.items()}
+    return warm.call(run_cases, str(workdir), cases, example, timeout=300 + 150 * len(cases))
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory) -> tuple[Path, dict]:
-    workdir = tmp_path_factory.mktemp("clm_quick")
-    return workdir, _harness(workdir, QUICK)
+def harness(request, tmp_path_factory) -> tuple[Path, dict]:
+    """Every case the session runs a test of, in one harness job (a slow cell alone runs only its own case)."""
+    names = {
+        item.callspec.params["name"] if hasattr(item, "callspec") else "full-sigterm"
+        for item in request.session.items
+        if item.module is request.module
+    }
+    workdir = tmp_path_factory.mktemp("clm_kill")
+    cases = {name: case for name, case in {**QUICK, **SLOW}.items() if name in names}
+    return workdir, _harness(workdir, cases)
 
 
 def _check_same_final_artifacts(name: str, case: dict, result: dict, workdir: Path) -> None:
@@ -87,17 +87,13 @@ def _check_same_final_artifacts(name: str, case: dict, result: dict, workdir: Pa
     "name",
     [*(n for n in QUICK if n != "full-sigterm")] + [pytest.param(n, marks=pytest.mark.slow) for n in SLOW],
 )
-def test_killed_run_resumes_to_the_same_final_artifacts(name, tmp_path_factory, request):
-    if name in QUICK:
-        workdir, results = request.getfixturevalue("quick")  # only now: a slow cell alone does not run them
-    else:
-        workdir = tmp_path_factory.mktemp(f"clm_{name}")
-        results = _harness(workdir, {name: SLOW[name]})
+def test_killed_run_resumes_to_the_same_final_artifacts(name, harness):
+    workdir, results = harness
     _check_same_final_artifacts(name, {**QUICK, **SLOW}[name], results[name], workdir)
 
 
-def test_sigterm_saves_exits_143_with_one_line_and_the_same_command_finishes_the_same(quick):
-    workdir, results = quick
+def test_sigterm_saves_exits_143_with_one_line_and_the_same_command_finishes_the_same(harness):
+    workdir, results = harness
     result = results["full-sigterm"]
     assert result["interrupted_exit"] == [143] and result["interrupted_tracebacks"] == 0, result
     [line] = result["interrupted_stop_lines"]

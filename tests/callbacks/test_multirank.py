@@ -3,20 +3,16 @@ holder of the output folder's lock; a resume of that run on 1 rank is refused (t
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from hf_llmkit.callbacks import latest_complete_checkpoint
 from hf_llmkit.checkpoints import ResumeError
-from hf_llmkit.testing import launch
+from tests import warm
 from tests.callbacks.multirank_support import _train, train_two_ranks
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_two_ranks_checkpoint_rotate_and_resume(tmp_path):
-    ranks = launch(train_two_ranks, str(tmp_path), nprocs=2, timeout=300, env={"PYTHONPATH": str(REPO)})
+    ranks = warm.launch(train_two_ranks, str(tmp_path), nprocs=2, timeout=300)  # ranks forked from tests/warm.py
     for result in ranks:
         assert result[4]["world_size"] == 2 and result[4]["global_step"] == 4
         assert result[6]["global_step"] == 6  # resumed from checkpoint-4 on both ranks

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,11 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 import hf_llmkit
 from hf_llmkit.callbacks import AdapterSaveError, SavePeftModelCallback
 from hf_llmkit.callbacks.save_peft import verify_adapter_folder
-from hf_llmkit.testing import launch
+from tests import warm
 from tests.callbacks.peft_support import reload_logits, zero3_lora_run
 from tests.callbacks.support import make_trainer, small_model
 
-REPO = Path(__file__).resolve().parents[2]
 IDS = torch.tensor([[5, 17, 33, 64, 90, 101, 7, 12]])
 
 
@@ -62,17 +60,9 @@ def test_lora_adapter_tokenizer_and_merged_model_round_trip(tmp_path):
         assert (root / "merged" / "model.safetensors").is_file()
     assert not list(tmp_path.rglob("*.llmkit-tmp*"))
     expected = _logits(model)
-    # The final adapter reloads in a fresh interpreter onto the untouched base model: identical outputs.
-    fresh = launch(
-        reload_logits,
-        0,
-        str(tmp_path / "adapter"),
-        IDS,
-        nprocs=1,
-        init_process_group=False,
-        timeout=180,
-        env={"PYTHONPATH": str(REPO)},
-    )[0]
+    # The final adapter reloads in a fresh process (a child of the warm interpreter, tests/warm.py, which never saw
+    # the training run) onto the untouched base model: identical outputs.
+    fresh = warm.call(reload_logits, 0, str(tmp_path / "adapter"), IDS, timeout=180)
     torch.testing.assert_close(fresh, expected, rtol=0, atol=0)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     torch.testing.assert_close(_logits(merged), expected, rtol=1e-5, atol=1e-5)
@@ -127,7 +117,7 @@ def test_bad_folder_names_name_the_fix(kwargs):
 
 
 def test_zero3_saves_a_complete_adapter(tmp_path):
-    result = launch(zero3_lora_run, str(tmp_path), nprocs=1, timeout=300, env={"PYTHONPATH": str(REPO)})[0]
+    result = warm.launch(zero3_lora_run, str(tmp_path), nprocs=1, timeout=300)[0]  # a rank of its own (tests/warm.py)
     assert result["partitioned"]  # ZeRO-3 really partitioned the parameters
     strip = {k.replace(".default", ""): v for k, v in result["expected"].items()}
     assert result["ours"] == strip and result["final"] == strip

@@ -5,22 +5,16 @@ SIGTERM saves, exits 143 with one line, and the same script finishes the run bit
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-HARNESS = Path(__file__).with_name("sft_harness.py")
+from tests import warm
 
 
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory) -> dict:
-    command = [sys.executable, str(HARNESS), str(tmp_path_factory.mktemp("sft"))]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # The harness (`python tests/callbacks/sft_harness.py WORKDIR`) as a function, in a child of the warm interpreter
+    # (tests/warm.py): it forks every attempt from there, as from its own process.
+    result = warm.call("tests.callbacks.sft_harness:run", tmp_path_factory.mktemp("sft"), 0, timeout=400)
     assert result["reference_exit"] == 0, result
     return result
 

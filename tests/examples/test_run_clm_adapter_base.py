@@ -2,44 +2,43 @@
 from scratch; DKM-clustered, or upcycled into experts, after loading a model folder).
 
 `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"), out / "adapter")` in a fresh
-process gives the evaluated model: its loss on the held-out blocks equals the run's `eval_loss`. Under
-`--quantization dkm` (issue 46) the base keeps its DKM layers' training state, so it reloads as layers every PEFT
-method wraps (a compact checkpoint's packed layers are none: the reload failed for LoRA, bottleneck, BitFit and
-P-tuning v2), and a calibration that changed them during the run is in it.
+process (a child of the warm interpreter, tests/warm.py: nothing of the run is in it) gives the evaluated model: its
+loss on the held-out blocks equals the run's `eval_loss`. Under `--quantization dkm` (issue 46) the base keeps its
+DKM layers' training state, so it reloads as layers every PEFT method wraps (a compact checkpoint's packed layers are
+none: the reload failed for LoRA, bottleneck, BitFit and P-tuning v2), and a calibration that changed them during the
+run is in it.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from hf_llmkit.data.corpus import corpus_texts
-from tests.examples.test_run_clm_peft import TINY
-
-RELOAD = """
-import json, sys
-from pathlib import Path
 import torch
-import hf_llmkit
 from peft import AutoPeftModelForCausalLM, PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from hf_llmkit.data.blocks import build_lm_datasets
 
-out, held = Path(sys.argv[1]), Path(sys.argv[2]).read_text().splitlines()
-model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"), out / "adapter").eval()
-tokenizer = AutoTokenizer.from_pretrained(out / "base")
-blocks = build_lm_datasets(tokenizer=tokenizer, block_size=32, texts=held, validation_texts=held)["validation"]
-ids = torch.tensor(blocks["input_ids"][: int(sys.argv[3])])  # the run's --max_eval_samples
-with torch.no_grad():
-    loss = model(input_ids=ids, labels=ids).loss.item()
-    auto = AutoPeftModelForCausalLM.from_pretrained(out / "adapter").eval()  # base found from adapter_config.json
-    auto_loss = auto(input_ids=ids, labels=ids).loss.item()
-print(json.dumps({"loss": loss, "auto_loss": auto_loss, "blocks": len(ids)}))
-"""
+import hf_llmkit  # noqa: F401  (registers hf_llmkit's PEFT methods and DKM layers, also where reload_loss runs)
+from hf_llmkit.data.blocks import build_lm_datasets
+from hf_llmkit.data.corpus import corpus_texts
+from tests import warm
+from tests.examples.test_run_clm_peft import TINY
+
+
+def reload_loss(out: str, held: str, samples: int) -> dict:
+    """Run in a fresh process: the adapter on the saved base, and `AutoPeftModelForCausalLM` from the adapter alone
+    (its base found from adapter_config.json), each one's loss on the first `samples` held-out blocks."""
+    out, texts = Path(out), Path(held).read_text().splitlines()
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"), out / "adapter").eval()
+    tokenizer = AutoTokenizer.from_pretrained(out / "base")
+    blocks = build_lm_datasets(tokenizer=tokenizer, block_size=32, texts=texts, validation_texts=texts)["validation"]
+    ids = torch.tensor(blocks["input_ids"][:samples])  # the run's --max_eval_samples
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss.item()
+        auto = AutoPeftModelForCausalLM.from_pretrained(out / "adapter").eval()
+        auto_loss = auto(input_ids=ids, labels=ids).loss.item()
+    return {"loss": loss, "auto_loss": auto_loss, "blocks": len(ids)}
 
 
 DKM = ["--quantization", "dkm"]
@@ -86,11 +85,7 @@ def _check_reload(out: Path, held: Path, results: dict) -> None:
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert Path(config["base_model_name_or_path"]) == (out / "base").resolve()
     assert (out / "base" / "model.safetensors").is_file() and (out / "base" / "tokenizer.json").is_file()
-    proc = subprocess.run(
-        [sys.executable, "-c", RELOAD, str(out), str(held), "8"], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    reloaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    reloaded = warm.call(reload_loss, str(out), str(held), 8, timeout=300)  # a child of tests/warm.py
     evaluated = json.loads((out / "eval_results.json").read_text())
     assert reloaded["blocks"] == evaluated["eval_samples"] == 8  # one batch: the Trainer's loss is this loss
     assert reloaded["loss"] == pytest.approx(evaluated["eval_loss"], abs=1e-5)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_llmkit.testing import corpus_tokenizer, launch_script, tiny_llama
-from tests.cli.permissions import honour_permissions
+from hf_llmkit.testing import corpus_tokenizer, tiny_llama
+from tests import warm
 from tests.conftest import EXAMPLES
 from tests.examples.test_run_clm import TINY
 
@@ -133,9 +133,8 @@ def test_bad_input_is_one_usage_error_before_any_work(run_clm, inputs, tmp_path,
 
 
 def _script(args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(EXAMPLES / "run_clm.py"), *args], capture_output=True, text=True, timeout=300, **kwargs
-    )
+    """`python examples/run_clm.py ARGS` from a child of the warm interpreter (tests/warm.py)."""
+    return warm.run_script(EXAMPLES / "run_clm.py", args, timeout=300, **kwargs)
 
 
 def _one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -153,22 +152,24 @@ def test_unwritable_output_dir_stops_before_any_work_end_to_end(inputs, tmp_path
     locked.mkdir()
     locked.chmod(0o555)
     args = [*SIZES, *RUN, "--train_file", str(inputs / "good.txt"), "--output_dir", str(locked / "out")]
-    line = _one_error_line(_script(args, **honour_permissions()))
+    line = _one_error_line(_script(args, honour_permissions=True))
     assert "--output_dir" in line and "is not writable (Permission denied" in line
     assert not (locked / "out").exists()
 
 
 @pytest.mark.slow
 def test_heads_not_divisible_by_sequence_parallel_size_on_two_ranks(tmp_path):
-    """3 query heads cannot split over 2 ranks: one line from rank 0, before training, on both ranks."""
+    """3 query heads cannot split over 2 ranks: one line from rank 0, before training, on both ranks (each with the
+    environment torchrun gives it, forked from the warm interpreter)."""
     flags = [*SIZES[:2], "--hidden_size", "48", "--intermediate_size", "64", "--num_hidden_layers", "1",
              "--num_attention_heads", "3", "--num_key_value_heads", "3", "--max_position_embeddings", "64", *RUN,
              "--sequence_parallel_size", "2", "--output_dir", str(tmp_path / "o")]  # fmt: skip
-    with pytest.raises(Exception) as info:
-        launch_script(EXAMPLES / "run_clm.py", flags, nprocs=2, timeout=300)
-    lines = [line for line in str(info.value).splitlines() if "run_clm.py: error:" in line]
+    ranks = warm.run_script_on_ranks(EXAMPLES / "run_clm.py", flags, nprocs=2, timeout=300)
+    output = "\n".join(proc.stdout + proc.stderr for proc in ranks)
+    lines = [line for line in output.splitlines() if "run_clm.py: error:" in line]
     assert len(lines) == 1 and "num_attention_heads=3 is not divisible by sequence_parallel_size=2" in lines[0]
-    assert "exitcode  : 2" in str(info.value) and not (tmp_path / "o").exists()  # torchrun's report of rank 0
+    assert lines[0] in ranks[0].stderr and ranks[0].returncode == 2, [(p.returncode, p.stderr[-2000:]) for p in ranks]
+    assert not (tmp_path / "o").exists()
 
 
 def test_divergence_ends_with_one_line_and_the_exit_status_asked_for(run_clm, tmp_path, monkeypatch, caplog):

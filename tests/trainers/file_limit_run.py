@@ -1,4 +1,4 @@
-"""Run by test_run_endings.py in a fresh interpreter: train with a real file size limit that hits the second save.
+"""Run by test_run_endings.py in a process of its own: train with a real file size limit that hits the second save.
 
 `python tests/trainers/file_limit_run.py OUT` trains the tiny model 6 steps with a checkpoint every 2 steps. After
 checkpoint-2 is complete it sets RLIMIT_FSIZE (with SIGXFSZ ignored, so writes fail with EFBIG instead of killing

@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hf_llmkit.callbacks import CheckpointWriteError, verify_checkpoint
 from hf_llmkit.checkpoints.retries import describe_write_error
+from tests import warm
 from tests.conftest import EXAMPLES
 from tests.examples.test_run_clm import TINY
 
 HERE = Path(__file__).parent
-REPO = HERE.parents[1]
 
 
 def _lines(stderr: str, needle: str) -> list[str]:
@@ -27,9 +25,9 @@ def _lines(stderr: str, needle: str) -> list[str]:
 
 @pytest.mark.slow  # the same exit path as SIGTERM in the main job (tests/callbacks/test_kill_resume_run_clm.py)
 def test_divergence_in_the_main_job_is_one_line_and_exit_status_3(tmp_path):
-    command = [sys.executable, str(EXAMPLES / "run_clm.py"), *TINY, "--output_dir", str(tmp_path)]
-    command += ["--max_steps", "6", "--save_steps", "100", "--learning_rate", "1e12", "--max_grad_norm", "0"]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    args = [*TINY, "--output_dir", str(tmp_path)]
+    args += ["--max_steps", "6", "--save_steps", "100", "--learning_rate", "1e12", "--max_grad_norm", "0"]
+    proc = warm.run_script(EXAMPLES / "run_clm.py", args, timeout=240)  # `python run_clm.py ...`, forked warm
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     [line] = _lines(proc.stderr, "training diverged")
@@ -37,13 +35,8 @@ def test_divergence_in_the_main_job_is_one_line_and_exit_status_3(tmp_path):
 
 
 def test_a_real_file_size_limit_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "file_limit_run.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    # `python file_limit_run.py OUT` in a process of its own (the limit is the process's), forked from tests/warm.py
+    proc = warm.run_script(HERE / "file_limit_run.py", [str(tmp_path)], timeout=240)
     assert proc.returncode == 74, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     [line] = _lines(proc.stderr, "could not write")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,10 +13,8 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import AuxiliaryTrainingWrapper
 from torch import nn
 
-from hf_llmkit.testing import launch
+from tests import warm
 from tests.tuners.lifecycle_cases import make_model
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def outputs(model: nn.Module, inputs: dict[str, torch.Tensor], *, grad: bool = False) -> torch.Tensor:
@@ -64,8 +61,8 @@ def refuses_in_one_line(pattern: str, call: Callable[[], Any], error: type[Excep
 
 
 def reload_outputs(jobs: list[tuple[str, bool, str, list[tuple[str, str, dict]]]]) -> list[list[torch.Tensor]]:
-    """Run in a fresh interpreter: per job, the family's base model + each saved adapter (`PeftModel.from_pretrained`
-    for the first, `load_adapter` for the others), the adapter's outputs on its inputs."""
+    """Run in a fresh process (`fresh_process_outputs`): per job, the family's base model + each saved adapter
+    (`PeftModel.from_pretrained` for the first, `load_adapter` for the others), the adapter's outputs on its inputs."""
     from peft import PeftModel
 
     results = []
@@ -84,6 +81,6 @@ def reload_outputs(jobs: list[tuple[str, bool, str, list[tuple[str, str, dict]]]
 
 
 def fresh_process_outputs(jobs: list) -> list[list[torch.Tensor]]:
-    """`reload_outputs` in one brand-new interpreter for all jobs (starting one costs seconds)."""
-    env = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    return launch(reload_outputs, jobs, nprocs=1, init_process_group=False, timeout=300, env=env)[0]
+    """`reload_outputs` for all jobs in another process, freshly imported and holding nothing of this one: a child of
+    the warm interpreter (tests/warm.py; starting and importing a new one costs seconds)."""
+    return warm.call(reload_outputs, jobs, timeout=300)

@@ -1,7 +1,7 @@
 """Shared by the tuner tests: data, short Trainer runs, fresh-process reloads, a 4-bit base, and one ZeRO-3 run that
 trains and saves every method.
 
-Functions run in a fresh interpreter through `hf_llmkit.testing.launch`, so they live at module top level.
+Functions run in another process (`hf_llmkit.testing.launch`, tests/warm.py), so they live at module top level.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 import hf_llmkit
 from hf_llmkit.testing import launch, tiny_llama, tiny_training_args
+from tests import warm
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 512  # tiny_llama's vocabulary: P-tuning v1 virtual ids start here
@@ -51,7 +52,7 @@ def snapshot(model: torch.nn.Module, marker: str) -> dict[str, torch.Tensor]:
 
 
 def reload_logits(jobs: list[tuple[str, torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
-    """Logits of `tiny_llama()` + each saved adapter (run in a fresh process by `fresh_logits`)."""
+    """Logits of `tiny_llama()` + each saved adapter (run in another process by `fresh_logits`)."""
     from peft import PeftModel
 
     out = []
@@ -63,13 +64,10 @@ def reload_logits(jobs: list[tuple[str, torch.Tensor, torch.Tensor | None]]) -> 
 
 
 def fresh_logits(jobs: list[tuple[str | os.PathLike, torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
-    """`reload_logits` in one brand-new interpreter that imports hf_llmkit first (nothing cached from this process).
-
-    Jobs are batched because importing the stack in a new interpreter costs seconds.
-    """
+    """`reload_logits` in another process, freshly imported and holding nothing of this one: a child of the warm
+    interpreter (tests/warm.py), which imports the stack once per test process."""
     jobs = [(str(d), ids, mask) for d, ids, mask in jobs]
-    env = {"PYTHONPATH": str(REPO)}
-    return launch(reload_logits, jobs, nprocs=1, init_process_group=False, timeout=180, env=env)[0]
+    return warm.call(reload_logits, jobs, timeout=180)
 
 
 def quantized_tiny_llama(folder: str | os.PathLike, **overrides: Any):

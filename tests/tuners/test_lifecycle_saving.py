@@ -4,9 +4,10 @@
   embeddings (`ensure_weight_tying=True`: one trained copy, still tied; without it peft's warning names the option):
   trained in full, saved, disabled, kept by a second adapter, merged (exactly, where the method merges) and
   unloaded (peft keeps the trained copy, as LoRA does).
-- Saving two adapters with `modules_to_save`, reloading them in ONE fresh interpreter for the whole module (starting
-  one costs seconds) with equal outputs; `PeftModel.from_pretrained(..., is_trainable=False)` leaves nothing trainable,
-  `True` exactly what `get_peft_model` trained; `low_cpu_mem_usage=True` loads too.
+- Saving two adapters with `modules_to_save`, reloading them in ONE fresh process for the whole module (a child of
+  the warm interpreter, tests/warm.py: importing the stack in a new one costs seconds) with equal outputs;
+  `PeftModel.from_pretrained(..., is_trainable=False)` leaves nothing trainable, `True` exactly what `get_peft_model`
+  trained; `low_cpu_mem_usage=True` loads too.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def _save_seed(case, cell, folder):
 @pytest.fixture(scope="module")
 def saved(request, tmp_path_factory):
     """Every case the session runs `test_save_and_reload` for (with the seed recipe's modules_to_save where it
-    applies): saved here, all reloaded in one fresh interpreter."""
+    applies): saved here, all reloaded in one fresh process."""
     wanted = [
         item.callspec.params["case"]
         for item in request.session.items
@@ -199,7 +200,7 @@ def test_save_and_reload(case, saved):
         assert state and all(t.numel() > 0 for t in state.values())
         copy_keys = {k for k in state if f".{FAMILIES[family].one_module}." in k and prefix not in k}
         assert copy_keys and all(prefix in k for k in set(state) - copy_keys), sorted(state)  # adapter + copy only
-    for what, expected, reloaded in result["reloads"]:  # a fresh interpreter, the same outputs
+    for what, expected, reloaded in result["reloads"]:  # a fresh process, the same outputs
         assert len(reloaded) == len(expected), what
         for one, other in zip(reloaded, expected):
             torch.testing.assert_close(one, other, rtol=0, atol=0, msg=lambda m, what=what: f"{what}: {m}")

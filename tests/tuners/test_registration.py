@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import importlib
 import json
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
-from peft import PeftConfig, get_peft_model
+from peft import PeftConfig, PeftModel, get_peft_model
 from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_PREFIX_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
 from peft.utils import PeftType
 
@@ -21,6 +18,7 @@ from hf_llmkit.tuners.bitfit import BitFitConfig, BitFitModel
 from hf_llmkit.tuners.bottleneck import BottleneckConfig, BottleneckModel
 from hf_llmkit.tuners.ptuning import PTuningConfig, PTuningModel
 from hf_llmkit.tuners.ptuning_v2 import PTuningV2Config, PTuningV2Model
+from tests import warm
 
 METHODS = {
     "BOTTLENECK": (BottleneckConfig, BottleneckModel, lambda: BottleneckConfig(bottleneck_size=4, init_weights=False)),
@@ -98,25 +96,21 @@ def test_transformers_load_adapter_and_delete_adapter(name, tmp_path):
     assert not hasattr(model, "peft_config")
 
 
-# peft is imported (and its tables built) before hf_llmkit registers; test_peft_workflows.py reloads in a fresh
-# process that imports hf_llmkit first.
-_RELOAD_SCRIPT = """
-import sys
-from peft import PeftModel
-import hf_llmkit
-import torch
-from hf_llmkit.testing import tiny_llama
-root = sys.argv[1]
-inputs = torch.load(f"{root}/inputs.pt")
-for name in sys.argv[2:]:
-    model = PeftModel.from_pretrained(tiny_llama(), f"{root}/{name}").eval()
-    assert type(model.peft_config["default"]).__name__ == type(model.base_model).__name__.replace("Model", "Config")
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=inputs).logits, torch.load(f"{root}/{name}.pt")), name
-print("OK")
-"""
+def reload_and_compare(root: str, names: list[str]) -> str:
+    """Each saved adapter reloaded with `PeftModel.from_pretrained`: its config and model classes are ours, its logits
+    the saved ones. Runs in a fresh process (a child of tests/warm.py, which imported peft and then hf_llmkit)."""
+    inputs = torch.load(f"{root}/inputs.pt")
+    for name in names:
+        model = PeftModel.from_pretrained(tiny_llama(), f"{root}/{name}").eval()
+        config, tuner = type(model.peft_config["default"]).__name__, type(model.base_model).__name__
+        assert config == tuner.replace("Model", "Config"), (config, tuner)
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=inputs).logits, torch.load(f"{root}/{name}.pt")), name
+    return "OK"
 
 
+# peft is imported (and its tables built) before hf_llmkit registers in the warm interpreter whose child reloads here;
+# test_peft_workflows.py reloads in a fresh process that imports hf_llmkit first.
 def test_save_then_load_in_a_fresh_process_that_imported_peft_first(tmp_path):
     torch.save(IDS, tmp_path / "inputs.pt")
     for name, (_, _, make_config) in METHODS.items():
@@ -124,7 +118,4 @@ def test_save_then_load_in_a_fresh_process_that_imported_peft_first(tmp_path):
         with torch.no_grad():
             torch.save(model(input_ids=IDS).logits, tmp_path / f"{name}.pt")
         model.save_pretrained(tmp_path / name)
-    cmd = [sys.executable, "-c", textwrap.dedent(_RELOAD_SCRIPT), str(tmp_path), *METHODS]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["OK"]
+    assert warm.call(reload_and_compare, str(tmp_path), list(METHODS), timeout=180) == "OK"
