@@ -59,8 +59,21 @@ def pytest_collection_modifyitems(config, items):
 def hermetic_cache(tmp_path_factory):
     """Tokenizers and processed datasets built by the suite go to a per-session folder (not the user's cache)."""
     folder = tmp_path_factory.mktemp("hf_llmkit_cache")
+    # The real models it builds (`hf_llmkit.testing.smollm2_path`: the whole SmolLM2 from its GGUF file, about 20 s
+    # of CPU, and its slices) are shared by the run's xdist workers: whichever needs one first builds it, under the
+    # function's lock, and the other waits and reads it.
+    (folder / "models").symlink_to(run_folder(tmp_path_factory, "hf_llmkit_models"), target_is_directory=True)
     with _environ("HF_LLMKIT_CACHE", str(folder)):
         yield folder
+
+
+def run_folder(tmp_path_factory, name: str) -> Path:
+    """A folder shared by every xdist worker of this run (one per run, not per worker); this process's own basetemp
+    when there are no workers (the parent of a lone run's basetemp is shared with other runs)."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -99,3 +112,4 @@ def load_example(name: str):
 @pytest.fixture(scope="session")
 def run_clm():
     return load_example("run_clm")
+
