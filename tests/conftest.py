@@ -113,3 +113,33 @@ def load_example(name: str):
 def run_clm():
     return load_example("run_clm")
 
+
+C_KERNEL_MODULES = (  # every module of the package that holds a C kernel (`hf_llmkit.native.CLibrary`) as `_KERNEL`
+    "hf_llmkit.quantization._lut_native",
+    "hf_llmkit.quantization.engines.interval_kernel",
+    "hf_llmkit.parallel.moe.swiglu_kernel",
+    "hf_llmkit.parallel.moe.dispatch",
+)
+
+
+@pytest.fixture
+def without_a_c_compiler(tmp_path, monkeypatch):
+    """This process as a new one on a machine without a C compiler, in place of a fresh interpreter (6-7 s of CPU
+    to import hf_llmkit): `$CC` names nothing that runs, the hf_llmkit cache is empty (the folder returned), and each
+    C kernel of the package is an unbuilt copy of itself, so its first use tries to build, fails and logs its one
+    line, as in a new process. The kernels built before are back after the test."""
+    import copy
+
+    from hf_llmkit.native import CLibrary
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("HF_LLMKIT_CACHE", str(tmp_path / "cache"))
+    modules = [importlib.import_module(name) for name in C_KERNEL_MODULES]
+    unlisted = [m.__name__ for m in list(sys.modules.values())
+                if isinstance(getattr(m, "_KERNEL", None), CLibrary) and m not in modules]  # fmt: skip
+    assert not unlisted, f"add {unlisted} to tests/conftest.py's C_KERNEL_MODULES"
+    for module in modules:
+        unbuilt = copy.copy(module._KERNEL)
+        unbuilt._lib, unbuilt._error = None, None  # not tried yet
+        monkeypatch.setattr(module, "_KERNEL", unbuilt)
+    return tmp_path / "cache"
