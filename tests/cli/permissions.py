@@ -2,7 +2,8 @@
 
 `subprocess.run(..., **honour_permissions())` starts the child without the capabilities that let root write
 anywhere (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, dropped from the bounding set before exec), so a folder with
-mode 0o555 is unwritable for it as for any user. A non-root caller needs nothing.
+mode 0o555 is unwritable for it as for any user; `honour_permissions_here()` does the same for the calling process
+(a forked child). A non-root caller needs nothing.
 """
 
 from __future__ import annotations
@@ -25,3 +26,28 @@ def _drop_override_capabilities() -> None:
 def honour_permissions() -> dict[str, Any]:
     """`subprocess` keyword arguments that make permission bits apply to the child."""
     return {"preexec_fn": _drop_override_capabilities} if os.geteuid() == 0 else {}
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def honour_permissions_here() -> None:
+    """Make permission bits apply to this process from now on: what `honour_permissions` does for a child it
+    starts, for a forked child that runs on without a new interpreter (drops the two capabilities from its effective
+    and permitted sets; nothing for a non-root caller)."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = _CapHeader(0x20080522, 0), (_CapData * 2)()  # _LINUX_CAPABILITY_VERSION_3: two 32-bit words
+    if libc.capget(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capget failed")
+    keep = ~((1 << _CAP_DAC_OVERRIDE) | (1 << _CAP_DAC_READ_SEARCH)) & 0xFFFFFFFF
+    data[0].effective &= keep
+    data[0].permitted &= keep
+    if libc.capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset failed")
