@@ -301,7 +301,8 @@ def smollm2_path(*, num_hidden_layers: int | None = None, cache_dir: str | os.Pa
     49,152-token embedding); the folder (config, `model.safetensors`, tokenizer, chat template) is written once into
     the hf_llmkit cache, keyed by the package's version, and found there by later calls. `num_hidden_layers=N`
     keeps the first N decoder layers: a slice of the real model, for tests that need real weights in seconds.
-    Nothing is downloaded.
+    Concurrent callers sharing the cache (test workers, benchmark processes) build each folder once: one builds
+    (about 20 s of CPU for the whole model), the others wait for it under a lock. Nothing is downloaded.
     """
     import importlib.metadata
     import importlib.util
@@ -320,16 +321,32 @@ def smollm2_path(*, num_hidden_layers: int | None = None, cache_dir: str | os.Pa
     layers = "all" if num_hidden_layers is None else f"{num_hidden_layers}-layers"
     name = f"smollm2-135m-instruct-{importlib.metadata.version(SMOLLM2_PACKAGE)}-{layers}"
     folder = Path(cache_dir or default_cache_dir()) / "models" / name
-    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+    if _built(folder):
         return folder
     if num_hidden_layers is None:
         write = partial(_write_smollm2, gguf)
     else:  # a slice of the whole model's folder: loads in a second, no second reading of the GGUF file
         write = partial(_write_smollm2_slice, smollm2_path(cache_dir=cache_dir), num_hidden_layers)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(folder.parent)  # what a killed build left behind
-    publish_once(folder, write)
+    with open(folder.parent / f"{name}.lock", "a") as lock:
+        _lock(lock)  # another process building the same folder: wait for it, then find its copy
+        if not _built(folder):
+            remove_stale_temporaries(folder.parent)  # what a killed build left behind
+            publish_once(folder, write)
     return folder
+
+
+def _built(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
+def _lock(file) -> None:
+    """An exclusive lock on the open `file`, released when it is closed (no-op where there is no `fcntl`)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: concurrent builders both build, `publish_once` keeps one copy
+        return
+    fcntl.flock(file, fcntl.LOCK_EX)
 
 
 def _write_smollm2(gguf: Path, folder: Path) -> None:

@@ -78,9 +78,18 @@ def hermetic_cache(tmp_path_factory):
     """Tokenizers, processed datasets, the SmolLM2 folders and compiled kernels built by the suite go to a folder of
     this test run (not the user's cache), one for both xdist workers: what one builds the other reuses (every cache
     entry is published by an atomic rename, so two builders at once keep one copy)."""
-    folder = _run_folder(tmp_path_factory, "hf_llmkit_cache")
+    folder = run_folder(tmp_path_factory, "hf_llmkit_cache")
     with _environ("HF_LLMKIT_CACHE", str(folder)):
         yield folder
+
+
+def run_folder(tmp_path_factory, name: str) -> Path:
+    """A folder shared by every xdist worker of this run (one per run, not per worker); this process's own basetemp
+    when there are no workers (the parent of a lone run's basetemp is shared with other runs)."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -90,14 +99,6 @@ def hermetic_bench_results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench_results")
     with _environ("HF_LLMKIT_BENCH_RESULTS", str(folder)):
         yield folder
-
-
-def _run_folder(tmp_path_factory, name: str) -> Path:
-    """A folder shared by every xdist worker of this run (the workers' base folders have one parent per run)."""
-    base = tmp_path_factory.getbasetemp()
-    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
-    folder.mkdir(exist_ok=True)
-    return folder
 
 
 @contextlib.contextmanager
@@ -127,3 +128,34 @@ def load_example(name: str):
 @pytest.fixture(scope="session")
 def run_clm():
     return load_example("run_clm")
+
+
+C_KERNEL_MODULES = (  # every module of the package that holds a C kernel (`hf_llmkit.native.CLibrary`) as `_KERNEL`
+    "hf_llmkit.quantization._lut_native",
+    "hf_llmkit.quantization.engines.interval_kernel",
+    "hf_llmkit.parallel.moe.swiglu_kernel",
+    "hf_llmkit.parallel.moe.dispatch",
+)
+
+
+@pytest.fixture
+def without_a_c_compiler(tmp_path, monkeypatch):
+    """This process as a new one on a machine without a C compiler, in place of a fresh interpreter (6-7 s of CPU
+    to import hf_llmkit): `$CC` names nothing that runs, the hf_llmkit cache is empty (the folder returned), and each
+    C kernel of the package is an unbuilt copy of itself, so its first use tries to build, fails and logs its one
+    line, as in a new process. The kernels built before are back after the test."""
+    import copy
+
+    from hf_llmkit.native import CLibrary
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("HF_LLMKIT_CACHE", str(tmp_path / "cache"))
+    modules = [importlib.import_module(name) for name in C_KERNEL_MODULES]
+    unlisted = [m.__name__ for m in list(sys.modules.values())
+                if isinstance(getattr(m, "_KERNEL", None), CLibrary) and m not in modules]  # fmt: skip
+    assert not unlisted, f"add {unlisted} to tests/conftest.py's C_KERNEL_MODULES"
+    for module in modules:
+        unbuilt = copy.copy(module._KERNEL)
+        unbuilt._lib, unbuilt._error = None, None  # not tried yet
+        monkeypatch.setattr(module, "_KERNEL", unbuilt)
+    return tmp_path / "cache"

@@ -11,9 +11,14 @@ import torch.distributed as dist
 from hf_llmkit.testing import DistributedRunError, distributed_backend, launch, tiny_llama
 
 
-def _all_reduce_rank() -> tuple[int, int, float, str]:
+def _all_reduce_rank_then_abort_at_finalisation() -> tuple[int, int, float, str]:
+    """A real all-reduce; then what a library's group destroyed at interpreter exit can do to a rank: abort it after
+    its work is done. One launch for both tests (each rank is a fresh interpreter importing hf_llmkit: 6-7 s)."""
+    import atexit
+
     value = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(value)
+    atexit.register(os.abort)
     return dist.get_rank(), dist.get_world_size(), value.item(), dist.get_backend()
 
 
@@ -29,18 +34,14 @@ def _sleep_forever() -> None:
     time.sleep(3600)
 
 
-def _abort_at_finalisation() -> int:
-    """What a library's group destroyed at interpreter exit can do to a rank: abort it after its work is done."""
-    import atexit
-
-    atexit.register(os.abort)
-    return dist.get_rank()
+@pytest.fixture(scope="module")
+def aborting_run() -> list:
+    return launch(_all_reduce_rank_then_abort_at_finalisation, nprocs=2, timeout=120)
 
 
-def test_launch_runs_real_gloo_ranks():
-    results = launch(_all_reduce_rank, nprocs=2, timeout=120)
+def test_launch_runs_real_gloo_ranks(aborting_run):
     backend = distributed_backend(2)  # "gloo" here; NCCL joins it on a machine with a GPU per rank (tests/gpu)
-    assert results == [(0, 2, 3.0, backend), (1, 2, 3.0, backend)]
+    assert aborting_run == [(0, 2, 3.0, backend), (1, 2, 3.0, backend)]
     assert not dist.is_initialized()
 
 
@@ -60,13 +61,13 @@ def test_failure_reports_every_rank():
     assert "boom-from-rank-one" in text and "rank 0" in text and "rank 1" in text
 
 
-def test_a_rank_that_returned_is_not_failed_by_its_interpreter_finalisation():
-    assert launch(_abort_at_finalisation, nprocs=2, timeout=120) == [0, 1]
+def test_a_rank_that_returned_is_not_failed_by_its_interpreter_finalisation(aborting_run):
+    assert [rank for rank, *_ in aborting_run] == [0, 1]  # both ranks abort at exit: the launch still returned
 
 
 def test_timeout_is_bounded():
-    with pytest.raises(DistributedRunError, match="timed out"):
-        launch(_sleep_forever, nprocs=2, timeout=3, init_process_group=False)
+    with pytest.raises(DistributedRunError, match="timed out after 1s"):
+        launch(_sleep_forever, nprocs=2, timeout=1, init_process_group=False)
 
 
 def test_rejects_functions_it_cannot_import():
@@ -113,13 +114,24 @@ def test_tiny_training_args_are_quiet_cpu_defaults_that_overrides_change(tmp_pat
     assert args.output_dir == str(tmp_path)
 
 
-def test_smollm2_path_builds_the_real_model_once_and_slices_it(tmp_path):
+def test_smollm2_path_builds_the_real_model_once_and_slices_it(monkeypatch):
+    """Built in the run's shared cache (tests/conftest.py): by this call, or by another test's that came first (the
+    whole model is built once per run: about 20 s of CPU); later calls find the folders and build nothing."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_llmkit.testing import smollm2_path
+    import hf_llmkit.testing as testing
+    from hf_llmkit.data.corpus import default_cache_dir
 
-    whole = smollm2_path(cache_dir=tmp_path)
-    assert smollm2_path(cache_dir=tmp_path) == whole  # found in the cache, not built again
+    whole = testing.smollm2_path()
+    part_path = testing.smollm2_path(num_hidden_layers=2)
+
+    def build_again(*args):
+        raise AssertionError("built again")
+
+    monkeypatch.setattr(testing, "_write_smollm2", build_again)
+    monkeypatch.setattr(testing, "_write_smollm2_slice", build_again)
+    assert testing.smollm2_path() == whole  # found in the cache, not built again
+    assert testing.smollm2_path(num_hidden_layers=2) == part_path
     tokenizer = AutoTokenizer.from_pretrained(whole)
     model = AutoModelForCausalLM.from_pretrained(whole)
     assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size) == (30, 576, 49152)
@@ -130,12 +142,14 @@ def test_smollm2_path_builds_the_real_model_once_and_slices_it(tmp_path):
     answer = tokenizer.decode(model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :])
     assert "Paris" in answer  # real weights: a sensible greedy answer
 
-    part = AutoModelForCausalLM.from_pretrained(smollm2_path(num_hidden_layers=2, cache_dir=tmp_path))
+    part = AutoModelForCausalLM.from_pretrained(part_path)
     assert part.config.num_hidden_layers == len(part.model.layers) == 2
     assert torch.equal(part.model.layers[1].mlp.down_proj.weight, model.model.layers[1].mlp.down_proj.weight)
-    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [
-        "smollm2-135m-instruct-0.1.2-2-layers",
-        "smollm2-135m-instruct-0.1.2-all",
-    ]
+    models = default_cache_dir() / "models"
+    assert (whole, part_path) == (
+        models / "smollm2-135m-instruct-0.1.2-all",
+        models / "smollm2-135m-instruct-0.1.2-2-layers",
+    )
+    assert not list(models.glob("*.tmp-*"))  # no temporary left behind
     with pytest.raises(ValueError, match="keep at least one layer"):
-        smollm2_path(num_hidden_layers=0, cache_dir=tmp_path)
+        testing.smollm2_path(num_hidden_layers=0)

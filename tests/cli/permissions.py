@@ -2,7 +2,8 @@
 
 `subprocess.run(..., **honour_permissions())` starts the child without the capabilities that let root write
 anywhere (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, dropped from the bounding set before exec), so a folder with
-mode 0o555 is unwritable for it as for any user. A non-root caller needs nothing.
+mode 0o555 is unwritable for it as for any user; `give_up_override_capabilities()` does the same for
+the calling process (a forked child). A non-root caller needs nothing.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ ValueError before any work."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_llmkit import DKMConfig
 from hf_llmkit.quantization import export_onnx, quantize_model
+from hf_llmkit.quantization.export import __main__ as command
 from hf_llmkit.quantization.export import _onnx_lut as lut_op
 from hf_llmkit.quantization.export import greedy_generate, onnxruntime_session, palettized_weights
 from hf_llmkit.quantization.export import onnx as onnx_export
@@ -88,14 +90,21 @@ def test_nodes_decode_bitwise_to_ours_with_standard_ops_and_with_our_kernel(case
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """A reloaded 2-layer checkpoint with fp16 tables and block scales, exported as an optimum folder once."""
+    """A 2-layer checkpoint with fp16 tables and block scales, exported as an optimum folder once, by the command
+    (`python -m hf_llmkit.quantization.export onnx ckpt exported`: its `main`, run in this process, in the folder that
+    holds the checkpoint); the reloaded model, the folder, the checkpoint and the command's exit code and output."""
     folder = tmp_path_factory.mktemp("onnx")
     config = DKMConfig(bits=3, scale_block_size=16, lut_dtype="float16")
     torch.manual_seed(0)
     quantize_model(tiny_llama(num_hidden_layers=2), config).eval().save_pretrained(folder / "ckpt")
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        patch.chdir(folder)
+        code = command.main(["onnx", "ckpt", "exported"])
+    assert code == 0, err.getvalue()[-2000:]
     model = AutoModelForCausalLM.from_pretrained(folder / "ckpt")
-    model.generation_config.pad_token_id = 0
-    return model, export_onnx(model, folder / "exported"), folder / "ckpt"
+    assert model.generation_config.pad_token_id == 0
+    return model, folder / "exported", folder / "ckpt", (code, out.getvalue())
 
 
 def _feed(model, ids, mask, positions):
@@ -106,7 +115,7 @@ def _feed(model, ids, mask, positions):
 
 
 def test_left_padded_prompts_give_the_unpadded_prompts_last_logits(exported):
-    model, folder, _ = exported
+    model, folder, *_ = exported
     session = ort.InferenceSession(str(folder / "model.onnx"))
     ids = np.array([[0, 0, 0, 7, 81, 300, 12], [5, 9, 33, 2, 7, 400, 18]])
     mask = np.array([[0, 0, 0, 1, 1, 1, 1], [1] * 7])
@@ -124,7 +133,7 @@ def test_left_padded_prompts_give_the_unpadded_prompts_last_logits(exported):
 def test_greedy_generate_refuses_a_file_without_a_cache_and_negative_lengths(exported, tmp_path):
     from onnx import TensorProto, helper
 
-    model, folder, _ = exported
+    model, folder, *_ = exported
     node = helper.make_node("Identity", ["input_ids"], ["logits"])
     ids_type = helper.make_tensor_value_info("input_ids", TensorProto.INT64, None)
     graph = helper.make_graph(
@@ -138,7 +147,7 @@ def test_greedy_generate_refuses_a_file_without_a_cache_and_negative_lengths(exp
 
 
 def test_cached_steps_match_the_model_and_the_kernel_session(exported):
-    model, folder, _ = exported
+    model, folder, *_ = exported
     ids = torch.tensor([[5, 9, 33, 2, 7], [0, 0, 11, 4, 90]])
     mask = torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])
     with torch.no_grad():
@@ -149,7 +158,7 @@ def test_cached_steps_match_the_model_and_the_kernel_session(exported):
 
 
 def test_the_file_holds_the_checkpoint_tensors_and_onnxruntime_folds_nothing_weight_sized(exported, tmp_path):
-    model, folder, ckpt = exported
+    model, folder, ckpt, _ = exported
     graph = onnx.load(str(folder / "model.onnx")).graph
     stored = {i.name.removeprefix("m."): onnx.numpy_helper.to_array(i) for i in graph.initializer}
     with safe_open(ckpt / "model.safetensors", "np") as saved:
@@ -176,10 +185,11 @@ def test_the_file_holds_the_checkpoint_tensors_and_onnxruntime_folds_nothing_wei
 def test_optimum_ort_model_generates_from_the_folder_with_its_cache(exported, tmp_path):
     from tests.quantization.optimum_peer import optimum_python
 
-    model, folder, _ = exported
-    python, why = optimum_python()
-    if python is None:
+    model, folder, *_ = exported
+    peer, why = optimum_python()
+    if peer is None:
         pytest.skip(why)
+    python, env = peer
     ids = torch.tensor([[5, 9, 33, 2, 7], [0, 0, 11, 4, 90]])
     mask = torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])
     with torch.no_grad():
@@ -193,7 +203,7 @@ def test_optimum_ort_model_generates_from_the_folder_with_its_cache(exported, tm
         "out = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, use_cache=True)\n"
         "print(out.tolist())\n"
     )
-    done = subprocess.run([str(python), "-c", script, str(folder)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*python, "-c", script, str(folder)], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == str(ours.tolist())
 
@@ -288,18 +298,15 @@ def test_an_interrupted_write_leaves_nothing_and_a_finished_one_replaces_the_tar
         assert [p.name for p in (tmp_path / "again").iterdir()] == ["theirs"]
 
 
-def test_command_exports_a_folder_that_generates_like_the_model(tmp_path):
-    """`python -m hf_llmkit.quantization.export onnx CHECKPOINT FOLDER` on a compact checkpoint: the folder (model,
-    config, tokenizer-free here) generates what the reloaded model generates."""
-    quantize_model(tiny_llama(num_hidden_layers=1), DKMConfig(bits=3)).eval().save_pretrained(tmp_path / "dkm")
-    cmd = [sys.executable, "-m", "hf_llmkit.quantization.export", "onnx", str(tmp_path / "dkm"), "served"]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert Path(done.stdout.strip().splitlines()[-1]) == Path("served")
-    assert {"model.onnx", "config.json", "generation_config.json"} <= {p.name for p in (tmp_path / "served").iterdir()}
+def test_command_exports_a_folder_that_generates_like_the_model(exported):
+    """`python -m hf_llmkit.quantization.export onnx CHECKPOINT FOLDER` on a compact checkpoint (the fixture's
+    export): it prints the folder, and the folder (model, config, tokenizer-free here) generates what the reloaded
+    model generates."""
+    model, folder, _, (code, stdout) = exported
+    assert code == 0 and Path(stdout.strip().splitlines()[-1]) == Path("exported")
+    assert {"model.onnx", "config.json", "generation_config.json"} <= {p.name for p in folder.iterdir()}
     ids = np.array([[3, 17, 99, 4]])
-    got = greedy_generate(onnxruntime_session(tmp_path / "served" / "model.onnx"), ids, max_new_tokens=4)
+    got = greedy_generate(onnxruntime_session(folder / "model.onnx"), ids, max_new_tokens=4)
     with torch.no_grad():
-        model = AutoModelForCausalLM.from_pretrained(tmp_path / "dkm")
         ours = model.generate(input_ids=torch.from_numpy(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert np.array_equal(got, ours.numpy())

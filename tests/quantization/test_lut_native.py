@@ -8,11 +8,9 @@ for it by name is refused in one line.
 
 from __future__ import annotations
 
+import copy
 import functools
-import os
-import subprocess
-import sys
-import textwrap
+import logging
 
 import pytest
 import torch
@@ -21,7 +19,6 @@ import torch.nn.functional as F
 from hf_llmkit.quantization import DKMLinear, DKMSettings, PalettizedLinear, lut_gemv
 from hf_llmkit.quantization import _lut_native as native
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROWS = 24
 # name: (cols, DKMSettings.build options). Each loop's paths: the AVX2 chunks of 64 columns (block scales of 64k
 # columns or none) and its 8-column words (smaller blocks, the tail after the last chunk: 200 = 3 x 64 + 8), the
@@ -178,60 +175,47 @@ def test_a_layer_the_kernel_does_not_serve_takes_the_torch_paths():
     assert torch.equal(packed.dequantized_weight(torch.float32), dkm.hard_weight(torch.float32))
 
 
-NO_COMPILER = textwrap.dedent(
-    """
-    import logging, os, torch
-    from tests.quantization.test_lut_native import packed_pair
-    from hf_llmkit.quantization import lut_gemv
-    logging.basicConfig(level=logging.INFO)
-    dkm, packed = packed_pair("4bit_scales64")
+def test_without_a_c_compiler_the_torch_paths_answer_and_say_so_once(without_a_c_compiler, monkeypatch, caplog):
+    monkeypatch.delenv(lut_gemv.ENV, raising=False)
+    monkeypatch.setattr(lut_gemv, "_logged", set())  # this process's "said once" records, as a new process has them
+    monkeypatch.setattr(lut_gemv, "_broken", set())
+    dkm, packed = packed_pair.__wrapped__("4bit_scales64")  # layers that never met the kernel
     x = torch.randn(1, 256)
-    if os.environ.get("HF_LLMKIT_DKM_KERNEL") == "native":
-        try:
-            with torch.no_grad():
-                packed(x)
-        except ValueError as error:
-            print("REFUSED", error)
-        raise SystemExit(0)
-    with torch.no_grad():
+    with caplog.at_level(logging.INFO), torch.no_grad():
         got, again = packed(x), packed(x)
-    want = torch.nn.functional.linear(x, dkm.hard_weight(torch.float32), dkm.bias.detach())
+    want = F.linear(x, dkm.hard_weight(torch.float32), dkm.bias.detach())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got, again)
-    print("TORCH PATHS OK")
-    """
-)
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum(line.startswith("The DKM CPU kernel is not available (") for line in lines) == 1, lines
+    assert not list(without_a_c_compiler.glob("kernels/*.so"))
 
 
-def _without_compiler(tmp_path, **env):
-    base = {k: v for k, v in os.environ.items() if k != lut_gemv.ENV}
-    env = dict(base, CC=str(tmp_path / "no-such-cc"), HF_LLMKIT_CACHE=str(tmp_path / "cache"), **env)
-    return subprocess.run([sys.executable, "-c", NO_COMPILER], env=env, cwd=ROOT, capture_output=True, text=True)
-
-
-def test_without_a_c_compiler_the_torch_paths_answer_and_say_so_once(tmp_path):
-    proc = _without_compiler(tmp_path)
-    assert proc.returncode == 0 and "TORCH PATHS OK" in proc.stdout, proc.stderr[-3000:]
-    assert proc.stderr.count("The DKM CPU kernel is not available (") == 1, proc.stderr[-3000:]
-    assert not (tmp_path / "cache" / "kernels").exists() or not any((tmp_path / "cache" / "kernels").glob("*.so"))
-
-
-def test_asking_for_the_kernel_without_a_compiler_is_one_line(tmp_path):
-    proc = _without_compiler(tmp_path, HF_LLMKIT_DKM_KERNEL="native")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = proc.stdout.strip()
-    assert line.startswith("REFUSED HF_LLMKIT_DKM_KERNEL=native but the C kernel did not build") and "\n" not in line
+def test_asking_for_the_kernel_without_a_compiler_is_one_line(without_a_c_compiler, monkeypatch):
+    monkeypatch.setenv(lut_gemv.ENV, "native")
+    _, packed = packed_pair.__wrapped__("4bit_scales64")
+    with pytest.raises(ValueError) as refused, torch.no_grad():
+        packed(torch.randn(1, 256))
+    line = str(refused.value)
+    assert line.startswith("HF_LLMKIT_DKM_KERNEL=native but the C kernel did not build") and "\n" not in line
     assert "does not run (No such file or directory): install gcc, or set $CC" in line
 
 
-def test_the_build_is_cached_per_source(tmp_path):
-    """A fresh cache builds the library once, under a name carrying the source's hash; a second process loads it."""
-    env = dict(os.environ, HF_LLMKIT_CACHE=str(tmp_path))
-    code = "from hf_llmkit.quantization import _lut_native as n; assert n.library(); print(n.library_path())"
-    first = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True)
-    assert first.returncode == 0, first.stderr[-2000:]
+def test_the_build_is_cached_per_source(tmp_path, monkeypatch):
+    """A fresh cache builds the library once, under a name carrying the source's hash; a second process loads it
+    (each process has its own unbuilt kernel object: two copies of it here, in place of two interpreters)."""
+    monkeypatch.setenv("HF_LLMKIT_CACHE", str(tmp_path))
+
+    def new_process_kernel():
+        kernel = copy.copy(native._KERNEL)
+        kernel._lib, kernel._error = None, None
+        return kernel
+
+    first = new_process_kernel()
+    assert first.library() is not None, first.unavailable_reason()
     built = list((tmp_path / "kernels").iterdir())
-    assert [p.name for p in built] == [os.path.basename(first.stdout.strip())]
+    assert [p.name for p in built] == [first.path().name] and first.path().name.startswith("lut-")
     mtime = built[0].stat().st_mtime_ns
-    again = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True)
-    assert again.returncode == 0 and built[0].stat().st_mtime_ns == mtime
+    again = new_process_kernel()
+    assert again.library() is not None and built[0].stat().st_mtime_ns == mtime
+    assert list((tmp_path / "kernels").iterdir()) == built
