@@ -5,7 +5,8 @@ lines joined); Python from ```python blocks. Each command gets a kind that says 
 
 - `run_clm`: `python examples/run_clm.py ...` (and `make quickstart`, the Makefile's `$(PY) examples/run_clm.py`), run
   in this process (an import of torch and transformers per command would cost more than the training);
-- `script`: `python examples/<other>.py ...`, a subprocess;
+- `script`: `python examples/<other>.py ...` (the other main job, `run_sft.py`), in this process too;
+- `python`: `python -c CODE` and `python -m MODULE ...`, in this process as the interpreter runs them (same reason);
 - `bench`: `python benchmarks/<name>.py ...`, a subprocess with `--quick` appended;
 - `launcher`: `accelerate launch`, `torchrun`, `deepspeed` on this machine;
 - `machines`: a command for one machine of several (it names `MACHINE0`, the first machine's address): the commands
@@ -18,6 +19,9 @@ lines joined); Python from ```python blocks. Each command gets a kind that says 
 A command for a CUDA device (`--device cuda`, or any command of a block fenced as ```` ```bash gpu ````) is `gpu`:
 it runs in a test marked `gpu`, not in the CPU run of the pages. Commands written inline in prose (a code span that
 starts with a command) are listed by `inline_commands`; tests/docs/inline.py says how each is covered.
+
+The pages run in groups (`RUN_GROUPS`), one test file each (tests/docs/test_run_<group>.py), so that the two pytest
+workers share them: a group's pages in reading order, in one folder of its own.
 """
 
 from __future__ import annotations
@@ -50,6 +54,20 @@ def pages() -> list[Path]:
 
 def page_id(page: Path) -> str:
     return page.relative_to(REPO).as_posix()
+
+
+# The pages whose commands run apart from the others (each its own test file: minutes of multi-rank runs), by the
+# group's name; every other page is in the group "other_pages". A page's commands stay together, in reading order.
+RUN_GROUPS = {
+    "main_job": ["docs/main_job.md"],
+    "multi_node": ["docs/multi_node.md"],
+    "sequence_parallel": ["docs/sequence_parallel.md"],
+}
+OTHER_PAGES = "other_pages"
+
+
+def run_group(page: Path) -> str:
+    return next((group for group, ids in RUN_GROUPS.items() if page_id(page) in ids), OTHER_PAGES)
 
 
 def fenced(page: Path) -> list[tuple[str, str, str]]:
@@ -101,6 +119,11 @@ def commands(page: Path) -> list[Command]:
     return found
 
 
+def group_commands(group: str) -> list[Command]:
+    """Every command of the group's pages, in reading order."""
+    return [command for page in pages() if run_group(page) == group for command in commands(page)]
+
+
 def classify(line: str, *, block: int = 0) -> Command:
     argv = shlex.split(line)
     env = {}
@@ -116,6 +139,8 @@ def classify(line: str, *, block: int = 0) -> Command:
         kind = "make"
     elif head == ["python", "examples/run_clm.py"]:
         kind = "run_clm"
+    elif argv[0] == "python" and len(argv) > 2 and argv[1] in ("-c", "-m"):
+        kind = "python"
     elif argv[0] == "python" and len(argv) > 1 and argv[1].startswith("examples/"):
         kind = "script"
     elif argv[0] == "python" and len(argv) > 1 and argv[1].startswith("benchmarks/"):

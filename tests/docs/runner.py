@@ -1,5 +1,7 @@
-"""Runs the commands of the documentation as a newcomer types them: every page in reading order, in one scratch
-folder, so that two documented commands that would collide (one output folder for two runs) show up.
+"""Runs the commands of the documentation as a newcomer types them: each page in reading order, in one scratch
+folder with the other pages of its group (`pages.RUN_GROUPS`), so that two documented commands that would collide
+(one output folder for two runs) show up; across groups, the output folders each group recorded are compared
+(`share_folders`).
 
 The folder looks like a fresh clone (examples/, benchmarks/ and .ci/ linked) and holds the placeholders pages use
 (`path/to/model`, `corpus.txt`, `held_out.txt`). The test shortens only step counts and model sizes: it appends
@@ -12,18 +14,22 @@ are left to the tests marked gpu (`run_gpu`).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
 
 from hf_llmkit.testing import corpus_texts, corpus_tokenizer, free_port, tiny_llama
-from tests.conftest import REPO
-from tests.docs.pages import MACHINE_PLACEHOLDER, Command
+from tests.conftest import REPO, load_example
+from tests.docs.pages import MACHINE_PLACEHOLDER, Command, group_commands
 
 # Tiny sizes for a model built from scratch; a size the command types wins.
 SIZES = {"--vocab_size": "512", "--hidden_size": "64", "--intermediate_size": "128", "--num_hidden_layers": "2",
@@ -31,7 +37,7 @@ SIZES = {"--vocab_size": "512", "--hidden_size": "64", "--intermediate_size": "1
 # run_sft.py's examples hold the prompt template too (its default alone is 75 tokens): a longer budget
 SFT_LENGTH = "96"
 # Step counts: always appended, after the command's own flags (the last value of a flag wins).
-STEPS = ["--max_steps", "2", "--save_steps", "2"]
+STEPS = ["--max_steps", "1", "--save_steps", "1"]
 # Small batches and sample counts, and quiet logs: appended for the flags the command did not type.
 SMALL = {"--per_device_train_batch_size": "1", "--per_device_eval_batch_size": "2", "--max_train_samples": "16",
          "--max_eval_samples": "2", "--logging_steps": "1", "--warmup_steps": "0",
@@ -69,13 +75,51 @@ def capped(args: list[str], script: str = "examples/run_clm.py") -> list[str]:
     return [*args, *sizes, *small, *STEPS]
 
 
+def run_group(group: str, run_clm, folder: Path, capsys, monkeypatch, record: Path) -> None:
+    """Run the commands of `group`'s pages in reading order in `folder` (a fresh clone's look), then compare the
+    output folders they trained in with those of the groups that `record` holds (`share_folders`)."""
+    prepare_folder(folder)
+    monkeypatch.chdir(folder)
+    commands = group_commands(group)
+    run = PageRun(folder, run_clm, capsys)
+    outcome = run.run(commands)
+    stopped = {line: what for line, what in outcome.items() if what.startswith("stopped")}
+    assert not stopped, stopped  # every command works as typed, each in a folder of its own
+    assert len(outcome) == len({c.line for c in commands}), outcome
+    share_folders(record, group, run.folders)
+
+
+def share_folders(record: Path, group: str, folders: dict[str, dict]) -> None:
+    """Write the output folders `group`'s commands trained in to `record` (a folder every group of this pytest run
+    shares), and check them against those of every group that wrote before: of two groups, the one that ends later
+    compares the pair. Two different commands meet in one output folder where, run in one folder, the later would
+    resume the earlier's run (the same flags) or be refused (a typed `--output_dir`); a default folder holding a run
+    of other flags moves on (`outputs/run_clm-dkm-2`), so two default folders of different runs are no collision."""
+    record.mkdir(parents=True, exist_ok=True)
+    written = record / f".{group}.{os.getpid()}.tmp"
+    written.write_text(json.dumps(folders, sort_keys=True), encoding="utf-8")
+    os.replace(written, record / f"{group}.json")
+    for other in sorted(record.glob("*.json")):
+        if other.stem == group:
+            continue
+        theirs = json.loads(other.read_text(encoding="utf-8"))
+        for output_dir, mine in folders.items():
+            their = theirs.get(output_dir)
+            if their is None or their["command"] == mine["command"]:
+                continue
+            met = mine["typed"] or their["typed"] or mine["flags"] == their["flags"]
+            assert not met, f"{mine['command']!r} ({group}) trains in {output_dir}, the folder of {their['command']!r}"
+
+
 class PageRun:
-    """The commands of one page, run in order in `folder`; `outcome` maps each command line to what happened."""
+    """The commands of one group of pages, run in order in `folder`; `outcome` maps each command line to what
+    happened."""
 
     def __init__(self, folder: Path, run_clm, capsys):
         self.folder, self.run_clm, self.capsys = folder, run_clm, capsys
         self.outcome: dict[str, str] = {}
-        self.folders: dict[str, str] = {}  # output_dir -> the command that trained there first
+        # output_dir -> the command that trained there first: {"command", "typed" (its --output_dir), "flags"}
+        self.folders: dict[str, dict] = {}
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                     "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # fmt: skip
 
@@ -103,26 +147,53 @@ class PageRun:
                 self.run_clm.run(args)
             assert done.value.code == 0 and "PEFT" in self.capsys.readouterr().out
             return "help"
+        return self._job(command, self.run_clm, args)
+
+    def _script(self, command: Command) -> str:
+        """`python examples/run_sft.py ...`: the other main job, in this process as run_clm.py is."""
+        return self._job(command, load_example(Path(command.argv[1]).stem), command.argv[2:], command.argv[1])
+
+    def _job(self, command: Command, job, args: list[str], script: str = "examples/run_clm.py") -> str:
         try:
-            results = self.run_clm.run(capped(args))
-        except self.run_clm.UsageError as err:
+            with _environ(command.env):
+                results = job.run(capped(args, script))
+        except job.UsageError as err:
             assert "\n" not in str(err)
             return f"stopped: {err}"
         self._own_folder(command, results["output_dir"], bool(results["resumed_at"]))
         assert results["global_step"] >= 1, (command.line, results)
         return "trained"
 
-    def _script(self, command: Command) -> str:
-        script = next(i for i, a in enumerate(command.argv) if a.startswith("examples/") and a.endswith(".py"))
-        argv = [*command.argv[: script + 1], *capped(command.argv[script + 1 :], command.argv[script])]
+    def _launcher(self, command: Command) -> str:
+        argv = _with_free_port(command.argv)
+        script = next(i for i, a in enumerate(argv) if a.startswith("examples/") and a.endswith(".py"))
+        argv = [*argv[: script + 1], *capped(argv[script + 1 :], argv[script])]
         return self._trained(command, self._subprocess(argv, command.env))
 
-    def _launcher(self, command: Command) -> str:
-        return self._script(Command(command.line, command.kind, _with_free_port(command.argv), command.env))
+    def _python(self, command: Command) -> str:
+        """`python -c CODE ...` / `python -m MODULE ...` in this process, as the interpreter runs them (`sys.argv`,
+        `__main__`); it must end as the shell's command would have to: without an error, exit status 0."""
+        option, target, *rest = command.argv[1:]
+        argv = sys.argv
+        try:
+            with _environ(command.env), warnings.catch_warnings():
+                # runpy's note that the module was imported before (by this process, not by the command)
+                warnings.filterwarnings("ignore", r".*found in sys\.modules", RuntimeWarning)
+                if option == "-c":
+                    sys.argv = ["-c", *rest]
+                    exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
+                else:
+                    sys.argv = [target, *rest]
+                    runpy.run_module(target, run_name="__main__", alter_sys=True)
+        except SystemExit as done:
+            assert done.code in (None, 0), (command.line, done.code)
+        finally:
+            sys.argv = argv
+        return "ran"
 
     def _run_pt(self, command: Command) -> str:
         env = {**command.env, "BLOCK_SIZE": "32", "GRAD_ACC": "2", "MASTER_PORT": str(free_port())}
-        argv = ["bash", *command.argv[1:], "--max_steps", "2", "--disable_tqdm", "true"]
+        argv = ["bash", *command.argv[1:], "--max_steps", STEPS[1], "--disable_tqdm", "true"]
         return self._trained(command, self._subprocess(argv, env))
 
     def _bench(self, command: Command) -> str:
@@ -207,9 +278,37 @@ class PageRun:
     def _own_folder(self, command: Command, output_dir: str, resumed: bool) -> None:
         """A command resumes only a run of the same command (the quickstart is `python examples/run_clm.py`)."""
         same = " ".join(command.argv)
-        earlier = self.folders.setdefault(output_dir, same)
-        assert earlier == same, f"{command.line!r} trains in {output_dir}, the folder of {earlier!r}"
-        assert not resumed or earlier == same
+        flags = json.loads((self.folder / output_dir / "llmkit_flags.json").read_text(encoding="utf-8"))
+        earlier = self.folders.setdefault(
+            output_dir, {"command": same, "typed": _typed_output_dir(command), "flags": flags}
+        )
+        assert earlier["command"] == same, (
+            f"{command.line!r} trains in {output_dir}, the folder of {earlier['command']!r}"
+        )
+        assert not resumed or earlier["command"] == same
+
+
+def _typed_output_dir(command: Command) -> bool:
+    """Whether the command names its output folder (a flag, its JSON file of flags, or run_pt.sh's own flag)."""
+    if command.kind == "run_pt" or any(a.split("=")[0] == "--output_dir" for a in command.argv):
+        return True
+    files = [a for a in command.argv if a.endswith(".json") and not a.startswith("-")]
+    return any("output_dir" in json.loads(Path(f).read_text(encoding="utf-8")) for f in files if Path(f).is_file())
+
+
+@contextlib.contextmanager
+def _environ(assignments: dict[str, str]):
+    """The command's leading `VAR=value` assignments in `os.environ` while it runs in this process."""
+    previous = {name: os.environ.get(name) for name in assignments}
+    os.environ.update(assignments)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _parse(line: str) -> Command:

@@ -1,0 +1,18 @@
+"""The commands of every page not in a group of its own (README.md first, then docs/, CONTRIBUTING.md and
+benchmarks/README.md) run as typed, in reading order in one folder (tests/docs/runner.py: run_group).
+
+Each group of pages (tests/docs/pages.py: RUN_GROUPS) is a test file of its own, so that the two pytest workers
+share the pages; their output folders are compared across the groups (runner.share_folders).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.docs.runner import run_group
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # multi-rank runs: a minute or two alone on 2 cores, many more on a loaded machine
+def test_other_pages_runs_in_reading_order_in_one_folder(run_clm, tmp_path, capsys, monkeypatch, docs_output_folders):
+    run_group("other_pages", run_clm, tmp_path, capsys, monkeypatch, docs_output_folders)
