@@ -55,7 +55,8 @@ BLENDED = 0.99  # a weight is blended when its largest attention is below this
 def add_arguments(parser) -> None:
     parser.add_argument("--soft-bits", type=int, nargs="*", default=[2, 3], help="the study's widths")
     parser.add_argument("--soft-steps", type=int, default=None, help="the study's training steps (default --steps)")
-    parser.add_argument("--soft-workloads", nargs="*", default=["minilm", "smollm2"], choices=["minilm", "smollm2"])
+    parser.add_argument("--soft-workloads", nargs="*", default=None, choices=["minilm", "smollm2"],
+                        help="the study's models (default: both; --quick: minilm)")  # fmt: skip
     parser.add_argument("--soft-layers", type=int, default=None, help="a slice of SmolLM2's first N layers")
     parser.add_argument("--soft-variants", nargs="*", default=None, help="only these variants (names or indices)")
 
@@ -149,15 +150,16 @@ def _layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, DKMLinear)]
 
 
-def calibrated_start(workload, bits: int, skip):
-    """The model `recipe="calibrated"` trains from: quantized, refit and GPTQ-rounded on the calibration inputs."""
+def calibrated_start(workload, bits: int, skip, samples: int = 128):
+    """The model `recipe="calibrated"` trains from: quantized, refit and GPTQ-rounded on `samples` calibration
+    inputs."""
     from hf_llmkit import DKMConfig
     from hf_llmkit.quantization import calibrate, keep_training_state, quantize_model
 
     config = DKMConfig(bits=bits, recipe="calibrated", modules_to_not_convert=list(skip))
     model = quantize_model(workload.load(), config)
     keep_training_state(model, False)  # this loop saves no checkpoints
-    calibrate(model, [workload.calibration(128)])
+    calibrate(model, [workload.calibration(samples)])
     return model
 
 
@@ -279,7 +281,7 @@ def study(args) -> dict:
 
     steps = args.soft_steps or args.steps
     out = {"steps": steps, "lr": args.lr, "variants": _selected(args), "workloads": {}}
-    for kind in args.soft_workloads:
+    for kind in args.soft_workloads or (["minilm"] if args.quick else ["minilm", "smollm2"]):
         if kind == "minilm":
             workload = MiniLM(quick=args.quick)
         else:
@@ -289,7 +291,7 @@ def study(args) -> dict:
         rows = []
         for bits in args.soft_bits[:1] if args.quick else args.soft_bits:
             began = time.perf_counter()
-            start = calibrated_start(workload, bits, skip)
+            start = calibrated_start(workload, bits, skip, 16 if args.quick else 128)  # --quick: dkm_quality's 16
             rows.append({"variant": "calibrated start, no training", "bits": bits,
                          "calibrate_s": time.perf_counter() - began, **workload.evaluate(start)})  # fmt: skip
             for temperature in (0.005, 0.02, 0.1):

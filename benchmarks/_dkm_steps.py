@@ -3,8 +3,8 @@
 One training step (forward and backward, the optimizer left out) of two real models, plain against DKM, variants in
 interleaved rounds (`_common.Bench`: the order rotated each round, min and median of per-round ratios):
 
-- all-MiniLM-L6-v2: one distillation step of 16 sentences (the teacher's forward included), as `dkm_quality.py`
-  trains it; its layers are 384x384 and 1536x384;
+- all-MiniLM-L6-v2: one distillation step of 16 sentences (the teacher's forward included; `--quick`: 4), as
+  `dkm_quality.py` trains it; its layers are 384x384 and 1536x384;
 - SmolLM2-135M-Instruct (`hf_llmkit.testing.smollm2_path()`, all 30 layers): one language-modelling step of 4
   sequences of 128 tokens; its layers are 576x576, 192x576 (keys, values), 1536x576 and 576x1536, and its tied
   49,152-token embedding stays in float32.
@@ -137,7 +137,8 @@ def workload_steps(workload, rounds: int, extra_skip=(), quick: bool = False) ->
         step()  # the first step initialises what DKM keeps between steps
         saved[label] = _saved_bytes(model, step) / 2**20
         variants[label] = step
-    timings = Bench(rounds=rounds, warmup=1).run(variants, baseline="plain fp32")
+    # --quick: no untimed round (the step above initialised each variant; the timings are a smoke test's)
+    timings = Bench(rounds=rounds, warmup=0 if quick else 1).run(variants, baseline="plain fp32")
     print(f"\n### One {workload.name} training step, ratio to the plain fp32 step\n\n{timings.table()}")
     return {**timings.to_json(), "saved_mib": saved}
 

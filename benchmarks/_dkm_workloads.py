@@ -49,6 +49,7 @@ class MiniLM:
         if seed:  # another order of the same training sentences: other batches, other calibration sentences
             random.Random(seed).shuffle(self.train_sents)
         self.held_out = held_out[:16] if quick else held_out
+        self.batch_size = 4 if quick else 16  # sentences per training batch (--quick: a smoke test's)
         self.teacher = self.load().eval()
         self.reference = self.embed(self.teacher, self.held_out)
 
@@ -81,7 +82,8 @@ class MiniLM:
         rho = spearmanr(ours[upper[0], upper[1]].numpy(), ref[upper[0], upper[1]].numpy()).statistic
         return {"mean_cos": cos.mean().item(), "min_cos": cos.min().item(), "spearman": float(rho)}
 
-    def batches(self, steps: int, size: int = 16):
+    def batches(self, steps: int, size: int | None = None):
+        size = size or self.batch_size
         for step in range(steps):
             yield [self.train_sents[(step * size + i) % len(self.train_sents)] for i in range(size)]
 

@@ -2,7 +2,7 @@
 
     bash benchmarks/install_peers.sh          # once: torchao, HQQ, llmcompressor (GPTQ) beside our pins
     python benchmarks/dkm_quality.py          # both workloads (tens of minutes on 2 busy cores)
-    python benchmarks/dkm_quality.py --quick  # MiniLM at 2 and 4 bits, 1 step, no GPTQ, no step timing: seconds
+    python benchmarks/dkm_quality.py --quick  # MiniLM at 2 and 4 bits, 1 step, no GPTQ; steps, soft, job: small
     python benchmarks/dkm_quality.py --only smollm2 --bits 3   # the real LLM's table, one width (hours)
     python benchmarks/dkm_quality.py --only calibration        # our calibrated start against GPTQ's time
     python benchmarks/dkm_quality.py --only recipe             # the whole path on the real LLM, stage by stage
@@ -277,7 +277,10 @@ def plot(results: dict) -> Path | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one MiniLM matrix, 2 and 4 bits, 1 step, no GPTQ")
+    parser.add_argument("--quick", action="store_true",
+                        help="one MiniLM matrix, 2 and 4 bits, 1 step, no GPTQ; sections minilm, steps (MiniLM's "
+                             "matrix and a 2-layer SmolLM2, 1 round), soft (MiniLM, the 2 variants the verdict "
+                             "compares) and job (tiny)")  # fmt: skip
     parser.add_argument("--device", default="cpu", choices=["cpu"], help="CPU only (the peers' CPU paths)")
     parser.add_argument("--steps", type=int, default=None, help="training steps of every trained method")
     parser.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate of every trained method")
@@ -286,14 +289,16 @@ def main() -> None:
         nargs="*",
         choices=["minilm", "lm", "steps", "job", "soft", "smollm2", "calibration", "recipe"],
         default=None,
-        help="sections (default: all but soft and the real model's smollm2, calibration and recipe)",
+        help="sections (default: all but soft and the real model's smollm2, calibration and recipe; --quick: "
+        "minilm, steps, soft and job)",
     )
     parser.add_argument("--calibration-rounds", type=int, default=2, help="rounds of the calibration-cost section")
     parser.add_argument("--lm-dir", type=Path, default=None, help="pretrained causal LM (trained there if missing)")
     parser.add_argument("--lm-size", default="22m", choices=["22m", "5m"], help="the causal LM's size")
     parser.add_argument("--lm-pretrain-steps", type=int, default=300, help="steps of the causal LM's pretraining")
     parser.add_argument("--coreml-dkm", action="store_true", help="also train coremltools' DKMPalettizer (slow)")
-    parser.add_argument("--step-rounds", type=int, default=3, help="timed rounds of the step-time section")
+    parser.add_argument("--step-rounds", type=int, default=None,
+                        help="timed rounds of the step-time section (default 3; --quick: 1)")  # fmt: skip
     parser.add_argument("--step-threads", type=int, default=1, help="torch threads of the step-time section")
     soft_section.add_arguments(parser)
     parser.add_argument("--job-shapes", nargs="*", default=None, choices=list(job_section.SHAPES),
@@ -304,10 +309,11 @@ def main() -> None:
                              "is kept beside the main tables (the seed-spread table), not in them")  # fmt: skip
     args = parser.parse_args()
     args.steps = args.steps if args.steps is not None else (1 if args.quick else 40)
+    args.step_rounds = args.step_rounds if args.step_rounds is not None else (1 if args.quick else 3)
     # --quick: only the first encoder layer's intermediate.dense is quantized (everything else is skipped)
     quick_skip = [f"layer.{i}.{s}" for i in range(6) for s in _BERT_LINEARS if (i, s) != (0, "intermediate.dense")]
     args.extra_skip = tuple(quick_skip) if args.quick else ()
-    sections = args.only or (["minilm", "job"] if args.quick else ["minilm", "lm", "steps", "job"])
+    sections = args.only or (["minilm", "steps", "soft", "job"] if args.quick else ["minilm", "lm", "steps", "job"])
     logging.getLogger("llmcompressor").setLevel(logging.ERROR)
     results = {
         "machine_before": machine_state(),

@@ -9,7 +9,7 @@ CUDA tables; each part within its own time budget, so that a slow part cannot st
 
 Parts, in order (`PARTS`; `--only NAME...` picks some): `install` (when `.whl/` holds wheels: `pip install
 --no-index --no-deps --target TMP .whl/*.whl`, put first on every later part's PYTHONPATH; then this package
-with `pip install --no-deps --no-build-isolation -e .` unless it imports already), `env` (versions and the GPU),
+with `pip install --no-deps --no-build-isolation -e .` unless python finds it already), `env` (versions and the GPU),
 `tests` (`pytest -m gpu tests/gpu`), `moe`, `dkm`, `sequence_parallel`, `peft_methods`, `quickstart` (each
 benchmark with `--device cuda`, writing `benchmarks/results/<name>.cuda.json` beside the CPU files), then `report`
 (`benchmarks/report.py --write`: the `*.cuda` fragments in docs/gpu.md). A part gets its own budget in seconds plus
@@ -63,7 +63,9 @@ BENCH = "benchmarks/{}.py"
 # GPU sizes. moe: Mixtral-like experts at H 2048, I 4096, bf16; 8 and 64 experts at 4K tokens, 8 at 16K.
 # sequence_parallel: a 1.1B Llama in bf16 on one GPU, every ALST switch, the longest sequence in 2 GiB of peak
 # activation memory (the ratios to plain are what matter; a larger budget costs minutes of probes). The plumbing mode
-# passes the same flags and overrides the sizes, so a flag a script does not take fails in CI, not on the GPU.
+# passes the same flags and overrides the sizes, so a flag a script does not take fails in CI, not on the GPU. Where
+# it passes `--quick` (which sets the sizes; peft_methods also gets back its MiniLM workload), the part runs the
+# script's whole quick mode: tests/benchmarks/test_quick_modes.py checks that run as the script's quick run.
 PARTS = (
     Part("install", 45),
     Part("env", 15),
@@ -77,8 +79,10 @@ PARTS = (
     Part("sequence_parallel", 105,
          ("--sp", "1", "--model", "1b", "--dtype", "bf16", "--budget-mib", "2048", "--probe", "512",
           "--time-seq", "4096", "--rounds", "3"),
-         ("--model", "tiny", "--budget-mib", "4", "--probe", "64", "--time-seq", "128", "--rounds", "1")),
-    Part("peft_methods", 45, ("--workloads", "llama", "--batch", "8", "--seq", "512", "--rounds", "6"), ("--quick",)),
+         ("--model", "tiny", "--budget-mib", "4", "--probe", "64", "--time-seq", "128", "--rounds", "1",
+          "--offload-seq", "256")),
+    Part("peft_methods", 45, ("--workloads", "llama", "--batch", "8", "--seq", "512", "--rounds", "6"),
+         ("--quick", "--workloads", "llama", "bert")),
     Part("quickstart", 70, ("--rounds", "1"), ("--quick",)),
     Part("report", 15),
 )  # fmt: skip
@@ -102,7 +106,7 @@ def part_command(part: Part, device: str, site: Path) -> list[str] | None:
             "'triton','pyarrow','huggingface-hub','setuptools','hf-llmkit'):\n"
             "    try: print(n, m.version(n))\n"
             "    except m.PackageNotFoundError: print(n, 'not installed')\n"
-            "import hf_llmkit; print('hf_llmkit from', hf_llmkit.__file__)"
+            "import importlib.util; print('hf_llmkit from', importlib.util.find_spec('hf_llmkit').origin)"
         )
         return [PY, "-c", code]
     if part.name == "report":
@@ -118,12 +122,16 @@ def part_command(part: Part, device: str, site: Path) -> list[str] | None:
                 [PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
                  "--upgrade", "--target", str(site), *wheels]
             )  # fmt: skip
-        if subprocess.run([PY, "-c", "import hf_llmkit"], capture_output=True, cwd=REPO).returncode != 0:
+        if subprocess.run([PY, "-c", _FOUND], cwd=REPO).returncode != 0:
             script.append([PY, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", "."])
         if not script:
             return None
         return ["bash", "-c", " && ".join(" ".join(_quote(a) for a in cmd) for cmd in script)]
     raise ValueError(f"unknown part {part.name!r}")
+
+
+# whether this python finds hf_llmkit, without importing it (an import costs seconds of torch, peft, bitsandbytes)
+_FOUND = "import importlib.util, sys; sys.exit(importlib.util.find_spec('hf_llmkit') is None)"
 
 
 def _quote(arg: str) -> str:

@@ -14,7 +14,7 @@ issue measured 7.6 GB at 50 MB and an abort in the Rust tokenizer at 200 MB.
 
     python benchmarks/lm_data_memory.py                  # 64 MB and 1024 MB (about 10 minutes on an idle core)
     python benchmarks/lm_data_memory.py --sizes 16 256   # other sizes, in megabytes
-    python benchmarks/lm_data_memory.py --quick          # 8 MB: a smoke test
+    python benchmarks/lm_data_memory.py --quick          # 1 MB: a smoke test
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def measure(size_mb: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[64, 1024], help="megabytes of text, one run each")
-    parser.add_argument("--quick", action="store_true", help="8 MB only")
+    parser.add_argument("--quick", action="store_true", help="1 MB only")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     add_device_argument(parser)  # tokenization runs on the CPU whatever the device
     options = parser.parse_args()
@@ -89,7 +89,7 @@ def main() -> None:
         print(json.dumps(child(float(options.child[0]), Path(options.child[1]))))
         return
     pick_device(options.device)
-    sizes = [8.0] if options.quick else options.sizes
+    sizes = [1.0] if options.quick else options.sizes
     runs = [measure(size) for size in sizes]
     rows = [["text MB", "blocks", "peak RSS MB", "added by the build MB", "seconds", "MB/s"]]
     for run in runs:

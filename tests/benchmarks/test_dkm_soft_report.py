@@ -47,23 +47,19 @@ def test_every_target_row_is_held_to_its_bound_and_the_kernel_to_the_torch_ops_s
 
 
 @pytest.mark.slow
-def test_the_sections_quick_modes_write_what_their_fragments_render(tmp_path):
-    """`dkm_quality.py --quick --only steps soft`: one MiniLM matrix and a 2-layer SmolLM2, one round, one step."""
+@pytest.mark.timeout(1800)  # the quick run another worker makes is waited for
+def test_the_sections_quick_modes_write_what_their_fragments_render(quick_run):
+    """The steps and soft sections of `dkm_quality.py --quick` (its one run of the test run, which
+    test_quick_modes.py reads too): one MiniLM matrix and a 2-layer SmolLM2, one round, one step."""
     import json
-    import os
-    import subprocess
 
     import report as docs
 
-    benchmarks = Path(report.__file__).parent
-    env = dict(os.environ, HF_LLMKIT_BENCH_RESULTS=str(tmp_path), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    command = [sys.executable, str(benchmarks / "dkm_quality.py"), "--quick", "--device", "cpu", "--only", "steps",
-               "soft", "--step-rounds", "1", "--soft-workloads", "minilm"]  # fmt: skip
-    proc = subprocess.run(command, cwd=benchmarks.parent, env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads((tmp_path / "dkm_soft.json").read_text())
+    run = quick_run("dkm_quality.py")
+    run.check()
+    data = json.loads((run.folder / "dkm_soft.json").read_text())
     assert set(data["steps"]["workloads"]) == {"all-MiniLM-L6-v2", "SmolLM2-135M-Instruct"}
     rows = data["study"]["workloads"]["all-MiniLM-L6-v2"]["rows"]
     assert [r["variant"] for r in rows][1:] == [report.STRAIGHT, "soft, tables and scales kept"]
     for name in ("dkm_steps", "dkm_soft"):
-        assert "_Measured " in docs.render(name, results=tmp_path), name
+        assert "_Measured " in docs.render(name, results=run.folder), name

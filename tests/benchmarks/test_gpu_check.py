@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -21,19 +20,17 @@ import gpu_check  # noqa: E402
 import report  # noqa: E402
 from _fragments import CUDA_VARIANTS, FRAGMENTS  # noqa: E402
 
+COMMITTED = sorted(p.name for p in (BENCHMARKS / "results").iterdir())  # before any run of this test run
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # every part in a row: about 4 minutes on 2 idle cores, 11 on 2 cores loaded 5x
-def test_plumbing_mode_runs_every_part_and_renders_every_cuda_table(tmp_path):
-    results, out = tmp_path / "results", tmp_path / "out"
-    committed = sorted(p.name for p in (BENCHMARKS / "results").iterdir())
-    env = dict(os.environ, HF_LLMKIT_BENCH_RESULTS=str(results))
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--device", "cpu", "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
+def test_plumbing_mode_runs_every_part_and_renders_every_cuda_table(plumbing_run):
+    """The run is tests/benchmarks/conftest.py's, made once per test run: test_quick_modes.py reads the results of
+    the parts that pass `--quick` as those scripts' quick runs."""
+    results, out = plumbing_run.folder / "results", plumbing_run.folder / "out"
     summary = json.loads((out / "summary.json").read_text())
-    assert proc.returncode == 0, proc.stdout + proc.stderr + json.dumps(summary, indent=2)
+    assert plumbing_run.returncode == 0, plumbing_run.output + json.dumps(summary, indent=2)
     assert list(summary["parts"]) == [part.name for part in gpu_check.PARTS]
     assert {row["status"] for row in summary["parts"].values()} <= {"ok", "skipped"}
     for name in gpu_check.BENCHMARKS:
@@ -47,7 +44,7 @@ def test_plumbing_mode_runs_every_part_and_renders_every_cuda_table(tmp_path):
         names = tar.getnames()
     assert "benchmarks/results/moe.cuda.json" in names and "docs/gpu.md" in names
     assert "outputs/gpu_check/summary.json" in names and "outputs/gpu_check/moe.log" in names
-    assert sorted(p.name for p in (BENCHMARKS / "results").iterdir()) == committed  # the committed folder untouched
+    assert sorted(p.name for p in (BENCHMARKS / "results").iterdir()) == COMMITTED  # the committed folder untouched
 
 
 def test_a_part_past_its_budget_is_stopped_with_its_children_and_recorded(tmp_path):

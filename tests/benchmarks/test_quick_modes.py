@@ -2,15 +2,18 @@
 CUDA with `--device cuda`) and writes its JSON with the run's date, machine and load, from which every docs
 fragment of that script renders (benchmarks/report.py); results go to a temporary folder
 ($HF_LLMKIT_BENCH_RESULTS). The scripts are the ones `make bench` runs: files in benchmarks/ not starting with `_`
-that have a `__main__` block, except the three in NOT_RUN_ALONE.
+that have a `__main__` block, except the four in NOT_RUN_ALONE.
+
+Each quick mode runs once per test run (tests/benchmarks/conftest.py), and every test that reads its results reads
+that run: the GPU check's plumbing mode passes `--quick` to some of its parts (`IN_PLUMBING`), and its run of those
+scripts is their quick run here (with the GPU run's flags too, which the scripts must take).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
+import shutil
 import sys
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+import gpu_check  # noqa: E402
 import report  # noqa: E402
 
 NOT_RUN_ALONE = {
@@ -28,21 +32,24 @@ NOT_RUN_ALONE = {
     "gpu_check.py": "runs the others on a GPU; its CPU plumbing mode: tests/benchmarks/test_gpu_check.py",
 }
 
-# dkm.py, dkm_quality.py and lm_data_memory.py take seconds; the others tens of seconds to minutes on 2 busy cores
-# (marked slow: `make test` runs them, `make test-fast` does not)
+# dkm.py and lm_data_memory.py take seconds; the others tens of seconds to minutes on 2 busy cores, and the cases
+# read from the GPU check's plumbing run wait for it (marked slow: `make test` runs them, `make test-fast` does not)
 CASES = {
-    "dkm.py": ("dkm.json", ()),
-    "dkm_quality.py": ("dkm_quality.json", ()),  # the peers: benchmarks/install_peers.sh
+    "dkm.py": ("dkm.json", pytest.mark.slow),
+    # the peers: benchmarks/install_peers.sh; the steps and soft sections write dkm_soft.json
+    "dkm_quality.py": (("dkm_quality.json", "dkm_soft.json"), pytest.mark.slow),
     # a fresh process per variant and round; its parts write a file each (the first is the script's main one)
     "dkm_inference.py": (tuple(f"dkm_inference{part}.json" for part in ("", "_loops", "_real")), pytest.mark.slow),
     "dkm_onnx.py": ("dkm_onnx.json", pytest.mark.slow),  # two exports, a fresh process per variant
-    "lm_data_memory.py": ("lm_data_memory.json", ()),  # one 8 MB line
+    "lm_data_memory.py": ("lm_data_memory.json", ()),  # one short line
     "moe.py": ("moe.json", pytest.mark.slow),
     "callbacks.py": ("callbacks.json", pytest.mark.slow),
     "peft_methods.py": ("peft_methods.json", pytest.mark.slow),
     "quickstart.py": ("quickstart.json", pytest.mark.slow),
     "sequence_parallel.py": ("sequence_parallel.json", pytest.mark.slow),
 }
+# the scripts whose GPU check part passes `--quick` in the plumbing mode: that run is their quick run
+IN_PLUMBING = {f"{part.name}.py": part for part in gpu_check.PARTS if "--quick" in part.cpu}
 
 
 def check_dkm_inference(data: dict) -> None:
@@ -92,30 +99,41 @@ def test_every_benchmark_script_has_a_quick_mode_case_and_make_bench_finds_them_
     assert all(name in recipe for name in NOT_RUN_ALONE)
 
 
+def quick_results(request, script: str, files: tuple[str, ...], folder: Path) -> tuple[Path, str]:
+    """(the folder of the script's quick results, the command that made them). A script the plumbing run ran has
+    its results named as on a GPU (`<name>.cuda.json`): they are copied into `folder` under the names a CPU run
+    gives them, which its fragments read."""
+    if script not in IN_PLUMBING:
+        run = request.getfixturevalue("quick_run")(script)
+        run.check()
+        return run.folder, f"python benchmarks/{script} --quick --device cpu"
+    run = request.getfixturevalue("plumbing_run")
+    part = IN_PLUMBING[script]
+    row = json.loads((run.folder / "out" / "summary.json").read_text())["parts"][part.name]
+    log = (run.folder / "out" / f"{part.name}.log").read_text()
+    assert row["status"] == "ok", log[-3000:]
+    for file in files:
+        shutil.copy(run.folder / "results" / file.replace(".json", ".cuda.json"), folder / file)
+    return folder, "python " + row["command"]
+
+
 @pytest.mark.parametrize(
     ("script", "written"),
     [pytest.param(script, written, id=script[:-3], marks=marks) for script, (written, marks) in CASES.items()],
 )
-def test_quick_mode_runs_to_completion_on_cpu(tmp_path, script, written):
-    env = dict(os.environ, HF_LLMKIT_BENCH_RESULTS=str(tmp_path), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--quick", "--device", "cpu"],
-        cwd=BENCHMARKS.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+@pytest.mark.timeout(1800)  # a run another worker makes is waited for
+def test_quick_mode_runs_to_completion_on_cpu(request, tmp_path, script, written):
     files = (written,) if isinstance(written, str) else written
-    data = json.loads((tmp_path / files[0]).read_text())
+    results, command = quick_results(request, script, files, tmp_path)
+    assert "--quick" in command.split() and "--device cpu" in command, command
+    data = json.loads((results / files[0]).read_text())
     recorded = data["recorded"]
-    assert recorded["command"] == f"python benchmarks/{script} --quick --device cpu"
+    assert recorded["command"] == command
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", recorded["date"])
     assert recorded["machine"]["cores"] and recorded["load_1min"]["max"] >= 0
     CHECKS.get(script, lambda data: None)(data)
-    FILE_CHECKS.get(script, lambda folder: None)(tmp_path)
+    FILE_CHECKS.get(script, lambda folder: None)(results)
     # every docs fragment made from this script's results renders from what the script writes today
     for name, fragment in report.FRAGMENTS.items():
         if len(fragment.files) == 1 and f"{fragment.files[0]}.json" in files:
-            assert "_Measured " in report.render(name, results=tmp_path), name
+            assert "_Measured " in report.render(name, results=results), name
