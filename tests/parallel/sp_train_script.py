@@ -3,6 +3,10 @@
 Run on several ranks (`accelerate launch` / `torchrun` / `deepspeed`). Every rank also replays the same global
 batches in a plain single-process loop (HF loss, SGD) on its own copy of the model; rank 0 writes the largest
 parameter difference, the logged vs reference losses and the eval losses to `--out` as JSON.
+
+`--cases '{"name": [flags]}'` runs several configurations in turn (one JSON entry each), and `--run_clm FLAGS` then
+runs `examples/run_clm.py` with those flags in the same processes: one start-up of the ranks serves every check
+(tests/one_launch.py).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 from transformers import default_data_collator
@@ -81,16 +87,21 @@ def reference(args, train, evals):
     return model, losses, eval_loss
 
 
-def main() -> None:
+def parse(flags: list[str]) -> argparse.Namespace:
+    """One configuration's flags."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
     parser.add_argument("--sp", type=int, default=2)
     parser.add_argument("--kv_heads", type=int, default=2)
     parser.add_argument("--peft", choices=["none", "lora", "bottleneck"], default="none")
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--zero", type=int, default=0, help="DeepSpeed ZeRO stage (0 = DDP)")
     parser.add_argument("--long_sequence", action="store_true", help="tiled loss + tiled MLP (+ offload with GC)")
-    args = parser.parse_args()
+    return parser.parse_args(flags)
+
+
+def check(args: argparse.Namespace, out_dir: str) -> dict | None:
+    """Train one configuration with the Trainer (output in `out_dir`) and against the reference; rank 0's result
+    (None on the other ranks)."""
     train, evals = make_rows(STEPS * BATCH, 0), make_rows(2 * BATCH, 1)
     ds_config = None  # LLMKitTrainingArguments starts DeepSpeed on gloo when there is no accelerator
     if args.zero:
@@ -108,7 +119,7 @@ def main() -> None:
         long_sequence = dict(tiled_loss=True, tiled_loss_chunk_size=3, tiled_mlp=True, tiled_mlp_chunk_size=2)
         long_sequence["offload_activation_checkpoints"] = args.gradient_checkpointing
     targs = LLMKitTrainingArguments(
-        output_dir=os.path.join(os.path.dirname(args.out), "trainer_out"),
+        output_dir=out_dir,
         sequence_parallel_size=args.sp,
         per_device_train_batch_size=BATCH,
         per_device_eval_batch_size=BATCH,
@@ -145,19 +156,40 @@ def main() -> None:
         ours = {n: p.detach().clone() for n, p in trained.named_parameters()}
     ref_model, ref_losses, ref_eval = reference(args, train, evals)
     diff = max((ours[n] - p.detach()).abs().max().item() for n, p in ref_model.named_parameters())
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    return {
+        "param_diff": diff,
+        "losses": logged,
+        "ref_losses": ref_losses,
+        "eval_loss": eval_loss,
+        "ref_eval_loss": ref_eval,
+        "world": trainer.args.world_size,
+        "engine": type(trainer.model_wrapped).__name__,
+        "attn": configured_attention(trained.config),
+    }
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository's tests package, under a launcher
+    from tests.one_launch import fresh_trainer_state, run_example
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", default="{}", help='JSON {"name": [flags of `parse`]}: run in turn')
+    parser.add_argument("--run_clm", help="JSON list: then examples/run_clm.py's flags, run in these processes")
+    ns = parser.parse_args()
+    environ = dict(os.environ)
+    results = {}
+    for name, flags in json.loads(ns.cases).items():
+        fresh_trainer_state(environ)
+        results[name] = check(parse(flags), os.path.join(os.path.dirname(ns.out), name))
     if int(os.environ.get("RANK", "0")) == 0:
-        result = {
-            "param_diff": diff,
-            "losses": logged,
-            "ref_losses": ref_losses,
-            "eval_loss": eval_loss,
-            "ref_eval_loss": ref_eval,
-            "world": trainer.args.world_size,
-            "engine": type(trainer.model_wrapped).__name__,
-            "attn": configured_attention(trained.config),
-        }
-        with open(args.out, "w") as f:
-            json.dump(result, f)
+        with open(ns.out, "w") as f:
+            json.dump(results, f)
+    if ns.run_clm:
+        fresh_trainer_state(environ)
+        run_example("run_clm", json.loads(ns.run_clm))
 
 
 if __name__ == "__main__":
