@@ -48,7 +48,8 @@ def pytest_configure(config):
 # the longest file last. Rough CPU seconds on 2 cores (the durations `pytest --durations` prints); the rest follow
 # in their usual order.
 LONGEST_FIRST = (
-    "tests/docs/test_pages.py",
+    "tests/docs/test_run_other_pages.py",
+    "tests/docs/test_run_main_job.py",
     "tests/composition/test_matrix.py",
     "tests/benchmarks/test_quick_modes.py",
     "tests/benchmarks/test_gpu_check.py",

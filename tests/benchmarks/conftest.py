@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_folder
+
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
 
@@ -39,17 +41,10 @@ class Run:
         assert self.returncode == 0, self.output
 
 
-def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The temporary folder every worker of this test run sees (the base temp of a run without workers)."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
 def run_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], tuple[int, str]]) -> Run:
     """`make(folder)` (-> exit code, output) run once per test run into `<shared>/runs/<name>`; later callers, in
     this worker or another, get the same `Run`."""
-    root = shared_root(tmp_path_factory) / "bench_runs"
-    root.mkdir(exist_ok=True)
+    root = run_folder(tmp_path_factory, "bench_runs")
     folder, done = root / name, root / f"{name}.done.json"
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, whatever happens
@@ -64,8 +59,7 @@ def run_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable
 
 def bench_env(tmp_path_factory: pytest.TempPathFactory, results: Path) -> dict[str, str]:
     """The environment of a benchmark run: results to `results`, one intra-op thread, the runs' shared cache."""
-    cache = shared_root(tmp_path_factory) / "bench_runs_cache"
-    cache.mkdir(exist_ok=True)
+    cache = run_folder(tmp_path_factory, "hf_llmkit_cache")  # the suite's own (tests/conftest.py)
     return dict(os.environ, HF_LLMKIT_BENCH_RESULTS=str(results), HF_LLMKIT_CACHE=str(cache), OMP_NUM_THREADS="1",
                 PYTHONUNBUFFERED="1")  # fmt: skip
 

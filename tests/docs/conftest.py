@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_folder
+
 
 @pytest.fixture(scope="session")
 def docs_output_folders(tmp_path_factory) -> Path:
-    """A folder the groups of pages of this pytest run record their output folders in: under pytest-xdist the
-    parent of the workers' base temporary folders (one per run), else this run's base temporary folder."""
-    base = tmp_path_factory.getbasetemp()
-    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "docs-output-folders"
+    """A folder the groups of pages of this pytest run record their output folders in, shared by the xdist workers."""
+    return run_folder(tmp_path_factory, "docs-output-folders")
