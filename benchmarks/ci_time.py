@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """How long CI takes, as a stranger sees it: clones this repository's HEAD commit into a temporary folder and runs
-`bash .ci/run` there (a new virtual environment, pip's cache empty, no Hugging Face / torch-extension / hf_llmkit
+`bash .ci/run` there (a new virtual environment, pip's and uv's caches empty, no Hugging Face / torch-extension / hf_llmkit
 caches), recording the total wall time, the install time, the ruff time and pytest's summary (counts, duration).
 
     python benchmarks/ci_time.py            # about 25 minutes of both cores: run it alone, on an idle machine
@@ -82,6 +82,7 @@ def run_ci(repo: Path, commit: str) -> tuple[list[tuple[float, str]], int]:
             "PIP_NO_CACHE_DIR": "1",
             "HF_HOME": f"{tmp}/hf",
             "XDG_CACHE_HOME": f"{tmp}/cache",
+            "UV_CACHE_DIR": f"{tmp}/cache/uv",  # the Makefile installs through uv (.ci/install.py)
             "TORCH_HOME": f"{tmp}/torch",
         }
         venv = os.environ.get("VIRTUAL_ENV")
