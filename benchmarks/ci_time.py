@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """How long CI takes, as a stranger sees it: clones this repository's HEAD commit into a temporary folder and runs
-`bash .ci/run` there (a new virtual environment, pip's and uv's caches empty, no Hugging Face / torch-extension / hf_llmkit
-caches), recording the total wall time, the install time, the ruff time and pytest's summary (counts, duration).
+`bash .ci/run` there (a new virtual environment, pip's and uv's caches empty, no Hugging Face / torch-extension /
+hf_llmkit caches), recording the total wall time, the install time, the ruff time and pytest's summary (counts,
+duration).
 
     python benchmarks/ci_time.py            # about 25 minutes of both cores: run it alone, on an idle machine
 
