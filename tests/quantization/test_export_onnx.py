@@ -130,7 +130,8 @@ def test_left_padded_prompts_give_the_unpadded_prompts_last_logits(exported):
         assert np.abs(single[0, -1] - ours).max() <= 1e-5
 
 
-def test_greedy_generate_refuses_a_file_without_a_cache_and_negative_lengths(exported, tmp_path):
+def test_greedy_generate_refuses_a_file_without_a_cache_negative_lengths_and_empty_prompts(exported, tmp_path):
+    """Issue 52: an empty prompt was onnxruntime's Reshape error; it is one ValueError naming the fix."""
     from onnx import TensorProto, helper
 
     model, folder, *_ = exported
@@ -144,6 +145,13 @@ def test_greedy_generate_refuses_a_file_without_a_cache_and_negative_lengths(exp
         greedy_generate(ort.InferenceSession(str(tmp_path / "old.onnx")), np.ones((1, 2), np.int64), max_new_tokens=1)
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0"):
         greedy_generate(ort.InferenceSession(str(folder / "model.onnx")), np.ones((1, 2), np.int64), max_new_tokens=-1)
+    session = ort.InferenceSession(str(folder / "model.onnx"))
+    for empty in (np.zeros((1, 0), np.int64), np.zeros((0, 3), np.int64), []):
+        with pytest.raises(ValueError, match=r"one row and one token, got shape \[.*pass a prompt of one") as info:
+            greedy_generate(session, empty, max_new_tokens=2)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=r"attention_mask has shape \[1, 2\], input_ids \[1, 3\]"):
+        greedy_generate(session, np.ones((1, 3), np.int64), np.ones((1, 2), np.int64), max_new_tokens=2)
 
 
 def test_cached_steps_match_the_model_and_the_kernel_session(exported):

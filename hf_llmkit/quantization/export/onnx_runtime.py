@@ -122,7 +122,17 @@ def greedy_generate(session, input_ids, attention_mask=None, *, max_new_tokens: 
             "again with export_onnx."
         )
     ids = np.asarray(input_ids, dtype=np.int64)
+    if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise ValueError(
+            f"greedy_generate: input_ids must be [batch, prompt] with at least one row and one token, got shape "
+            f"{list(ids.shape)}: pass a prompt of one token or more (e.g. the tokenizer's BOS token)."
+        )
     mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, dtype=np.int64)
+    if mask.shape != ids.shape:
+        raise ValueError(
+            f"greedy_generate: attention_mask has shape {list(mask.shape)}, input_ids {list(ids.shape)}: pass one "
+            "mask entry per prompt token."
+        )
     names = [i.name for i in session.get_inputs()]
     past = {i.name: i for i in session.get_inputs() if i.name.startswith("past_key_values.")}
     feed = {n: np.zeros((ids.shape[0], i.shape[1], 0, i.shape[3]), np.float32) for n, i in past.items()}
