@@ -64,12 +64,20 @@ def test_damaged_checkpoint_is_one_line(tmp_path, capsys, checkpoint):
         (["onnx", "{ckpt}", "{tmp}/model.v1.2"], "must be an .onnx file or a new folder (no suffix)"),
         (["onnx", "{tmp}/nowhere", "{tmp}/m.onnx"], "does not exist: pass the folder save_pretrained wrote"),
         (["onnx", "{tmp}", "{tmp}/m.onnx"], "has no config.json"),
+        # issue 52: a file form over an existing output replaced it without a word (a user's notes.txt deleted)
+        (["coreml", "{ckpt}", "{tmp}/notes.mlpackage"], "notes.mlpackage' exists and is not empty (the export would"),
+        (["onnx", "{ckpt}", "{tmp}/mine.onnx"], "mine.onnx' exists (the export would overwrite it): remove it or"),
+        (["onnx", "{ckpt}", "{tmp}/ext.onnx"], "ext.onnx.data' exists (the export would overwrite it): remove it"),
     ],
 )
 def test_bad_output_or_option_is_refused_before_the_checkpoint_is_read(argv, message, tmp_path, capsys, monkeypatch):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep").write_text("x")
     (tmp_path / "file").write_text("x")
+    (tmp_path / "notes.mlpackage").mkdir()
+    (tmp_path / "notes.mlpackage" / "notes.txt").write_text("the user's notes")
+    (tmp_path / "mine.onnx").write_text("the user's model")
+    (tmp_path / "ext.onnx.data").write_text("the user's weights")
     ckpt = tmp_path / "ckpt"  # a config and nothing loadable: the checks must not need it
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")
@@ -82,6 +90,8 @@ def test_bad_output_or_option_is_refused_before_the_checkpoint_is_read(argv, mes
     code, errors = _run(capsys, *[a.format(ckpt=ckpt, tmp=tmp_path) for a in argv])
     assert code == 2 and len(errors) == 1 and message in errors[0], errors
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert (tmp_path / "notes.mlpackage" / "notes.txt").read_text() == "the user's notes"
+    assert (tmp_path / "mine.onnx").read_text() == "the user's model"
 
 
 def test_an_unreadable_config_is_one_line(tmp_path, capsys):

@@ -189,15 +189,27 @@ def dense_module(module: nn.Module, weight: PaletteWeight) -> nn.Module:
 
 
 def check_output(path: Path, caller: str, *, kind: str) -> None:
-    """A ValueError, before any work, for an output that cannot be written whole. `kind`: "folder" (a new or empty
-    folder), "file" (not a folder) or "package" (a Core ML package folder, replaced when it exists); every kind needs
-    its nearest existing ancestor to be a writable folder."""
-    if kind == "folder" and path.exists() and (not path.is_dir() or any(path.iterdir())):
+    """A ValueError, before any work, for an output that cannot be written whole or would replace what is there.
+    `kind`: "folder" (a new or empty folder), "file" (a new file; with `<file>.data` beside it, the external data
+    file, new too) or "package" (a new Core ML package folder, or an empty one); every kind needs its nearest
+    existing ancestor to be a writable folder. Nothing is ever overwritten: remove the old output or name another."""
+    if kind == "folder" and _taken(path) and (not path.is_dir() or any(path.iterdir())):
         raise ValueError(f"{caller}: {str(path)!r} exists and is not an empty folder: name a new folder.")
     if kind == "file" and path.is_dir():
         raise ValueError(f"{caller}: {str(path)!r} is a folder: name the file to write.")
-    if kind == "package" and path.exists() and not path.is_dir():
+    if kind == "package" and _taken(path) and not path.is_dir():
         raise ValueError(f"{caller}: {str(path)!r} is a file, not a package folder: name a new package.")
+    if kind == "package" and path.is_dir() and any(path.iterdir()):
+        raise ValueError(
+            f"{caller}: {str(path)!r} exists and is not empty (the export would replace what it holds): remove it "
+            "or name a new package."
+        )
+    if kind == "file":
+        for taken in (path, path.with_name(path.name + ".data")):
+            if _taken(taken):
+                raise ValueError(
+                    f"{caller}: {str(taken)!r} exists (the export would overwrite it): remove it or name a new file."
+                )
     ancestor = path.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
@@ -207,11 +219,17 @@ def check_output(path: Path, caller: str, *, kind: str) -> None:
         raise ValueError(f"{caller}: cannot write {str(path)!r}: {str(ancestor)!r} is not writable.")
 
 
+def _taken(path: Path) -> bool:
+    """Something is at `path` (a dangling symlink included)."""
+    return path.exists() or path.is_symlink()
+
+
 @contextlib.contextmanager
 def staging(path: Path, *, folder: bool):
     """Yield a private folder beside `path` to write the export into; on success it is renamed into place (`folder`:
-    it becomes `path`; else each entry lands beside `path`, `path` itself last, replacing what was there), on any
-    error it is removed: an interrupted export leaves nothing under the target's name."""
+    it becomes `path`; else each entry lands beside `path`, `path` itself last), on any error it is removed: an
+    interrupted export leaves nothing under the target's name. What appeared under an entry's name during the export
+    is never replaced (a ValueError; only an empty folder gives way)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -225,10 +243,17 @@ def staging(path: Path, *, folder: bool):
                 path.rmdir()  # empty
             os.replace(tmp, path)
             return
-        for item in sorted(tmp.iterdir(), key=lambda p: p.name == path.name):
+        items = sorted(tmp.iterdir(), key=lambda p: p.name == path.name)
+        for item in items:
+            target = path.parent / item.name
+            if _taken(target) and not (item.is_dir() and target.is_dir() and not any(target.iterdir())):
+                raise ValueError(
+                    f"{str(target)!r} was written by something else during the export: remove it or name a new path."
+                )
+        for item in items:
             target = path.parent / item.name
             if item.is_dir() and target.is_dir():
-                shutil.rmtree(target)
+                target.rmdir()  # empty
             os.replace(item, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
