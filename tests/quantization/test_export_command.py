@@ -152,3 +152,23 @@ def test_dkm_upcycled_moe_exports_to_onnx_and_core_ml(tmp_path):
     assert np.array_equal(got, ours.numpy())
     pytest.importorskip("coremltools")
     assert export_coreml(model, tmp_path / "moe.mlpackage", seq_len=16).is_dir()
+
+
+def test_a_torch_onnx_failure_shows_its_cause_not_the_exporters_banner(tmp_path, capsys, monkeypatch, checkpoint):
+    """Issue 52: the line was torch.onnx's "Failed to export ... step 1/3 ... Next steps:" banner with ANSI colour
+    codes; it is the tracer's own error, the one the banner wraps (a real `torch.onnx.export` failure here)."""
+    import hf_llmkit.quantization.export as export
+
+    class DataDependent(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x  # torch.export cannot trace a branch on a tensor's value
+
+    def failing_export(model, path, **kwargs):
+        torch.onnx.export(DataDependent(), (torch.ones(3),), dynamo=True, verbose=False)
+
+    monkeypatch.setattr(export, "export_onnx", failing_export)
+    code, errors = _run(capsys, "onnx", checkpoint, tmp_path / "out")
+    assert code == 2 and len(errors) == 1, errors
+    assert errors[0].startswith("error: the onnx conversion failed (GuardOnDataDependentSymNode: Could not guard on")
+    assert "\x1b" not in errors[0] and "step 1/3" not in errors[0] and "nothing was written" in errors[0]
+    assert list(tmp_path.iterdir()) == []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -71,9 +72,16 @@ def _coreml_sizes(args) -> tuple[int, int]:
     return (512 if args.seq_len is None else args.seq_len), (1 if args.batch_size is None else args.batch_size)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
+    """The first line of the error's real cause: the innermost error it was raised from (torch.onnx's wrapper is a
+    "step 1/3 ... Next steps:" banner around the tracer's error), terminal colour codes removed."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = [line for line in _ANSI.sub("", str(error)).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {text[0].strip()[:300]}" if text else type(error).__name__
 
 
 def main(argv: list[str] | None = None) -> int:
