@@ -202,3 +202,16 @@ def test_merge_adapter_saves_the_merged_plain_model(run_sft, tmp_path):
 def test_merge_adapter_refuses_what_it_cannot_merge_before_any_work(run_sft, tmp_path, flags, expected):
     with pytest.raises(run_sft.UsageError, match=expected):
         run_sft.parse_args([*TINY, "--output_dir", str(tmp_path), *flags])
+
+
+def test_merge_adapter_with_a_lora_bias_on_layers_without_bias_is_refused_before_any_work(run_sft, tmp_path):
+    """Issue 52: `--lora_bias true --merge_adapter` trained, then failed in peft's merge (the adapted Llama layers
+    have no bias to fold the LoRA bias into): one line naming the fix, before any work."""
+    flags = ["--peft_method", "lora", "--lora_bias", "true", "--merge_adapter", "--target_modules", "q_proj,v_proj"]
+    with pytest.raises(run_sft.UsageError) as info:
+        run_sft.run([*TINY, *flags, "--output_dir", str(tmp_path / "out"), "--max_steps", "2"])
+    message = str(info.value)
+    assert "--lora_bias true with --merge_adapter" in message and "4 adapted layers have none" in message
+    assert "(model.layers.0.self_attn.q_proj, model.layers.0.self_attn.v_proj, ...)" in message
+    assert message.endswith("drop --lora_bias, or --merge_adapter") and "\n" not in message
+    assert not (tmp_path / "out").exists()

@@ -24,6 +24,26 @@ def adapter_base_dir(args: Any) -> Path | None:
     return Path(args.training.output_dir) / "base"
 
 
+def _check_mergeable(model: Any) -> None:
+    """`--merge_adapter` with `--lora_bias true`: merging folds the LoRA bias into the adapted layer's bias, which
+    peft cannot do for a layer without one (a RuntimeError after training): refused here, before any work."""
+    from peft.tuners.lora import LoraLayer
+
+    without = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer)
+        and any(module.lora_bias.values())
+        and getattr(module.get_base_layer(), "bias", None) is None
+    ]
+    if without:
+        shown = ", ".join(n.removeprefix("base_model.model.") for n in without[:2]) + (", ..." if without[2:] else "")
+        raise ValueError(
+            f"--lora_bias true with --merge_adapter: merging folds the LoRA bias into each adapted layer's bias, and "
+            f"{len(without)} adapted layers have none ({shown}): drop --lora_bias, or --merge_adapter"
+        )
+
+
 class Peft(Feature):
     name = "peft"
     arguments = PeftArguments
@@ -49,6 +69,8 @@ class Peft(Feature):
         if args.peft.peft_method == "ptuning":
             state.template = PTuningTemplate(state.tokenizer, peft_config)
         state.model = get_peft_model(state.model, peft_config)
+        if args.peft.merge_adapter:
+            _check_mergeable(state.model)
 
     def check(self, args) -> None:
         if not args.peft.merge_adapter:
