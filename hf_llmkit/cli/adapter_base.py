@@ -2,7 +2,8 @@
 
 `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"), out / "adapter")` is the model the
 run evaluated. The base is written before training (peft's adapter saves read its config), into a temporary folder
-renamed into place, so a run killed while writing it leaves none (the resumed run writes it again).
+renamed into place (`hf_llmkit.data.cache.replace_folder`), so a run killed while writing it leaves no base, only a
+temporary that the next run in the folder removes (the resumed run writes the base again).
 
 A DKM base keeps its layers' training state (latent weights and tables, next to the packed export): it reloads as
 trainable DKM layers, `nn.Linear`s every PEFT method wraps (a compact checkpoint's packed layers are none) and that
@@ -16,30 +17,14 @@ calibration and when training ends.
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
+from hf_llmkit.data.cache import replace_folder
+
 __all__ = ["BaseAfterCalibration", "refresh_dkm_base", "write_base"]
-
-
-def _replace_folder(folder: Path, write) -> None:
-    """`write(temporary)` then the temporary folder renamed to `folder` (an older `folder` removed after)."""
-    temporary = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(temporary, ignore_errors=True)
-    try:
-        write(temporary)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
-    old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
-    if folder.exists():
-        os.replace(folder, old)
-    os.replace(temporary, folder)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_base(model: Any, tokenizer: Any, folder: Path) -> None:
@@ -52,7 +37,7 @@ def write_base(model: Any, tokenizer: Any, folder: Path) -> None:
         model.save_pretrained(temporary)
         tokenizer.save_pretrained(temporary)
 
-    _replace_folder(folder, write)
+    replace_folder(folder, write)
 
 
 def _plain_name(name: str) -> str:

@@ -56,6 +56,7 @@ from hf_llmkit.cli.results import (
     save_results,
 )
 from hf_llmkit.cli.run_folder import FlagRecord, settle_output_dir
+from hf_llmkit.data.cache import remove_stale_temporaries
 from hf_llmkit.data.corpus import default_cache_dir
 from hf_llmkit.trainers import LLMKitTrainer
 
@@ -217,6 +218,7 @@ def check_folders(args: Args) -> None:
     cache_flag = "--data_cache_dir" if cache_dir else "the hf_llmkit cache ($HF_LLMKIT_CACHE)"
     check_writable_folder(cache_dir or default_cache_dir(), flag=cache_flag)
     check_writable_folder(training.output_dir, flag="--output_dir")
+    features.check_folders(args)  # what the features write inside it (output_dir/merged)
 
 
 class Model(NamedTuple):
@@ -352,6 +354,8 @@ def run_job(job: Job, steps: DataSteps, argv: list[str] | None = None) -> dict[s
         data = steps.read(args)
         # one run per output folder: a second run into it stops here, before any work (held until the job ends)
         lock = hold_output_dir(args.training.output_dir, main=args.training.process_index == 0)
+        if args.training.process_index == 0:  # what a killed run left half-written there (a merged.tmp-* folder)
+            remove_stale_temporaries(args.training.output_dir)
         try:
             built = build_model(args, load_tokenizer(args.model))
             train, evaluation = steps.prepare(args, built, data)

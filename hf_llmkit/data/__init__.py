@@ -28,7 +28,7 @@ from typing import Any
 # fmt: off
 _NAMES = {
     "blocks": ("build_lm_datasets", "validation_block_count"),
-    "cache": ("publish_once", "remove_stale_temporaries", "temporary_sibling"),
+    "cache": ("publish_once", "remove_stale_temporaries", "replace_folder", "temporary_sibling"),
     "corpus": ("corpus_texts", "corpus_tokenizer", "default_cache_dir", "write_corpus_files"),
     "files": ("TextFiles", "find_data_files", "read_file_rows", "read_text_rows", "split_long_text"),
     "instructions": ("instruction_records", "write_instruction_file"),

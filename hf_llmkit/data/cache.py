@@ -5,6 +5,10 @@ Every write goes to a private temporary sibling named after the process (`<name>
 renamed into place when complete. A process killed half way leaves its temporary behind; the next build in the same
 cache folder removes every temporary of this host whose process is gone (`remove_stale_temporaries`). Temporaries of
 live processes, and of other hosts sharing the folder, are left alone.
+
+`publish_once` keeps the first copy (cache entries are keyed by their content); `replace_folder` puts the new one in
+place of an older folder (a run's output written again: the adapter's base, the merged model), with the same
+temporaries.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["publish_once", "remove_stale_temporaries", "temporary_sibling"]
+__all__ = ["publish_once", "remove_stale_temporaries", "replace_folder", "temporary_sibling"]
 
 _TMP = ".tmp-"
 _OWNER = re.compile(r"\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)(?:-[a-z]+)?$")
@@ -71,3 +75,33 @@ def publish_once(target: Path, write: Callable[[Path], None]) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def replace_folder(target: Path, write: Callable[[Path], None]) -> None:
+    """Run `write(tmp)` into a private temporary folder, then put it in `target`'s place; an older `target` folder
+    is renamed aside to a temporary first and removed after. A failed write removes its temporary and leaves
+    `target` as it was; a process killed half way leaves only temporaries (`remove_stale_temporaries`).
+
+    `target` must be a folder or absent (callers refuse anything else before any work): a file or a symlink there
+    is a ValueError, never replaced and never written through."""
+    tmp, old = temporary_sibling(target), temporary_sibling(target, "old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        if target.is_symlink() or (target.exists() and not target.is_dir()):
+            raise ValueError(f"{target} is not a folder (a file or a symlink appeared there): remove it and run again")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    replaced = target.is_dir()
+    if replaced:
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        if replaced:
+            os.replace(old, target)  # the older folder back where it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -4,6 +4,9 @@ bad records are named by line, and the run trains, evaluates on response tokens 
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from hf_llmkit.data.sft import (
     tokenize_records,
 )
 from hf_llmkit.testing import tiny_llama
+from tests import warm
 from tests.conftest import load_example
 
 SHORT = "Q: {instruction} {input}\nA: "
@@ -172,15 +176,29 @@ def test_trains_on_the_embedded_set_and_reports_the_response_loss(run_sft, tmp_p
     assert AutoModelForCausalLM.from_pretrained(tmp_path).config.hidden_size == 64
 
 
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
 def test_merge_adapter_saves_the_merged_plain_model(run_sft, tmp_path):
     """`--merge_adapter`: output_dir/merged is a plain model (no adapter files) whose logits are the trained adapter
-    model's; the adapter and its base are saved as before."""
+    model's; the adapter and its base are saved as before. An earlier run's merged/ is replaced, and what a run
+    killed during its merge left (issue 52: a full-size merged.tmp-* folder forever) is removed."""
     from peft import PeftModel
 
+    (tmp_path / "merged").mkdir()
+    (tmp_path / "merged" / "an earlier merge").write_text("x")
+    killed = f"merged.tmp-{socket.gethostname()}-{_dead_pid()}"  # the names `replace_folder` writes
+    for leftover in (killed, killed + "-old"):
+        (tmp_path / leftover).mkdir()
+        (tmp_path / leftover / "model.safetensors").write_bytes(b"half")
     flags = [*TINY, "--output_dir", str(tmp_path), "--max_steps", "2", "--learning_rate", "3e-2"]
     results = run_sft.run([*flags, "--peft_method", "lora", "--merge_adapter"])
     merged_dir = tmp_path / "merged"
     assert results["merged_model"] == str(merged_dir) and not (merged_dir / "adapter_config.json").exists()
+    assert not (merged_dir / "an earlier merge").exists() and not list(tmp_path.glob("*.tmp-*"))
     merged = AutoModelForCausalLM.from_pretrained(merged_dir)
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -215,3 +233,45 @@ def test_merge_adapter_with_a_lora_bias_on_layers_without_bias_is_refused_before
     assert "(model.layers.0.self_attn.q_proj, model.layers.0.self_attn.v_proj, ...)" in message
     assert message.endswith("drop --lora_bias, or --merge_adapter") and "\n" not in message
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink"])
+def test_merge_adapter_refuses_a_file_or_a_symlink_at_merged_before_any_work(run_sft, tmp_path, kind):
+    """Issue 52: output_dir/merged a file (or a link to a folder elsewhere) made a re-run exit 0 without the merged
+    model (or with the old one beside a newer adapter): refused in one line, nothing written, the link's folder
+    untouched."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text("{}")
+    if kind == "file":
+        (out / "merged").write_text("notes")
+    else:
+        (out / "merged").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(run_sft.UsageError) as info:
+        run_sft.run([*TINY, "--output_dir", str(out), "--peft_method", "lora", "--merge_adapter"])
+    what = "a file" if kind == "file" else f"a symlink to {elsewhere}"
+    expected = f"--merge_adapter writes the merged model to the folder {out / 'merged'}, and that is {what}: remove"
+    assert expected in str(info.value) and "\n" not in str(info.value)
+    assert [p.name for p in out.iterdir()] == ["merged"] and [p.name for p in elsewhere.iterdir()] == ["config.json"]
+
+
+def test_merge_adapter_on_a_full_disk_is_one_line_and_exit_status_74(tmp_path):
+    """Issue 52: a failed write of the merged model (a real file size limit in a process of its own, as a nearly full
+    disk) was safetensors' traceback; it is the one line and exit status 74 of every failed save, nothing is left
+    under merged/, and the adapter is saved."""
+    model = tmp_path / "model"
+    tiny_llama(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2).save_pretrained(model)
+    corpus_tokenizer(vocab_size=512).save_pretrained(model)
+    limit = (model / "model.safetensors").stat().st_size // 2  # above the adapter's files, below the model's
+    out = tmp_path / "out"
+    flags = [*TINY[10:], "--model_name_or_path", model, "--output_dir", out, "--max_steps", "2"]
+    flags += ["--peft_method", "lora", "--merge_adapter"]
+    proc = warm.run_script(Path(__file__).parent / "merge_file_limit_run.py", [limit, *flags])
+    assert proc.returncode == 74, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    [line] = [line for line in proc.stderr.splitlines() if "could not write" in line]
+    assert f"could not write the merged model into {out / 'merged'}: file too large" in line
+    assert "the trained adapter is saved in" in line
+    assert (out / "adapter_model.safetensors").is_file()
+    assert not (out / "merged").exists() and not list(out.glob("*.tmp-*"))

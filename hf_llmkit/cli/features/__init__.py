@@ -25,8 +25,8 @@ from hf_llmkit.cli.features.sequence_parallel import SEQUENCE_PARALLEL
 
 __all__ = [
     "FEATURES", "BuildState", "Feature", "adapter_base_dir", "argument_types", "build_stages", "callbacks",
-    "check_combinations", "default_values", "derived_defaults", "finished", "flag_groups", "folder_suffixes",
-    "load_config", "setup_rows", "train_results",
+    "check_combinations", "check_folders", "default_values", "derived_defaults", "finished", "flag_groups",
+    "folder_suffixes", "load_config", "setup_rows", "train_results",
 ]  # fmt: skip
 
 FEATURES: tuple[Feature, ...] = (PEFT, DKM, KBIT, MOE, SEQUENCE_PARALLEL, RUN)
@@ -60,6 +60,11 @@ def derived_defaults(values: Mapping[str, Any], given: set[str]) -> dict:
 def check_combinations(args: Any) -> None:
     for feature in _registry():
         feature.check(args)
+
+
+def check_folders(args: Any) -> None:
+    for feature in _registry():
+        feature.check_folders(args)
 
 
 def folder_suffixes(values: Mapping[str, Any]) -> list[str]:

@@ -8,6 +8,8 @@ any of these, each a no-op by default:
   of its flags is on (`hf_llmkit.cli.feature_flags.FlagGroup`), `derived_defaults`: defaults that follow from what
   was typed;
 - `check(args)`: the combinations it cannot work in, refused before any work with a `ValueError` naming the fix;
+  `check_folders(args)`: what it writes inside the output folder, checked once that folder is settled (before any
+  work, with the job's other folder checks);
 - `folder_suffix(values)`: its part of the default output folder name (`outputs/run_clm-lora-dkm`);
 - `load_config(args)`: the `quantization_config` the model is loaded with; `model_stage(args, state)`: what it does
   to the loaded model (`state.model`), run in the order of `stage` (upcycle, quantize, check, prepare, wrap);
@@ -54,6 +56,9 @@ class Feature:
         return {}
 
     def check(self, args: Any) -> None:
+        return None
+
+    def check_folders(self, args: Any) -> None:
         return None
 
     def folder_suffix(self, values: Mapping[str, Any]) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,10 @@ from hf_llmkit.cli.model_loading import ties_embeddings
 from hf_llmkit.cli.peft import PeftArguments
 
 __all__ = ["PEFT", "adapter_base_dir"]
+
+
+def _merged_dir(args: Any) -> Path:
+    return Path(args.training.output_dir) / "merged"
 
 
 def adapter_base_dir(args: Any) -> Path | None:
@@ -89,16 +94,37 @@ class Peft(Feature):
                 ".merge_and_unload())"
             )
 
+    def check_folders(self, args) -> None:
+        """`--merge_adapter` writes the folder output_dir/merged: a file or a symlink there is refused (a symlink may
+        point at any folder, the user's own model too: the merge never replaces what it points at)."""
+        if not args.peft.merge_adapter:
+            return
+        target = _merged_dir(args)
+        what = None
+        if target.is_symlink():
+            what = f"a symlink to {os.readlink(target)}"
+        elif target.exists() and not target.is_dir():
+            what = "a file"
+        if what is not None:
+            raise ValueError(
+                f"--merge_adapter writes the merged model to the folder {target}, and that is {what}: remove it, or "
+                "pass another --output_dir"
+            )
+
     def finished(self, args, trainer) -> dict:
         """`--merge_adapter`: the adapter merged into the base weights, saved as a plain model (and the tokenizer)
-        to output_dir/merged, written whole or not at all (a temporary folder renamed)."""
+        to output_dir/merged, written whole or not at all (a temporary folder renamed; an earlier run's merge of
+        another adapter removed first). A disk-full or permission error ends the run with one line and exit status
+        74 (`CheckpointWriteError`), nothing left under merged/; the adapter and the results are saved by then."""
         if not args.peft.merge_adapter:
             return {}
         import shutil
 
-        from hf_llmkit.data.cache import publish_once
+        from hf_llmkit.checkpoints.endings import CheckpointWriteError, logged
+        from hf_llmkit.checkpoints.retries import describe_write_error
+        from hf_llmkit.data.cache import replace_folder
 
-        target = Path(args.training.output_dir) / "merged"
+        target = _merged_dir(args)
         if trainer.is_world_process_zero():
             merged = trainer.model.merge_and_unload()  # the last use of the adapter model: merged in place
 
@@ -107,8 +133,19 @@ class Peft(Feature):
                 if trainer.processing_class is not None:
                     trainer.processing_class.save_pretrained(folder)
 
-            shutil.rmtree(target, ignore_errors=True)  # an earlier run's merge of another adapter
-            publish_once(target, write)
+            try:
+                if target.is_dir() and not target.is_symlink():
+                    shutil.rmtree(target)  # an earlier run's merge of another adapter (and room for this one)
+                replace_folder(target, write)
+            except Exception as err:
+                reason = describe_write_error(err, target.parent)
+                if reason is None:
+                    raise
+                message = (
+                    f"could not write the merged model into {target}: {reason}; nothing is left there, and the "
+                    f"trained adapter is saved in {args.training.output_dir}: free space and run the command again"
+                )
+                raise logged(CheckpointWriteError(message), is_main_process=True) from err
         return {"merged_model": str(target)}
 
     def describe(self, args):
