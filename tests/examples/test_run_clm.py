@@ -148,3 +148,12 @@ def test_how_a_txt_file_is_cut_is_said_and_chosen(run_clm, tmp_path, monkeypatch
     assert seen["line"] > seen["paragraph"] and seen["line"] <= len(lines) and seen["paragraph"] <= paragraphs
     with pytest.raises(run_clm.UsageError, match="^--text_rows cuts .txt files into rows, and the data has none; "):
         run_clm.run([*TINY, "--text_rows", "paragraph", "--output_dir", str(tmp_path / "none")])  # the embedded corpus
+
+
+def test_merge_adapter_refuses_a_file_at_merged_before_any_work(run_clm, tmp_path):
+    """Issue 52, the main job's side (the whole case is in test_run_sft.py): output_dir/merged a file is refused in
+    one line before any work, not an exit 0 without the merged model."""
+    (tmp_path / "merged").write_text("notes")
+    with pytest.raises(run_clm.UsageError, match="and that is a file: remove it, or pass another --output_dir"):
+        run_clm.run([*TINY, "--output_dir", str(tmp_path), "--peft_method", "lora", "--merge_adapter", "true"])
+    assert [p.name for p in tmp_path.iterdir()] == ["merged"]
