@@ -142,7 +142,7 @@ class Peft(Feature):
                 if reason is None:
                     raise
                 message = (
-                    f"could not write the merged model into {target}: {reason}; nothing is left there, and the "
+                    f"could not write the merged model into {target}: {reason}; no merged model is there, and the "
                     f"trained adapter is saved in {args.training.output_dir}: free space and run the command again"
                 )
                 raise logged(CheckpointWriteError(message), is_main_process=True) from err
