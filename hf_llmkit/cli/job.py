@@ -354,9 +354,9 @@ def run_job(job: Job, steps: DataSteps, argv: list[str] | None = None) -> dict[s
         data = steps.read(args)
         # one run per output folder: a second run into it stops here, before any work (held until the job ends)
         lock = hold_output_dir(args.training.output_dir, main=args.training.process_index == 0)
-        if args.training.process_index == 0:  # what a killed run left half-written there (a merged.tmp-* folder)
-            remove_stale_temporaries(args.training.output_dir)
         try:
+            if args.training.process_index == 0:  # what a killed run left half-written there (merged.tmp-* folders)
+                remove_stale_temporaries(args.training.output_dir)
             built = build_model(args, load_tokenizer(args.model))
             train, evaluation = steps.prepare(args, built, data)
         except BaseException:
