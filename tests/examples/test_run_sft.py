@@ -172,13 +172,29 @@ def test_trains_on_the_embedded_set_and_reports_the_response_loss(run_sft, tmp_p
     assert AutoModelForCausalLM.from_pretrained(tmp_path).config.hidden_size == 64
 
 
-def test_merge_adapter_saves_the_merged_plain_model(run_sft, tmp_path):
+@pytest.mark.parametrize(
+    "method",
+    [
+        ["--peft_method", "lora"],
+        ["--peft_method", "bitfit"],  # biases added to Llama's bias-less layers: declared by attention/mlp_bias
+        [
+            "--peft_method",
+            "lora",
+            "--target_modules",
+            "embed_tokens,q_proj",
+            "--config_overrides",
+            "tie_word_embeddings=true",
+        ],  # the tied lm_head keeps the base weight: untied in the merged model
+    ],  # fmt: skip
+    ids=["lora", "bitfit", "lora-tied-embedding"],
+)
+def test_merge_adapter_saves_the_merged_plain_model(run_sft, tmp_path, method):
     """`--merge_adapter`: output_dir/merged is a plain model (no adapter files) whose logits are the trained adapter
     model's; the adapter and its base are saved as before."""
     from peft import PeftModel
 
     flags = [*TINY, "--output_dir", str(tmp_path), "--max_steps", "2", "--learning_rate", "3e-2"]
-    results = run_sft.run([*flags, "--peft_method", "lora", "--merge_adapter"])
+    results = run_sft.run([*flags, *method, "--merge_adapter"])
     merged_dir = tmp_path / "merged"
     assert results["merged_model"] == str(merged_dir) and not (merged_dir / "adapter_config.json").exists()
     merged = AutoModelForCausalLM.from_pretrained(merged_dir)
@@ -202,3 +218,15 @@ def test_merge_adapter_saves_the_merged_plain_model(run_sft, tmp_path):
 def test_merge_adapter_refuses_what_it_cannot_merge_before_any_work(run_sft, tmp_path, flags, expected):
     with pytest.raises(run_sft.UsageError, match=expected):
         run_sft.parse_args([*TINY, "--output_dir", str(tmp_path), *flags])
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
+def test_merge_adapter_refuses_bitfit_biases_the_architecture_cannot_hold_before_training(
+    run_sft, tmp_path, model_type
+):
+    """Qwen2's o_proj / MLP and every Mistral projection are built without a bias whatever the config says: a merged
+    BitFit model would reload without the trained biases, so the run stops before training and writes nothing."""
+    flags = [*TINY, "--output_dir", str(tmp_path / "run"), "--model_type", model_type, "--peft_method", "bitfit"]
+    with pytest.raises(run_sft.UsageError, match="--bitfit_add_missing_biases false .* or drop --merge_adapter$"):
+        run_sft.run([*flags, "--merge_adapter"])
+    assert not (tmp_path / "run").exists()
