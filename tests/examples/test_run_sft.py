@@ -172,6 +172,37 @@ def test_trains_on_the_embedded_set_and_reports_the_response_loss(run_sft, tmp_p
     assert AutoModelForCausalLM.from_pretrained(tmp_path).config.hidden_size == 64
 
 
+@pytest.mark.parametrize("method", [[], ["--peft_method", "bitfit"]], ids=["full", "bitfit"])
+def test_a_head_tied_to_its_clustered_embedding_trains_and_reloads(run_sft, tmp_path, method):
+    """--dkm_quantize_embeddings true on a tied model (issue 52), with or without an adapter: the LM head stays the
+    clustered embedding in the job and in the saved model (the adapter's base), which reloads to finite logits."""
+    from peft import PeftModel
+
+    from hf_llmkit.quantization.tied import TiedDKMHead
+
+    flags = [*TINY, "--output_dir", str(tmp_path), "--max_steps", "2", "--config_overrides",
+             "tie_word_embeddings=true", "--quantization", "dkm", "--dkm_bits", "4", "--dkm_quantize_embeddings",
+             "true"]  # fmt: skip
+    results = run_sft.run([*flags, *method])
+    assert results["global_step"] == 2 and results["eval_loss"] == results["eval_loss"]  # not NaN
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base" if method else tmp_path)
+    assert isinstance(model.lm_head, TiedDKMHead) and model.lm_head.embedding is model.model.embed_tokens
+    if method:
+        model = PeftModel.from_pretrained(model, tmp_path)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 5, 9, 22]])).logits).all()
+
+
+def test_modules_to_save_cannot_split_a_head_tied_to_its_clustered_embedding(run_sft, tmp_path):
+    flags = [*TINY, "--output_dir", str(tmp_path / "run"), "--config_overrides", "tie_word_embeddings=true",
+             "--quantization", "dkm", "--dkm_quantize_embeddings", "true", "--peft_method", "lora"]  # fmt: skip
+    with pytest.raises(
+        run_sft.UsageError, match="drop embed_tokens from --modules_to_save, or pass --dkm_quantize_em"
+    ):
+        run_sft.run([*flags, "--modules_to_save", "embed_tokens"])
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize(
     "method",
     [

@@ -37,6 +37,27 @@ def _check_mergeable(model: Any, args: Any) -> None:
         )
 
 
+def _check_clustered_tie_kept(model: Any, modules_to_save: Any) -> None:
+    """An LM head that is its DKM-clustered embedding (`TiedDKMHead`) and that embedding are one weight: a trained
+    full copy of either (`--modules_to_save`) would split them, so it is refused before training."""
+    from hf_llmkit.quantization.tied import TiedDKMHead
+
+    if not modules_to_save:
+        return
+    names = {id(m): n for n, m in model.named_modules()}
+    for head_name, head in model.named_modules():
+        if not isinstance(head, TiedDKMHead):
+            continue
+        for name in (head_name, names.get(id(head.embedding), "")):
+            saved = next((m for m in modules_to_save if name == m or name.endswith(f".{m}")), None)
+            if saved is not None:
+                raise ValueError(
+                    f"--modules_to_save {saved}: this model's {head_name} is its DKM-clustered input embedding "
+                    "(--dkm_quantize_embeddings true on tied embeddings), one weight that a trained copy would split: "
+                    f"drop {saved} from --modules_to_save, or pass --dkm_quantize_embeddings false"
+                )
+
+
 def untie_adapted_embeddings(model: Any) -> bool:
     """Before merging: an adapter layer on an embedding tied to the output layer (LoRA `--target_modules
     embed_tokens`) adapted one side only, and merged into the shared weight it would change both. The output layer
@@ -75,6 +96,7 @@ class Peft(Feature):
         peft_config = args.peft.build_config(tied_embeddings=ties_embeddings(state.model))
         if peft_config is None:
             return
+        _check_clustered_tie_kept(state.model, getattr(peft_config, "modules_to_save", None))
         base_dir = adapter_base_dir(args)
         if base_dir is not None:  # the adapter's config points at the base saved next to it
             state.model.name_or_path = str(base_dir.resolve())
