@@ -10,7 +10,7 @@ from hf_llmkit.cli.features.base import BuildState, Feature
 from hf_llmkit.cli.model_loading import ties_embeddings
 from hf_llmkit.cli.peft import PeftArguments
 
-__all__ = ["PEFT", "adapter_base_dir", "untie_adapted_embeddings"]
+__all__ = ["PEFT", "adapter_base_dir"]
 
 
 def adapter_base_dir(args: Any) -> Path | None:
@@ -24,16 +24,16 @@ def adapter_base_dir(args: Any) -> Path | None:
     return Path(args.training.output_dir) / "base"
 
 
-def _check_mergeable(model: Any, args: Any) -> None:
+def _check_mergeable(model: Any) -> None:
     """`--merge_adapter` saves a model `from_pretrained` reloads equal to the adapter model, or the run stops here,
-    before training: BitFit biases added to layers whose architecture builds them without one are refused."""
-    undeclared = getattr(model.base_model, "undeclarable_biases", list)()
-    if undeclared:
-        kind = model.get_base_model().config.model_type
+    before training (`hf_llmkit.tuners.merging.merge_problem`)."""
+    from hf_llmkit.tuners.merging import merge_problem
+
+    problem = merge_problem(model)
+    if problem is not None:
         raise ValueError(
-            f"--merge_adapter: a {kind} model's config cannot declare the biases BitFit adds to its bias-less layers "
-            f"(e.g. {undeclared[0]}), so the merged model would reload without them: pass "
-            "--bitfit_add_missing_biases false (train its existing biases only), or drop --merge_adapter"
+            f"--merge_adapter: {problem}: pass --bitfit_add_missing_biases false (train its existing biases only), "
+            "or drop --merge_adapter"
         )
 
 
@@ -56,27 +56,6 @@ def _check_clustered_tie_kept(model: Any, modules_to_save: Any) -> None:
                     "(--dkm_quantize_embeddings true on tied embeddings), one weight that a trained copy would split: "
                     f"drop {saved} from --modules_to_save, or pass --dkm_quantize_embeddings false"
                 )
-
-
-def untie_adapted_embeddings(model: Any) -> bool:
-    """Before merging: an adapter layer on an embedding tied to the output layer (LoRA `--target_modules
-    embed_tokens`) adapted one side only, and merged into the shared weight it would change both. The output layer
-    gets its own copy of the base weight and the config stops tying, so the merged model (and its reload) computes
-    what the adapter model did. Returns whether it untied."""
-    import torch
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    base = model.get_base_model()
-    inputs, outputs = base.get_input_embeddings(), base.get_output_embeddings()
-    if outputs is None or not (isinstance(inputs, BaseTunerLayer) or isinstance(outputs, BaseTunerLayer)):
-        return False
-    inputs, outputs = (m.get_base_layer() if isinstance(m, BaseTunerLayer) else m for m in (inputs, outputs))
-    if outputs.weight is not inputs.weight:
-        return False
-    outputs.weight = torch.nn.Parameter(outputs.weight.detach().clone(), requires_grad=False)
-    for config in {id(c): c for c in (base.config, base.config.get_text_config())}.values():
-        config.tie_word_embeddings = False
-    return True
 
 
 class Peft(Feature):
@@ -106,7 +85,7 @@ class Peft(Feature):
             state.template = PTuningTemplate(state.tokenizer, peft_config)
         state.model = get_peft_model(state.model, peft_config)
         if args.peft.merge_adapter:
-            _check_mergeable(state.model, args)
+            _check_mergeable(state.model)
 
     def check(self, args) -> None:
         if not args.peft.merge_adapter:
@@ -133,10 +112,11 @@ class Peft(Feature):
         import shutil
 
         from hf_llmkit.data.cache import publish_once
+        from hf_llmkit.tuners.merging import untie_adapted_embeddings
 
         target = Path(args.training.output_dir) / "merged"
         if trainer.is_world_process_zero():
-            untie_adapted_embeddings(trainer.model)
+            untie_adapted_embeddings(trainer.model)  # a LoRA on a tied embedding: the output layer kept its weight
             merged = trainer.model.merge_and_unload()  # the last use of the adapter model: merged in place
 
             def write(folder: Path) -> None:
