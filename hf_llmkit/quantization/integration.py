@@ -139,7 +139,9 @@ def trainable_from_packed(model: nn.Module) -> list[str]:
 
 
 def _swap_packed(model: nn.Module, dtype: torch.dtype) -> list[str]:
-    swapped = []
+    from hf_llmkit.quantization.tied import TiedDKMHead
+
+    swapped, replaced = [], {}
     for name, module in list(model.named_modules()):
         if not isinstance(module, PACKED):
             continue
@@ -153,6 +155,10 @@ def _swap_packed(model: nn.Module, dtype: torch.dtype) -> list[str]:
         new.load_state_dict(module.state_dict())  # the packed tensors decode into weight + centroids (+ scales)
         model.set_submodule(name, new)
         swapped.append(name)
+        replaced[id(module)] = new
+    for head in model.modules():  # an LM head tied to a swapped embedding multiplies by the trainable one now
+        if isinstance(head, TiedDKMHead) and id(head.embedding) in replaced:
+            head.tie_to(replaced[id(head.embedding)])
     return swapped
 
 
