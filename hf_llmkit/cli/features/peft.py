@@ -30,11 +30,13 @@ def _check_mergeable(model: Any) -> None:
     from hf_llmkit.tuners.merging import merge_problem
 
     problem = merge_problem(model)
-    if problem is not None:
-        raise ValueError(
-            f"--merge_adapter: {problem}: pass --bitfit_add_missing_biases false (train its existing biases only), "
-            "or drop --merge_adapter"
-        )
+    if problem is None:
+        return
+    from torch import nn
+
+    has_biases = any(isinstance(m, nn.Linear) and m.bias is not None for m in model.get_base_model().modules())
+    existing = "pass --bitfit_add_missing_biases false (train its existing biases only), or " if has_biases else ""
+    raise ValueError(f"--merge_adapter: {problem}: {existing}drop --merge_adapter (the adapter is saved either way)")
 
 
 def _check_clustered_tie_kept(model: Any, modules_to_save: Any) -> None:
