@@ -57,6 +57,7 @@ from hf_llmkit.checkpoints.transaction import (
     register_contributor,
     transaction_of,
 )
+from hf_llmkit.tuners.merging import merge_problem, untie_adapted_embeddings
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,9 @@ class SavePeftModelCallback(TrainerCallback, PartWriter):
         subfolder: Folder name for the adapter inside each checkpoint and inside `output_dir`.
         save_processing_class: Also save the tokenizer / processor handed to the Trainer next to the adapter.
         save_merged: Also save the base model with the adapter merged in (safetensors), for methods that can
-            merge (LoRA, BitFit, ...); skipped with a warning for methods that cannot, and under ZeRO-3.
+            merge (LoRA, BitFit, ...), reloading equal to the adapter model (a LoRA on a tied embedding unties the
+            output layer); skipped with a warning for methods that cannot, for a merge that would reload different
+            (`hf_llmkit.tuners.merging.merge_problem`), and under ZeRO-3.
         merged_subfolder: Folder name for the merged model.
         save_at_train_end: Save into `output_dir/<subfolder>` when training ends.
     """
@@ -210,8 +213,14 @@ class SavePeftModelCallback(TrainerCallback, PartWriter):
             self._warn_once("merged-zero3", "save_merged is skipped under ZeRO-3 (the base model is partitioned)")
             return
         method = type(peft_model.base_model).__name__
+        problem = merge_problem(peft_model)
+        if problem is not None:
+            self._warn_once("merged-reload", "save_merged: %s; skipped (the adapter is saved)", problem)
+            return
         try:  # on a copy: the training model keeps its adapter
-            merged = copy.deepcopy(peft_model).merge_and_unload()
+            twin = copy.deepcopy(peft_model)
+            untie_adapted_embeddings(twin)  # a LoRA on a tied embedding: the output layer keeps the base weight
+            merged = twin.merge_and_unload()
         except (AttributeError, NotImplementedError, ValueError, TypeError) as err:
             self._warn_once("merged-method", "save_merged: %s adapters cannot be merged (%s); skipped", method, err)
             return

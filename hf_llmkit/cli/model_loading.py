@@ -122,9 +122,16 @@ def context_length(config: Any) -> int | None:
 
 
 def ties_embeddings(model: torch.nn.Module) -> bool:
-    """Whether the output layer shares its weight with the input embedding."""
+    """Whether the output layer shares its weight with the input embedding (a DKM `TiedDKMHead` multiplies by its
+    clustered embedding's own weight: tied too)."""
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return output is not None and output.weight is model.get_input_embeddings().weight
+    if output is None:
+        return False
+    inputs = model.get_input_embeddings()
+    if getattr(output, "embedding", None) is inputs:  # hf_llmkit.quantization.tied.TiedDKMHead
+        return True
+    weight = getattr(output, "weight", None)
+    return weight is not None and weight is getattr(inputs, "weight", None)
 
 
 def _dtype(name: str | None) -> Any:

@@ -46,6 +46,11 @@ docstrings say); `from_pretrained` hands the first one `checkpoint_files`, which
   A tied LM head over a clustered embedding has no dense weight to share (hf_llmkit.quantization.tied): its entry
   is dropped (`untie`), which `tie_weights(recompute_mapping=False)`, the call `from_pretrained` makes, honours.
 
+- `_is_hf_initialized` / `PreTrainedModel._init_weights`: `from_pretrained` flags every tensor it loads with
+  `_is_hf_initialized` and initialises the rest with the model's `_init_weights`, which knows `nn.Linear` only: a
+  packed DKM layer's bias that the checkpoint lacks (`attention_bias=True`, another architecture's class) would be
+  left as uninitialised memory. `initialise_missing_bias` gives it what `_init_weights` gives a Linear's bias.
+
 - `transformers.core_model_loading.ConversionOps`: the base class of a weight-loading operation, which
   `get_quantize_ops` must return (`DKMInitTables`); the module is not part of the documented API.
 - `transformers.quantizers.quantizers_utils.get_module_from_name` / `should_convert_module`: the helpers every
@@ -124,7 +129,9 @@ __all__ = [
     "configured_attention",
     "get_module_from_name",
     "ignore_unexpected_keys",
+    "initialise_missing_bias",
     "keep_in_fp32_modules",
+    "loaded_by_from_pretrained",
     "missing_quantizer_internals",
     "missing_trainer_internals",
     "model_eager_attention",
@@ -171,6 +178,12 @@ def missing_quantizer_internals() -> list[str]:
             missing.append(f"HfQuantizer.{caller} no longer calls {hook}")
     if "checkpoint_files=checkpoint_files" not in inspect.getsource(PreTrainedModel.from_pretrained):
         missing.append("from_pretrained no longer passes checkpoint_files to the quantizer")
+    from transformers import core_model_loading
+
+    if "_is_hf_initialized = True" not in inspect.getsource(core_model_loading):
+        missing.append("from_pretrained no longer flags loaded tensors with _is_hf_initialized")
+    if not callable(getattr(PreTrainedModel, "_init_weights", None)):
+        missing.append("PreTrainedModel._init_weights")
     return missing
 
 
@@ -221,6 +234,29 @@ def untie(model, target: str) -> None:
     tied = getattr(model, "all_tied_weights_keys", None)
     if tied:
         tied.pop(target, None)
+
+
+def loaded_by_from_pretrained(tensor: Any) -> bool:
+    """Whether `from_pretrained` filled `tensor` from the checkpoint (or initialised it already)."""
+    return bool(getattr(tensor, "_is_hf_initialized", False))
+
+
+def initialise_missing_bias(model: Any, bias: Any) -> None:
+    """Initialise `bias`, a Linear-like layer's bias the checkpoint did not hold, as `from_pretrained` initialises a
+    missing `nn.Linear` bias: through the model's own `_init_weights` (zeros, in every transformers model), handed a
+    stand-in `nn.Linear` that holds `bias` (its own weight marked as initialised, so left alone)."""
+    import torch
+
+    stand_in = torch.nn.Linear(1, 1, bias=False)
+    stand_in.weight._is_hf_initialized = True
+    stand_in.bias = bias
+    init = getattr(model, "_init_weights", None)
+    with torch.no_grad():
+        if callable(init):
+            init(stand_in)
+        else:
+            bias.zero_()
+    bias._is_hf_initialized = True
 
 
 def quantization_method_registered(name: str) -> tuple[bool, bool]:

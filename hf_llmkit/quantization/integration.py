@@ -4,7 +4,8 @@
   inference layers for a compact checkpoint). Which one a checkpoint's layer loads is read from its tensor names
   before, in `layout.py` (`read_layout`).
 - `DKMInitTables`: the load op that runs the k-means of each trainable layer as its weight arrives.
-- `verify_loaded`: after loading, tables are finite and packed tensors have the config's shapes.
+- `verify_loaded`: after loading, tables are finite and packed tensors have the config's shapes; a packed layer's
+  bias the checkpoint lacks is initialised as transformers initialises a Linear's (`initialise_missing_biases`).
 - `trainable_from_packed`: a model loaded from a compact checkpoint made trainable again (DKM training continues, or
   a PEFT adapter trains on it).
 - `dkm_state_dict`: what `save_pretrained` writes: packed indices + lookup tables (compact), plus the latent weights
@@ -21,7 +22,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hf_llmkit.compat.transformers import ConversionOps, get_module_from_name, should_convert_module
+from hf_llmkit.compat.transformers import (
+    ConversionOps,
+    get_module_from_name,
+    initialise_missing_bias,
+    loaded_by_from_pretrained,
+    should_convert_module,
+)
 from hf_llmkit.quantization import engines, steps
 from hf_llmkit.quantization.config import DKMConfig
 from hf_llmkit.quantization.layer_settings import DKMSettings, check_scales, check_table
@@ -132,7 +139,9 @@ def trainable_from_packed(model: nn.Module) -> list[str]:
 
 
 def _swap_packed(model: nn.Module, dtype: torch.dtype) -> list[str]:
-    swapped = []
+    from hf_llmkit.quantization.tied import TiedDKMHead
+
+    swapped, replaced = [], {}
     for name, module in list(model.named_modules()):
         if not isinstance(module, PACKED):
             continue
@@ -146,6 +155,10 @@ def _swap_packed(model: nn.Module, dtype: torch.dtype) -> list[str]:
         new.load_state_dict(module.state_dict())  # the packed tensors decode into weight + centroids (+ scales)
         model.set_submodule(name, new)
         swapped.append(name)
+        replaced[id(module)] = new
+    for head in model.modules():  # an LM head tied to a swapped embedding multiplies by the trainable one now
+        if isinstance(head, TiedDKMHead) and id(head.embedding) in replaced:
+            head.tie_to(replaced[id(head.embedding)])
     return swapped
 
 
@@ -183,6 +196,21 @@ def verify_loaded(model: nn.Module, pre_quantized: bool) -> None:
                 module.dkm_initialised = True
             elif not module.dkm_initialised:
                 module.init_centroids()  # a weight that was not in the checkpoint (freshly initialised)
+
+
+def initialise_missing_biases(model: nn.Module) -> list[str]:
+    """After `from_pretrained`: the bias of each packed Linear that the checkpoint did not hold (a DKM Llama checkpoint
+    loaded with `attention_bias=True`, or by `Qwen2ForCausalLM`) initialised as transformers initialises a missing
+    `nn.Linear` bias (zeros), instead of left as uninitialised memory; returns their names. A layer none of whose
+    tensors came from a checkpoint (not a load) is left alone."""
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, PalettizedLinear) or module.bias is None or loaded_by_from_pretrained(module.bias):
+            continue
+        if loaded_by_from_pretrained(module.weight_packed):
+            initialise_missing_bias(model, module.bias)
+            names.append(f"{name}.bias")
+    return names
 
 
 def check_saveable(model: nn.Module) -> None:

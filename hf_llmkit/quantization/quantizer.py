@@ -82,6 +82,7 @@ class DKMHfQuantizer(HfQuantizer):
         return integration.DKMInitTables(self)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        integration.initialise_missing_biases(model)  # transformers' own init knows nn.Linear only
         integration.verify_loaded(model, self.pre_quantized)
         if any(isinstance(m, integration.TRAINABLE) for m in model.modules()):
             guard_training_state(model)  # training without DKMTrainingStateCallback does not go unnoticed

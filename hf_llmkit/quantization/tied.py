@@ -33,6 +33,10 @@ class TiedDKMHead(nn.Module):
 
     def __init__(self, embedding: DKMEmbedding | PalettizedEmbedding):
         super().__init__()
+        self.tie_to(embedding)
+
+    def tie_to(self, embedding: DKMEmbedding | PalettizedEmbedding) -> None:
+        """Multiply by `embedding` from now on (the module that replaced the embedding, e.g. made trainable)."""
         self.__dict__["embedding"] = embedding  # not a submodule: saved, moved and counted once, as the embedding
         self.in_features, self.out_features = embedding.embedding_dim, embedding.num_embeddings
 

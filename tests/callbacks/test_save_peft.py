@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 import hf_llmkit
 from hf_llmkit.callbacks import AdapterSaveError, SavePeftModelCallback
 from hf_llmkit.callbacks.save_peft import verify_adapter_folder
+from hf_llmkit.testing import tiny_llama
 from tests import warm
 from tests.callbacks.peft_support import reload_logits, zero3_lora_run
 from tests.callbacks.support import make_trainer, small_model
@@ -88,6 +89,26 @@ def test_hf_llmkit_methods(tmp_path, caplog, config, mergeable):
     assert (tmp_path / "merged").is_dir() == mergeable
     if not mergeable:
         assert any("cannot be merged" in r.getMessage() for r in caplog.records)
+
+
+def test_merged_models_reload_as_the_adapter_model_or_are_skipped(tmp_path, caplog):
+    """A LoRA on an embedding tied to the LM head: the merged model unties them (the head kept the base weight) and
+    reloads to the adapter model's logits; BitFit biases Mistral's config cannot declare: skipped, one warning."""
+    from hf_llmkit.testing import tiny_model
+
+    config = LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"], init_lora_weights=False)
+    model = get_peft_model(tiny_llama(tie_word_embeddings=True), config).eval()
+    SavePeftModelCallback(save_merged=True).save(tmp_path / "lora", model=model)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "lora" / "merged").eval()
+    assert not merged.config.tie_word_embeddings
+    torch.testing.assert_close(_logits(merged), _logits(model), rtol=1e-5, atol=1e-5)
+    assert model.get_base_model().lm_head.weight is model.get_base_model().model.embed_tokens.base_layer.weight
+    bitfit = hf_llmkit.BitFitConfig(target_modules=["q_proj"], add_missing_biases=True)
+    model = get_peft_model(tiny_model("mistral", num_hidden_layers=1), bitfit)
+    with caplog.at_level(logging.WARNING, logger="hf_llmkit.callbacks.save_peft"):
+        SavePeftModelCallback(save_merged=True).save(tmp_path / "bitfit", model=model)
+    assert (tmp_path / "bitfit" / "adapter").is_dir() and not (tmp_path / "bitfit" / "merged").exists()
+    assert any("would reload without them; skipped" in r.getMessage() for r in caplog.records)
 
 
 def test_empty_or_misshaped_tensors_fail_loudly(tmp_path):

@@ -55,8 +55,11 @@ SLOW = pytest.mark.slow
          "--dkm_calibration_samples", "4", "--dkm_scale_block_size", "16"],
         pytest.param([*DKM, "--peft_method", "bitfit", "--dkm_calibration_samples", "4"], marks=SLOW),
         pytest.param([*DKM, "--peft_method", "ptuning_v2", "--num_virtual_tokens", "4"], marks=SLOW),
+        [*DKM, "--dkm_quantize_embeddings", "true", "--config_overrides", "tie_word_embeddings=true",
+         "--peft_method", "lora", "--lora_rank", "4"],  # the LM head is the clustered embedding (TiedDKMHead)
     ],
-    ids=["lora", "bottleneck", "dkm-lora", "dkm-recipe-bottleneck", "dkm-calibrated-bitfit", "dkm-ptuning_v2"],
+    ids=["lora", "bottleneck", "dkm-lora", "dkm-recipe-bottleneck", "dkm-calibrated-bitfit", "dkm-ptuning_v2",
+         "dkm-tied-embeddings-lora"],
 )  # fmt: skip
 def test_adapter_on_the_saved_base_reproduces_the_evaluated_model(run_clm, tmp_path, flags):
     held = tmp_path / "held_out.txt"

@@ -182,7 +182,54 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-def test_merge_adapter_saves_the_merged_plain_model(run_sft, tmp_path):
+@pytest.mark.parametrize("method", [[], ["--peft_method", "bitfit"]], ids=["full", "bitfit"])
+def test_a_head_tied_to_its_clustered_embedding_trains_and_reloads(run_sft, tmp_path, method):
+    """--dkm_quantize_embeddings true on a tied model (issue 52), with or without an adapter: the LM head stays the
+    clustered embedding in the job and in the saved model (the adapter's base), which reloads to finite logits."""
+    from peft import PeftModel
+
+    from hf_llmkit.quantization.tied import TiedDKMHead
+
+    flags = [*TINY, "--output_dir", str(tmp_path), "--max_steps", "2", "--config_overrides",
+             "tie_word_embeddings=true", "--quantization", "dkm", "--dkm_bits", "4", "--dkm_quantize_embeddings",
+             "true"]  # fmt: skip
+    results = run_sft.run([*flags, *method])
+    assert results["global_step"] == 2 and results["eval_loss"] == results["eval_loss"]  # not NaN
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base" if method else tmp_path)
+    assert isinstance(model.lm_head, TiedDKMHead) and model.lm_head.embedding is model.model.embed_tokens
+    if method:
+        model = PeftModel.from_pretrained(model, tmp_path)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 5, 9, 22]])).logits).all()
+
+
+def test_modules_to_save_cannot_split_a_head_tied_to_its_clustered_embedding(run_sft, tmp_path):
+    flags = [*TINY, "--output_dir", str(tmp_path / "run"), "--config_overrides", "tie_word_embeddings=true",
+             "--quantization", "dkm", "--dkm_quantize_embeddings", "true", "--peft_method", "lora"]  # fmt: skip
+    with pytest.raises(
+        run_sft.UsageError, match="drop embed_tokens from --modules_to_save, or pass --dkm_quantize_em"
+    ):
+        run_sft.run([*flags, "--modules_to_save", "embed_tokens"])
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        ["--peft_method", "lora"],
+        ["--peft_method", "bitfit"],  # biases added to Llama's bias-less layers: declared by attention/mlp_bias
+        [
+            "--peft_method",
+            "lora",
+            "--target_modules",
+            "embed_tokens,q_proj",
+            "--config_overrides",
+            "tie_word_embeddings=true",
+        ],  # the tied lm_head keeps the base weight: untied in the merged model
+    ],  # fmt: skip
+    ids=["lora", "bitfit", "lora-tied-embedding"],
+)
+def test_merge_adapter_saves_the_merged_plain_model(run_sft, tmp_path, method):
     """`--merge_adapter`: output_dir/merged is a plain model (no adapter files) whose logits are the trained adapter
     model's; the adapter and its base are saved as before. An earlier run's merged/ is replaced, and what a run
     killed during its merge left (issue 52: a full-size merged.tmp-* folder forever) is removed."""
@@ -195,7 +242,7 @@ def test_merge_adapter_saves_the_merged_plain_model(run_sft, tmp_path):
         (tmp_path / leftover).mkdir()
         (tmp_path / leftover / "model.safetensors").write_bytes(b"half")
     flags = [*TINY, "--output_dir", str(tmp_path), "--max_steps", "2", "--learning_rate", "3e-2"]
-    results = run_sft.run([*flags, "--peft_method", "lora", "--merge_adapter"])
+    results = run_sft.run([*flags, *method, "--merge_adapter"])
     merged_dir = tmp_path / "merged"
     assert results["merged_model"] == str(merged_dir) and not (merged_dir / "adapter_config.json").exists()
     assert not (merged_dir / "an earlier merge").exists() and not list(tmp_path.glob("*.tmp-*"))
@@ -275,3 +322,16 @@ def test_merge_adapter_on_a_full_disk_is_one_line_and_exit_status_74(tmp_path):
     assert "the trained adapter is saved in" in line
     assert (out / "adapter_model.safetensors").is_file()
     assert not (out / "merged").exists() and not list(out.glob("*.tmp-*"))
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
+def test_merge_adapter_refuses_bitfit_biases_the_architecture_cannot_hold_before_training(
+    run_sft, tmp_path, model_type
+):
+    """Qwen2's o_proj / MLP and every Mistral projection are built without a bias whatever the config says: a merged
+    BitFit model would reload without the trained biases, so the run stops before training and writes nothing."""
+    flags = [*TINY, "--output_dir", str(tmp_path / "run"), "--model_type", model_type, "--peft_method", "bitfit"]
+    fix = "--bitfit_add_missing_biases false .*, or drop" if model_type == "qwen2" else ": drop"  # Mistral: none
+    with pytest.raises(run_sft.UsageError, match=f"{fix} --merge_adapter \\(the adapter is saved either way\\)$"):
+        run_sft.run([*flags, "--merge_adapter"])
+    assert not (tmp_path / "run").exists()

@@ -26,11 +26,13 @@ CASES = {
     ),
     "3bit-block-scales-reloaded": (DKMConfig(bits=3, scale_block_size=16, lut_dtype="float16"), True),
     "5bit-vectors-embeddings": (DKMConfig(bits=5, cluster_dim=2, quantize_embeddings=True, embedding_bits=3), False),
+    # tie_word_embeddings: the LM head is the clustered embedding (TiedDKMHead), one table for both
+    "8bit-embeddings-tied-reloaded": (DKMConfig(bits=3, quantize_embeddings=True, embedding_bits=8), True),
 }
 
 
-def _model(config: DKMConfig, reload: bool, folder):
-    model = quantize_model(tiny_llama(num_hidden_layers=1), config).eval()
+def _model(config: DKMConfig, reload: bool, folder, *, tied: bool = False):
+    model = quantize_model(tiny_llama(num_hidden_layers=1, tie_word_embeddings=tied), config).eval()
     if reload:
         model.save_pretrained(folder / "ckpt")
         model = AutoModelForCausalLM.from_pretrained(folder / "ckpt")
@@ -42,7 +44,8 @@ def test_program_weights_decode_bitwise_to_ours(case, tmp_path):
     from hf_llmkit.compat.coremltools import load_program
 
     config, reload = CASES[case]
-    model = _model(config, reload, tmp_path)
+    tied = "tied" in case
+    model = _model(config, reload, tmp_path, tied=tied)
     path = export_coreml(model, tmp_path / "model.mlpackage", seq_len=8, precision="float32")
     ops = list(load_program(path).functions["main"].operations)
     weights = {w.name.replace(".", "_"): w for w in palettized_weights(model)}
@@ -67,7 +70,7 @@ def test_program_weights_decode_bitwise_to_ours(case, tmp_path):
         assert np.array_equal(value.view(np.int32), ours.view(np.int32)), name  # bit for bit
     values = [(op.name, op.outputs[0].val) for op in ops if op.op_type == "const"]
     dense = [name for name, v in values if isinstance(v, np.ndarray) and v.dtype == np.float32 and v.size >= 64 * 32]
-    assert set(dense) == {"m_lm_head_weight"} | (  # only the unquantized weights stay dense
+    assert set(dense) == (set() if tied else {"m_lm_head_weight"}) | (  # only the unquantized weights stay dense
         set() if config.quantize_embeddings else {"m_model_embed_tokens_weight"}
     ), dense
 
@@ -134,13 +137,18 @@ def test_float16_program_is_stateful_flexible_and_keeps_16_bit_tables(tmp_path):
     assert {dtype[op.name] for op in dense if "indices" not in op.name} == {"fp16"}  # embedding and head
 
 
-def test_the_traced_stateful_module_generates_our_tokens(tmp_path):
+@pytest.mark.parametrize(
+    ("config", "tied"),
+    [(DKMConfig(bits=4), False), (DKMConfig(bits=4, quantize_embeddings=True, embedding_bits=8), True)],
+    ids=["4bit", "8bit-embeddings-tied"],
+)
+def test_the_traced_stateful_module_generates_our_tokens(tmp_path, config, tied):
     """The module the converter traces, driven as a device would (prefill, then one token per call with the
-    cache in its buffers), generates what the model generates."""
+    cache in its buffers), generates what the model generates (a tied head: the clustered embedding's weight)."""
     from hf_llmkit.quantization.export._coreml_state import causal_mask
     from hf_llmkit.quantization.export.coreml import stateful_model
 
-    model = _model(DKMConfig(bits=4), True, tmp_path)
+    model = _model(config, True, tmp_path, tied=tied)
     stateful = stateful_model(model, palettized_weights(model), seq_len=32, batch_size=1).eval()
     ids = torch.tensor([[5, 9, 33, 2, 7]])
     with torch.no_grad():

@@ -255,6 +255,26 @@ def test_external_data_above_the_threshold(tmp_path, monkeypatch):
         assert np.abs(logits - model(torch.from_numpy(ids)).logits.numpy()).max() <= 1e-5
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["palettized", "dense"])
+def test_a_head_tied_to_the_clustered_embedding_exports_as_that_embedding(tmp_path, dense):
+    """tie_word_embeddings + quantize_embeddings: the LM head (TiedDKMHead) multiplies by the embedding's own table
+    and indices, stored once in the file; the logits are the reloaded checkpoint's."""
+    config = DKMConfig(bits=3, quantize_embeddings=True, embedding_bits=8)
+    model = quantize_model(tiny_llama(num_hidden_layers=1, tie_word_embeddings=True), config).eval()
+    model.save_pretrained(tmp_path / "ckpt")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    file = export_onnx(model, tmp_path / "model.onnx", dense=dense)
+    graph = onnx.load(str(file)).graph
+    names = {i.name for i in graph.initializer}
+    assert not any("lm_head" in name for name in names)  # one copy, the embedding's: packed (or decoded)
+    embedding = {"weight"} if dense else {"weight_packed", "weight_lut"}
+    assert {n.rsplit(".", 1)[-1] for n in names if ".embed_tokens." in n} >= embedding
+    ids = np.array([[3, 17, 99, 4, 250, 8]])
+    (logits, *_) = ort.InferenceSession(str(file)).run(None, _feed(model, ids, np.ones_like(ids), np.arange(6)[None]))
+    with torch.no_grad():
+        assert np.abs(logits - model(torch.from_numpy(ids)).logits.numpy()).max() <= 1e-5
+
+
 def test_bad_input_is_one_value_error_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="has no DKM layers"):
         export_onnx(tiny_llama(), tmp_path / "m.onnx")

@@ -10,11 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 
 from hf_llmkit import DKMConfig
-from hf_llmkit.quantization import DKMLinear, PalettizedEmbedding, keep_training_state, quantize_model
-from hf_llmkit.testing import tiny_llama
+from hf_llmkit.quantization import (
+    DKMLinear,
+    PalettizedEmbedding,
+    PalettizedLinear,
+    keep_training_state,
+    quantize_model,
+)
+from hf_llmkit.testing import tiny_llama, tiny_model
 
 Q = "model.layers.0.self_attn.q_proj"
 SCALED = DKMConfig(bits=4, scale_block_size=16, lut_dtype="float16")
@@ -229,3 +235,26 @@ def test_a_dtype_cast_keeps_the_tables_as_loading_in_that_dtype_does(saved, tmp_
     assert compact.get_submodule(Q).weight_lut.dtype == torch.float32  # lut_dtype float32
     with pytest.raises(ValueError, match="not supported for quantized model"):
         compact.half()
+
+
+def test_biases_a_checkpoint_lacks_are_initialised_as_transformers_does(saved, tmp_path):
+    """A packed layer's bias that the checkpoint does not hold (the config asks for biases, or another architecture's
+    class loads it) is zero, as transformers makes a plain checkpoint's missing Linear bias, never uninitialised
+    memory; biases the checkpoint holds load as saved."""
+    ids = torch.tensor([[1, 5, 9, 22, 7, 3]])
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(saved["compact"])(ids).logits
+        with_bias = AutoModelForCausalLM.from_pretrained(saved["compact"], attention_bias=True)
+        qwen2 = Qwen2ForCausalLM.from_pretrained(saved["compact"])
+        for model in (with_bias, qwen2):
+            q_proj = model.model.layers[0].self_attn.q_proj
+            assert isinstance(q_proj, PalettizedLinear) and torch.equal(q_proj.bias, torch.zeros_like(q_proj.bias))
+        torch.testing.assert_close(with_bias(ids).logits, plain)
+        assert torch.isfinite(qwen2(ids).logits).all()
+        source = tiny_model("qwen2", num_hidden_layers=1)
+        for module in source.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_()
+        quantize_model(source, DKMConfig(bits=3)).save_pretrained(tmp_path / "qwen2")
+        k_proj = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen2").model.layers[0].self_attn.k_proj
+        assert torch.equal(k_proj.bias, source.model.layers[0].self_attn.k_proj.bias)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_llmkit.cli.results import describe_setup, results_table
-from hf_llmkit.quantization import PalettizedLinear
+from hf_llmkit.data.blocks import build_lm_datasets
+from hf_llmkit.data.corpus import corpus_texts
+from hf_llmkit.quantization import PalettizedEmbedding, PalettizedLinear
+from hf_llmkit.quantization.tied import TiedDKMHead
 from tests.examples.test_run_clm import TINY
 
 
@@ -170,3 +173,32 @@ def test_the_recipe_without_training_evaluates_its_calibrated_start(run_clm, tmp
     assert untrained["eval_loss"] == pytest.approx(trained["eval_loss_before"], abs=1e-6)  # the calibrated start
     assert untrained["dkm_calibration_samples"] == 8
     assert "8 training examples, before the evaluation (no training)" in results_table([], untrained)
+
+
+TIED_CLUSTERED = ["--config_overrides", "tie_word_embeddings=true", "--quantization", "dkm", "--dkm_bits", "4",
+                  "--dkm_quantize_embeddings", "true"]  # fmt: skip
+
+
+def test_a_head_tied_to_its_clustered_embedding_trains_saves_and_reloads_as_evaluated(run_clm, tmp_path):
+    """--dkm_quantize_embeddings true on a tied model (issue 52): the LM head is the clustered embedding through
+    the job, the packed save and the reload, whose loss on the held-out blocks is the run's eval_loss; the same
+    again when a second run continues the DKM training of that compact checkpoint (the head follows the embedding
+    made trainable)."""
+    held = tmp_path / "held_out.txt"
+    held.write_text("\n".join(corpus_texts()[-12:]), encoding="utf-8")
+    texts = held.read_text(encoding="utf-8").splitlines()  # the lines the job reads
+    flags = ["--max_steps", "2", "--max_eval_samples", "8", "--validation_file", str(held), "--save_strategy", "no",
+             "--learning_rate", "1e-2"]  # fmt: skip
+    first = run_clm.run([*TINY, *flags, *TIED_CLUSTERED, "--output_dir", str(tmp_path / "first")])
+    again = ["--model_name_or_path", str(tmp_path / "first"), "--quantization", "dkm"]
+    second = run_clm.run([*TINY[10:], *flags, *again, "--output_dir", str(tmp_path / "second")])
+    assert second["eval_loss"] != first["eval_loss"]  # it trained on
+    for out, results in ((tmp_path / "first", first), (tmp_path / "second", second)):
+        model = AutoModelForCausalLM.from_pretrained(out).eval()
+        assert isinstance(model.model.embed_tokens, PalettizedEmbedding) and isinstance(model.lm_head, TiedDKMHead)
+        assert model.lm_head.embedding is model.model.embed_tokens
+        tokenizer = AutoTokenizer.from_pretrained(out)
+        blocks = build_lm_datasets(tokenizer=tokenizer, block_size=32, texts=texts, validation_texts=texts)
+        ids = torch.tensor(blocks["validation"]["input_ids"][:8])  # one evaluation batch: the Trainer's loss
+        with torch.no_grad():
+            assert model(input_ids=ids, labels=ids).loss.item() == pytest.approx(results["eval_loss"], abs=1e-5)

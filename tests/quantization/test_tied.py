@@ -13,7 +13,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from hf_llmkit import DKMConfig
-from hf_llmkit.quantization import DKMEmbedding, PalettizedEmbedding
+from hf_llmkit.quantization import DKMEmbedding, PalettizedEmbedding, trainable_from_packed
 from hf_llmkit.quantization.tied import TiedDKMHead
 from hf_llmkit.testing import tiny_llama
 
@@ -63,6 +63,24 @@ def test_saved_once_and_reloaded_packed(tied_dir, tmp_path):
     reloaded.save_pretrained(tmp_path / "again")
     with safe_open(str(tmp_path / "again" / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == names  # saved again, the same tensors
+
+
+def test_made_trainable_again_the_head_follows_the_trainable_embedding(tied_dir, tmp_path):
+    """`trainable_from_packed` (a compact checkpoint's DKM training continued, e.g. by the main jobs) replaces the
+    packed embedding: the head multiplies by the new one (it trains through the head, and the save is the model)."""
+    AutoModelForCausalLM.from_pretrained(tied_dir, quantization_config=DKMConfig(**CONFIG)).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.tensor([[1, 5, 9, 22, 7, 3, 4, 8, 2, 6, 11]])
+    with torch.no_grad():
+        packed = model(ids).logits
+    trainable_from_packed(model)
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, DKMEmbedding) and model.lm_head.embedding is embedding
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, packed, rtol=1e-5, atol=1e-5)
+    model.train()
+    model.lm_head(torch.randn(1, 2, embedding.embedding_dim)).sum().backward()
+    assert embedding.weight.grad is not None and bool((embedding.weight.grad.abs().sum(1) > 0).all())
 
 
 def test_an_unclustered_embedding_keeps_transformers_tie(tied_dir):

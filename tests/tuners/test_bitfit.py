@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import get_peft_model
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from hf_llmkit import BitFitConfig
 from hf_llmkit.testing import tiny_llama, tiny_model
@@ -57,6 +57,7 @@ def test_added_biases_on_llama_become_real_biases_when_merged(tmp_path):
     model = get_peft_model(tiny_llama(), BitFitConfig(add_missing_biases=True, init_weights=False))
     assert sum(_trainable(model).values()) == 2 * (64 + 32 + 32 + 64 + 128 + 128 + 64)  # q k v o gate up down
     assert model.base_model.model.lm_head.bias is None and "lm_head" not in str(model.base_model.targeted_module_names)
+    assert model.base_model.undeclarable_biases() == []  # attention_bias and mlp_bias declare them all
     ids = torch.randint(3, 500, (2, 8))
     with torch.no_grad():
         expected = model(input_ids=ids).logits
@@ -75,8 +76,25 @@ def test_added_biases_on_llama_become_real_biases_when_merged(tmp_path):
 def test_merging_added_biases_the_config_cannot_declare_warns():
     mistral = tiny_model("mistral", num_hidden_layers=1)
     model = get_peft_model(mistral, BitFitConfig(target_modules=["q_proj"], add_missing_biases=True))
+    assert model.base_model.undeclarable_biases() == ["model.layers.0.self_attn.q_proj"]
     with pytest.warns(UserWarning, match="Keep the BitFit adapter"):
         model.merge_and_unload()
+
+
+def test_qwen2_declares_no_added_bias_and_merges_its_own_biases_through_a_reload(tmp_path):
+    """Qwen2 builds q/k/v with biases and o_proj / the MLP without, whatever its config says: the added ones are
+    undeclarable (the main job refuses them with --merge_adapter); its own biases merge and reload exactly."""
+    added = get_peft_model(tiny_model("qwen2", num_hidden_layers=1), BitFitConfig(add_missing_biases=True))
+    assert sorted(n.rsplit(".", 1)[-1] for n in added.base_model.undeclarable_biases()) == [
+        "down_proj", "gate_proj", "o_proj", "up_proj",
+    ]  # fmt: skip
+    model = get_peft_model(tiny_model("qwen2", num_hidden_layers=1), BitFitConfig(init_weights=False))
+    assert model.base_model.undeclarable_biases() == []
+    ids = torch.randint(3, 500, (2, 8))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        model.merge_and_unload().save_pretrained(tmp_path)
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits, expected)
 
 
 def test_unmerge_removes_a_bias_that_merge_created():

@@ -30,8 +30,9 @@ def adapter_base_dir(args: Any) -> Path | None:
 
 
 def _check_mergeable(model: Any) -> None:
-    """`--merge_adapter` with `--lora_bias true`: merging folds the LoRA bias into the adapted layer's bias, which
-    peft cannot do for a layer without one (a RuntimeError after training): refused here, before any work."""
+    """`--merge_adapter` saves a model `from_pretrained` reloads equal to the adapter model, or the run stops here,
+    before training: a `--lora_bias true` LoRA needs a bias in every adapted layer to fold it into (peft's merge
+    fails after training otherwise), and `hf_llmkit.tuners.merging.merge_problem` names what a reload would lose."""
     from peft.tuners.lora import LoraLayer
 
     without = [
@@ -47,6 +48,38 @@ def _check_mergeable(model: Any) -> None:
             f"--lora_bias true with --merge_adapter: merging folds the LoRA bias into each adapted layer's bias, and "
             f"{len(without)} adapted layers have none ({shown}): drop --lora_bias, or --merge_adapter"
         )
+
+    from hf_llmkit.tuners.merging import merge_problem
+
+    problem = merge_problem(model)
+    if problem is None:
+        return
+    from torch import nn
+
+    has_biases = any(isinstance(m, nn.Linear) and m.bias is not None for m in model.get_base_model().modules())
+    existing = "pass --bitfit_add_missing_biases false (train its existing biases only), or " if has_biases else ""
+    raise ValueError(f"--merge_adapter: {problem}: {existing}drop --merge_adapter (the adapter is saved either way)")
+
+
+def _check_clustered_tie_kept(model: Any, modules_to_save: Any) -> None:
+    """An LM head that is its DKM-clustered embedding (`TiedDKMHead`) and that embedding are one weight: a trained
+    full copy of either (`--modules_to_save`) would split them, so it is refused before training."""
+    from hf_llmkit.quantization.tied import TiedDKMHead
+
+    if not modules_to_save:
+        return
+    names = {id(m): n for n, m in model.named_modules()}
+    for head_name, head in model.named_modules():
+        if not isinstance(head, TiedDKMHead):
+            continue
+        for name in (head_name, names.get(id(head.embedding), "")):
+            saved = next((m for m in modules_to_save if name == m or name.endswith(f".{m}")), None)
+            if saved is not None:
+                raise ValueError(
+                    f"--modules_to_save {saved}: this model's {head_name} is its DKM-clustered input embedding "
+                    "(--dkm_quantize_embeddings true on tied embeddings), one weight that a trained copy would split: "
+                    f"drop {saved} from --modules_to_save, or pass --dkm_quantize_embeddings false"
+                )
 
 
 class Peft(Feature):
@@ -66,6 +99,7 @@ class Peft(Feature):
         peft_config = args.peft.build_config(tied_embeddings=ties_embeddings(state.model))
         if peft_config is None:
             return
+        _check_clustered_tie_kept(state.model, getattr(peft_config, "modules_to_save", None))
         base_dir = adapter_base_dir(args)
         if base_dir is not None:  # the adapter's config points at the base saved next to it
             state.model.name_or_path = str(base_dir.resolve())
@@ -123,9 +157,11 @@ class Peft(Feature):
         from hf_llmkit.checkpoints.endings import CheckpointWriteError, logged
         from hf_llmkit.checkpoints.retries import describe_write_error
         from hf_llmkit.data.cache import replace_folder
+        from hf_llmkit.tuners.merging import untie_adapted_embeddings
 
         target = _merged_dir(args)
         if trainer.is_world_process_zero():
+            untie_adapted_embeddings(trainer.model)  # a LoRA on a tied embedding: the output layer kept its weight
             merged = trainer.model.merge_and_unload()  # the last use of the adapter model: merged in place
 
             def write(folder: Path) -> None:

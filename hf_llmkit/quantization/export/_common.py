@@ -165,12 +165,43 @@ def export_copy(model: nn.Module, weights: list[PaletteWeight], swap) -> CausalL
     for w in weights:  # after the cast: the palettized tensors keep their saved dtypes
         parent, _, leaf = w.name.rpartition(".")
         setattr(twin.get_submodule(parent), leaf, swap(dkm_layers[w.name], w))
+    for head, embedding in tied_heads(model).items():  # the copies' heads: the exported embedding, as a Linear
+        twin.set_submodule(head, tied_export_head(twin.get_submodule(embedding)))
     twin.set_attn_implementation(EXPORT_ATTENTION)
     text = twin.config.get_text_config(decoder=True)
     if getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None):
         # MoE experts: the batched product is standard ops (grouped_mm's CPU fallback and histc do not convert)
         twin.set_experts_implementation("batched_mm")
     return CausalLogits(twin).eval()
+
+
+def tied_heads(model: nn.Module) -> dict[str, str]:
+    """`{head: embedding}` of the model's `TiedDKMHead`s (an LM head that is its clustered embedding)."""
+    from hf_llmkit.quantization.tied import TiedDKMHead
+
+    by_id = {id(m): n for n, m in model.named_modules()}
+    return {n: by_id[id(m.embedding)] for n, m in model.named_modules() if isinstance(m, TiedDKMHead)}
+
+
+def tied_export_head(embedding: nn.Module) -> nn.Module:
+    """The export of a `TiedDKMHead` from its embedding's export module (`dense_module`'s `nn.Embedding`, or a
+    palettized export module): a bias-less Linear over the same tensors."""
+    return _TiedExportHead(embedding)
+
+
+class _TiedExportHead(nn.Module):
+    """An export embedding multiplied as a Linear (`x @ W^T`); it references the embedding without registering it,
+    so the exported file holds (and names) its tensors once, under the embedding's name."""
+
+    def __init__(self, embedding: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["embedding"] = embedding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        embedding = self.embedding
+        if isinstance(embedding, nn.Embedding):
+            return nn.functional.linear(x, embedding.weight)
+        return embedding.multiply(x)
 
 
 def dense_module(module: nn.Module, weight: PaletteWeight) -> nn.Module:

@@ -101,6 +101,10 @@ class OnnxPalettized(nn.Module):
         packed, table, meta, *rest = self.tensors()
         return decode(packed, table, meta.tolist(), *rest)
 
+    def multiply(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W^T` for an embedding's table too (the LM head tied to it)."""
+        return lut(x, *self.tensors(), False, self.shape[0])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gather = self.kind == "embedding"
         y = lut(x, *self.tensors(), gather, self.shape[1] if gather else self.shape[0])

@@ -71,6 +71,18 @@ class BitFitModel(LLMKitTuner):
             return found
         return self._eligible(self.model.get_submodule(key), peft_config)
 
+    def undeclarable_biases(self) -> list[str]:
+        """The targeted bias-less layers whose merged bias the model's config cannot declare (Qwen2's `o_proj`, every
+        Mistral projection): `save_pretrained` + `from_pretrained` of the merged model would drop them."""
+        return _config_flags(self.model, self._added_biases())[1]
+
+    def _added_biases(self) -> list[str]:
+        return [
+            name
+            for name, module in self.model.named_modules()
+            if isinstance(module, BitFitLayer) and getattr(module.get_base_layer(), "bias", None) is None
+        ]
+
     def merge_and_unload(
         self, progressbar: bool = False, safe_merge: bool = False, adapter_names: list[str] | None = None
     ) -> nn.Module:
@@ -78,41 +90,67 @@ class BitFitModel(LLMKitTuner):
 
         A Llama-style config builds its projections from `attention_bias` / `mlp_bias`: those flags are switched
         on (and the group's other projections get zero biases), so `save_pretrained` + `from_pretrained` of the
-        merged model keeps the trained biases instead of silently dropping them.
+        merged model keeps the trained biases instead of silently dropping them. Where no flag of the config
+        gives a layer its bias (`undeclarable_biases()`), the merge warns.
         """
-        added = [
-            name
-            for name, module in self.model.named_modules()
-            if isinstance(module, BitFitLayer) and getattr(module.get_base_layer(), "bias", None) is None
-        ]
+        added = self._added_biases()
+        flags, undeclared = _config_flags(self.model, added)
         model = super().merge_and_unload(progressbar=progressbar, safe_merge=safe_merge, adapter_names=adapter_names)
-        _declare_added_biases(model, [n for n in added if model.get_submodule(n).bias is not None])
+        _declare(model, flags)
+        if undeclared:
+            warnings.warn(
+                f"merge_and_unload gave {len(undeclared)} bias-less layers a bias that {type(model).__name__}'s "
+                f"config cannot declare (e.g. {undeclared[0]}); save_pretrained + from_pretrained would drop them. "
+                "Keep the BitFit adapter (PeftModel) for this model, or target only layers that already have biases.",
+                stacklevel=2,
+            )
         return model
 
 
-_CONFIG_BIAS_FLAGS = {"self_attn": "attention_bias", "mlp": "mlp_bias"}  # Llama-style configs
+_CONFIG_BIAS_FLAGS = ("attention_bias", "mlp_bias")  # Llama-style configs (Llama, Gemma, Qwen3, OLMo: attention)
 
 
-def _declare_added_biases(model: nn.Module, added: list[str]) -> None:
+def _biased_linears(model_cls: type, config: object) -> set[str] | None:
+    """The names of the Linear layers with a bias in a `model_cls` built from `config` on the meta device (no
+    memory, no initialisation work); None where the class cannot be built that way."""
+    try:
+        with torch.device("meta"):
+            built = model_cls(config)
+    except Exception:  # noqa: BLE001 - not a transformers model built from its config: nothing is declarable
+        return None
+    return {n for n, m in built.named_modules() if isinstance(m, nn.Linear) and m.bias is not None}
+
+
+def _config_flags(model: nn.Module, added: list[str]) -> tuple[dict[str, set[str]], list[str]]:
+    """The config flags that give the `added` layers a bias when the model is built from its config (each with the
+    layers it gives one), and the added layers no flag covers. The flags are tried on the real class (a Qwen2
+    config that were to carry `attention_bias` still builds `o_proj` without a bias)."""
     config = getattr(model, "config", None)
-    groups, undeclared = set(), []
-    for name in added:
-        group = next((g for g in _CONFIG_BIAS_FLAGS if g in name.split(".")), None)
-        if group is not None and hasattr(config, _CONFIG_BIAS_FLAGS[group]):
-            groups.add(group)
-        else:
-            undeclared.append(name)
-    for group in groups:
-        setattr(config, _CONFIG_BIAS_FLAGS[group], True)
-        for name, module in model.named_modules():  # the flag gives every projection of the group a bias
-            if isinstance(module, nn.Linear) and module.bias is None and group in name.split("."):
+    candidates = [f for f in _CONFIG_BIAS_FLAGS if getattr(config, f, None) is False]
+    if not added or not candidates:
+        return {}, list(added)
+    import copy
+
+    before = _biased_linears(type(model), config)
+    flags = {}
+    for flag in candidates:
+        changed = copy.deepcopy(config)
+        setattr(changed, flag, True)
+        after = _biased_linears(type(model), changed)
+        gained = (after - before) if before is not None and after is not None else set()
+        if gained & set(added):
+            flags[flag] = gained
+    covered = set().union(*flags.values())
+    return flags, [n for n in added if n not in covered]
+
+
+def _declare(model: nn.Module, flags: dict[str, set[str]]) -> None:
+    """Switch the `flags` on in the merged model's config and give the other layers they cover a zero bias."""
+    for flag, names in flags.items():
+        setattr(model.config, flag, True)
+        for name in names:
+            module = model.get_submodule(name)
+            if module.bias is None:
                 weight = module.weight
                 dtype = weight.dtype if weight.dtype.is_floating_point else getattr(module, "compute_dtype", None)
                 module.bias = nn.Parameter(torch.zeros(module.out_features, device=weight.device, dtype=dtype))
-    if undeclared:
-        warnings.warn(
-            f"merge_and_unload gave {len(undeclared)} bias-less layers a bias that {type(model).__name__}'s config "
-            f"cannot declare (e.g. {undeclared[0]}); save_pretrained + from_pretrained would drop them. Keep the "
-            "BitFit adapter (PeftModel) for this model, or target only layers that already have biases.",
-            stacklevel=3,
-        )
