@@ -52,11 +52,14 @@ LONGEST_FIRST = (
     "tests/docs/test_run_main_job.py",
     "tests/composition/test_matrix.py",
     "tests/benchmarks/test_quick_modes.py",
-    "tests/benchmarks/test_gpu_check.py",
     "tests/quantization/test_export_onnx.py",
     "tests/examples/test_run_clm_multinode.py",
     "tests/callbacks/test_kill_resume_run_clm.py",
 )
+
+# Files whose tests mostly read a run another file makes (the GPU check's plumbing run: test_quick_modes.py's first
+# case makes it): last, so that their worker does not wait for it under its lock while the other makes it
+READERS_LAST = ("tests/benchmarks/test_gpu_check.py",)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -65,7 +68,9 @@ def pytest_collection_modifyitems(config, items):
     import torch
 
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+    rank.update({path: len(rank) + 1 + i for i, path in enumerate(READERS_LAST)})
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONGEST_FIRST)))  # stable: the rest keep
+    # their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False): `make test-gpu` on one")

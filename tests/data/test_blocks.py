@@ -143,7 +143,7 @@ def test_a_full_or_unusable_cache_folder_is_one_line_naming_it_and_the_fix(tmp_p
         build_lm_datasets(tokenizer=_tokenizer(), block_size=4, files=[corpus], cache_dir=tmp_path / ("c" * 300))
 
 
-SMALL_MB, LARGE_MB = 8, 56  # the smaller one already past the first groups (where the memory levels off)
+SMALL_MB, LARGE_MB = 8, 32  # the smaller one already past the first groups (where the memory levels off)
 
 
 @pytest.fixture(scope="module")
@@ -177,11 +177,12 @@ def big_single_line(tmp_path_factory):
 def test_a_large_single_line_file_tokenizes_in_bounded_memory(big_single_line):
     results, _ = big_single_line
     small, large = results[SMALL_MB], results[LARGE_MB]
-    assert small["blocks"] > 14000 and large["blocks"] > 5 * small["blocks"], results
+    assert small["blocks"] > 14000 and large["blocks"] > 3.5 * small["blocks"], results
     # The peak resident memory the build added (ru_maxrss: the process's own memory and the mapped pages of files).
     # The whole line at once took about 650 MB more at 4 MB. Streamed in pieces and blocks but then read through a
     # memory map (to split and save it), it grew by 3 to 4 MB per MB of text (60 MB at 8 MB, 221 MB at 56 MB: over
-    # 3 GB at 1 GB). Now nothing grows with the data (about 85 and 100 MB here; 110 MB at 1 GB): what a group of
+    # 3 GB at 1 GB). Now nothing grows with the data (about 85 MB at 8 MB, 100 MB at 56 MB, 110 MB at 1 GB; at 3
+    # to 4 MB per MB the 24 MB between the files here would add 72 to 96 MB): what a group of
     # GROUP_TOKENS tokens and a record batch of the split need, and an allocator high-water mark that levels off.
     assert large["added_mb"] < 200, results
     assert large["added_mb"] - small["added_mb"] < LARGE_MB - SMALL_MB, results  # under 1 MB per MB of text
