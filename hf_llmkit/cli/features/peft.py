@@ -24,6 +24,27 @@ def adapter_base_dir(args: Any) -> Path | None:
     return Path(args.training.output_dir) / "base"
 
 
+def default_lora_targets(peft_config: Any, model: Any) -> None:
+    """LoRA without `--target_modules`: peft's own default for the model's family (`q_proj`, `v_proj` for Llama and
+    Mixtral), set before injection. peft 0.21 reads its table only after turning an unset target list into an empty
+    one on MoE models it converts from transformers 4 (Mixtral, so every `--upcycle_moe` run), and then matches
+    nothing; a family without a default is refused here in one line naming the flag."""
+    if getattr(peft_config, "peft_type", None) != "LORA" or peft_config.target_modules is not None:
+        return
+    if getattr(peft_config, "target_parameters", None):
+        return
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    targets = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+    if targets is None:
+        raise ValueError(
+            f"--peft_method lora has no default --target_modules for a {model_type or type(model).__name__} model: "
+            "pass --target_modules (e.g. --target_modules q_proj,v_proj)"
+        )
+    peft_config.target_modules = set(targets)
+
+
 class Peft(Feature):
     name = "peft"
     arguments = PeftArguments
@@ -41,6 +62,7 @@ class Peft(Feature):
         peft_config = args.peft.build_config(tied_embeddings=ties_embeddings(state.model))
         if peft_config is None:
             return
+        default_lora_targets(peft_config, state.model)
         base_dir = adapter_base_dir(args)
         if base_dir is not None:  # the adapter's config points at the base saved next to it
             state.model.name_or_path = str(base_dir.resolve())
