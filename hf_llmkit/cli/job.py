@@ -43,6 +43,7 @@ from hf_llmkit.cli.folders import (
     check_writable_folder,
 )
 from hf_llmkit.cli.help import HelpLayout
+from hf_llmkit.cli.merge import check_merge_rerun
 from hf_llmkit.cli.model_loading import check_scratch_config, load_model, load_tokenizer
 from hf_llmkit.cli.output import configure_console, keep_tensorboard_in_output_dir
 from hf_llmkit.cli.parser import CommandLineParser
@@ -217,6 +218,7 @@ def check_folders(args: Args) -> None:
     cache_flag = "--data_cache_dir" if cache_dir else "the hf_llmkit cache ($HF_LLMKIT_CACHE)"
     check_writable_folder(cache_dir or default_cache_dir(), flag=cache_flag)
     check_writable_folder(training.output_dir, flag="--output_dir")
+    check_merge_rerun(args)  # --merge_adapter on a finished run it cannot resume: python -m hf_llmkit.cli.merge
 
 
 class Model(NamedTuple):
