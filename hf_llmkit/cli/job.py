@@ -191,7 +191,7 @@ def check_combinations(args: Args) -> None:
     a `ValueError` later, once the model or the trainer is built): the training arguments' own pairs, then each
     feature's `check`."""
     training = args.training
-    on_cpu = training.use_cpu or torch.accelerator.current_accelerator() is None
+    on_cpu = training.use_cpu or not torch.accelerator.is_available()  # a CUDA build on a machine without a GPU too
     if training.fp16 and on_cpu and not training.deepspeed:  # DeepSpeed runs fp16 itself (or refuses it)
         raise ValueError(
             "--fp16 true needs a GPU: on CPU accelerate makes neither fp16 autocast nor a loss scaler, and the run "
