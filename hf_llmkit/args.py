@@ -30,6 +30,14 @@ def _has_accelerator() -> bool:
     return bool(accelerator.is_available()) if accelerator is not None else torch.cuda.is_available()
 
 
+def offload_pins_host_memory() -> bool:
+    """Whether transformers' per-checkpoint activation offload runs here: it keeps what it moves in pinned host
+    memory, which exists only next to an accelerator (a CPU-only torch build raises "pin_memory=True requires a CUDA
+    or other accelerator backend" at the first checkpointed layer). Without one, activations already live in host
+    memory: there is nothing to move."""
+    return _has_accelerator()
+
+
 def _deepspeed_state_on_gloo() -> None:
     """Without an accelerator, accelerate finds no DeepSpeed backend and reports one process: start it on gloo."""
     from accelerate import PartialState
@@ -101,7 +109,8 @@ class LLMKitTrainingArguments(TrainingArguments):
         offload_activation_checkpoints: Long sequences (ALST). Keep each checkpointed layer's input in pinned host
             memory instead of accelerator memory; needs `activation_checkpointing` (`gradient_checkpointing`). It is
             transformers' own per-checkpoint offload (`activation_checkpointing_kwargs={"offload": True}`, set
-            here); without an accelerator it copies host memory to host memory.
+            here); without an accelerator activations already live in host memory, so it logs that and checkpoints
+            without offload (pinning needs an accelerator).
     """
 
     # `--help` of a command built on `hf_llmkit.cli.CommandLineParser` lists these fields under these titles (a test
@@ -227,6 +236,13 @@ class LLMKitTrainingArguments(TrainingArguments):
         super().__post_init__()
         if self.offload_activation_checkpoints:
             self._delegate_offload()
+        if (self.activation_checkpointing_kwargs or {}).get("offload") and not offload_pins_host_memory():
+            logger.warning(
+                "activation offload: no accelerator, so activations already live in host memory; "
+                "checkpointing without offload (it pins host memory, which needs an accelerator)"
+            )
+            kwargs = {k: v for k, v in self.activation_checkpointing_kwargs.items() if k != "offload"}
+            self.activation_checkpointing_kwargs = kwargs or None
 
     def _delegate_offload(self) -> None:
         """`offload_activation_checkpoints` is transformers' own per-checkpoint offload (`save_on_cpu` around each

@@ -43,6 +43,7 @@ from hf_llmkit.cli.folders import (
     check_writable_folder,
 )
 from hf_llmkit.cli.help import HelpLayout
+from hf_llmkit.cli.merge import check_merge_rerun
 from hf_llmkit.cli.model_loading import check_scratch_config, load_model, load_tokenizer
 from hf_llmkit.cli.output import configure_console, keep_tensorboard_in_output_dir
 from hf_llmkit.cli.parser import CommandLineParser
@@ -191,7 +192,7 @@ def check_combinations(args: Args) -> None:
     a `ValueError` later, once the model or the trainer is built): the training arguments' own pairs, then each
     feature's `check`."""
     training = args.training
-    on_cpu = training.use_cpu or torch.accelerator.current_accelerator() is None
+    on_cpu = training.use_cpu or not torch.accelerator.is_available()  # a CUDA build on a machine without a GPU too
     if training.fp16 and on_cpu and not training.deepspeed:  # DeepSpeed runs fp16 itself (or refuses it)
         raise ValueError(
             "--fp16 true needs a GPU: on CPU accelerate makes neither fp16 autocast nor a loss scaler, and the run "
@@ -219,6 +220,7 @@ def check_folders(args: Args) -> None:
     check_writable_folder(cache_dir or default_cache_dir(), flag=cache_flag)
     check_writable_folder(training.output_dir, flag="--output_dir")
     features.check_folders(args)  # what the features write inside it (output_dir/merged)
+    check_merge_rerun(args)  # --merge_adapter on a finished run it cannot resume: python -m hf_llmkit.cli.merge
 
 
 class Model(NamedTuple):

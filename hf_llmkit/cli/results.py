@@ -150,4 +150,6 @@ def results_table(setup: list[tuple[str, str]], results: dict[str, Any], *, loss
     ]
     if results.get("adapter_base"):
         rows.append(("adapter base", f"{results['adapter_base']} (the model the adapter was trained on)"))
+    if results.get("merged_model"):
+        rows.append(("merged model", f"{results['merged_model']} (the adapter merged into its base, --merge_adapter)"))
     return markdown_table(rows)

@@ -1,12 +1,13 @@
 """Which output folder a main job's run uses, decided from its flags before any work (issue 33).
 
 A run's identity, as flags, is every flag that shapes its checkpoints: the model, data, PEFT, quantization and MoE
-flags (except those that only say how to run or what to evaluate: `FREE`), the training flags the checkpoint's run
-record compares (`hf_llmkit.trainers.run_identity`: seed, batch geometry, optimizer), the sequence-parallel size,
-the number of ranks and the job. The main process writes it to `output_dir/llmkit_flags.json` once nothing can
-refuse the run any more (`FlagRecord`: when training begins, after the checkpoint's run record accepted a resume;
-before the evaluation of a run that does not train), so a refused run leaves the folder's record as it was. A folder
-*holds a run* when it has a checkpoint or results files; only then does its record count.
+flags (except those that only say how to run, what to evaluate or what to write after training: `FREE`), the
+training flags the checkpoint's run record compares (`hf_llmkit.trainers.run_identity`: seed, batch geometry,
+optimizer), the sequence-parallel size, the number of ranks and the job. The main process writes it to
+`output_dir/llmkit_flags.json` once nothing can refuse the run any more (`FlagRecord`: when training begins, after
+the checkpoint's run record accepted a resume; before the evaluation of a run that does not train), so a refused run
+leaves the folder's record as it was. A folder *holds a run* when it has a checkpoint or results files; only then
+does its record count.
 
 - A default output folder (no `--output_dir`) belongs to one identity: the run takes the first of `root`, `root-2`,
   `root-3`, ... that holds its own run (it resumes) or no run, and says in one line when that is not `root`. A
@@ -47,10 +48,12 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FLAG_RECORD = "llmkit_flags.json"
-# Flags of the feature groups that do not shape a checkpoint: how to run, and what to evaluate.
+# Flags of the feature groups that do not shape a checkpoint: how to run, what to evaluate, and what to write once
+# training is over (`--merge_adapter`: re-running a finished adapter run with it merges the final adapter, no step).
 FREE = frozenset(
-    {"torch_dtype", "attn_implementation", "data_cache_dir", "preprocessing_num_workers", "max_eval_samples"}
-)
+    {"torch_dtype", "attn_implementation", "data_cache_dir", "preprocessing_num_workers", "max_eval_samples",
+     "merge_adapter"}
+)  # fmt: skip
 # Training flags that shape a checkpoint (the run record's "training" section, `run_identity._TRAINING`).
 TRAINING = ("seed", "data_seed", "per_device_train_batch_size", "gradient_accumulation_steps", "optim",
             "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "sequence_parallel_size")  # fmt: skip

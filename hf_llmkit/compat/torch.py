@@ -6,7 +6,8 @@
 - `Tensor._base`: the tensor a view was made from. The activation offload (hf_llmkit.parallel.sequence.offload)
   keeps a weight's transposed view on the device instead of copying it to the host.
 - `Tensor._version`: the in-place modification counter. DKM's hard-weight cache (hf_llmkit.quantization.layers)
-  is keyed by it, so an optimizer step or `load_state_dict` (both in place) invalidates the cache.
+  is keyed by it, so `load_state_dict` and other in-place writes invalidate the cache. A fused optimizer step
+  (`AdamW(fused=True)`) leaves it unchanged: the cache also counts optimizer steps (a public step hook).
 - `torch._dynamo.config.patch(recompile_limit=...)`: how many specialisations (dtype, bits, block scales...) dynamo
   compiles one function into before it gives up on it. The packed-inference kernel (hf_llmkit.quantization.lut_gemv)
   needs one per kind of layer a model holds, more than the default 8 across models in one process; without it the

@@ -22,6 +22,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hf_llmkit.compat.torch import apply_keeping_dtypes, version_counter
 from hf_llmkit.quantization import _dkm as dkm
@@ -45,6 +46,19 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# Optimizer steps taken in this process, a key of the hard-weight cache: a fused optimizer (`torch.optim.AdamW(
+# fused=True)`, the Trainer's default `adamw_torch_fused`) writes the parameters without moving their version counter
+# (measured on torch 2.14), so a straight-through training forward kept decoding the first step's weights.
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 class _Clustered:
@@ -133,9 +147,10 @@ class _Clustered:
         return self._vectors(self._normalized(w, s)), self.lookup_table(centroids).to(w.device), s
 
     def hard_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The hard-assigned weight (what evaluation, inference and the saved checkpoint use), cached."""
+        """The hard-assigned weight (what evaluation, inference and the saved checkpoint use), cached until the
+        weight, table or scales change in place or move, or an optimizer steps (fused ones leave versions alone)."""
         tensors = [t for t in (self.weight, self.centroids, self.scales) if t is not None]
-        key = (*((version_counter(t), t.data_ptr()) for t in tensors), dtype)
+        key = (*((version_counter(t), t.data_ptr()) for t in tensors), dtype, _optimizer_steps)
         if self._hard_cache is None or self._hard_cache[0] != key:
             vectors, table, scales = self._hard_inputs()
             w = dkm.hard_decode(vectors, table, self.weight.shape, scales)

@@ -44,6 +44,19 @@ SLOW = {
         "flags": ["--peft_method", "ptuning_v2", "--num_virtual_tokens", "4", "--prefix_projection", "true"]
     },
     "dkm": {"flags": ["--quantization", "dkm", "--dkm_bits", "3"]},
+    # issue 52: the straight-through forward decoded stale weights after fused AdamW steps, a resume fresh ones
+    "dkm-calibrated": {
+        "flags": [
+            "--quantization",
+            "dkm",
+            "--dkm_bits",
+            "3",
+            "--dkm_recipe",
+            "calibrated",
+            "--dkm_calibration_samples",
+            "8",
+        ]
+    },
     "moe": {"flags": ["--upcycle_moe", "true", "--moe_num_experts", "4", "--moe_top_k", "2"]},
     "sequence_parallel_2_ranks": {"flags": ["--sequence_parallel_size", "2"], "ranks": 2},
 }

@@ -71,8 +71,15 @@ def test_every_refused_pair_of_the_matrix_stops_the_main_job_in_one_line(run_clm
         (["--tiled_loss", "true", "--label_smoothing_factor", "0.1"], "drop --label_smoothing_factor or"),
         (["--num_attention_heads", "2", "--num_key_value_heads", "3"], "--num_key_value_heads 3 does not divide"),
         (["--config_overrides", "num_key_value_heads=3"], "--num_key_value_heads 3 does not divide"),
+        (["--enable_jit_checkpoint", "true"], "drop --enable_jit_checkpoint (fault tolerance saves"),
     ],
-    ids=["moe_capacity-x-tiled_mlp", "tiled_loss-x-label_smoothing", "kv_heads-x-heads", "kv_heads-override"],
+    ids=[
+        "moe_capacity-x-tiled_mlp",
+        "tiled_loss-x-label_smoothing",
+        "kv_heads-x-heads",
+        "kv_heads-override",
+        "jit_checkpoint-x-fault_tolerance",
+    ],  # fmt: skip
 )
 def test_pairs_refused_once_built_stop_before_any_work(run_clm, argv, named, capsys, tmp_path):
     line = _refused(run_clm, [*argv, "--output_dir", str(tmp_path / "out")], capsys)
@@ -81,7 +88,14 @@ def test_pairs_refused_once_built_stop_before_any_work(run_clm, argv, named, cap
 
 def test_fp16_without_a_gpu_stops_in_one_line(run_clm, capsys, tmp_path):
     """On CPU accelerate makes neither fp16 autocast nor a GradScaler: `--fp16 true` would train in fp32."""
-    if torch.accelerator.current_accelerator() is not None:
+    if torch.accelerator.is_available():  # not current_accelerator(): a CUDA build names cuda without a GPU
         pytest.skip("an accelerator runs fp16 (tests/examples/test_run_clm_output.py, marked gpu)")
     line = _refused(run_clm, ["--fp16", "true", "--output_dir", str(tmp_path / "out")], capsys)
     assert "--fp16 true needs a GPU" in line and not (tmp_path / "out").exists()
+
+
+def test_the_jit_checkpoint_alone_runs_as_the_refusal_says(run_clm, tmp_path):
+    """The second fix the `--enable_jit_checkpoint` refusal names: `--fault_tolerance false` leaves SIGTERM to it."""
+    argv = [*TINY, "--max_steps", "1", "--do_eval", "false", "--output_dir", str(tmp_path)]
+    results = run_clm.run([*argv, "--enable_jit_checkpoint", "true", "--fault_tolerance", "false"])
+    assert results["global_step"] == 1

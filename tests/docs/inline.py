@@ -26,6 +26,8 @@ UNTESTED: dict[str, str] = {  # pattern (whole command) -> why the docs test doe
     r"accelerate launch": "the launcher's name in prose; its documented commands are blocks",
     r"python -m hf_llmkit\.quantization\.export (?:onnx|coreml) CHECKPOINT .*": "placeholders for the user's paths; "
     "tests/quantization/test_export_onnx.py runs the command on a saved checkpoint",
+    r"python -m hf_llmkit\.cli\.merge OUTPUT_DIR": "a placeholder for the user's path; "
+    "tests/examples/test_run_clm_peft.py runs the command on a finished run",
     r"pip install --no-(?:index|deps) .*": "what the GPU check's install part runs on the GPU machine "
     "(benchmarks/gpu_check.py); its plumbing mode runs in tests/benchmarks/test_gpu_check.py",
     r"pip install llama-cpp-python==[\d.]+": "builds llama.cpp from source (minutes); the benchmark part that needs "

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import default_data_collator
 
 from hf_llmkit import LLMKitTrainingArguments
+from hf_llmkit.args import offload_pins_host_memory
 from hf_llmkit.parallel.sequence import TiledLoss, TiledMLP, offload_saved_activations
 from hf_llmkit.parallel.sequence.tiled_loss import TARGETS_KWARG
 from hf_llmkit.testing import tiny_llama
@@ -209,15 +210,52 @@ def test_training_arguments_validate_the_switches(tmp_path):
         make(tiled_mlp=True, tiled_mlp_chunk_size=-1)
     args = make(offload_activation_checkpoints=True, gradient_checkpointing=True, tiled_loss=True)
     assert args.offload_activation_checkpoints and args.tiled_loss and not args.tiled_mlp
-    assert args.activation_checkpointing_kwargs == {"offload": True}  # transformers' per-checkpoint offload
+    if offload_pins_host_memory():
+        assert args.activation_checkpointing_kwargs == {"offload": True}  # transformers' per-checkpoint offload
+    else:  # no accelerator: nothing to move, and transformers' offload would pin host memory
+        assert not (args.activation_checkpointing_kwargs or {}).get("offload")
     with pytest.raises(ValueError, match="activation_checkpointing_kwargs offload=False contradict each other"):
         make(offload_activation_checkpoints=True, activation_checkpointing=True,
              activation_checkpointing_kwargs={"offload": False})  # fmt: skip
 
 
+def test_offload_pins_host_memory_only_where_pinned_memory_exists():
+    """The decision `offload_activation_checkpoints` rests on: pinned host memory exists with an accelerator only. On
+    a CPU-only torch build pinning raises "pin_memory=True requires a CUDA or other accelerator backend"; on a CUDA
+    build without a GPU "Found no NVIDIA driver"."""
+    assert offload_pins_host_memory() == torch.accelerator.is_available()
+    if offload_pins_host_memory():
+        assert torch.empty(4, pin_memory=True).is_pinned()
+    else:
+        with pytest.raises(RuntimeError):
+            torch.empty(4, pin_memory=True)
+
+
+def test_offload_flag_trains_where_torch_has_no_accelerator(tmp_path, monkeypatch, caplog):
+    """A CPU-only torch build reports no current accelerator, so transformers' offload pins host memory "for the
+    cpu" and the first checkpointed layer raises (run_clm.py died after training started). Without an accelerator the
+    flag says so in one log line and checkpoints without offload: training runs, as the plain trainer does."""
+    if torch.accelerator.is_available():
+        pytest.skip("with an accelerator the offload pins host memory (test_offload_on_cuda_... below)")
+    import transformers.modeling_utils
+
+    monkeypatch.setattr(transformers.modeling_utils, "get_current_accelerator", lambda: None)  # a CPU-only build
+    plain, plain_losses, _ = train(tmp_path)
+    with caplog.at_level("WARNING", logger="hf_llmkit.args"):
+        offloaded, losses, _ = train(tmp_path, gradient_checkpointing=True, offload_activation_checkpoints=True)
+    assert [r.getMessage() for r in caplog.records if "activation offload" in r.getMessage()] == [
+        "activation offload: no accelerator, so activations already live in host memory; checkpointing without "
+        "offload (it pins host memory, which needs an accelerator)"
+    ]
+    assert losses == pytest.approx(plain_losses, abs=TOL)
+    assert max((offloaded[n] - p).abs().max().item() for n, p in plain.items()) < TOL
+
+
 def test_the_offload_the_flag_asks_for_moves_each_checkpointed_layers_input_only():
     """What `offload_activation_checkpoints` turns on (transformers' `offload=True`) copies 2 layer inputs of a
     2-layer model per step; `offload_saved_activations` around the whole forward moves far more (the logits...)."""
+    if torch.accelerator.current_accelerator() is None:  # a CPU-only torch build (a CUDA build names cuda)
+        pytest.skip("transformers' offload=True pins host memory, which CPU-only torch builds cannot (the flag skips)")
     import sys
     from pathlib import Path
 

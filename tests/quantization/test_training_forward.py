@@ -9,6 +9,7 @@ import torch
 
 from hf_llmkit import DKMConfig
 from hf_llmkit.quantization import DKMLinear, keep_training_state, quantize_model
+from hf_llmkit.quantization import _dkm as dkm
 from hf_llmkit.testing import tiny_llama
 
 
@@ -53,3 +54,25 @@ def test_a_bad_training_forward_names_the_choices():
         DKMConfig(training_forward="hard")
     config = DKMConfig(recipe="calibrated", training_forward="soft")
     assert DKMConfig.from_dict(config.to_dict()) == config  # saved in config.json, rebuilt exactly
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused AdamW", "AdamW"])
+def test_a_straight_through_forward_after_an_optimizer_step_decodes_the_stepped_weights(fused):
+    """Issue 52: a fused optimizer (the Trainer's default `adamw_torch_fused`) writes the latent weights without
+    moving their version counter, so the cached hard weight stayed the first step's: every later training forward
+    (and an evaluation) of `recipe="calibrated"` decoded stale weights, and a resumed run, decoding the loaded ones,
+    ended elsewhere than the uninterrupted one."""
+    torch.manual_seed(0)
+    model = quantize_model(tiny_llama(num_hidden_layers=1), DKMConfig(bits=3, recipe="calibrated"))
+    keep_training_state(model, False)
+    layer = model.model.layers[0].mlp.up_proj
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=fused)
+    ids = torch.randint(0, 256, (2, 12))
+    model.train()
+    model(input_ids=ids).logits.square().sum().backward()
+    before = layer.hard_weight(torch.float32).clone()
+    optimizer.step()
+    vectors, table, scales = layer._hard_inputs()
+    fresh = dkm.hard_decode(vectors, table, layer.weight.shape, scales)  # the stepped weights, decoded anew
+    assert not torch.equal(fresh, before)  # the step moved some weight to another table entry
+    assert torch.equal(layer.hard_weight(torch.float32), fresh)

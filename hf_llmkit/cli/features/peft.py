@@ -18,6 +18,16 @@ def _merged_dir(args: Any) -> Path:
     return Path(args.training.output_dir) / "merged"
 
 
+def not_a_folder(target: Path) -> str | None:
+    """What stands where a merged model's folder goes, when that is not a folder or nothing: "a file", "a symlink to
+    ..." (a symlink may point at any folder, the user's own model too: a merge never replaces what it points at)."""
+    if target.is_symlink():
+        return f"a symlink to {os.readlink(target)}"
+    if target.exists() and not target.is_dir():
+        return "a file"
+    return None
+
+
 def adapter_base_dir(args: Any) -> Path | None:
     """output_dir/base for a PEFT run whose base exists nowhere else: built from scratch, or changed after loading
     (upcycled into experts, DKM-clustered); else None (the adapter points at `--model_name_or_path`)."""
@@ -82,6 +92,27 @@ def _check_clustered_tie_kept(model: Any, modules_to_save: Any) -> None:
                 )
 
 
+def default_lora_targets(peft_config: Any, model: Any) -> None:
+    """LoRA without `--target_modules`: peft's own default for the model's family (`q_proj`, `v_proj` for Llama and
+    Mixtral), set before injection. peft 0.21 reads its table only after turning an unset target list into an empty
+    one on MoE models it converts from transformers 4 (Mixtral, so every `--upcycle_moe` run), and then matches
+    nothing; a family without a default is refused here in one line naming the flag."""
+    if getattr(peft_config, "peft_type", None) != "LORA" or peft_config.target_modules is not None:
+        return
+    if getattr(peft_config, "target_parameters", None):
+        return
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    targets = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+    if targets is None:
+        raise ValueError(
+            f"--peft_method lora has no default --target_modules for a {model_type or type(model).__name__} model: "
+            "pass --target_modules (e.g. --target_modules q_proj,v_proj)"
+        )
+    peft_config.target_modules = set(targets)
+
+
 class Peft(Feature):
     name = "peft"
     arguments = PeftArguments
@@ -100,6 +131,7 @@ class Peft(Feature):
         if peft_config is None:
             return
         _check_clustered_tie_kept(state.model, getattr(peft_config, "modules_to_save", None))
+        default_lora_targets(peft_config, state.model)
         base_dir = adapter_base_dir(args)
         if base_dir is not None:  # the adapter's config points at the base saved next to it
             state.model.name_or_path = str(base_dir.resolve())
@@ -134,11 +166,7 @@ class Peft(Feature):
         if not args.peft.merge_adapter:
             return
         target = _merged_dir(args)
-        what = None
-        if target.is_symlink():
-            what = f"a symlink to {os.readlink(target)}"
-        elif target.exists() and not target.is_dir():
-            what = "a file"
+        what = not_a_folder(target)
         if what is not None:
             raise ValueError(
                 f"--merge_adapter writes the merged model to the folder {target}, and that is {what}: remove it, or "

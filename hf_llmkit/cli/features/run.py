@@ -33,6 +33,14 @@ class Run(Feature):
             derived["warmup_steps"] = values["warmup_ratio"]
         return derived
 
+    def check(self, args) -> None:
+        if args.training.enable_jit_checkpoint and args.run.fault_tolerance:
+            raise UsageError(
+                "--enable_jit_checkpoint true and --fault_tolerance (on by default) would both save on SIGTERM: drop "
+                "--enable_jit_checkpoint (fault tolerance saves a complete checkpoint on SIGTERM and the same command "
+                "resumes), or add --fault_tolerance false to keep transformers' JIT checkpoint alone"
+            )
+
     def callbacks(self, args):
         return args.run.build_callbacks(peft=args.peft.peft_method != "none", fp16=args.training.fp16)
 
