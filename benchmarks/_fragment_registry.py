@@ -32,8 +32,10 @@ def fragment(name: str, *files: str) -> Callable:
     return register
 
 
-def measured(data: dict, threads: str | None = None) -> str:
-    """`_Measured <date> by <command>: <machine>; <load>._` from a results file's `recorded` block."""
+def measured(data: dict, threads: str | None = None, *, loads_itself: bool = False) -> str:
+    """`_Measured <date> by <command>: <machine>; <load>._` from a results file's `recorded` block. A run that loads
+    every core itself (`loads_itself`: CI, the suite's workers) was on an idle machine when its load was within the
+    core count at the start; the torch of its own environments is in its line, not the measuring process's."""
     rec, load = data["recorded"], data["recorded"]["load_1min"]
     machine = rec["machine"]
     cpu = f" ({machine['cpu']})" if machine.get("cpu") else ""
@@ -42,11 +44,14 @@ def measured(data: dict, threads: str | None = None) -> str:
     if rec.get("started"):
         minutes = (datetime.fromisoformat(rec["date"]) - datetime.fromisoformat(rec["started"])).total_seconds() / 60
         took = f" (a run of {max(round(minutes), 1)} min)"
+    torch = "" if loads_itself else f", torch {machine['torch']}"
     line = (
-        f"_Measured {rec['date']}{took} by `{rec['command']}`: {machine['cores']} cores{cpu}, {gpu}, torch "
-        f"{machine['torch']}{', ' + threads if threads else ''}; 1-minute load average {load['start']:.1f} at the "
-        f"start, {load['mean']:.1f} on average, {load['max']:.1f} at most"
+        f"_Measured {rec['date']}{took} by `{rec['command']}`: {machine['cores']} cores{cpu}, {gpu}{torch}"
+        f"{', ' + threads if threads else ''}; 1-minute load average {load['start']:.1f} at the start, "
+        f"{load['mean']:.1f} on average, {load['max']:.1f} at most"
     )
-    if rec["loaded"]:
+    if loads_itself:
+        line += " (the run's own work)"
+    if (load["start"] > machine["cores"]) if loads_itself else rec["loaded"]:
         line += " — LOADED MACHINE: the load exceeded the core count, timings are less reliable"
     return line + "._"

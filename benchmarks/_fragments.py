@@ -43,7 +43,7 @@ def ci(results: dict) -> str:
         f"ruff {run['ruff_s']} s, pytest {minutes(pytest['seconds'])} ({counts})"
         + (f"; torch {torch}" if torch else "")
         + ".\n\n"
-        + measured(run)
+        + measured(run, loads_itself=True)
     )
 
 

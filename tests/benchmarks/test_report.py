@@ -137,6 +137,19 @@ def test_write_fills_a_region_and_check_then_passes_and_names_a_stale_one(tmp_pa
     assert report.update(page, results=results)[1] == ["x"]
 
 
+def test_a_run_that_loads_every_core_itself_is_judged_by_its_start_load(results):
+    """CI's run (`loads_itself`): its own workers load both cores, so only a load above the core count at its start
+    marks it; the torch named is its environments', not the measuring process's."""
+    from _fragments import measured as render
+
+    data = json.loads((results / "x.json").read_text())
+    line = render(data, loads_itself=True)
+    assert "LOADED MACHINE" not in line and "torch 2.13.0" not in line and "(the run's own work)" in line
+    data["recorded"]["load_1min"]["start"] = 2.5
+    assert "LOADED MACHINE" in render(data, loads_itself=True)
+    assert "LOADED MACHINE" in render({**data, "recorded": {**data["recorded"], "loaded": True}})
+
+
 def test_an_unregistered_fragment_a_missing_results_file_and_a_broken_region_say_what_to_do(tmp_path, results):
     page = tmp_path / "page.md"
     page.write_text(region("nope", ""))
