@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Two pytest workers, each test file whole on one of them (module fixtures launch a file's cells together), handed
 # out in collection order (the longest files first: tests/conftest.py LONGEST_FIRST); every test and every rank it
 # launches runs one intra-op thread (tests/conftest.py). `make test WORKERS=` runs serially.
-WORKERS ?= -n 3 --dist loadfile --no-loadscope-reorder
+WORKERS ?= -n 2 --dist loadfile --no-loadscope-reorder
 BENCH_ARGS ?=
 
 PY := $(VENV)/bin/python
