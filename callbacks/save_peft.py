@@ -57,7 +57,7 @@ from hf_llmkit.checkpoints.transaction import (
     register_contributor,
     transaction_of,
 )
-from hf_llmkit.tuners.merging import merge_problem, untie_adapted_embeddings
+from hf_llmkit.tuners.merging import merge_for_saving, merge_problem
 
 logger = logging.getLogger(__name__)
 
@@ -218,9 +218,7 @@ class SavePeftModelCallback(TrainerCallback, PartWriter):
             self._warn_once("merged-reload", "save_merged: %s; skipped (the adapter is saved)", problem)
             return
         try:  # on a copy: the training model keeps its adapter
-            twin = copy.deepcopy(peft_model)
-            untie_adapted_embeddings(twin)  # a LoRA on a tied embedding: the output layer keeps the base weight
-            merged = twin.merge_and_unload()
+            merged = merge_for_saving(copy.deepcopy(peft_model))
         except (AttributeError, NotImplementedError, ValueError, TypeError) as err:
             self._warn_once("merged-method", "save_merged: %s adapters cannot be merged (%s); skipped", method, err)
             return

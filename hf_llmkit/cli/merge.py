@@ -60,10 +60,9 @@ def merge_saved_adapter(output_dir: str | Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_llmkit  # noqa: F401  (registers hf_llmkit's PEFT methods with peft)
-    from hf_llmkit.cli.features.peft import not_a_folder
     from hf_llmkit.cli.peft import MERGEABLE
-    from hf_llmkit.data.cache import replace_folder
-    from hf_llmkit.tuners.merging import merge_problem, untie_adapted_embeddings
+    from hf_llmkit.data.cache import not_a_folder, replace_folder
+    from hf_llmkit.tuners.merging import merge_for_saving, merge_problem
 
     target = Path(output_dir) / "merged"
     what = not_a_folder(target)
@@ -87,8 +86,7 @@ def merge_saved_adapter(output_dir: str | Path) -> Path:
     problem = merge_problem(model)
     if problem is not None:
         raise ValueError(f"{problem}: load the adapter on its base with PeftModel.from_pretrained instead")
-    untie_adapted_embeddings(model)  # a LoRA on a tied embedding: the output layer keeps the base weight
-    merged = model.merge_and_unload()
+    merged = merge_for_saving(model)
     tokenizer_from = adapter if (adapter / "tokenizer_config.json").is_file() else Path(output_dir)
     tokenizer = (
         AutoTokenizer.from_pretrained(tokenizer_from) if (tokenizer_from / "tokenizer_config.json").is_file() else None

@@ -20,7 +20,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["publish_once", "remove_stale_temporaries", "replace_folder", "temporary_sibling"]
+__all__ = ["not_a_folder", "publish_once", "remove_stale_temporaries", "replace_folder", "temporary_sibling"]
 
 _TMP = ".tmp-"
 _OWNER = re.compile(r"\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)(?:-[a-z]+)?$")
@@ -77,6 +77,16 @@ def publish_once(target: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
+def not_a_folder(target: Path) -> str | None:
+    """What stands where a folder `replace_folder` writes goes, when that is neither a folder nor nothing: "a file",
+    "a symlink to ..." (a symlink may point at any folder, the user's own model too: it is never replaced)."""
+    if target.is_symlink():
+        return f"a symlink to {os.readlink(target)}"
+    if target.exists() and not target.is_dir():
+        return "a file"
+    return None
+
+
 def replace_folder(target: Path, write: Callable[[Path], None]) -> None:
     """Run `write(tmp)` into a private temporary folder, then put it in `target`'s place; an older `target` folder
     is renamed aside to a temporary first and removed after. A failed write removes its temporary and leaves
@@ -88,7 +98,7 @@ def replace_folder(target: Path, write: Callable[[Path], None]) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         write(tmp)
-        if target.is_symlink() or (target.exists() and not target.is_dir()):
+        if not_a_folder(target) is not None:
             raise ValueError(f"{target} is not a folder (a file or a symlink appeared there): remove it and run again")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

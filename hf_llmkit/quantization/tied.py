@@ -68,6 +68,12 @@ def clustered_ties(model: nn.Module, config: DKMConfig, skip: list[str]) -> dict
     return pairs
 
 
+def tied_heads(model: nn.Module) -> dict[str, str]:
+    """`{head: embedding}`: the names of the model's `TiedDKMHead`s and of the embeddings they multiply by."""
+    by_id = {id(m): n for n, m in model.named_modules()}
+    return {n: by_id[id(m.embedding)] for n, m in model.named_modules() if isinstance(m, TiedDKMHead)}
+
+
 def attach_tied_heads(model: nn.Module, pairs: dict[str, str]) -> None:
     """After the embeddings of `pairs` became DKM layers: each head becomes a `TiedDKMHead` of its embedding, and
     transformers' tie of the two dense weights is dropped."""

@@ -4,6 +4,7 @@
 - `merge_problem(peft_model)`: why the merged model would reload different (BitFit biases on layers the
   architecture builds without one, whatever its config says: Qwen2's `o_proj` and MLP, every Mistral projection),
   or None.
+- `merge_for_saving(peft_model)`: `untie_adapted_embeddings`, then peft's `merge_and_unload` (in place).
 - `untie_adapted_embeddings(peft_model)`: before merging, an adapter on an embedding tied to the output layer (LoRA
   `target_modules=["embed_tokens"]`: peft adapts the input side only) gets an output layer of its own.
 """
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["merge_problem", "untie_adapted_embeddings"]
+__all__ = ["merge_for_saving", "merge_problem", "untie_adapted_embeddings"]
 
 
 def merge_problem(peft_model: Any) -> str | None:
@@ -47,3 +48,10 @@ def untie_adapted_embeddings(peft_model: Any) -> bool:
     for config in {id(c): c for c in (base.config, base.config.get_text_config())}.values():
         config.tie_word_embeddings = False
     return True
+
+
+def merge_for_saving(peft_model: Any) -> Any:
+    """The plain model to save for `peft_model` (merged in place, so pass a copy to keep the adapter): an output layer
+    tied to an adapted embedding untied first, so the merged model computes what the adapter model did."""
+    untie_adapted_embeddings(peft_model)
+    return peft_model.merge_and_unload()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +15,6 @@ __all__ = ["PEFT", "adapter_base_dir"]
 
 def _merged_dir(args: Any) -> Path:
     return Path(args.training.output_dir) / "merged"
-
-
-def not_a_folder(target: Path) -> str | None:
-    """What stands where a merged model's folder goes, when that is not a folder or nothing: "a file", "a symlink to
-    ..." (a symlink may point at any folder, the user's own model too: a merge never replaces what it points at)."""
-    if target.is_symlink():
-        return f"a symlink to {os.readlink(target)}"
-    if target.exists() and not target.is_dir():
-        return "a file"
-    return None
 
 
 def adapter_base_dir(args: Any) -> Path | None:
@@ -74,15 +63,12 @@ def _check_mergeable(model: Any) -> None:
 def _check_clustered_tie_kept(model: Any, modules_to_save: Any) -> None:
     """An LM head that is its DKM-clustered embedding (`TiedDKMHead`) and that embedding are one weight: a trained
     full copy of either (`--modules_to_save`) would split them, so it is refused before training."""
-    from hf_llmkit.quantization.tied import TiedDKMHead
+    from hf_llmkit.quantization.tied import tied_heads
 
     if not modules_to_save:
         return
-    names = {id(m): n for n, m in model.named_modules()}
-    for head_name, head in model.named_modules():
-        if not isinstance(head, TiedDKMHead):
-            continue
-        for name in (head_name, names.get(id(head.embedding), "")):
+    for head_name, embedding_name in tied_heads(model).items():
+        for name in (head_name, embedding_name):
             saved = next((m for m in modules_to_save if name == m or name.endswith(f".{m}")), None)
             if saved is not None:
                 raise ValueError(
@@ -165,6 +151,8 @@ class Peft(Feature):
         point at any folder, the user's own model too: the merge never replaces what it points at)."""
         if not args.peft.merge_adapter:
             return
+        from hf_llmkit.data.cache import not_a_folder
+
         target = _merged_dir(args)
         what = not_a_folder(target)
         if what is not None:
@@ -185,12 +173,11 @@ class Peft(Feature):
         from hf_llmkit.checkpoints.endings import CheckpointWriteError, logged
         from hf_llmkit.checkpoints.retries import describe_write_error
         from hf_llmkit.data.cache import replace_folder
-        from hf_llmkit.tuners.merging import untie_adapted_embeddings
+        from hf_llmkit.tuners.merging import merge_for_saving
 
         target = _merged_dir(args)
         if trainer.is_world_process_zero():
-            untie_adapted_embeddings(trainer.model)  # a LoRA on a tied embedding: the output layer kept its weight
-            merged = trainer.model.merge_and_unload()  # the last use of the adapter model: merged in place
+            merged = merge_for_saving(trainer.model)  # the last use of the adapter model: merged in place
 
             def write(folder: Path) -> None:
                 merged.save_pretrained(folder)

@@ -165,6 +165,8 @@ def export_copy(model: nn.Module, weights: list[PaletteWeight], swap) -> CausalL
     for w in weights:  # after the cast: the palettized tensors keep their saved dtypes
         parent, _, leaf = w.name.rpartition(".")
         setattr(twin.get_submodule(parent), leaf, swap(dkm_layers[w.name], w))
+    from hf_llmkit.quantization.tied import tied_heads
+
     for head, embedding in tied_heads(model).items():  # the copies' heads: the exported embedding, as a Linear
         twin.set_submodule(head, tied_export_head(twin.get_submodule(embedding)))
     twin.set_attn_implementation(EXPORT_ATTENTION)
@@ -173,14 +175,6 @@ def export_copy(model: nn.Module, weights: list[PaletteWeight], swap) -> CausalL
         # MoE experts: the batched product is standard ops (grouped_mm's CPU fallback and histc do not convert)
         twin.set_experts_implementation("batched_mm")
     return CausalLogits(twin).eval()
-
-
-def tied_heads(model: nn.Module) -> dict[str, str]:
-    """`{head: embedding}` of the model's `TiedDKMHead`s (an LM head that is its clustered embedding)."""
-    from hf_llmkit.quantization.tied import TiedDKMHead
-
-    by_id = {id(m): n for n, m in model.named_modules()}
-    return {n: by_id[id(m.embedding)] for n, m in model.named_modules() if isinstance(m, TiedDKMHead)}
 
 
 def tied_export_head(embedding: nn.Module) -> nn.Module:
