@@ -339,6 +339,7 @@ def calibrate(model: nn.Module, batches: Iterable, max_moment_bytes: int = MOMEN
             new = round_onto_table(layer.weight, table.to(device), h.to(device), spread, shared[1])
             with torch.no_grad():  # in place: the version counter moves, so cached hard weights are rebuilt
                 layer.weight.copy_(new.to(layer.weight.dtype))
+            layer.start = "calibrated"  # training keeps its scales and refuses DKM's iterations (check_start)
         done += len(moments)
     if not done:
         raise ValueError("calibrate got no batches, or none reached a DKM layer: pass model inputs.")

@@ -99,7 +99,9 @@ class DKMConfig(QuantizationConfigMixin):
         kmeans_sample (`int`, defaults to 65536):
             At most this many weight vectors per table feed that k-means (a fixed-seed sample; all when fewer).
         dkm_iters (`int`, defaults to 3):
-            Differentiable centroid-update iterations in each training forward.
+            Differentiable centroid-update iterations in each soft training forward. They are DKM's unweighted means,
+            so on a table `calibrate` fit for the output error (a calibrated start) they are refused in one line:
+            they would move it off its start before any step (issue 50).
         temperature (`float`, defaults to 0.02):
             Softmax temperature of the soft assignment, in units of the table's weight standard deviation;
             smaller is closer to hard assignment.

@@ -194,6 +194,7 @@ def verify_loaded(model: nn.Module, pre_quantized: bool) -> None:
                 if module.scales is not None:
                     check_scales(f"{name}.scales", module.scales, tuple(module.scales.shape))
                 module.dkm_initialised = True
+                module.start = "loaded"  # a start: its scales are kept in training (layers._Clustered.start)
             elif not module.dkm_initialised:
                 module.init_centroids()  # a weight that was not in the checkpoint (freshly initialised)
 

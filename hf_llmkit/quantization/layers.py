@@ -8,6 +8,11 @@ uses the hard assignment. What a compact checkpoint reloads into, `PalettizedLin
 `palettized.py` (importable from here too); what both kinds are built from and checked against, `DKMSettings` and the
 table checks, in `layer_settings.py`.
 
+No training forward moves a layer off its start (issue 50): the block scales are recomputed from the latent weight
+(`recipe="dkm"`'s soft forward) only where the layer's own k-means set them so (`start == "kmeans"`); scales that came
+with a checkpoint or with `calibrate` are kept, and DKM's centroid iterations, which would pull a calibrated table to
+unweighted means, are refused in one line for a calibrated start (`check_start`).
+
 State dicts: a DKM layer's own is `weight`, `centroids` (+ `scales`, `bias`). A checkpoint written by `save_pretrained`
 holds `weight_packed` + `weight_lut` (+ `weight_scale`) instead (compact), plus the layer's own while
 `keep_training_state` is set (so a Trainer checkpoint resumes bitwise, see `DKMTrainingStateCallback`). Load-state-dict
@@ -69,6 +74,9 @@ class _Clustered:
     settings: DKMSettings
     keep_training_state: bool | None = None  # also save `weight` + `centroids`? (None: undecided, saves compact)
     dense_forward: bool = False  # forward with the latent weight itself (`calibrate` reads the layers' inputs so)
+    # Where the table and block scales came from (`steps.STARTS`): the layer's own k-means of the weights
+    # (`init_centroids`), a checkpoint ("loaded") or `calibrate` ("calibrated"); saved with the training state.
+    start: str = "kmeans"
 
     def _init_table(self, settings: DKMSettings, device) -> None:
         self.settings = settings
@@ -116,6 +124,7 @@ class _Clustered:
             s.config.kmeans_sample,
         ).to(w.device)
         self.dkm_initialised = True
+        self.start = "kmeans"
 
     def lookup_table(self, centroids: torch.Tensor | None = None) -> torch.Tensor:
         """The table the hard assignment uses (float32): the centroids rounded to `lut_dtype`, as they are saved."""
@@ -196,6 +205,7 @@ class _Clustered:
         op is silently recast and forward and backward dtypes agree.
         """
         cfg = self.settings.config
+        self.check_start()
         if x is not None:
             x = x.to(compute_dtype(x))
         marshal = MarshalHooks(offload=True, exclude=() if x is None else (x,)) if cfg.offload else None
@@ -210,12 +220,31 @@ class _Clustered:
         self.last_marshal = marshal.stats if marshal is not None else None
         return result
 
+    def check_start(self) -> None:
+        """Refuse, in one line, a soft training forward whose centroid iterations would move a calibrated table off
+        its start: they are DKM's unweighted means, and `calibrate` fit the table (and rounded the latent weights)
+        for the output error, so one forward took SmolLM2 from KL 0.645 to 3.06 (issue 50)."""
+        iters = self.settings.config.dkm_iters
+        if iters and self.start == "calibrated":
+            raise ValueError(
+                f"DKMConfig(dkm_iters={iters}) would move this layer's calibrated table (hf_llmkit.quantization."
+                "calibrate) off its start at the first step (DKM's centroid updates are unweighted): set dkm_iters=0 "
+                "or recipe='calibrated' (training_forward='soft' keeps DKM's soft assignment), or calibrate after "
+                "training instead of before"
+            )
+
+    def _recomputes_scales(self) -> bool:
+        """Whether the soft forward recomputes the block scales from the latent weight: `recipe="dkm"` from the
+        layer's own k-means start, whose rule that is; scales that came with a start (a checkpoint, `calibrate`,
+        `recipe="calibrated"`) are the table's units and are kept."""
+        return self.settings.config.recipe != "calibrated" and self.start == "kmeans"
+
     def _soft_scaled(self, x: torch.Tensor | None, start: torch.Tensor):
         """The soft assignment with block scales: the table clusters `W / s` (the scales of the current latent
-        weight, kept in `scales`, or with `recipe="calibrated"` the kept ones; constants to autograd) and the
+        weight, kept in `scales`, or the start's kept ones: `_recomputes_scales`; constants to autograd) and the
         clustered weight is `s` times it."""
         scales = self.scales
-        if self.settings.config.recipe != "calibrated":  # that recipe keeps its start's scales, the table's units
+        if self._recomputes_scales():
             scales = self.fresh_scales(self.weight)
             with torch.no_grad():
                 self.scales.copy_(scales)
@@ -258,6 +287,7 @@ def _accept_checkpoint_tensors(module, state_dict, prefix, *_args) -> None:
     state_dict[prefix + "weight"] = weight.to(module.weight.dtype)
     state_dict[prefix + "centroids"] = lut.float()
     module.dkm_initialised = True
+    module.start = "loaded"  # its scales are the checkpoint's, kept in training (the decoded weights' would differ)
     logger.warning(
         "%s: loaded from packed indices + lookup table; the latent weights restart from the hard assignment, so a "
         "resumed DKM run will not match an uninterrupted one bit for bit. Train with "

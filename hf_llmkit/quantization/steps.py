@@ -11,7 +11,9 @@ changed, or centroids written by anything but the layer's own forward (a load, `
 
 A Trainer checkpoint (`keep_training_state`) stores the step as `step_start` + `step_key` next to `weight` and
 `centroids`, so a resumed run makes the same choice as the uninterrupted one even after a step that left the weights
-unchanged (a zero learning rate in warm-up, an fp16 step skipped on overflow).
+unchanged (a zero learning rate in warm-up, an fp16 step skipped on overflow), and where the layer's table and block
+scales came from (`start_kind`, one of `STARTS`: see `layers._Clustered.start`), so a resumed run keeps or recomputes
+its scales as the uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ import torch
 
 from hf_llmkit.compat.torch import version_counter
 
-STEP_NAMES = ("step_start", "step_key")
+# Where a layer's table and block scales came from: its own k-means of the weights (the only start whose block scales
+# a training forward recomputes from the latent weights), a checkpoint, or `calibrate` (a table DKM's unweighted
+# centroid iterations would move off its start).
+STARTS = ("kmeans", "loaded", "calibrated")
+START_NAME = "start_kind"
+STEP_NAMES = ("step_start", "step_key", START_NAME)  # what a training checkpoint holds per layer besides its tensors
 
 
 @dataclass
@@ -63,16 +70,28 @@ def finish_forward(layer, refined: torch.Tensor) -> None:
 
 
 def step_state(layer, prefix: str) -> dict[str, torch.Tensor]:
-    """The step's tensors for a training checkpoint (none before the first training forward)."""
+    """The step's tensors for a training checkpoint (the step's none before the first training forward) and the
+    layer's start kind."""
+    state = {prefix + START_NAME: torch.tensor(STARTS.index(layer.start), dtype=torch.int8)}
     step = layer.dkm_step
     if step is None:
-        return {}
-    return {prefix + "step_start": step.start.clone(), prefix + "step_key": step.key.clone()}
+        return state
+    return {**state, prefix + "step_start": step.start.clone(), prefix + "step_key": step.key.clone()}
 
 
 def take_step_state(layer, state_dict: dict, prefix: str) -> None:
-    """From a load-state-dict pre-hook: pop a checkpoint's step tensors and restore the step (checked)."""
-    start, key = (state_dict.pop(prefix + name, None) for name in STEP_NAMES)
+    """From a load-state-dict pre-hook: pop a checkpoint's step tensors and restore the step (checked) and the start
+    kind (training tensors without one, such as another model's `state_dict()`, are a start "loaded")."""
+    start, key, kind = (state_dict.pop(prefix + name, None) for name in STEP_NAMES)
+    if kind is not None:
+        if kind.numel() != 1 or not 0 <= int(kind) < len(STARTS):
+            raise ValueError(
+                f"{prefix + START_NAME!r} ({kind.tolist()}) is no index into {STARTS}: the checkpoint is corrupt; "
+                "restore it from a good copy."
+            )
+        layer.start = STARTS[int(kind)]
+    elif prefix + "centroids" in state_dict:
+        layer.start = "loaded"
     layer.dkm_step = None
     if start is None and key is None:
         return
