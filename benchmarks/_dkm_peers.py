@@ -43,7 +43,7 @@ def dkm(model, bits: int, skip, train: Callable | None, *, calibration=None, sta
     tables and block scales (in `lut_dtype`, float32 unless `options` say otherwise). With `recipe="calibrated"` the
     calibration comes first and training starts from it (what `DKMTrainingStateCallback` does in a Trainer). With
     `start` (`dkm_state` of a calibrated model) training starts from that model's latent weights, tables and scales
-    instead, and nothing is calibrated."""
+    instead, and nothing is calibrated: a calibrated start, which training keeps (`DKMLinear.start`)."""
     from hf_llmkit import DKMConfig
     from hf_llmkit.quantization import DKMLinear, calibrate, keep_training_state, quantize_model
 
@@ -58,6 +58,7 @@ def dkm(model, bits: int, skip, train: Callable | None, *, calibration=None, sta
                 for tensor, saved in zip((layer.weight, layer.centroids, layer.scales), start[name]):
                     if saved is not None:
                         tensor.copy_(saved)
+                layer.start = "calibrated"  # its scales are kept, DKM's iterations refused (issue 50)
     elif calibration is not None and first:
         calibrate(model, _rows(calibration))
     if train is not None:
