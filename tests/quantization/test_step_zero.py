@@ -73,9 +73,7 @@ def slice_start():
     "changes",
     [
         {"training_forward": "straight_through"},  # recipe="dkm"'s dkm_iters=3 do not run on the hard forward
-        {"training_forward": "soft", "dkm_iters": 0},
-        {"training_forward": "soft", "dkm_iters": 0, "temperature": 0.1},
-        {"recipe": "calibrated"},
+        {"training_forward": "soft", "dkm_iters": 0, "temperature": 0.1},  # recipe="dkm"'s scales: kept
         {"recipe": "calibrated", "training_forward": "soft", "temperature": 0.005},
     ],
     ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()),
