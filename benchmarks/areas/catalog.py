@@ -3,18 +3,21 @@
 A render function gets {results file name: its JSON} and returns markdown; `measured(...)` is the closing line of
 every fragment (the date, command, machine and load that the results file recorded, and "LOADED MACHINE" when the
 load exceeded the core count during the run). Register a new fragment with `@fragment("name", "results_file")`
-(`_fragment_registry.py`); importing this module registers every fragment, those of `_dkm_real_report.py` and
-`_dkm_soft_report.py` included.
+(`harness/registry.py`); importing this module registers every fragment, those of `real_report.py` and
+`soft_report.py` included.
 """
 
 from __future__ import annotations
 
 import statistics
 
-import _dkm_real_report  # noqa: F401 - registers the real-model fragments
-import _dkm_soft_report  # noqa: F401 - registers dkm_steps and dkm_soft (issue 43's soft-assignment study)
-from _common import markdown_table
-from _fragment_registry import FRAGMENTS, fragment, measured
+from harness.common import markdown_table
+from harness.registry import FRAGMENTS, fragment, measured
+
+from areas.dkm import (
+    real_report,  # noqa: F401 - registers the real-model fragments
+    soft_report,  # noqa: F401 - registers dkm_steps and dkm_soft (issue 43's soft-assignment study)
+)
 
 
 def pair(values: list[float], digits: int = 2) -> str:
@@ -154,7 +157,7 @@ def sp_time(results: dict) -> str:
 
 @fragment("sp_offload", "sequence_parallel_offload")
 def sp_offload(results: dict) -> str:
-    from _offload_bytes import offload_rows
+    from areas.parallel.offload_bytes import offload_rows
 
     data = results["sequence_parallel_offload"]
     rows = offload_rows(data["designs"])
@@ -566,7 +569,7 @@ def dkm_quality(results: dict) -> str:
 @fragment("dkm_job", "dkm_quality")
 def dkm_job(results: dict) -> str:
     """benchmarks/dkm_quality.py --only job: where the main job's time goes at Llama shapes, DKM against full
-    fine-tuning (benchmarks/_dkm_job.py)."""
+    fine-tuning (benchmarks/areas/dkm/job.py)."""
     data = results["dkm_quality"].get("job_times")
     if not data:
         return "Not measured yet: `python benchmarks/dkm_quality.py --only job`."
@@ -596,7 +599,7 @@ SIZE_NAMES = {"issue": "issue's model", "1b": "~1B-parameter shape"}
 @fragment("dkm_inference", "dkm_inference")
 def dkm_inference(results: dict) -> str:
     """benchmarks/dkm_inference.py: generate speed, prefill and memory of ours against dense and 3-4 bit peers."""
-    from _inference_report import heading, table
+    from areas.inference.report import heading, table
 
     data = results["dkm_inference"]
     cpu = data.get("cpu") or data["recorded"]["machine"].get("cpu") or "an unnamed CPU"
@@ -617,7 +620,7 @@ def dkm_inference(results: dict) -> str:
 @fragment("dkm_inference_loops", "dkm_inference_loops")
 def dkm_inference_loops(results: dict) -> str:
     """benchmarks/dkm_inference.py --parts loops: every loop level of the DKM CPU kernel on each CPU measured."""
-    from _inference_loops import kernel_rows, model_rows
+    from areas.inference.loops import kernel_rows, model_rows
 
     parts = []
     for cpu, part in results["dkm_inference_loops"]["machines"].items():
@@ -643,7 +646,7 @@ def dkm_inference_loops(results: dict) -> str:
 @fragment("dkm_inference_real", "dkm_inference_real")
 def dkm_inference_real(results: dict) -> str:
     """benchmarks/dkm_inference.py --parts real: SmolLM2-135M against llama.cpp on each CPU measured."""
-    from _inference_real import table
+    from areas.inference.real import table
 
     parts = []
     for cpu, part in results["dkm_inference_real"]["machines"].items():

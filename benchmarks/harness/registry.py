@@ -1,9 +1,10 @@
 """The registry of the docs fragments `benchmarks/report.py` writes: name -> (results files, render function).
 
 A render function gets {results file name: its JSON} and returns markdown; `measured(...)` is the closing line of
-every fragment. Register one with `@fragment("name", "results_file")`. The fragments themselves are in `_fragments.py`
-(which imports every module that registers more, e.g. `_dkm_real_report.py`, `_dkm_soft_report.py`); those modules
-import this one, never `_fragments.py` (tests/benchmarks/test_import_graph.py).
+every fragment. Register one with `@fragment("name", "results_file")`. The fragments themselves are in
+`areas/catalog.py` (which imports every module that registers more, e.g. `areas/dkm/real_report.py`,
+`areas/dkm/soft_report.py`); those modules import this one, never `areas/catalog.py`
+(tests/benchmarks/test_import_graph.py).
 """
 
 from __future__ import annotations
