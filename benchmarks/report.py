@@ -7,10 +7,10 @@ machine and load of its run) through a marked region:
     ...markdown rendered by the fragment...
     <!-- end results -->
 
-`FRAGMENTS` (benchmarks/areas/catalog.py) maps each fragment name to the results files it reads and a function that
-renders markdown from them; every fragment ends with a line naming the date, command, machine and load of its
-run(s). To add numbers to a page, write the two marker lines there and run `--write`. Outside the regions, code
-blocks and code spans holding code, no page may carry a measurement-looking number (`lint`: ratios, multiples,
+`FRAGMENTS` (benchmarks/areas/catalog.py: every area's fragments) maps each fragment name to the results files it reads
+and a function that renders markdown from them; every fragment ends with a line naming the date, command, machine and
+load of its run(s). To add numbers to a page, write the two marker lines there and run `--write`. Outside the regions,
+code blocks and code spans holding code, no page may carry a measurement-looking number (`lint`: ratios, multiples,
 times, sizes, percentages, decimals, a number after a measured noun such as "peak"; a code span of plain words and
 numbers is prose; a phrase that is not a measurement, such as a target or a tolerance a test asserts, goes into
 `ALLOWED` with its reason; a setting goes into a code span as a flag, `--lora_dropout 0.05`).
@@ -135,9 +135,7 @@ def render(name: str, results: Path = RESULTS) -> str:
     """The region body of fragment `name`: a blank line, its markdown, a blank line. While a results file it
     reads is not committed, the body says so and how to make it (`NOT_MEASURED`), never a number."""
     if name not in FRAGMENTS:
-        raise KeyError(
-            f"fragment {name!r} is not registered in benchmarks/areas/catalog.py (known: {sorted(FRAGMENTS)})"
-        )
+        raise KeyError(f"fragment {name!r} is not registered by benchmarks/areas/ (known: {sorted(FRAGMENTS)})")
     fragment: Fragment = FRAGMENTS[name]
     missing = [file for file in fragment.files if not (results / f"{file}.json").exists()]
     if missing:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from areas.catalog import _dkm_verdict  # noqa: E402
+from areas.dkm.fragments import _dkm_verdict  # noqa: E402
 
 
 def _row(method, bits, bpw, trained=False, **metrics):

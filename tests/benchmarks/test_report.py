@@ -119,7 +119,7 @@ def results(tmp_path, monkeypatch):
 
 
 def measured(data):
-    from areas.catalog import measured
+    from harness.registry import measured
 
     return measured(data)
 
@@ -140,7 +140,7 @@ def test_write_fills_a_region_and_check_then_passes_and_names_a_stale_one(tmp_pa
 def test_a_run_that_loads_every_core_itself_is_judged_by_its_start_load(results):
     """CI's run (`loads_itself`): its own workers load both cores, so only a load above the core count at its start
     marks it; the torch named is its environments', not the measuring process's."""
-    from areas.catalog import measured as render
+    from harness.registry import measured as render
 
     data = json.loads((results / "x.json").read_text())
     line = render(data, loads_itself=True)
