@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from _common import add_device_argument, load_note, machine_state, pick_device, synchronize, write_results
+from harness.common import add_device_argument, load_note, machine_state, pick_device, synchronize, write_results
 from transformers import Trainer, TrainerCallback, default_data_collator
 
 from hf_llmkit import LLMKitTrainingArguments

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import write_results
+from harness.common import write_results
 
 REPO = Path(__file__).resolve().parents[1]
 INSTALL_DONE = re.compile(r"^touch \S*\.hf_llmkit-installed\s*$")  # make's echo of the install's last command

@@ -10,8 +10,8 @@
 (a) One training step (forward + backward + centroid update) of one Linear, 16 tokens, 3 DKM iterations each (our early
     stop off), at 3 and 4 bits, 1024x1024 and 4096x4096. Ours with fp32 latent weights (the default engine:
     interval at 1024x1024, bucketed at 4096x4096) and bf16 (eDKM's unique-value table); the peer with fp32 weights.
-    Variants run interleaved, the order rotated each round (`_common.Bench`); the table gives min and median of the
-    per-round speed-ups (peer seconds / ours). "Saved" = bytes autograd holds for backward (each storage once; the
+    Variants run interleaved, the order rotated each round (`harness.common.Bench`); the table gives min and median of
+    the per-round speed-ups (peer seconds / ours). "Saved" = bytes autograd holds for backward (each storage once; the
     weight and the input are not counted), counted by the same saved-tensor hooks for every system. The peer saves
     ~330 / ~600 bytes per weight (3 / 4 bits), 5-10 GB on 4096x4096: there it runs on a slice of rows, scaled by
     rows / slice (its tensors are all [n, K]-shaped, so its saved bytes are exactly linear in n and its time is
@@ -24,7 +24,7 @@
 
 Writes benchmarks/results/dkm.json and dkm_speed.png / dkm_memory.png beside it; one torch thread; the machine
 load is recorded before and after every measurement and printed under each table. On CUDA, "saved" in (a) becomes
-the step's peak allocation above the parameters and the input (`_common.PeakMemory`), for every system alike.
+the step's peak allocation above the parameters and the input (`harness.common.PeakMemory`), for every system alike.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import (
+from harness.common import (
     Bench,
     PeakMemory,
     add_device_argument,

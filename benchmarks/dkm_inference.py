@@ -9,14 +9,14 @@
 
 Three parts, each writing its own results file; every row names the loops (or code) that multiplied, every table
 its CPU:
-- `loops` (`_inference_loops.py`, dkm_inference_loops.json): every loop level of the packed layers' CPU kernel this
-  CPU has, each forced in turn: one packed layer against `F.linear` and the time to stream its bytes, and the
+- `loops` (`areas/inference/loops.py`, dkm_inference_loops.json): every loop level of the packed layers' CPU kernel
+  this CPU has, each forced in turn: one packed layer against `F.linear` and the time to stream its bytes, and the
   issue's random Llama (hidden 1,024, 4 layers) at 2-4 bits, with and without block scales, bf16 and fp32, against
   dense bf16 / fp32.
-- `real` (`_inference_real.py`, dkm_inference_real.json): the real SmolLM2-135M-Instruct, dense, ours at 3 and 4
+- `real` (`areas/inference/real.py`, dkm_inference_real.json): the real SmolLM2-135M-Instruct, dense, ours at 3 and 4
   bits with its tied embedding / LM head clustered at 8 bits, bitsandbytes nf4, and llama.cpp on the same weights
   (the shipped Q4_1 file and the K-quants it makes); prefill time and where a token's time goes.
-- `peers` (dkm_inference.json): the random-weight bf16 Llama of `SHAPES` (details in `_inference_variants.py`):
+- `peers` (dkm_inference.json): the random-weight bf16 Llama of `SHAPES` (details in `areas/inference/variants.py`):
   dense fp32 and bf16; ours, `DKMConfig` at 3 and 4 bits, with and without `scale_block_size=64`, a table per tensor
   and a table per output channel, 16-bit tables (from a short k-means: the speed does not depend on the tables'
   values), saved and reloaded with `from_pretrained` (the compact `PalettizedLinear` layers); peers that run here:
@@ -35,10 +35,10 @@ path crashed there), which its rows' names say.
 Per variant: batch-1 (and in part peers batch-8) greedy `generate` tokens/s (new tokens after a short prompt, after
 a warm-up), the time of one prefill forward of 512 tokens, the bytes of the tensors the model holds and the peak
 resident memory (`VmHWM`) of loading and of inference. Each variant runs in a fresh process per round (its memory
-its own), the variants in an order rotated each round; ratios to dense bf16 are per round (`_inference_runner.py`).
-Prints the targets' verdict lines. With $HF_LLMKIT_BENCH_LOCK naming a file, the timed rounds hold a lock on it (the
-preparation runs before, unlocked). Adding a variant: a dict in a part's plan (`kind` selects how
-`_inference_variants.py` prepares and loads it, or `_inference_worker.measure` measures it).
+its own), the variants in an order rotated each round; ratios to dense bf16 are per round
+(`areas/inference/runner.py`). Prints the targets' verdict lines. With $HF_LLMKIT_BENCH_LOCK naming a file, the timed
+rounds hold a lock on it (the preparation runs before, unlocked). Adding a variant: a dict in a part's plan (`kind`
+selects how `areas/inference/variants.py` prepares and loads it, or `areas.inference.worker.measure` measures it).
 """
 
 from __future__ import annotations
@@ -49,14 +49,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import _inference_llama_cpp as llama
-import _inference_loops as loops
-import _inference_real as real
-import _inference_runner as runner
-import _slices
-from _common import add_device_argument, pick_device, recorded_path
-from _inference_report import plot, print_tables, summarize, verdicts
-from _inference_variants import preimport
+from areas.inference import llamacpp as llama
+from areas.inference import loops, real, runner
+from areas.inference.report import plot, print_tables, summarize, verdicts
+from areas.inference.variants import preimport
+from harness import slices
+from harness.common import add_device_argument, pick_device, recorded_path
 
 PARTS = ("loops", "real", "peers")
 STARTED = time.perf_counter()
@@ -93,7 +91,7 @@ PEERS = {
 }
 
 ONNX_OPTIONS = dict(lut_dtype="bfloat16", kmeans_iters=5, kmeans_sample=4096)
-ONNX = {  # onnxruntime serving the exports (_inference_onnx.py); the standard-op path times 2 tokens per call
+ONNX = {  # onnxruntime serving the exports (areas/inference/onnxrt.py); the standard-op path times 2 tokens per call
     "onnxruntime dense fp32 export": dict(kind="onnx", bits=3, options=ONNX_OPTIONS, onnx_file="dense",
                                           onnx_kernel=False),
     "onnxruntime DKM 3-bit, standard ops": dict(kind="onnx", bits=3, options=ONNX_OPTIONS, onnx_file="packed",
@@ -147,7 +145,7 @@ NOT_RUN_AT_1B = {
 
 def stored_entry(name: str, args, cpu: str) -> dict | None:
     """With --only-missing, this CPU's entry of a per-CPU results file ({} where there is none); None without."""
-    return _slices.read_results(name).get("machines", {}).get(cpu, {}) if args.only_missing else None
+    return slices.read_results(name).get("machines", {}).get(cpu, {}) if args.only_missing else None
 
 
 def run_size(size: str, args, device: str, work: Path, results: dict) -> dict:
@@ -181,7 +179,7 @@ def save_peers(results: dict, size: str, entry: dict) -> Path:
     results["sizes"][size] = entry
     results["verdicts"] = verdicts(results)
     results["seconds"] = time.perf_counter() - STARTED
-    return _slices.update_results("dkm_inference", {(key,): value for key, value in results.items()})
+    return slices.update_results("dkm_inference", {(key,): value for key, value in results.items()})
 
 
 def run_loops(args, device: str, work: Path) -> dict:
@@ -195,10 +193,10 @@ def run_loops(args, device: str, work: Path) -> dict:
     stored = stored_entry("dkm_inference_loops", args, cpu)
     runner.child("prepare", dict(common, kind="checkpoint", name="dense checkpoint", dir=str(dense_dir)), work, 3600)
     kernels = (stored or {}).get("kernels")
-    if not (kernels and _slices.present(kernels) and kernels.get("quick") == args.quick):  # the kernel table's rows
-        before = _slices.load_1min()
+    if not (kernels and slices.present(kernels) and kernels.get("quick") == args.quick):  # the kernel table's rows
+        before = slices.load_1min()
         kernels = runner.child("kernels", dict(name="kernel table", quick=args.quick, device=device), work, 3600)
-        kernels.update(quick=args.quick, **_slices.stamp(before))
+        kernels.update(quick=args.quick, **slices.stamp(before))
     rounds = 1 if args.quick else args.rounds["issue"]
     meta = dict(cpu=cpu, kernels=kernels, shape=shape, new_tokens=new_tokens)
     save = lambda part: save_part("dkm_inference_loops", {**part, **meta}, loops.verdicts)  # noqa: E731
@@ -246,7 +244,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="checkpoints prepared at once (untimed; default: 2)")
     parser.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS), help="(default: all)")
     parser.add_argument("--compile", action="store_true", help="part real: also a static cache + torch.compile row")
-    _slices.add_only_missing_argument(parser)
+    slices.add_only_missing_argument(parser)
     add_device_argument(parser)
     args = parser.parse_args()
     device = pick_device(args.device).type
@@ -265,14 +263,14 @@ def main() -> None:
             failures += runner.must_run_failures(part)
             print(f"\n### loops ({part['cpu']})\n\n" + loops.kernel_rows(part["kernels"]))
             print("\n" + loops.model_rows(part, "1") + "\n\n" + "\n".join(part["verdicts"]), flush=True)
-            print(f"wrote {_slices.results_path('dkm_inference_loops')}", flush=True)
+            print(f"wrote {slices.results_path('dkm_inference_loops')}", flush=True)
         if "real" in args.parts:
             part = run_real(args, device, Path(tmp))
             failures += runner.must_run_failures(part)
             for threads in part["threads"]:
                 print(f"\n### SmolLM2-135M, {threads} thread(s) ({part['cpu']})\n\n" + real.table(part, threads))
             print("\n" + "\n".join(part["verdicts"]), flush=True)
-            print(f"wrote {_slices.results_path('dkm_inference_real')}", flush=True)
+            print(f"wrote {slices.results_path('dkm_inference_real')}", flush=True)
         if "peers" in args.parts:
             run_peers(args, device, Path(tmp), sizes, preimported, failures)
     if failures:  # every row is written: the run fails after it, naming what must run and did not
@@ -283,7 +281,7 @@ def run_peers(args, device: str, work: Path, sizes: list[str], preimported: dict
     """Part `peers`: every size of `sizes` (with --only-missing, completing the file's own sizes where it was
     measured on this CPU and device), then the tables, the verdicts and the plot."""
     cpu = loops.cpu_name()
-    stored = _slices.read_results("dkm_inference") if args.only_missing else {}
+    stored = slices.read_results("dkm_inference") if args.only_missing else {}
     config = {"prompt": args.prompt, "prefill": args.prefill, "repeats": args.repeats, "threads": args.threads}
     same = stored.get("cpu") == cpu and stored.get("device") == device and stored.get("config") == config
     results: dict = {

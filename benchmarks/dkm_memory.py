@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import torch
-from _common import PeakMemory, synchronize
+from harness.common import PeakMemory, synchronize
 
 from hf_llmkit.quantization.layers import DKMLinear, DKMSettings
 from hf_llmkit.quantization.marshal import MarshalHooks

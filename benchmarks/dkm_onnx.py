@@ -13,10 +13,10 @@ C kernel through onnxruntime-extensions). Each variant runs in a fresh process p
 round, one intra-op thread: `greedy_generate` of batch 1 (tokens/s after a warm-up, the standard-op path over fewer
 tokens: it decodes every weight per token), one prefill forward, the file's bytes and the peak resident memory over
 the imports (`VmHWM` after `clear_refs`: the session's creation and serving). The tokens each variant generates must
-equal the PyTorch model's. Writes benchmarks/results/dkm_onnx.json, row by row as they are measured (`_slices.py`):
-a variant whose process crashes or hangs is a row with its reason (the run then fails at its end, as it does when a
-variant's tokens differ), and `--only-missing` measures only the rows the file lacks or holds from a loaded
-machine (their table rows marked LOADED). docs/dkm.md's export section renders it.
+equal the PyTorch model's. Writes benchmarks/results/dkm_onnx.json, row by row as they are measured
+(`harness/slices.py`): a variant whose process crashes or hangs is a row with its reason (the run then fails at its
+end, as it does when a variant's tokens differ), and `--only-missing` measures only the rows the file lacks or holds
+from a loaded machine (their table rows marked LOADED). docs/dkm.md's export section renders it.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import _slices  # noqa: E402
-from _common import add_device_argument, cpu_model, machine_state  # noqa: E402
-from _process_memory import reset_peak, status_kib  # noqa: E402
+from harness import slices  # noqa: E402
+from harness.common import add_device_argument, cpu_model, machine_state  # noqa: E402
+from harness.process_memory import reset_peak, status_kib  # noqa: E402
 
 SHAPES = {
     "tiny": dict(hidden=128, layers=2, intermediate=384, vocab=4096, heads=4),
@@ -141,7 +141,7 @@ def run_size(size: str, args, work: Path, stored: dict | None, save) -> dict:
     def measure(name: str, r: int) -> dict:
         if not prepared:
             out = work / "prepared.json"
-            got = _slices.run_command(_argv("--prepare", size, str(work), out=out), out, timeout=7200)
+            got = slices.run_command(_argv("--prepare", size, str(work), out=out), out, timeout=7200)
             if "error" in got:  # our own export: nothing of this size can be measured without it
                 raise SystemExit(f"error: the exports of {size} failed: {got['error']}")
             prepared.update(got)
@@ -156,21 +156,21 @@ def run_size(size: str, args, work: Path, stored: dict | None, save) -> dict:
             new_tokens=args.new_tokens if v["kernel"] or v["file"] == "dense" else args.slow_tokens,
         )
         out = work / f"measure-{time.monotonic_ns()}.json"
-        return _slices.run_command(_argv("--measure", json.dumps(spec), out=out), out, timeout=3600)
+        return slices.run_command(_argv("--measure", json.dumps(spec), out=out), out, timeout=3600)
 
     entry = {"prepared": (stored or {}).get("prepared"), "before": machine_state()}
 
     def on_row(name: str, r: int, runs: dict) -> None:
         row = runs[name][r]
         got = row.get("error") or f"{row['tokens_per_s_b1']:.2f} tokens/s"
-        print(f"[{size}, round {r + 1}] {name if 'error' in row else _slices.mark(name, row)}: {got}", flush=True)
+        print(f"[{size}, round {r + 1}] {name if 'error' in row else slices.mark(name, row)}: {got}", flush=True)
         if prepared:  # the paths of this machine's temporary folder stay out
             entry["prepared"] = {k: v for k, v in prepared.items() if k != "files"}
         entry.update(runs=runs, after=machine_state(), **summarize(runs))
         save(size, entry)
 
     kept = None if stored is None else stored.get("runs", {})
-    runs = _slices.measure_rounds(list(VARIANTS), args.rounds, measure, stored=kept, on_row=on_row)
+    runs = slices.measure_rounds(list(VARIANTS), args.rounds, measure, stored=kept, on_row=on_row)
     entry.update(runs=runs, **summarize(runs))
     return entry
 
@@ -196,14 +196,14 @@ def summarize(runs: dict) -> dict:
             "peak_over_base_mib": max(g["peak_over_base_mib"] for g in ok),
             "load_s": statistics.median(g["load_s"] for g in ok),
             "file_mib": ok[0]["file_mib"],
-            **_slices.load_of(ok),
+            **slices.load_of(ok),
         }
     for s in out.values():
         s["peak_x_dense"] = s["peak_over_base_mib"] / out[BASE]["peak_over_base_mib"]
     errors = {name: next(g["error"] for g in got if g and "error" in g) for name, got in runs.items()
               if any(g and "error" in g for g in got)}  # fmt: skip
     wrong = sorted(name for name, got in runs.items() if any(g and g.get("tokens_equal") is False for g in got))
-    summary = {_slices.mark(name, v): v for name, v in out.items()}
+    summary = {slices.mark(name, v): v for name, v in out.items()}
     return {"summary": summary, "not_run": errors, "wrong_tokens": wrong}
 
 
@@ -219,20 +219,20 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens timed (dense and our kernel)")
     parser.add_argument("--slow-tokens", type=int, default=2, help="tokens timed on the standard-op path")
     parser.add_argument("--prefill", type=int, default=128, help="tokens of the prefill forward")
-    _slices.add_only_missing_argument(parser)
+    slices.add_only_missing_argument(parser)
     add_device_argument(parser)
     parser.add_argument("--prepare", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.prepare or args.measure:  # a child: it dies with the benchmark
-        _slices.die_with_parent()
+        slices.die_with_parent()
     if args.prepare:
         Path(args.out).write_text(json.dumps(prepare(args.prepare[0], Path(args.prepare[1]))))
         return
     if args.measure:
         spec = json.loads(args.measure)
-        _slices.crash_if_named(spec["name"])  # fault injection ($HF_LLMKIT_BENCH_CRASH); nothing otherwise
+        slices.crash_if_named(spec["name"])  # fault injection ($HF_LLMKIT_BENCH_CRASH); nothing otherwise
         Path(args.out).write_text(json.dumps(measure(spec)))
         return
     if args.device not in (None, "cpu"):
@@ -242,7 +242,7 @@ def main() -> None:
         args.rounds, args.new_tokens, args.slow_tokens, args.prefill = 1, 4, 2, 16
     started = time.perf_counter()
     config = {k: getattr(args, k) for k in ("rounds", "new_tokens", "slow_tokens", "prefill")}
-    stored = _slices.read_results("dkm_onnx") if args.only_missing else {}
+    stored = slices.read_results("dkm_onnx") if args.only_missing else {}
     settings = {k: v for k, v in config.items() if k != "rounds"}  # more rounds keep the rows of fewer
     old = {k: v for k, v in stored.get("config", {}).items() if k != "rounds"}
     same = stored.get("cpu") == cpu_model() and old == settings
@@ -252,7 +252,7 @@ def main() -> None:
     def save(size: str, entry: dict) -> None:
         results["sizes"][size] = entry
         results["seconds"] = time.perf_counter() - started
-        _slices.update_results("dkm_onnx", {(key,): value for key, value in results.items()})
+        slices.update_results("dkm_onnx", {(key,): value for key, value in results.items()})
 
     for size in sizes:
         with tempfile.TemporaryDirectory(prefix=f"dkm_onnx_{size}_") as tmp:
@@ -260,7 +260,7 @@ def main() -> None:
             save(size, run_size(size, args, Path(tmp), kept, save))
     for size, data in results["sizes"].items():
         print(f"\n{size}: " + json.dumps(data["summary"], indent=1))
-    print(f"\nwrote {_slices.results_path('dkm_onnx')}")
+    print(f"\nwrote {slices.results_path('dkm_onnx')}")
     failed = []
     for size in sizes:
         failed += [f"{size}: {name} did not run: {why}" for name, why in results["sizes"][size]["not_run"].items()]

@@ -7,14 +7,14 @@
     python benchmarks/dkm_quality.py --only calibration        # our calibrated start against GPTQ's time
     python benchmarks/dkm_quality.py --only recipe             # the whole path on the real LLM, stage by stage
 
-The real decoder LLM, SmolLM2-135M-Instruct (`_dkm_smollm2.py`, `_dkm_real.py`, `_dkm_llamacpp.py`,
-`_dkm_recipe.py`; rendered by `_dkm_real_report.py`): perplexity, KL from the source model, top-1 agreement and the
-worst block on held-out text, against every peer including llama.cpp's K-quants; rows of a width measured again
+The real decoder LLM, SmolLM2-135M-Instruct (`areas/dkm/smollm2.py`, `areas/dkm/real.py`, `areas/dkm/llamacpp.py`,
+`areas/dkm/recipe.py`; rendered by `areas/dkm/real_report.py`): perplexity, KL from the source model, top-1 agreement
+and the worst block on held-out text, against every peer including llama.cpp's K-quants; rows of a width measured again
 replace that width's rows only, and every row is saved as it is measured.
 
-Workloads (`_dkm_workloads.py`): all-MiniLM-L6-v2 (embedding cosine to fp32, mean / worst sentence, Spearman of
+Workloads (`areas/dkm/workloads.py`): all-MiniLM-L6-v2 (embedding cosine to fp32, mean / worst sentence, Spearman of
 pairwise similarities) and a Llama pretrained here by `examples/run_clm.py` (held-out perplexity, worst block's
-perplexity ratio to fp32; `--lm-size 22m`, the default, has ~22M parameters, `5m` ~5M). Methods (`_dkm_peers.py`),
+perplexity ratio to fp32; `--lm-size 22m`, the default, has ~22M parameters, `5m` ~5M). Methods (`areas/dkm/peers.py`),
 every Linear but the head quantized:
 - ours without training: a k-means table per tensor over weights divided by a 16-bit absmax scale per 64 inputs
   (`scale_block_size=64`), refit by k-means weighted by each weight's share of the output error and GPTQ-rounded
@@ -27,9 +27,10 @@ every Linear but the head quantized:
   (group 64), GPTQ (llmcompressor, group 64, calibrated on training inputs), bitsandbytes nf4 (4.5 bits).
 Bits per weight are counted from what each method stores over the quantized matrices: indices or integers plus
 lookup tables, scales and zero points. Each row also has its compute time and peak tensor memory. Two sections write
-benchmarks/results/dkm_soft.json: `--only steps` (`_dkm_steps.py`) times one training step of MiniLM and of SmolLM2,
-plain against DKM's (its C kernel, torch's ops, fp32 and bf16 latents), and `--only soft` (`_dkm_soft.py`) trains
-from the calibrated start with DKM's soft assignment against straight-through training and measures why one wins.
+benchmarks/results/dkm_soft.json: `--only steps` (`areas/dkm/steps.py`) times one training step of MiniLM and of
+SmolLM2, plain against DKM's (its C kernel, torch's ops, fp32 and bf16 latents), and `--only soft`
+(`areas/dkm/soft.py`) trains from the calibrated start with DKM's soft assignment against straight-through training and
+measures why one wins.
 
 Writes benchmarks/results/dkm_quality.json and dkm_quality.png (quality against bits per weight, per workload).
 """
@@ -45,12 +46,12 @@ import time
 import traceback
 from pathlib import Path
 
-import _dkm_job as job_section
-import _dkm_peers as peers
-import _dkm_real as real
-import _dkm_soft as soft_section
-import _dkm_steps as steps_section
-from _common import (
+from areas.dkm import job as job_section
+from areas.dkm import peers, real
+from areas.dkm import soft as soft_section
+from areas.dkm import steps as steps_section
+from areas.dkm.workloads import CALIBRATION_SAMPLES, CausalLM, MiniLM, lm_recipe, make_trainer
+from harness.common import (
     PeakMemory,
     load_note,
     machine_state,
@@ -59,7 +60,6 @@ from _common import (
     run_record,
     write_results,
 )
-from _dkm_workloads import CALIBRATION_SAMPLES, CausalLM, MiniLM, lm_recipe, make_trainer
 
 BITS = (2, 3, 4)
 WORKLOAD_SETTINGS = ("steps", "lr", "calibration_samples", "dropout", "machine_before")  # the tables ran with
@@ -69,8 +69,8 @@ LM_DIR = Path.home() / ".cache" / "hf_llmkit" / "dkm_quality_lm"  # + "_<size>"
 
 def save(results: dict) -> Path:
     """Write the results, keeping the sections of an earlier run that this one did not measure (`--only`); the real
-    model's rows of the widths this run did not measure (`--bits`) stay too (`_dkm_real.merge`)."""
-    from _common import RESULTS
+    model's rows of the widths this run did not measure (`--bits`) stay too (`areas.dkm.real.merge`)."""
+    from harness.common import RESULTS
 
     path = RESULTS / "dkm_quality.json"
     with _locked(path):  # two runs of other sections or widths may save at once: read, merge and write as one
@@ -197,7 +197,7 @@ def main_job_row(workload, bits: int, args) -> dict:
 
 
 def job_times(args) -> list[dict]:
-    """The main job at Llama shapes, DKM against full fine-tuning, each in a fresh process (`_dkm_job.py`)."""
+    """The main job at Llama shapes, DKM against full fine-tuning, each in a fresh process (`areas/dkm/job.py`)."""
     import tempfile
 
     rows, methods = [], list(job_section.METHODS)[: 2 if args.quick else None]  # --quick: plain and DKM
@@ -215,16 +215,16 @@ def job_times(args) -> list[dict]:
 
 
 def recipe_section(args) -> dict:
-    """The whole path on the real model (`_dkm_recipe.py`; --quick: its two-layer slice, two steps a job)."""
+    """The whole path on the real model (`areas/dkm/recipe.py`; --quick: its two-layer slice, two steps a job)."""
     import tempfile
 
-    import _dkm_recipe
+    from areas.dkm import recipe
 
     from hf_llmkit.testing import smollm2_path
 
     model = str(smollm2_path(num_hidden_layers=2 if args.quick else None))
     with tempfile.TemporaryDirectory(prefix="dkm_recipe_") as work:
-        section = _dkm_recipe.run(model, Path(work), quick=args.quick)
+        section = recipe.run(model, Path(work), quick=args.quick)
     for stage in section["stages"]:
         print(f"  recipe: {stage}", file=sys.stderr, flush=True)
     return {**section, "model": Path(model).name, "measured": run_record()}
@@ -252,7 +252,7 @@ def plot(results: dict) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    from _common import save_figure
+    from harness.common import save_figure
 
     panels = [(w, r) for w, r in results["workloads"].items() if r["rows"]]
     if not panels:  # a run of another seed only: nothing for the main plot
@@ -359,9 +359,9 @@ def main() -> None:
             "measured": run_record(),  # when, by which command (kept by a later --only run)
         })  # fmt: skip
         print_table(w.name, w.metrics, rows)
-    if "steps" in sections:  # its own results file, dkm_soft.json (`_dkm_steps.py`)
+    if "steps" in sections:  # its own results file, dkm_soft.json (`areas/dkm/steps.py`)
         soft_section.save_section("steps", steps_section.step_times(args, MiniLM))
-    if "soft" in sections:  # soft assignment against straight-through training (`_dkm_soft.py`)
+    if "soft" in sections:  # soft assignment against straight-through training (`areas/dkm/soft.py`)
         soft_section.save_section("study", soft_section.study(args))  # each workload also as it finishes
     if "smollm2" in sections:
 

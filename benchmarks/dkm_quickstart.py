@@ -94,7 +94,7 @@ def _finetune(model, train: torch.Tensor, steps: int) -> None:
 
 def perplexity_table(tmp: Path, model_dir: Path, steps: int, n_eval: int, *, device: str = "cpu") -> list[dict]:
     """Rows of the quickstart table, every model on `device`."""
-    from _dkm_helpers import bf16_latent, dkm_bits_per_weight, round_to_nearest, size_mb
+    from areas.dkm.helpers import bf16_latent, dkm_bits_per_weight, round_to_nearest, size_mb
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from hf_llmkit import DKMConfig

@@ -47,8 +47,8 @@ PY = sys.executable
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import pick_device, results_name, write_results  # noqa: E402
-from _fragments import CUDA_VARIANTS  # noqa: E402
+from areas.catalog import CUDA_VARIANTS  # noqa: E402
+from harness.common import pick_device, results_name, write_results  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import add_device_argument, markdown_table, pick_device, write_results
+from harness.common import add_device_argument, markdown_table, pick_device, write_results
 
 BLOCK_SIZE = 128
 

@@ -11,8 +11,8 @@ our expert compute inside transformers' own `MixtralSparseMoeBlock` through its 
 (`experts_implementation="llmkit"`, `REGISTRY`: the block `upcycle_to_moe` returns), next to grouped_mm in the same
 block, transformers' default. Each
 configuration runs at 1 and 2 torch threads over an expert sweep (8, 16, 64 experts at 2,048 tokens) and a
-token sweep (512, 2,048, 8,192 tokens at 8 experts), with `_common.Bench`: variants interleaved, order rotated each
-round, min and median of per-round ratios, load average before and after. Outputs and gradients of `MoELayer`
+token sweep (512, 2,048, 8,192 tokens at 8 experts), with `harness.common.Bench`: variants interleaved, order rotated
+each round, min and median of per-round ratios, load average before and after. Outputs and gradients of `MoELayer`
 and DeepSpeed are checked against Mixtral eager on the same input.
 
 Part 2, upcycling: a tiny Llama is upcycled (`upcycle_to_moe`, 8 experts, top-2) and trained with `LLMKitTrainer`
@@ -40,7 +40,15 @@ import time
 from collections.abc import Callable
 
 import torch
-from _common import Bench, add_device_argument, markdown_table, pick_device, plot_lines, synchronizer, write_results
+from harness.common import (
+    Bench,
+    add_device_argument,
+    markdown_table,
+    pick_device,
+    plot_lines,
+    synchronizer,
+    write_results,
+)
 from torch import nn
 
 from hf_llmkit.parallel import MoELayer

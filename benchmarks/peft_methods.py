@@ -28,15 +28,8 @@ import time
 from pathlib import Path
 
 import torch
-from _common import (  # sibling modules
-    Bench,
-    add_device_argument,
-    load_note,
-    pick_device,
-    synchronize,
-    write_results,
-)
-from _peft_workloads import (
+from adapterhub_peer import CALIBRATION, calibration_step, run_adapterhub
+from areas.peft.workloads import (
     LLAMA_SHAPE,
     adapt_batch,
     build_base,
@@ -46,7 +39,14 @@ from _peft_workloads import (
     quality_lr,
     token_blocks,
 )
-from adapterhub_peer import CALIBRATION, calibration_step, run_adapterhub
+from harness.common import (  # sibling modules
+    Bench,
+    add_device_argument,
+    load_note,
+    pick_device,
+    synchronize,
+    write_results,
+)
 
 from hf_llmkit.testing import corpus_texts, corpus_tokenizer, minilm_path, tiny_llama_config
 
@@ -55,7 +55,8 @@ OURS = ("bottleneck houlsby", "bottleneck pfeiffer", "bottleneck parallel", "bit
 
 
 def time_runners(runners: dict, rounds: int, device: torch.device, warmup: int = 1) -> tuple[dict[str, float], str]:
-    """Fastest step (ms) per method, rounds interleaved in rotated order (`_common.Bench`), and the load note."""
+    """Fastest step (ms) per method, rounds interleaved in rotated order (`harness.common.Bench`), and the load
+    note."""
     steps = {CALIBRATION: calibration_step(device), **{name: runner.step for name, runner in runners.items()}}
     timings = Bench(rounds=rounds, warmup=warmup, sync=lambda: synchronize(device)).run(steps)
     times = {name: 1e3 * min(t) for name, t in timings.seconds.items()}  # noise only adds: the minimum is the cost

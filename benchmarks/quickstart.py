@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import add_device_argument, load_note, machine_state, markdown_table, pick_device, write_results
+from harness.common import add_device_argument, load_note, machine_state, markdown_table, pick_device, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 

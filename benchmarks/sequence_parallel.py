@@ -13,14 +13,14 @@ For sp = 1, 2, 4 (world = sp; sp = 1 is the model on one rank) a small Llama (GQ
 - deepspeed alst: DeepSpeed's Ulysses (sp > 1) + its `TiledMLP` and `TiledFusedLogitsLoss` + checkpointing.
 
 Memory is the peak, over one forward + backward, of the bytes of all tensors alive at once that the step created
-(`_tensor_memory.TensorMemory`: every storage an operator returns -- activations saved for backward, transients such
-as logits and their gradients, recomputation, collective buffers -- counted until it is freed), on the rank with
+(`harness.tensor_memory.TensorMemory`: every storage an operator returns -- activations saved for backward, transients
+such as logits and their gradients, recomputation, collective buffers -- counted until it is freed), on the rank with
 the largest peak. Gradients count as they are allocated (set to None before each step, as `Trainer` does);
 parameters do not, nor a kernel's internal scratch buffers or allocator caching: it is the CPU counterpart of
 CUDA's `max_memory_allocated` minus the parameters (and an optimizer's state, not involved here). The
 longest sequence is the largest multiple of 64 * sp tokens whose peak stays within `--budget-mib`: found by growing
 (at most x4 a step) from the probe length, then closing the bracket with affine interpolation and bisection
-(`_longest_search`), never above the length at which the embedding output alone fills the budget.
+(`areas.parallel.longest_search`), never above the length at which the embedding output alone fills the budget.
 
 The losses of all variants at the first probe length are compared (they agree to fp32 rounding), and at sp = 1 the
 norm of each variant's LM-head weight gradient against the plain model's. DeepSpeed's ALST differs:
@@ -29,11 +29,11 @@ output afterwards (the token mean here, gradient accumulation, fp16 loss scaling
 gradient but not the head's -- ours (checkpointed chunks) gives the untiled gradients.
 
 Step time: every variant at `--time-seq` tokens, in interleaved rounds with the order rotated each round
-(`_common.Bench`), each round's time the slowest rank's; min and median of per-round ratios.
+(`harness.common.Bench`), each round's time the slowest rank's; min and median of per-round ratios.
 
 Offload bytes (one rank, `--offload-seq` tokens, checkpointing on, plain LM loss): what each activation-offload
-design copies to host memory in one step (`_offload_bytes.moved_bytes`: bytes written by `aten.copy_` with the
-design minus without; on an accelerator they cross to the host in the forward and back in the backward) --
+design copies to host memory in one step (`areas.parallel.offload_bytes.moved_bytes`: bytes written by `aten.copy_`
+with the design minus without; on an accelerator they cross to the host in the forward and back in the backward) --
 hf_llmkit's `offload_activation_checkpoints` (transformers' per-checkpoint `offload=True`), DeepSpeed's
 `CheckpointHiddenStatesOffload` (marked checkpoint inputs, the last one kept on the device; it skips tensors that
 are not on an accelerator), and `offload_saved_activations()` around the whole forward (what the trainer did
@@ -46,8 +46,9 @@ does not depend on the load. `--offload-only` runs this part alone.
     python benchmarks/sequence_parallel.py --device cuda --budget-mib 4096   # one GPU per rank, over NCCL
 
 On CUDA (the default when a GPU is present) each rank runs on its own GPU (sp values above the GPU count are left
-out), memory is the allocator's peak (`torch.cuda.max_memory_allocated` above the parameters, `_common.PeakMemory`),
-timings synchronize, and the ALST offload really copies checkpointed activations to the host.
+out), memory is the allocator's peak (`torch.cuda.max_memory_allocated` above the parameters,
+`harness.common.PeakMemory`), timings synchronize, and the ALST offload really copies checkpointed activations to the
+host.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import (  # noqa: E402
+from areas.parallel.longest_search import Longest, longest_within  # noqa: E402
+from harness.common import (  # noqa: E402
     Bench,
     PeakMemory,
     add_device_argument,
@@ -80,7 +82,6 @@ from _common import (  # noqa: E402
     synchronizer,
     write_results,
 )
-from _longest_search import Longest, longest_within  # noqa: E402
 
 from hf_llmkit.parallel import new_sequence_parallel_groups, shard_sequence_batch  # noqa: E402
 from hf_llmkit.parallel.sequence import (  # noqa: E402
@@ -173,7 +174,7 @@ def _ours(switches: str, group) -> callable:
 
 def _deepspeed(switches: str, group, world: int) -> callable:
     """DeepSpeed's Ulysses (sp > 1) and, for "alst", its TiledMLP / TiledFusedLogitsLoss + checkpointing."""
-    import _deepspeed_alst as peer
+    from areas.parallel import deepspeed_alst as peer
 
     model = _model()
     if switches == "alst":
@@ -225,8 +226,8 @@ def _peak(step, seq: int, sp_rank: int, sp_size: int) -> int:
 
 
 def _longest(step, budget: int, sp_rank: int, sp_size: int, probe: int) -> Longest:
-    """The longest multiple of 64 * sp tokens whose peak fits `budget` (`_longest_search`), searched up to the
-    length at which one [tokens per rank, hidden] activation alone (the embedding output) fills the budget."""
+    """The longest multiple of 64 * sp tokens whose peak fits `budget` (`areas.parallel.longest_search`), searched up
+    to the length at which one [tokens per rank, hidden] activation alone (the embedding output) fills the budget."""
     cap = sp_size * budget // (_RUN["model"]["hidden_size"] * _RUN["dtype"].itemsize)
     peak_of = partial(_peak, step, sp_rank=sp_rank, sp_size=sp_size)
     return longest_within(peak_of, budget, unit=64 * sp_size, start=probe, cap=cap)
@@ -284,7 +285,7 @@ OFFLOAD_DESIGNS = {
 
 def offload_bytes(seq: int, device: torch.device) -> dict:
     """Bytes each offload design copies to host memory in one step of the benchmark's model on one sequence."""
-    from _offload_bytes import moved_bytes
+    from areas.parallel.offload_bytes import moved_bytes
 
     _DEVICE["type"] = device.type
     ids = torch.randint(3, MODEL["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(0)).to(device)
@@ -325,7 +326,7 @@ def offload_bytes(seq: int, device: torch.device) -> dict:
 
 
 def report_offload(offload: dict) -> None:
-    from _offload_bytes import offload_rows
+    from areas.parallel.offload_bytes import offload_rows
 
     print(
         f"\n## Bytes copied to host memory per step ({offload['seq']} tokens, {offload['layers']} layers, "

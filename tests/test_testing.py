@@ -120,6 +120,7 @@ def test_smollm2_path_builds_the_real_model_once_and_slices_it(monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_llmkit.testing as testing
+    import hf_llmkit.testing_models as testing_models
     from hf_llmkit.data.corpus import default_cache_dir
 
     whole = testing.smollm2_path()
@@ -128,8 +129,8 @@ def test_smollm2_path_builds_the_real_model_once_and_slices_it(monkeypatch):
     def build_again(*args):
         raise AssertionError("built again")
 
-    monkeypatch.setattr(testing, "_write_smollm2", build_again)
-    monkeypatch.setattr(testing, "_write_smollm2_slice", build_again)
+    monkeypatch.setattr(testing_models, "_write_smollm2", build_again)  # where smollm2_path looks them up
+    monkeypatch.setattr(testing_models, "_write_smollm2_slice", build_again)
     assert testing.smollm2_path() == whole  # found in the cache, not built again
     assert testing.smollm2_path(num_hidden_layers=2) == part_path
     tokenizer = AutoTokenizer.from_pretrained(whole)

@@ -16,8 +16,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from _inference_report import summarize, table, verdicts  # noqa: E402
-from _inference_variants import weight_bytes  # noqa: E402
+from areas.inference.report import summarize, table, verdicts  # noqa: E402
+from areas.inference.variants import weight_bytes  # noqa: E402
 
 
 class _Model(nn.Module):
@@ -117,7 +117,7 @@ def test_a_row_measured_on_a_loaded_machine_is_marked_and_judged_by_no_verdict()
 def _llama_part(tmp_path, stored=None):
     """Two llama.cpp rows of part `real` on the shipped file (no preparation), two rounds: the first row's process
     crashes ($HF_LLMKIT_BENCH_CRASH), the second measures (or, without llama-cpp-python, says how to install it)."""
-    import _inference_runner as runner
+    from areas.inference import runner
 
     spec = dict(kind="llama_cpp", gguf="Q4_1", bits=4, batch8=False)
     variants = {"llama.cpp Q4_1 (the shipped file)": spec, "llama.cpp Q4_1, again": spec}
@@ -132,8 +132,7 @@ def _llama_part(tmp_path, stored=None):
 def test_a_peer_whose_process_crashes_is_a_row_and_the_other_rows_are_measured_and_saved(
     tmp_path, monkeypatch, capsys
 ):
-    import _inference_real as real
-    import _inference_runner as runner
+    from areas.inference import real, runner
 
     monkeypatch.setenv("HF_LLMKIT_BENCH_CRASH", "llama.cpp Q4_1 (the shipped file)")
     part, saves = _llama_part(tmp_path)
@@ -179,8 +178,8 @@ GRAVITON = "processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd evtstrm ae
 
 
 def test_llama_cpp_loads_without_extra_buffer_types_where_the_cpu_reports_amx():
-    import _inference_llama_cpp as llama
-    import _inference_real as real
+    from areas.inference import llamacpp as llama
+    from areas.inference import real
 
     assert llama.amx_flags(SAPPHIRE_RAPIDS) == ["amx_bf16", "amx_tile", "amx_int8"]
     assert not llama.use_extra_bufts(SAPPHIRE_RAPIDS)
@@ -209,7 +208,7 @@ def test_use_extra_bufts_false_is_set_on_the_model_params_llama_builds(monkeypat
     """`Llama()` has no such argument: the default model parameters it starts from carry it while it loads."""
     import ctypes
 
-    import _inference_llama_cpp as llama
+    from areas.inference import llamacpp as llama
 
     class Params(ctypes.Structure):
         _fields_ = [("n_gpu_layers", ctypes.c_int32), ("use_extra_bufts", ctypes.c_bool)]

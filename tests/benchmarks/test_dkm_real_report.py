@@ -1,4 +1,4 @@
-"""The real-model sections of dkm_quality.py (benchmarks/_dkm_real.py, _dkm_real_report.py): rows measured a width
+"""The real-model sections of dkm_quality.py (benchmarks/real.py, areas/dkm/real_report.py): rows measured a width
 at a time merge into one table, and the verdict lines against issue 43's targets are computed from the rows (KL,
 perplexity and the worst block lower is better, top-1 agreement higher; a peer with fewer bits is named apart; the
 seed margin against the seed spread; training against its start on every metric)."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import _dkm_real  # noqa: E402
-from _dkm_real_report import dkm_calibration_cost, dkm_recipe, dkm_smollm2, verdicts  # noqa: E402
+from areas.dkm import real  # noqa: E402
+from areas.dkm.real_report import dkm_calibration_cost, dkm_recipe, dkm_smollm2, verdicts  # noqa: E402
 
 METRICS = ["ppl", "kl", "top1", "worst_block_ratio"]
 RECORD = {"date": "2026-11-29 06:00", "started": None, "command": "python benchmarks/dkm_quality.py --only smollm2",
@@ -32,13 +32,13 @@ def _section(rows, command="python benchmarks/dkm_quality.py --only smollm2 --bi
             "measured": {**RECORD, "command": command}}  # fmt: skip
 
 
-START, TRAINED = _dkm_real._names(3)["start"], _dkm_real._names(3)["trained"]
+START, TRAINED = real._names(3)["start"], real._names(3)["trained"]
 
 
 def test_a_width_measured_again_replaces_its_rows_and_keeps_the_others():
-    first = _dkm_real.merge(None, _section([_row("fp32 (reference)", 32, 32.0, 20.0, 0.0),
+    first = real.merge(None, _section([_row("fp32 (reference)", 32, 32.0, 20.0, 0.0),
                                             _row("GPTQ 2-bit", 2, 2.28, 40.0, 0.9)], command="--bits 2"))  # fmt: skip
-    again = _dkm_real.merge(first, _section([_row("fp32 (reference)", 32, 32.0, 20.0, 0.0),
+    again = real.merge(first, _section([_row("fp32 (reference)", 32, 32.0, 20.0, 0.0),
                                              _row("GPTQ 3-bit", 3, 3.3, 25.0, 0.2)]))  # fmt: skip
     assert [r["method"] for r in again["rows"]] == ["fp32 (reference)", "GPTQ 2-bit", "GPTQ 3-bit"]
     assert [r["command"] for r in again["runs"]] == [
@@ -47,7 +47,7 @@ def test_a_width_measured_again_replaces_its_rows_and_keeps_the_others():
     ]
     later = _section([_row("GPTQ 3-bit", 3, 3.3, 24.0, 0.2)])  # the same run saved again after its next row
     later["measured"] = {**later["measured"], "date": "2026-11-29 07:00"}
-    assert [r["date"] for r in _dkm_real.merge(again, later)["runs"]] == ["2026-11-29 06:00", "2026-11-29 07:00"]
+    assert [r["date"] for r in real.merge(again, later)["runs"]] == ["2026-11-29 06:00", "2026-11-29 07:00"]
 
 
 def test_verdicts_hold_only_against_every_peer_at_the_same_or_more_bits():
@@ -90,7 +90,7 @@ def test_every_real_model_fragment_renders_from_results_and_says_when_not_measur
         assert render(empty).startswith("Not measured yet: `python benchmarks/dkm_quality.py --only ")
     rows = [_row("fp32 (reference)", 32, 32.0, 20.0, 0.0), _row(TRAINED, 3, 3.25, 23.0, 0.15, trained=True),
             _row("HQQ 2-bit g64", 2, 2.5, 0, 0, error="ImportError: hqq")]  # fmt: skip
-    text = dkm_smollm2({"dkm_quality": {"recorded": RECORD, "real_model": _dkm_real.merge(None, _section(rows))}})
+    text = dkm_smollm2({"dkm_quality": {"recorded": RECORD, "real_model": real.merge(None, _section(rows))}})
     assert f"**{TRAINED}**" in text and "| 23.00 " in text and "| 0.1500 " in text
     assert "did not run: ImportError: hqq" in text and "_Measured 2026-11-29 06:00" in text
     cost = {"summary": {"ours": {"min_s": 90, "median_s": 95, "ratio_min": 0.5, "ratio_median": 0.55},

@@ -1,4 +1,4 @@
-"""The soft-assignment study's and the step-cost section's docs lines (`benchmarks/_dkm_soft_report.py`): the
+"""The soft-assignment study's and the step-cost section's docs lines (`benchmarks/areas/dkm/soft_report.py`): the
 verdict names the best soft variant and says which training wins on every metric, and each step row is held to the
 issue's bound and the kernel's saved bytes to the torch ops'."""
 
@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import _dkm_soft_report as report  # noqa: E402
+from areas.dkm import soft_report as report  # noqa: E402
 
 
 def _row(variant, bits, kl, top1):

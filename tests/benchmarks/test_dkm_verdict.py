@@ -1,4 +1,4 @@
-"""The DKM quality page's verdict lines (benchmarks/_fragments.py `_dkm_verdict`) are computed from the results:
+"""The DKM quality page's verdict lines (benchmarks/areas/catalog.py `_dkm_verdict`) are computed from the results:
 which peer is best per metric, at no more bits per weight and at the same index width, with the metric's direction
 (perplexity and the worst block's ratio: lower is better; cosines and Spearman: higher)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from _fragments import _dkm_verdict  # noqa: E402
+from areas.dkm.fragments import _dkm_verdict  # noqa: E402
 
 
 def _row(method, bits, bpw, trained=False, **metrics):

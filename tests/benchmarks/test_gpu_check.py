@@ -15,10 +15,10 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-import _common  # noqa: E402
 import gpu_check  # noqa: E402
 import report  # noqa: E402
-from _fragments import CUDA_VARIANTS, FRAGMENTS  # noqa: E402
+from areas.catalog import CUDA_VARIANTS, FRAGMENTS  # noqa: E402
+from harness import common  # noqa: E402
 
 COMMITTED = sorted(p.name for p in (BENCHMARKS / "results").iterdir())  # before any run of this test run
 
@@ -67,12 +67,12 @@ def test_every_cuda_fragment_is_on_the_gpu_page_and_reads_cuda_results():
 
 def test_a_cuda_run_writes_beside_the_cpu_results(monkeypatch):
     monkeypatch.delenv("HF_LLMKIT_BENCH_TAG", raising=False)
-    monkeypatch.setattr(_common, "_PICKED", {})
-    assert _common.results_name("moe") == "moe"
-    _common.pick_device("cpu")
-    assert _common.results_name("moe") == "moe"
-    monkeypatch.setitem(_common._PICKED, "device", "cuda")
-    assert _common.results_name("moe") == "moe.cuda"
+    monkeypatch.setattr(common, "_PICKED", {})
+    assert common.results_name("moe") == "moe"
+    common.pick_device("cpu")
+    assert common.results_name("moe") == "moe"
+    monkeypatch.setitem(common._PICKED, "device", "cuda")
+    assert common.results_name("moe") == "moe.cuda"
 
 
 def test_gpu_check_refuses_cuda_without_a_gpu(capsys):

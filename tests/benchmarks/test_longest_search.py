@@ -1,6 +1,6 @@
-"""The longest-sequence search of benchmarks/sequence_parallel.py (`_longest_search.longest_within`) on peak-memory
-curves whose answer is known: it returns the exact longest length, never probes above the cap (the quick mode once
-asked the allocator for 10^16 bytes), and settles in a bounded number of runs."""
+"""The longest-sequence search of benchmarks/sequence_parallel.py (`areas.parallel.longest_search.longest_within`) on
+peak-memory curves whose answer is known: it returns the exact longest length, never probes above the cap (the quick
+mode once asked the allocator for 10^16 bytes), and settles in a bounded number of runs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from _longest_search import longest_within  # noqa: E402
+from areas.parallel.longest_search import longest_within  # noqa: E402
 
 MiB = 2**20
 

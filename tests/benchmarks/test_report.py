@@ -19,7 +19,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import ci_time  # noqa: E402
 import report  # noqa: E402
-from _fragments import FRAGMENTS  # noqa: E402
+from areas.catalog import FRAGMENTS  # noqa: E402
 
 PAGES = report.documents()
 DATA = Path(__file__).resolve().parent / "data"
@@ -67,7 +67,7 @@ def test_no_committed_results_file_records_an_absolute_path():
         absolute = [s for s in _strings(json.loads(file.read_text())) if s.startswith("/") or s[1:3] == ":\\"]
         assert not absolute, f"{file.name} records paths of the machine that ran it: {absolute[:3]}"
     sys.path.insert(0, str(BENCHMARKS))
-    from _common import REPO, recorded_path
+    from harness.common import REPO, recorded_path
 
     assert recorded_path(REPO / "benchmarks" / "results" / "x.png") == "benchmarks/results/x.png"
     assert recorded_path("/elsewhere/model") == "model"
@@ -119,7 +119,7 @@ def results(tmp_path, monkeypatch):
 
 
 def measured(data):
-    from _fragments import measured
+    from harness.registry import measured
 
     return measured(data)
 
@@ -140,7 +140,7 @@ def test_write_fills_a_region_and_check_then_passes_and_names_a_stale_one(tmp_pa
 def test_a_run_that_loads_every_core_itself_is_judged_by_its_start_load(results):
     """CI's run (`loads_itself`): its own workers load both cores, so only a load above the core count at its start
     marks it; the torch named is its environments', not the measuring process's."""
-    from _fragments import measured as render
+    from harness.registry import measured as render
 
     data = json.loads((results / "x.json").read_text())
     line = render(data, loads_itself=True)

@@ -1,4 +1,4 @@
-"""Benchmarks that survive their peers (benchmarks/_slices.py, issue 49): a variant whose process crashes, fails,
+"""Benchmarks that survive their peers (benchmarks/slices.py, issue 49): a variant whose process crashes, fails,
 hangs or writes nothing is a row with its one-line reason; rows are saved as they are measured, atomically; a
 benchmark killed mid-run resumes with `--only-missing`, which measures only the rows missing or recorded loaded."""
 
@@ -16,7 +16,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 TOY = Path(__file__).resolve().parent / "slices_toy.py"
 sys.path.insert(0, str(BENCHMARKS))
 
-import _slices  # noqa: E402
+from harness import slices  # noqa: E402
 
 
 def _writes(value, out: str) -> None:
@@ -45,10 +45,10 @@ def _writes_nothing(out: str) -> None:
 
 
 def test_a_child_that_crashes_fails_hangs_or_writes_nothing_is_a_row_with_its_reason(tmp_path, monkeypatch):
-    monkeypatch.setenv(_slices.CRASH_ENV, "peer A | peer B")
+    monkeypatch.setenv(slices.CRASH_ENV, "peer A | peer B")
 
     def run(target, args=(), name="x", timeout=30.0):
-        return _slices.run_child(target, args, tmp_path / f"{name}.json", name=name, timeout=timeout)
+        return slices.run_child(target, args, tmp_path / f"{name}.json", name=name, timeout=timeout)
 
     assert run(_writes, (7,)) == {"value": 7}
     assert run(_aborts) == {"error": "crashed: killed by SIGABRT (exit -6)"}
@@ -67,7 +67,7 @@ def test_an_exception_of_one_measurement_is_its_row_and_the_rounds_go_on():
         return {"value": r}
 
     seen = []
-    runs = _slices.measure_rounds(["a", "b", "c"], 2, measure, on_row=lambda name, r, runs: seen.append((name, r)))
+    runs = slices.measure_rounds(["a", "b", "c"], 2, measure, on_row=lambda name, r, runs: seen.append((name, r)))
     assert seen == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1)]  # the order rotated each round
     assert runs["b"][1]["error"] == "RuntimeError: peer b lost its weights"
     assert [row["value"] for row in runs["a"]] == [0, 1] and runs["c"][1]["round"] == 2
@@ -80,21 +80,21 @@ def test_only_missing_measures_the_rows_missing_or_loaded():
         "b": [{"error": "crashed: killed by SIGSEGV (exit -11)", "loaded": False}],
         "c": [{"value": 3}, None],  # a row from before rows had their own load counts as measured
     }
-    todo = _slices.to_measure(["a", "b", "c"], 2, stored)
+    todo = slices.to_measure(["a", "b", "c"], 2, stored)
     assert todo == [("b", 1), ("c", 1), ("a", 1)]  # round 2 in its rotated order
-    assert len(_slices.to_measure(["a", "b", "c"], 2, None)) == 6  # without --only-missing: every row
+    assert len(slices.to_measure(["a", "b", "c"], 2, None)) == 6  # without --only-missing: every row
     loaded = {"value": 1, "load_1min": 3.5, "cores": 2, "loaded": True}
-    assert _slices.mark("ours", loaded) == "ours (LOADED: load 3.5 > 2 cores)" and _slices.mark("ours", {}) == "ours"
-    assert not _slices.usable(loaded) and _slices.usable({"value": 1, "loaded": False})
-    assert _slices.load_of([{"load_1min": 1.0, "cores": 2, "loaded": False}, loaded, None])["loaded"]
+    assert slices.mark("ours", loaded) == "ours (LOADED: load 3.5 > 2 cores)" and slices.mark("ours", {}) == "ours"
+    assert not slices.usable(loaded) and slices.usable({"value": 1, "loaded": False})
+    assert slices.load_of([{"load_1min": 1.0, "cores": 2, "loaded": False}, loaded, None])["loaded"]
 
 
 def test_results_are_updated_in_place_keeping_what_the_file_holds(tmp_path):
     path = tmp_path / "x.json"
     path.write_text(json.dumps({"machines": {"other CPU": {"rows": 1}}, "note": "kept"}))
-    _slices.update_results("x", {("machines", "this CPU"): {"rows": 2}}, path=path)
+    slices.update_results("x", {("machines", "this CPU"): {"rows": 2}}, path=path)
     count = lambda data: data.update(n=len(data["machines"]))  # noqa: E731
-    _slices.update_results("x", {("machines", "this CPU", "rows"): 3}, finish=count, path=path)
+    slices.update_results("x", {("machines", "this CPU", "rows"): 3}, finish=count, path=path)
     data = json.loads(path.read_text())
     assert data["machines"] == {"other CPU": {"rows": 1}, "this CPU": {"rows": 3}} and data["note"] == "kept"
     assert data["n"] == 2 and data["recorded"]["load_1min"]["samples"] >= 1
@@ -126,7 +126,7 @@ def test_a_part_killed_mid_run_keeps_its_rows_a_crashed_peer_is_a_row_and_only_m
     results, work = tmp_path / "results", tmp_path / "work"
     work.mkdir()
     env = dict(os.environ, HF_LLMKIT_BENCH_RESULTS=str(results), PYTHONUNBUFFERED="1")
-    env[_slices.CRASH_ENV] = "crasher"
+    env[slices.CRASH_ENV] = "crasher"
     command = [sys.executable, str(TOY), "--work", str(work)]
     first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -159,7 +159,7 @@ def test_a_part_killed_mid_run_keeps_its_rows_a_crashed_peer_is_a_row_and_only_m
     (results / "toy.json").write_text(json.dumps(data))
     saved = _rows(results)
     everything = [(name, r) for r in range(3) for name in ("alpha", "beta", "crasher", "gamma")]
-    expected = [key for key in everything if not _slices.present(saved.get(key))]
+    expected = [key for key in everything if not slices.present(saved.get(key))]
 
     rerun = subprocess.run([*command, "--only-missing"], env=env, capture_output=True, text=True, timeout=120)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr

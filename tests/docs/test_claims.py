@@ -34,7 +34,7 @@ def make_bench_scripts() -> set[str]:
 
 
 def device_choices(script: Path) -> set[str]:
-    """The `--device` values `script` accepts (`_common.add_device_argument`: cpu and cuda), from its source."""
+    """The `--device` values `script` accepts (`harness.common.add_device_argument`: cpu and cuda), from its source."""
     choices: set[str] = set()
     for node in ast.walk(ast.parse(script.read_text(encoding="utf-8"))):
         if not isinstance(node, ast.Call):

@@ -260,7 +260,7 @@ def test_the_offload_the_flag_asks_for_moves_each_checkpointed_layers_input_only
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from _offload_bytes import moved_bytes
+    from areas.parallel.offload_bytes import moved_bytes
 
     data = batch()
 

@@ -1,7 +1,7 @@
 """The whole path of docs/dkm.md's recipe on a two-layer slice of the real SmolLM2-135M-Instruct (issue 43): SFT with
 LoRA on instruction records, the adapter merged by the job (`--merge_adapter`), DKM 3-bit from the calibrated start
 plus training (`--dkm_recipe calibrated`) with its compact save, reload, generate, and the ONNX export, whose greedy
-generation in onnxruntime equals ours. The same commands `benchmarks/_dkm_recipe.py` times on the whole model.
+generation in onnxruntime equals ours. The same commands `benchmarks/areas/dkm/recipe.py` times on the whole model.
 
 At this size the slice is no language model (its next-token losses are far above the whole model's), so the
 ordering asserted is the one that holds here: on held-out text, the saved DKM model stays closer to the model it

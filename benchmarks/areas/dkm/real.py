@@ -5,11 +5,12 @@ calibration_refit=True)` + `calibrate`: what `recipe="calibrated"` starts from),
 (`recipe="calibrated"`: straight-through training of the latent weights on the start's tables and scales), eDKM's own
 soft-assignment training from the very same start (its latent weights, tables and scales copied: DKM's attention
 over the table and its centroid iterations, `dkm_iters=3`), and the peers: GPTQ (llmcompressor), torchao QAT and
-weight-only PTQ, HQQ, coremltools k-means, bitsandbytes nf4 (4 bits) and llama.cpp's K-quants (`_dkm_llamacpp.py`).
-Every trained method runs the same distillation steps on the same batches (`make_trainer`; the decoder's Linear
-layers train, the tied embedding stays). No method quantizes the embedding / tied LM head; the eDKM paper's 8-bit
-clustering of it is measured on its own (`embedding_rows`). A seed other than 0 reruns the methods that read the
-training text (calibration samples, training batches); the data-free ones give the same model at every seed.
+weight-only PTQ, HQQ, coremltools k-means, bitsandbytes nf4 (4 bits) and llama.cpp's K-quants
+(`areas/dkm/llamacpp.py`). Every trained method runs the same distillation steps on the same batches (`make_trainer`;
+the decoder's Linear layers train, the tied embedding stays). No method quantizes the embedding / tied LM head; the
+eDKM paper's 8-bit clustering of it is measured on its own (`embedding_rows`). A seed other than 0 reruns the methods
+that read the training text (calibration samples, training batches); the data-free ones give the same model at every
+seed.
 
 `calibration`: the wall time of our calibrated start of the whole model (table initialisation, refit and GPTQ
 rounding onto the tables) against llmcompressor's GPTQ on the same model and calibration samples, in rounds whose
@@ -25,12 +26,12 @@ import time
 import traceback
 from pathlib import Path
 
-import _dkm_llamacpp as llamacpp
-import _dkm_peers as peers
 import torch
-from _common import Timings, machine_state, run_record
-from _dkm_smollm2 import TRAIN_BATCH, TRAIN_TOKENS, SmolLM2, cluster_embedding
-from _dkm_workloads import make_trainer
+from harness.common import Timings, machine_state, run_record
+
+from areas.dkm import llamacpp, peers
+from areas.dkm.smollm2 import TRAIN_BATCH, TRAIN_TOKENS, SmolLM2, cluster_embedding
+from areas.dkm.workloads import make_trainer
 
 BITS = (2, 3, 4)
 START = {"scale_block_size": 64, "lut_dtype": "float16", "calibration_refit": True}  # recipe="calibrated"'s start
@@ -246,7 +247,7 @@ def plot(section: dict):
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    from _common import save_figure
+    from harness.common import save_figure
 
     rows = [r for r in section["rows"] if "error" not in r and r["bits"] != 32]
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))

@@ -1,7 +1,7 @@
 """This process's resident memory from the kernel (`/proc/self/status`), for the benchmarks' fresh processes: the
 resident size (`VmRSS`) and its high-water mark (`VmHWM`), which `reset_peak` resets so that a later peak is
 measured apart from an earlier one. Shared by the variants' processes of benchmarks/dkm_inference.py
-(`_inference_worker.py`, `_inference_onnx.py`) and benchmarks/dkm_onnx.py; it imports nothing of theirs."""
+(`areas/inference/worker.py`, `areas/inference/onnxrt.py`) and benchmarks/dkm_onnx.py; it imports nothing of theirs."""
 
 from __future__ import annotations
 

@@ -1,13 +1,14 @@
 """The registry of the docs fragments `benchmarks/report.py` writes: name -> (results files, render function).
 
 A render function gets {results file name: its JSON} and returns markdown; `measured(...)` is the closing line of
-every fragment. Register one with `@fragment("name", "results_file")`. The fragments themselves are in `_fragments.py`
-(which imports every module that registers more, e.g. `_dkm_real_report.py`, `_dkm_soft_report.py`); those modules
-import this one, never `_fragments.py` (tests/benchmarks/test_import_graph.py).
+every fragment, `pair` a "min / median". Register one with `@fragment("name", "results_file")` in an area's module
+(`areas/<area>/fragments.py`, and `areas/dkm/real_report.py`, `areas/dkm/soft_report.py`); `areas/catalog.py`
+imports every such module, and they import this one, never the catalog (tests/benchmarks/test_import_graph.py).
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -55,3 +56,8 @@ def measured(data: dict, threads: str | None = None, *, loads_itself: bool = Fal
     if (load["start"] > machine["cores"]) if loads_itself else rec["loaded"]:
         line += " — LOADED MACHINE: the load exceeded the core count, timings are less reliable"
     return line + "._"
+
+
+def pair(values: list[float], digits: int = 2) -> str:
+    """'min / median' of a list."""
+    return f"{min(values):.{digits}f} / {statistics.median(values):.{digits}f}"

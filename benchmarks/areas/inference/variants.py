@@ -101,11 +101,11 @@ def prepare(spec: dict) -> None:
         elif kind == "gptq":
             _gptq_prepare(spec, out)
         elif kind == "llama_cpp":
-            import _inference_llama_cpp
+            from areas.inference import llamacpp
 
-            _inference_llama_cpp.prepare(spec)
-        elif kind == "onnx":  # onnxruntime rows: _inference_onnx.py
-            from _inference_onnx import prepare as onnx_prepare
+            llamacpp.prepare(spec)
+        elif kind == "onnx":  # onnxruntime rows: areas/inference/onnxrt.py
+            from areas.inference.onnxrt import prepare as onnx_prepare
 
             onnx_prepare(spec)
     except Exception as e:  # the reason a peer cannot run, for `load` to raise

@@ -6,8 +6,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from _common import markdown_table
-from _slices import load_of, mark, no_verdict, usable
+from harness.common import markdown_table
+from harness.slices import load_of, mark, no_verdict, usable
 
 BASE = "dense bf16"
 MIB = 2**20
@@ -230,7 +230,7 @@ def plot(results: dict) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    from _common import save_figure
+    from harness.common import save_figure
 
     sizes = list(results["sizes"].items())
     fig, axes = plt.subplots(1, len(sizes), figsize=(7 * len(sizes), 5), squeeze=False)

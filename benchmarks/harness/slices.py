@@ -7,9 +7,9 @@ one-line reason, rows are saved as they are measured, and a rerun measures only 
   parent (a benchmark killed mid-run leaves no orphan measuring on). `start_child` / `child_result` are its halves,
   for benchmarks that run several children at once; `run_command` is the same for a fresh interpreter.
 - `measure_rounds(names, rounds, measure, stored=..., on_row=...)`: interleaved rounds, the order rotated each round
-  (`_common.rotated`); each measurement is a row stamped with its own 1-minute load (`stamp`: `load_1min`, `cores`,
-  `loaded` where the load exceeded the core count) and its round; an exception from one measurement is that row's
-  error. `on_row` runs after every row: the benchmark saves what it has (`update_results`).
+  (`harness.common.rotated`); each measurement is a row stamped with its own 1-minute load (`stamp`: `load_1min`,
+  `cores`, `loaded` where the load exceeded the core count) and its round; an exception from one measurement is that
+  row's error. `on_row` runs after every row: the benchmark saves what it has (`update_results`).
 - `--only-missing` (`add_only_missing_argument`): the rows a results file holds are passed as `stored`, and only
   the rows missing there or recorded `loaded` are measured (`to_measure`). A loaded timing row is marked in tables
   (`mark`) and used by no verdict (`usable`, `no_verdict`).
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _common import RESULTS, atomic_write_text, results_name, rotated, run_record
+from harness.common import RESULTS, atomic_write_text, results_name, rotated, run_record
 
 CRASH_ENV = "HF_LLMKIT_BENCH_CRASH"
 

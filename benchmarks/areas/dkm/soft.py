@@ -20,7 +20,7 @@ loss of the soft model against the saved (hard) one on a training batch (how far
 from the one it saves), the share of weights whose latent gradient is at least a thousandth of its layer's largest,
 and after training the share of weights whose entry changed and how far the tables moved.
 
-Workloads: all-MiniLM-L6-v2 (`_dkm_workloads.MiniLM`, its metrics) and SmolLM2-135M-Instruct (the real model,
+Workloads: all-MiniLM-L6-v2 (`areas.dkm.workloads.MiniLM`, its metrics) and SmolLM2-135M-Instruct (the real model,
 `smollm2_path()`; `--soft-layers N` a slice of its first N layers for iteration): KL divergence of the next-token
 distribution from the source model's, perplexity and top-1 agreement on held-out blocks of the corpus's last texts,
 which neither calibration nor training sees. Results: `benchmarks/results/dkm_soft.json`, section "study".
@@ -36,9 +36,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _common import RESULTS, run_record, write_results
-from _dkm_smollm2 import distillation_loss
-from _dkm_soft_report import STRAIGHT
+from harness.common import RESULTS, run_record, write_results
+
+from areas.dkm.smollm2 import distillation_loss
+from areas.dkm.soft_report import STRAIGHT
 
 SOFT = "soft, tables and scales kept"
 VARIANTS = {  # name -> (DKMConfig changes, temperature schedule (first, last) or None)
@@ -226,7 +227,7 @@ def _tables(model) -> list[torch.Tensor]:
 
 
 def run_variant(workload, start, name: str, steps: int, lr: float, batch) -> dict:
-    from _dkm_workloads import make_trainer
+    from areas.dkm.workloads import make_trainer
 
     changes, schedule = VARIANTS[name]
     model = copy.deepcopy(start)
@@ -270,7 +271,7 @@ def _selected(args) -> list[str]:
 
 def study(args) -> dict:
     """The study: for each workload and width, the calibrated start, then every variant from a copy of it."""
-    from _dkm_workloads import MiniLM
+    from areas.dkm.workloads import MiniLM
 
     steps = args.soft_steps or args.steps
     out = {"steps": steps, "lr": args.lr, "variants": _selected(args), "workloads": {}}

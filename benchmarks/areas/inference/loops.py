@@ -8,7 +8,7 @@ each forced in turn (`_lut_native.cap_loops`), so that one machine measures its 
   measured here (a sum over a buffer of the same total size). Variants interleaved in rotated rounds, one process.
 - `model_plan`: the issue's random Llama (hidden 1,024, 4 layers, MLP 2,816, vocabulary 4,096), batch-1 `generate`
   tokens/s of dense bf16 / fp32 and of ours saved and reloaded at each bits x scales x dtype x loop level, each a
-  fresh process per round (`_inference_runner.run_part`), ratios per round against dense bf16 and fp32.
+  fresh process per round (`areas.inference.runner.run_part`), ratios per round against dense bf16 and fp32.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import Bench, markdown_table
-from _slices import mark, no_verdict, usable
+from harness.common import Bench, markdown_table
+from harness.slices import mark, no_verdict, usable
 
 ROWS, COLS = 2816, 1024
 COLD_BYTES = 96 * 2**20  # well above the last-level cache of the CPUs measured: every call streams from memory
@@ -33,7 +33,7 @@ PREFILL = 32  # the whole-model rows time generation; their prefill (untabled) i
 
 def cpu_name() -> str:
     """The CPU's model and the vector extensions that decide the kernel's loops, e.g. 'AMD EPYC (AVX2 FMA F16C)'."""
-    from _common import cpu_model
+    from harness.common import cpu_model
 
     flags: set[str] = set()
     try:

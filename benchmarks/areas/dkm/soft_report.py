@@ -3,13 +3,13 @@ soft assignment against straight-through training from the calibrated start (`dk
 
 from __future__ import annotations
 
-from _common import markdown_table
-from _fragment_registry import fragment, measured
+from harness.common import markdown_table
+from harness.registry import fragment, measured
 
 STEP_TARGETS = {"fp32": 2.0, "bf16": 1.3}  # issue 43: a soft-assignment step, x the plain float32 step
 TARGET_ROWS = ("DKM 3-bit fp32", "DKM 4-bit fp32", "DKM 3-bit bf16", "DKM 4-bit bf16")
 LOWER_IS_BETTER = ("kl", "ppl", "worst_block_ratio")
-STRAIGHT = "straight-through (the recipe)"  # the study's baseline variant (`_dkm_soft.VARIANTS`)
+STRAIGHT = "straight-through (the recipe)"  # the study's baseline variant (`areas.dkm.soft.VARIANTS`)
 
 
 def _when(section: dict) -> str:

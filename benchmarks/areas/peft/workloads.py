@@ -7,7 +7,7 @@ import copy
 import warnings
 
 import torch
-from _common import synchronize  # sibling module (the script's folder is on sys.path)
+from harness.common import synchronize  # sibling module (the script's folder is on sys.path)
 
 import hf_llmkit
 from hf_llmkit.testing import corpus_tokenizer, minilm_path, tiny_llama_config

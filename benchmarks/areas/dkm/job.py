@@ -3,7 +3,7 @@
 `python examples/run_clm.py --quantization dkm` on a Llama shape built from scratch (bf16 weights, bf16 autocast,
 batch 1 x 128 tokens, 2 steps, `--save_strategy no`, the job's evaluations before and after and its final save),
 against the same job without quantization (full fine-tuning) and with the C allocator's default thresholds
-(`hf_llmkit/cli/allocator.py` says why the job changes them). Each run is a fresh process (`python _dkm_job.py OUT
+(`hf_llmkit/cli/allocator.py` says why the job changes them). Each run is a fresh process (`python areas/dkm/job.py OUT
 FLAGS...`) whose phases are timed by wrapping the functions that own them: the model build (of which the k-means
 table initialisation), `Trainer.train`, `Trainer.evaluate` and the final `save_model`; what is left is the
 interpreter's start, the imports and the (cached) tokenized data. The peak resident memory is `getrusage`'s.
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 SHAPES = {  # name: (hidden, MLP, layers, query heads, key/value heads)
     "280M": (1024, 2304, 24, 16, 16),  # the issue's shape: 279M parameters

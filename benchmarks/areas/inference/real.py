@@ -7,7 +7,7 @@ training: the speed does not depend on it) with the tied embedding / LM head clu
 (`quantize_embeddings=True, embedding_bits=8`, tied weights kept tied), saved and reloaded, in bf16 (and fp32 at 3
 bits), and at 3 bits with transformers' static cache, with and without `torch.compile` of the forward;
 bitsandbytes nf4; llama.cpp on the shipped Q4_1 file (Q4_1 layers, Q8_0 embedding) and on the K-quants it makes
-from it (`_inference_llama_cpp.py`). Prompts are real text (the corpus, SmolLM2's tokenizer), the same ids for
+from it (`areas/inference/llamacpp.py`). Prompts are real text (the corpus, SmolLM2's tokenizer), the same ids for
 every variant. Besides tokens/s and prefill time, each of ours and the dense rows reports the milliseconds per
 generated token spent inside the modules that multiply by weights (the kernel) and the rest (the framework:
 norms, attention, cache, `generate`'s own steps, Python), and llama.cpp its own evaluation time per token.
@@ -15,9 +15,10 @@ norms, attention, cache, `generate`'s own steps, Python), and llama.cpp its own 
 
 from __future__ import annotations
 
-from _common import markdown_table
-from _inference_llama_cpp import EXTRA_BUFTS_OFF
-from _slices import mark, no_verdict, usable
+from harness.common import markdown_table
+from harness.slices import mark, no_verdict, usable
+
+from areas.inference.llamacpp import EXTRA_BUFTS_OFF
 
 LLAMA = {"llama.cpp Q4_1 (the shipped file)": "Q4_1", "llama.cpp Q4_K_M": "Q4_K_M", "llama.cpp Q3_K_M": "Q3_K_M"}
 SAME_BITS = {4: ("Q4_1", "Q4_K_M"), 3: ("Q3_K_M",)}  # llama.cpp's files at ours' bits
@@ -41,7 +42,8 @@ def llama_name(name: str, extra_bufts: bool) -> str:
 
 def plan(quick: bool, compile_: bool, extra_bufts: bool = True) -> dict[str, dict]:
     """The real-model variants (a quick run: dense bf16, ours 3-bit and the shipped llama.cpp file); llama.cpp with
-    `use_extra_bufts=False` where `extra_bufts` is False (a CPU with AMX: `_inference_llama_cpp.use_extra_bufts`)."""
+    `use_extra_bufts=False` where `extra_bufts` is False (a CPU with AMX:
+    `areas.inference.llamacpp.use_extra_bufts`)."""
     variants = {
         "dense bf16": dict(kind="dense", dtype="bfloat16", bits=16, split=True),
         "dense fp32": dict(kind="dense", dtype="float32", bits=32, split=True),

@@ -7,7 +7,7 @@ run back to back, the order rotated each round so none always runs first or last
 median of the per-round ratios. The load average before and after is part of every result; a run whose load
 exceeded the number of cores says so under its table.
 
-    from _common import Bench, machine_state, write_results
+    from harness.common import Bench, machine_state, write_results
 
     bench = Bench(rounds=7, warmup=1)
     timings = bench.run({"ours": step_ours, "peer": step_peer}, baseline="peer")
@@ -18,11 +18,11 @@ Devices: every benchmark takes `--device {cpu,cuda}` (`add_device_argument`; def
 `torch.device` from `pick_device`. On CUDA, timings synchronize (`Bench(sync=synchronizer(device))`, or
 `synchronize(device)` around hand-made timings) and memory is the allocator's peak (`PeakMemory`:
 `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, above what was allocated at entry); on CPU
-`PeakMemory` counts the tensors the block creates (`_tensor_memory.TensorMemory`), the same quantity without an
+`PeakMemory` counts the tensors the block creates (`harness.tensor_memory.TensorMemory`), the same quantity without an
 allocator. `--quick` (every benchmark has it) runs the smallest sizes for 1-2 rounds: a smoke test in seconds.
 
-A variant in a process of its own (a peer's native code can crash or hang): `_slices.py`, rows saved as measured,
-a crash a row with its reason, `--only-missing` to resume.
+A variant in a process of its own (a peer's native code can crash or hang): `harness/slices.py`, rows saved as
+measured, a crash a row with its reason, `--only-missing` to resume.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ if TYPE_CHECKING:
     import torch
 
 # $HF_LLMKIT_BENCH_RESULTS moves the output (tests run the scripts' --quick modes into a temporary folder)
-RESULTS = Path(os.environ.get("HF_LLMKIT_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
-REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/: the scripts' folder, the root of these imports
+RESULTS = Path(os.environ.get("HF_LLMKIT_BENCH_RESULTS") or HERE / "results")
+REPO = HERE.parent
 
 
 def recorded_path(path: str | os.PathLike) -> str:
@@ -124,7 +125,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
         else:
-            from _tensor_memory import TensorMemory
+            from harness.tensor_memory import TensorMemory
 
             self._counter = TensorMemory().__enter__()
         return self
@@ -188,7 +189,6 @@ def _running_a_benchmark() -> bool:
     return multiprocessing.parent_process() is None and script is not None and script.parent == HERE
 
 
-HERE = Path(__file__).resolve().parent
 _SAMPLER = LoadSampler() if _running_a_benchmark() else None
 
 

@@ -1,13 +1,13 @@
-"""The docs fragments of dkm_quality.py's real-model sections (`_dkm_real.py`): the SmolLM2 table with its
+"""The docs fragments of dkm_quality.py's real-model sections (`areas/dkm/real.py`): the SmolLM2 table with its
 verdicts against the issue's targets, the seed spread, and the calibration cost; registered in
-`_fragment_registry.py` (`_fragments.py` imports this module)."""
+`harness/registry.py` (`areas/catalog.py` imports this module)."""
 
 from __future__ import annotations
 
 import statistics
 
-from _common import markdown_table
-from _fragment_registry import fragment, measured
+from harness.common import markdown_table
+from harness.registry import fragment, measured
 
 LOWER = ("ppl", "kl", "worst_block_ratio")
 TARGET_BITS = (2, 3)  # the fair test: the source's Q4_1 grid favours group-32 affine formats at 4 bits

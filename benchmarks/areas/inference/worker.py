@@ -1,12 +1,13 @@
 """One variant of benchmarks/dkm_inference.py in a process of its own: prepare its checkpoint, or load it and measure.
 
 `run(mode, spec, out)` is the target of a child process: on CPU a fork of the benchmark, which imported torch,
-transformers, hf_llmkit and the installed peers once (`_inference_variants.preimport`: on a loaded 2-core machine an
-import of transformers with torchao installed takes tens of seconds), on CUDA a spawned one. A process per variant
+transformers, hf_llmkit and the installed peers once (`areas.inference.variants.preimport`: on a loaded 2-core machine
+an import of transformers with torchao installed takes tens of seconds), on CUDA a spawned one. A process per variant
 and round keeps each one's memory its own: the resident size at its start (the shared imports) is its base, the
 kernel's high-water mark (`VmHWM`) its peak, reset after loading through `/proc/self/clear_refs` so that the
 inference peak is measured apart from the load's. A peer that cannot run here raises; `measure` then writes
-`{"error": "<one line>"}`, which the benchmark records. The builders of every variant live in `_inference_variants.py`.
+`{"error": "<one line>"}`, which the benchmark records. The builders of every variant live in
+`areas/inference/variants.py`.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/, the root of these imports
 
-import _inference_variants as variants  # noqa: E402
-from _process_memory import reset_peak, status_kib  # noqa: E402
+from harness.process_memory import reset_peak, status_kib  # noqa: E402
+
+from areas.inference import variants  # noqa: E402
 
 
 def _timed(fn, sync) -> float:
@@ -66,7 +68,7 @@ def measure(spec: dict) -> dict:
     start = time.perf_counter()
     prompt, long = _prompts(spec, device)
     if spec["kind"] == "llama_cpp":
-        import _inference_llama_cpp as llama
+        from areas.inference import llamacpp as llama
 
         try:
             return llama.measure(spec, prompt[1][0].tolist(), long[0].tolist())
@@ -148,25 +150,23 @@ def run(mode: str, spec: dict, out: str) -> None:
         Path(out).write_text("{}")
         return
     if mode == "kernels":  # part loops' kernel table (torch work: never in the parent, whose children are forks)
-        import _inference_loops
+        from areas.inference import loops
 
-        Path(out).write_text(json.dumps(_inference_loops.kernel_table(spec["quick"])))
+        Path(out).write_text(json.dumps(loops.kernel_table(spec["quick"])))
         return
     if mode == "real_setup":  # part real: the SmolLM2 folder (built once into the cache) and the prompt's ids
-        import _inference_llama_cpp
-        import _inference_real
-
+        from areas.inference import llamacpp, real
         from hf_llmkit.testing import smollm2_path
 
         folder = smollm2_path(num_hidden_layers=2 if spec["quick"] else None)
-        ids = _inference_real.text_ids(folder, spec["tokens"])
+        ids = real.text_ids(folder, spec["tokens"])
         layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
-        setup = dict(folder=str(folder), ids=ids, layers=layers, llama_cpp=_inference_llama_cpp.system_info())
+        setup = dict(folder=str(folder), ids=ids, layers=layers, llama_cpp=llamacpp.system_info())
         Path(out).write_text(json.dumps(setup))
         return
     try:
-        if spec["kind"] == "onnx":  # onnxruntime rows: _inference_onnx.py
-            from _inference_onnx import measure as onnx_measure
+        if spec["kind"] == "onnx":  # onnxruntime rows: areas/inference/onnxrt.py
+            from areas.inference.onnxrt import measure as onnx_measure
 
             result = onnx_measure(spec)
         else:

@@ -13,7 +13,7 @@ jobs' evaluation losses on held-out instruction records (response tokens) before
 quality through the path: the source model, the merged SFT model, the DKM start, the trained DKM model.
 `tests/quantization/test_real_model_path.py` runs the same path on a two-layer slice of the model in seconds.
 
-`python benchmarks/_dkm_recipe.py job OUT.json FLAGS...` runs `run_sft.run(FLAGS)` and writes its results (the
+`python benchmarks/areas/dkm/recipe.py job OUT.json FLAGS...` runs `run_sft.run(FLAGS)` and writes its results (the
 stage process of steps 1 and 2); `... generate OUT.json CHECKPOINT` runs step 3.
 """
 
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 PROMPT = "Explain what the assert statement does."
 SFT = ["--peft_method", "lora", "--merge_adapter", "--learning_rate", "2e-4"]
 DKM = ["--quantization", "dkm", "--dkm_bits", "3", "--dkm_recipe", "calibrated", "--learning_rate", "2e-5"]

@@ -1,9 +1,9 @@
 """How benchmarks/dkm_inference.py runs its variants: each prepared (quantized, saved) and measured in a process of
 its own, the measurements in interleaved rounds with the order rotated each round, every part's variants described by
-a dict `spec` (`_inference_worker.py` measures one, `_inference_variants.py` builds them).
+a dict `spec` (`areas/inference/worker.py` measures one, `areas/inference/variants.py` builds them).
 
-A part survives its peers (`_slices.py`): a variant whose preparation or measuring process crashes, fails or hangs
-is a row with its one-line reason and every other row is still measured; each row is saved as it is measured (the
+A part survives its peers (`harness/slices.py`): a variant whose preparation or measuring process crashes, fails or
+hangs is a row with its one-line reason and every other row is still measured; each row is saved as it is measured (the
 part's `save`); with stored rows (`--only-missing`) only the rows missing or recorded loaded are prepared and
 measured. Results of parts `loops` and `real` keep one entry per CPU (`save_per_cpu`: a run on another CPU adds its
 entry, a run on the same CPU replaces its own, or completes it with --only-missing).
@@ -21,9 +21,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import _inference_worker as worker
-import _slices
-from _common import machine_state, run_record
+from harness import slices
+from harness.common import machine_state, run_record
+
+from areas.inference import worker
 
 PREPARED = ("ours", "bnb", "gptq", "llama_cpp", "onnx")  # the kinds with a checkpoint (or file) made before the rounds
 MUST_RUN = ("dense", "ours", "onnx")  # ours and dense must run: the script fails at its end when one did not
@@ -43,7 +44,7 @@ def prepare_all(specs: list[dict], jobs: int, work: Path, timeout: float = PREPA
         while pending and len(running) < jobs:
             spec = pending.pop(0)
             out = work / f"prepare-{time.monotonic_ns()}.json"
-            process = _slices.start_child(worker.run, ("prepare", spec), out, name=f"prepare: {spec['name']}",
+            process = slices.start_child(worker.run, ("prepare", spec), out, name=f"prepare: {spec['name']}",
                                           context=_context(spec["device"]))  # fmt: skip
             running.append((spec, process, out, time.monotonic()))
         time.sleep(0.5)
@@ -53,18 +54,18 @@ def prepare_all(specs: list[dict], jobs: int, work: Path, timeout: float = PREPA
             if process.is_alive() and not late:
                 continue
             running.remove(item)
-            got = _slices.child_result(process, out, 0 if late else None)
+            got = slices.child_result(process, out, 0 if late else None)
             if "error" in got:
-                failed[spec["dir"]] = _slices.exit_reason(None, timeout) if late else got["error"]
+                failed[spec["dir"]] = slices.exit_reason(None, timeout) if late else got["error"]
                 print(f"prepare of {spec['name']} failed: {failed[spec['dir']]} (its rows will say so)", flush=True)
     return failed
 
 
 def child(mode: str, spec: dict, work: Path, timeout: float) -> dict:
-    """Run `_inference_worker.run` in a child process (a fork on CPU, spawned on CUDA) and return what it wrote; a
+    """Run `areas.inference.worker.run` in a child process (a fork on CPU, spawned on CUDA) and return what it wrote; a
     part's own step (its dense checkpoint, kernel table, model folder), so a failure raises with its one line."""
     out = work / f"{mode}-{time.monotonic_ns()}.json"
-    got = _slices.run_child(worker.run, (mode, spec), out, name=f"{mode}: {spec['name']}", timeout=timeout,
+    got = slices.run_child(worker.run, (mode, spec), out, name=f"{mode}: {spec['name']}", timeout=timeout,
                             context=_context(spec["device"]))  # fmt: skip
     if "error" in got:
         raise RuntimeError(f"{mode} of {spec['name']}: {got['error']}")
@@ -77,7 +78,7 @@ def measure(spec: dict, threads: int, work: Path, failed: dict[str, str], timeou
     if spec["dir"] in failed:
         return {"error": f"prepare {failed[spec['dir']]}"}
     out = work / f"measure-{time.monotonic_ns()}.json"
-    return _slices.run_child(worker.run, ("measure", dict(spec, threads=threads)), out, name=spec["name"],
+    return slices.run_child(worker.run, ("measure", dict(spec, threads=threads)), out, name=spec["name"],
                              timeout=timeout, context=_context(spec["device"]))  # fmt: skip
 
 
@@ -118,7 +119,7 @@ def _printed(label: str, threads: int, name: str, r: int, row: dict) -> str:
     if "error" in row:
         return f"[{label}, {threads} thr, round {r + 1}] {name}: {row['error']}"
     tps = statistics.median(row["tokens_per_s_b1"])
-    return f"[{label}, {threads} thr, round {r + 1}] {_slices.mark(name, row)}: {tps:.1f} tokens/s"
+    return f"[{label}, {threads} thr, round {r + 1}] {slices.mark(name, row)}: {tps:.1f} tokens/s"
 
 
 def run_part(
@@ -145,7 +146,7 @@ def run_part(
     specs_out = {n: {k: v for k, v in s.items() if k not in HIDDEN} for n, s in specs.items()}
     names, common_out = list(specs), {k: v for k, v in common.items() if k not in ("dense_dir", "text_ids")}
     kept = reusable(stored, specs_out, common_out)
-    todo = {t: _slices.to_measure(names, rounds, None if kept is None else kept.get(str(t), {})) for t in threads}
+    todo = {t: slices.to_measure(names, rounds, None if kept is None else kept.get(str(t), {})) for t in threads}
     needed = {name for rows in todo.values() for name, _ in rows}
     print(f"[{label}] {sum(map(len, todo.values()))} of {len(names) * rounds * len(threads)} rows to measure"
           + (f" (--only-missing): {', '.join(n for n in names if n in needed)}" if kept is not None else ""),
@@ -169,7 +170,7 @@ def run_part(
                 if save is not None:
                     save(part)
 
-            cell["runs"] = _slices.measure_rounds(
+            cell["runs"] = slices.measure_rounds(
                 names,
                 rounds,
                 lambda name, r, t=t: measure(specs[name], t, work, failed),
@@ -196,4 +197,4 @@ def save_per_cpu(name: str, part: dict, argv: list[str]) -> Path:
     """`benchmarks/results/<name>.json` with this run's part under its CPU (`part["cpu"]`), next to the entries of
     other CPUs already there; each entry carries its own run record."""
     entry = {**part, "recorded": run_record(), "argv": argv}
-    return _slices.update_results(name, {("machines", part["cpu"]): entry})
+    return slices.update_results(name, {("machines", part["cpu"]): entry})

@@ -4,7 +4,7 @@
 `spec["options"]` (as ours) exported with `export_onnx`, packed or `dense=True` (the decoded float32 weights: the
 dense ONNX export users would otherwise serve). `measure(spec)` opens it in this fresh process, with our C kernel
 (`onnxruntime_session`, `spec["onnx_kernel"]`) or onnxruntime's standard ops, one intra-op thread per torch thread,
-and measures what `_inference_worker.measure` measures for a PyTorch model, with `greedy_generate` over the
+and measures what `areas.inference.worker.measure` measures for a PyTorch model, with `greedy_generate` over the
 exported cache: batch-1 and batch-8 greedy tokens/s after a warm-up (over `spec["onnx_tokens"]` tokens where given:
 the standard-op path decodes every weight per call), one prefill forward, the initializer bytes (whole model and
 decoder layers) and the peak resident memory over the imports.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from _process_memory import reset_peak, status_kib
+from harness.process_memory import reset_peak, status_kib
 
 FILE = "model.onnx"
 

@@ -1,7 +1,7 @@
 """What DKM's soft assignment costs per training step (`python benchmarks/dkm_quality.py --only steps`).
 
 One training step (forward and backward, the optimizer left out) of two real models, plain against DKM, variants in
-interleaved rounds (`_common.Bench`: the order rotated each round, min and median of per-round ratios):
+interleaved rounds (`harness.common.Bench`: the order rotated each round, min and median of per-round ratios):
 
 - all-MiniLM-L6-v2: one distillation step of 16 sentences (the teacher's forward included; `--quick`: 4), as
   `dkm_quality.py` trains it; its layers are 384x384 and 1536x384;
@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import contextlib
 
-import _dkm_peers as peers
 import torch
-from _common import Bench
+from harness.common import Bench
+
+from areas.dkm import peers
 
 STEP_BITS = (3, 4)
 SMOLLM2_BATCH = (4, 128)  # sequences x tokens of one SmolLM2 step
@@ -105,8 +106,7 @@ def _saved_bytes(model, step) -> int:
 
 def workload_steps(workload, rounds: int, extra_skip=(), quick: bool = False) -> dict:
     """{"summary": Bench's per-variant summary, "saved_mib": {label: MiB}} of one workload."""
-    from _dkm_helpers import bf16_latent
-
+    from areas.dkm.helpers import bf16_latent
     from hf_llmkit.quantization import DKMLinear
 
     variants, saved = {}, {}

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 CALIBRATION_SAMPLES = 128  # training sentences / blocks the calibrated methods see (GPTQ's usual 128 sequences)
 
 

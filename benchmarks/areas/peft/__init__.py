@@ -1,0 +1,1 @@
+"""PEFT methods: the workloads of `peft_methods.py` and its fragments."""
