@@ -68,5 +68,9 @@ def test_the_users_own_malloc_tunables_are_left_alone(monkeypatch, env):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_a_main_job_runs_with_freed_blocks_kept():
-    _, faults = probe("job", GLIBC_TUNABLES="")
-    assert faults < PAGES // 20, faults
+    """Once in a loaded clean-clone run one of the three came from fresh pages (16,384 faults: one tensor's); a
+    second probe tells that apart from a job that does not keep its blocks (all three fresh, 49,152)."""
+    faults = [probe("job", GLIBC_TUNABLES="")[1]]
+    if faults[0] >= PAGES // 20:
+        faults.append(probe("job", GLIBC_TUNABLES="")[1])
+    assert faults[-1] < PAGES // 20, faults
