@@ -10,9 +10,9 @@ import torch
 from transformers import TrainerCallback
 
 from hf_llmkit.callbacks import LossScaleCallback
-from hf_llmkit.testing import launch
 from tests.callbacks.deepspeed_support import deepspeed_fp16_loss_scale
 from tests.callbacks.support import make_trainer, small_model
+from tests.warm import launch
 
 REPO = Path(__file__).resolve().parents[2]
 

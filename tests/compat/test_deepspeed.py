@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_llmkit.testing import launch
+from tests.warm import launch
 
 deepspeed = pytest.importorskip("deepspeed")
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

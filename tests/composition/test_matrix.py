@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_llmkit.testing import launch
 from tests.composition.cells import build_model, reference, reload, run_cells
 from tests.composition.matrix import CELLS, Cell, Setup
+from tests.warm import launch
 
 TOLERANCE = 1e-5
 

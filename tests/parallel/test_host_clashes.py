@@ -15,7 +15,8 @@ import torch.distributed as dist
 from accelerate.parallelism_config import ParallelismConfig
 
 from hf_llmkit import LLMKitTrainingArguments
-from hf_llmkit.testing import launch, tiny_llama, tiny_training_args
+from hf_llmkit.testing import tiny_llama, tiny_training_args
+from tests.warm import launch
 
 LAUNCHER_SP = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": "2"}
 

@@ -18,8 +18,8 @@ from hf_llmkit.parallel.moe.expert_parallel import (
     gather_expert_state,
     shard_expert_state,
 )
-from hf_llmkit.testing import launch
 from hf_llmkit.trainers.expert_parallel import ExpertParallelDDPKwargs
+from tests.warm import launch
 
 H, INTER, E = 16, 24, 8
 

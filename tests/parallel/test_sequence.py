@@ -26,7 +26,8 @@ from hf_llmkit.parallel import (
 from hf_llmkit.parallel.sequence import TiledLoss, TiledMLP, offload_saved_activations, sequence_parallel_mean
 from hf_llmkit.parallel.sequence.tiled_loss import TARGETS_KWARG
 from hf_llmkit.parallel.sequence.ulysses import kv_replication
-from hf_llmkit.testing import launch, tiny_llama
+from hf_llmkit.testing import tiny_llama
+from tests.warm import launch
 
 TOL = 1e-5
 

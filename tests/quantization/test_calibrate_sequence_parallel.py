@@ -15,7 +15,8 @@ from hf_llmkit import DKMConfig
 from hf_llmkit.quantization import calibrate, quantize_model
 from hf_llmkit.quantization.calibration import first_examples
 from hf_llmkit.quantization.layers import DKMLinear
-from hf_llmkit.testing import launch, tiny_llama
+from hf_llmkit.testing import tiny_llama
+from tests.warm import launch
 
 LENGTHS = (32, 33)  # 33 is no multiple of the group's size: each shard is padded, the padding is no layer input
 

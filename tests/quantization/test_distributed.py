@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from hf_llmkit.quantization.layers import DKMLinear, DKMSettings
-from hf_llmkit.testing import launch, tiny_llama
+from hf_llmkit.testing import tiny_llama
+from tests.warm import launch
 
 STEPS, LR = 4, 0.3  # a large step: where full-batch vs half-batch rounding shows most, the equality still holds
 

@@ -11,8 +11,9 @@ import torch.distributed as dist
 from datasets import Dataset
 
 from hf_llmkit import LLMKitTrainingArguments
-from hf_llmkit.testing import launch, tiny_llama
+from hf_llmkit.testing import tiny_llama
 from hf_llmkit.trainers import LLMKitTrainer
+from tests.warm import launch
 
 
 def _evaluate_then_train() -> float:

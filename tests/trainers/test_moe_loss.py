@@ -9,8 +9,9 @@ from datasets import Dataset
 from hf_llmkit import LLMKitTrainingArguments
 from hf_llmkit.parallel import load_balancing_loss, moe_blocks, router_z_loss
 from hf_llmkit.parallel.moe.upcycle import upcycle_to_moe
-from hf_llmkit.testing import launch, tiny_llama
+from hf_llmkit.testing import tiny_llama
 from hf_llmkit.trainers import LLMKitTrainer
+from tests.warm import launch
 
 NUM_EXPERTS = 4
 

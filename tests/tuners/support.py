@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 import hf_llmkit
-from hf_llmkit.testing import launch, tiny_llama, tiny_training_args
+from hf_llmkit.testing import tiny_llama, tiny_training_args
 from tests import warm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,7 +111,7 @@ def zero3_train_and_save(model_dir: str, out_dir: str) -> dict[str, dict]:
 def run_zero3(tmp: Path) -> dict[str, dict]:
     tiny_llama().save_pretrained(tmp / "base")
     env = {"PYTHONPATH": str(REPO), "ACCELERATE_USE_DEEPSPEED": "true"}
-    return launch(
+    return warm.launch(
         zero3_train_and_save, str(tmp / "base"), str(tmp / "out"), nprocs=1, timeout=300, init_process_group=False,
         env=env,
     )[0]  # fmt: skip
