@@ -178,6 +178,29 @@ def run_script_on_ranks(
     return _scripts(script, args, nprocs, timeout, env, None, False)
 
 
+def torchrun(
+    script: str | os.PathLike,
+    args: Sequence[str] = (),
+    *,
+    nprocs: int = 2,
+    timeout: float = 600.0,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> subprocess.CompletedProcess:
+    """`hf_llmkit.testing.launch_script(..., launcher="torchrun")`'s contract on forked ranks (for tests whose subject
+    is the script, not the launcher): every rank's output in `.stdout`, rank order; `DistributedRunError` with it
+    when a rank fails or the job runs past `timeout`."""
+    from hf_llmkit.testing import DistributedRunError
+
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **(env or {})}
+    procs = _scripts(script, args, nprocs, timeout, env, cwd, False)
+    text = "".join(p.stdout + p.stderr for p in procs)
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        raise DistributedRunError(f"{script} on {nprocs} forked ranks: exit codes {codes}\n{text[-12000:]}")
+    return subprocess.CompletedProcess(procs[0].args, 0, stdout=text, stderr="")
+
+
 def _scripts(script, args, nprocs, timeout, env, cwd, honour_permissions) -> list[subprocess.CompletedProcess]:
     from hf_llmkit.testing import free_port
 

@@ -20,8 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM, default_data_collator
 
 from hf_llmkit import LLMKitTrainingArguments
-from hf_llmkit.testing import launch_script
 from tests.parallel.ep_train_script import make_rows
+from tests.warm import torchrun
 
 SCRIPT = Path(__file__).with_name("ep_train_script.py")
 TINY = ["--vocab_size", "512", "--hidden_size", "64", "--intermediate_size", "128", "--num_hidden_layers", "2",
@@ -49,7 +49,7 @@ def launched(tmp_path_factory, request) -> tuple[Path, dict]:
     flags = ["--out", str(tmp / "result.json"), "--zero", *map(str, stages)]
     if "run_clm" in needs:
         flags += ["--run_clm", json.dumps([*TINY, "--output_dir", str(tmp / "run_clm"), *RUN_CLM])]
-    launch_script(SCRIPT, flags, nprocs=2, launcher="torchrun", timeout=300 + 200 * len(needs), cwd=tmp)
+    torchrun(SCRIPT, flags, nprocs=2, timeout=300 + 200 * len(needs), cwd=tmp)
     return tmp, {int(stage): result for stage, result in json.loads((tmp / "result.json").read_text()).items()}
 
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from hf_llmkit.testing import launch_script
+from tests.warm import torchrun
 
 SCRIPT = Path(__file__).with_name("sp_train_script.py")
 # sp_train_script.py configurations: name -> (launcher, flags)
@@ -60,7 +62,8 @@ class Launches:
                 run_clm = [*TINY, *ALST, "--output_dir", str(folder / "run_clm"), "--max_steps", "2"]
                 flags += ["--run_clm", json.dumps([*run_clm, "--sequence_parallel_size", "2"])]
             timeout = 300 + 200 * len(cases)
-            out = launch_script(SCRIPT, flags, nprocs=2, launcher=launcher, timeout=timeout, cwd=folder)
+            run = partial(launch_script, launcher=launcher) if launcher != "torchrun" else torchrun  # accelerate's own
+            out = run(SCRIPT, flags, nprocs=2, timeout=timeout, cwd=folder)
             self.done[launcher] = json.loads((folder / "result.json").read_text()), out.stdout
         return self.done[launcher]
 

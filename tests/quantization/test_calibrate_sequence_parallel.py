@@ -16,7 +16,7 @@ from hf_llmkit.quantization import calibrate, quantize_model
 from hf_llmkit.quantization.calibration import first_examples
 from hf_llmkit.quantization.layers import DKMLinear
 from hf_llmkit.testing import tiny_llama
-from tests.warm import launch
+from tests.warm import launch, torchrun
 
 LENGTHS = (32, 33)  # 33 is no multiple of the group's size: each shard is padded, the padding is no layer input
 
@@ -93,14 +93,13 @@ def test_the_jobs_two_rank_sequence_parallel_run_saves_the_one_rank_model(run_cl
     that sequence-parallel training itself gives them (measured: 5e-8)."""
     from safetensors.torch import load_file
 
-    from hf_llmkit.testing import launch_script
     from tests.conftest import EXAMPLES
     from tests.examples.test_run_clm import TINY
 
     flags = [*TINY, "--max_steps", "2", "--max_train_samples", "16", "--do_eval", "false", "--save_strategy", "no",
              "--quantization", "dkm", "--dkm_calibration_samples", "8"]  # fmt: skip
     run_clm.run([*flags, "--output_dir", str(tmp_path / "one")])
-    launch_script(EXAMPLES / "run_clm.py", [*flags, "--sequence_parallel_size", "2", "--output_dir",
+    torchrun(EXAMPLES / "run_clm.py", [*flags, "--sequence_parallel_size", "2", "--output_dir",
                                             str(tmp_path / "two")], nprocs=2, timeout=600)  # fmt: skip
     one, two = (load_file(tmp_path / name / "model.safetensors") for name in ("one", "two"))
     packed = [k for k in one if k.endswith("weight_packed")]
