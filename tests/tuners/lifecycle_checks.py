@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable
@@ -84,3 +85,21 @@ def fresh_process_outputs(jobs: list) -> list[list[torch.Tensor]]:
     """`reload_outputs` for all jobs in another process, freshly imported and holding nothing of this one: a child of
     the warm interpreter (tests/warm.py; starting and importing a new one costs seconds)."""
     return warm.call(reload_outputs, jobs, timeout=300)
+
+
+@functools.cache
+def unload_keeps_trained_copies() -> bool:
+    """What the installed peft's `unload()` leaves where a `modules_to_save` wrapper was, asked of LoRA itself: the
+    active adapter's trained copy (peft 0.21) or the original module (peft 0.22: only `merge_and_unload()` keeps the
+    copy). The battery holds every method to LoRA's answer."""
+    from peft import LoraConfig, get_peft_model
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    base = Two()
+    original = base.b
+    model = get_peft_model(base, LoraConfig(target_modules=["a"], modules_to_save=["b"]))
+    return model.unload().b is not original

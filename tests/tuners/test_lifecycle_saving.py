@@ -2,8 +2,9 @@
 
 - `modules_to_save` with one module, and the seed recipe's `embed_tokens,lm_head` with untied and with tied
   embeddings (`ensure_weight_tying=True`: one trained copy, still tied; without it peft's warning names the option):
-  trained in full, saved, disabled, kept by a second adapter, merged (exactly, where the method merges) and
-  unloaded (peft keeps the trained copy, as LoRA does).
+  trained in full, saved, disabled, kept by a second adapter, merged (exactly, where the method merges; the merged
+  model keeps the trained copies) and unloaded as LoRA is (peft 0.21 keeps the trained copies, 0.22 gives the
+  original modules back).
 - Saving two adapters with `modules_to_save`, reloading them in ONE fresh process for the whole module (a child of
   the warm interpreter, tests/warm.py: importing the stack in a new one costs seconds) with equal outputs;
   `PeftModel.from_pretrained(..., is_trainable=False)` leaves nothing trainable, `True` exactly what `get_peft_model`
@@ -31,6 +32,7 @@ from tests.tuners.lifecycle_checks import (
     snapshot,
     train_step,
     trainable,
+    unload_keeps_trained_copies,
 )
 
 MTS_CELLS = [
@@ -121,9 +123,9 @@ def test_modules_to_save(case, cell, tmp_path):
         torch.testing.assert_close(outputs(merged, inputs), expected, rtol=1e-4, atol=1e-4)
         if cell.tied:
             assert merged.get_input_embeddings().weight is merged.get_output_embeddings().weight
-    unloaded = model.unload()  # as LoRA: the adapter goes, the trained copies stay
+    unloaded = model.unload()  # as LoRA: the adapter goes; the trained copies stay on peft 0.21, not on 0.22
     assert no_peft_modules_left(unloaded)
-    reference = _with_copies(family, cell.tied, wrappers)
+    reference = _with_copies(family, cell.tied, wrappers) if unload_keeps_trained_copies() else base()
     rounding = 0 if method.merge_error else 1e-4  # a merge and an unmerge went through the base weights
     torch.testing.assert_close(
         outputs(unloaded, plain), outputs(reference, plain), rtol=rounding, atol=rounding,
