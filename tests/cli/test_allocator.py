@@ -35,6 +35,10 @@ def probe(mode: str, **env) -> tuple[str, int]:
 
 
 PAGES = 3 * (1 << 26) // 4096  # three 64 MiB tensors
+# Kept: fewer than half of them fault in, so at most one of the three tensors came from fresh pages. Usually none
+# does; twice in clean-clone runs one did (16,384 faults: a smaller allocation between had split the freed block).
+# By default every one does (PAGES).
+KEPT_BELOW = PAGES // 2
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
@@ -44,7 +48,7 @@ def test_a_freed_weight_sized_block_is_reused_instead_of_faulted_in_again():
     _, faults_default = probe("default", **env)
     assert kept == "True"
     assert faults_default > PAGES // 2, faults_default  # by default each one is mapped afresh
-    assert faults_kept < PAGES // 20, faults_kept  # kept: the heap hands the same block back
+    assert faults_kept < KEPT_BELOW, faults_kept  # kept: the heap hands the freed block back
 
 
 @pytest.mark.parametrize(
@@ -68,9 +72,5 @@ def test_the_users_own_malloc_tunables_are_left_alone(monkeypatch, env):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_a_main_job_runs_with_freed_blocks_kept():
-    """Once in a loaded clean-clone run one of the three came from fresh pages (16,384 faults: one tensor's); a
-    second probe tells that apart from a job that does not keep its blocks (all three fresh, 49,152)."""
-    faults = [probe("job", GLIBC_TUNABLES="")[1]]
-    if faults[0] >= PAGES // 20:
-        faults.append(probe("job", GLIBC_TUNABLES="")[1])
-    assert faults[-1] < PAGES // 20, faults
+    _, faults = probe("job", GLIBC_TUNABLES="")
+    assert faults < KEPT_BELOW, faults
