@@ -248,3 +248,9 @@ def test_ci_time_reads_the_summary_this_pytest_prints_and_keeps_the_largest_of_t
     got = ci_time.parse_log(lines, proc.returncode)
     assert not got["passed"] and got["install_s"] is None and len(got["pytest_runs"]) == 2
     assert got["pytest"]["counts"] == {"failed": 1, "passed": 1, "skipped": 1, "deselected": 1, "warnings": 1}
+
+
+def test_the_ci_line_rounds_to_the_second_before_it_splits_minutes():
+    from areas.jobs.fragments import minutes
+
+    assert [minutes(s) for s in (1259.84, 941.29, 59.5, 60.0)] == ["21:00", "15:41", "1:00", "1:00"]

@@ -11,7 +11,9 @@ from harness.registry import fragment, measured, pair
 
 
 def minutes(seconds: float) -> str:
-    return f"{int(seconds // 60)}:{round(seconds % 60):02d}"
+    """`m:ss`, rounded to the second first (1259.84 s is 21:00, not 20:60)."""
+    whole = round(seconds)
+    return f"{whole // 60}:{whole % 60:02d}"
 
 
 # -- CI and the quickstart ---------------------------------------------------------------------------------------
