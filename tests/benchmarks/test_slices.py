@@ -173,3 +173,24 @@ def test_a_part_killed_mid_run_keeps_its_rows_a_crashed_peer_is_a_row_and_only_m
         if key in saved and key not in ran:
             assert row == saved[key]  # kept as the killed run saved it
         assert row["error"] == "crashed: killed by SIGSEGV (exit -11)" if key[0] == "crasher" else row["value"] > 0
+
+
+def test_a_run_of_some_sizes_never_drops_the_others_from_the_results_file():
+    """`dkm_onnx.py --sizes issue` (with or without --only-missing) keeps the stored smollm2 size when the file is
+    of this CPU and these settings, and stops in one line before measuring when it is not (an older file without
+    its CPU lost the smollm2 rows this way, exit 0)."""
+    import dkm_onnx
+    import pytest
+
+    config = {"rounds": 2, "new_tokens": 16, "slow_tokens": 2, "prefill": 128}
+    sizes = {"issue": {"summary": 1}, "smollm2": {"summary": 2}}
+    mine = {"cpu": dkm_onnx.cpu_model(), "config": {**config, "rounds": 1}, "sizes": sizes}
+    assert dkm_onnx.kept_sizes(mine, config, ["issue"], only_missing=False) == {"smollm2": {"summary": 2}}
+    assert dkm_onnx.kept_sizes(mine, config, ["issue"], only_missing=True) == sizes
+    other = {"config": config, "sizes": sizes}  # no CPU recorded
+    for only_missing, run in ((True, ["issue"]), (True, ["issue", "smollm2"]), (False, ["issue"])):
+        with pytest.raises(SystemExit, match=r"^error: .* \(--sizes issue smollm2\) to replace it") as stop:
+            dkm_onnx.kept_sizes(other, config, run, only_missing=only_missing)
+        assert "\n" not in str(stop.value)
+    assert dkm_onnx.kept_sizes(other, config, ["issue", "smollm2"], only_missing=False) == {}
+    assert dkm_onnx.kept_sizes({}, config, ["issue"], only_missing=True) == {}
