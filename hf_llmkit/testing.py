@@ -219,6 +219,8 @@ def _worker(work: Path) -> None:
         dist.init_process_group(backend)
     try:
         result = fn(*args)
+        if dist.is_initialized():  # rank 0 hosts the store: it stays until every rank is done with it (a subgroup
+            dist.barrier()  # only rank 1 belongs to is still connecting through it when rank 0 returns)
     finally:
         if dist.is_initialized():  # also groups `fn` created itself (e.g. through the Trainer): exit cleanly
             dist.destroy_process_group()

@@ -318,6 +318,8 @@ def _run_function(request: dict, rank: int) -> None:
         dist.init_process_group(request["backend"])
     try:
         result = fn(*args)
+        if dist.is_initialized():  # rank 0 hosts the store: it waits until every rank is done with it
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
