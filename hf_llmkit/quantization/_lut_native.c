@@ -15,7 +15,10 @@
  *   one shift and one `vpermps` per 8 weights from a table held in a register (two and a blend at 4 bits), against
  *   inputs rearranged once per call to the lanes' order; 5-8 bit tables (embeddings) are read by `vgatherdps`;
  * - AVX-512 VBMI (float32 inputs) and AVX512-BF16 (bfloat16 inputs and weights): 64 indices with one byte permute
- *   and one multishift, 16 (or 32) lookups per permute.
+ *   and one multishift, 16 (or 32) lookups per permute;
+ * - NEON (`_lut_neon.c`, every AArch64 CPU: Apple silicon, Graviton), up to 4 bits: 16 indices at a time, looked up
+ *   by four byte-table lookups (`tbl`) in the table's byte planes, multiplied and added in the portable loop's order,
+ *   so its sums are the portable loop's bit for bit (both built with `-ffp-contract=off`: no fused multiply-add).
  * Every input dtype (float32, bfloat16, float16) is widened to float32 once per call for the loops that take float32.
  * Rows are shared among OpenMP threads when built with it.
  */
@@ -30,16 +33,20 @@
 #include <immintrin.h>
 #define HAVE_X86 1
 #endif
+#if defined(__aarch64__) && defined(__ARM_NEON) && !defined(LUT_NO_NEON)
+#include <arm_neon.h>
+#define HAVE_NEON 1
+#endif
 
 enum { SCALE_NONE = 0, SCALE_F32 = 1, SCALE_F16 = 2, SCALE_BF16 = 3 }; /* also the dtype codes of tables and x */
 enum { OUT_F32 = 0, OUT_BF16 = 1, OUT_F16 = 2 };
-enum { LEVEL_PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_AVX512BF16 = 3 };
+enum { LEVEL_PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_AVX512BF16 = 3, LEVEL_NEON = 4 };
 #define MAXM 8 /* tokens multiplied per pass over the weight */
 /* Each loop family is compiled once per token count 1..MAXM (the count a constant, the accumulators registers). */
 #define EACH_M(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8)
 #define BY_M(name) {0, name##_1, name##_2, name##_3, name##_4, name##_5, name##_6, name##_7, name##_8}
-/* The AVX2 loops are compiled for 1, 2, 4 and 8 tokens (half the build time); other counts run padded with zero
- * inputs (batch-1 decoding, the case that matters, is never padded). */
+/* The AVX2 and NEON loops are compiled for 1, 2, 4 and 8 tokens (half the build time); other counts run padded with
+ * zero inputs (batch-1 decoding, the case that matters, is never padded). */
 #define EACH_M_AVX2(X) X(1) X(2) X(4) X(8)
 #define BY_M_AVX2(name) {0, name##_1, name##_2, 0, name##_4, 0, 0, 0, name##_8}
 #define PAD_M(n) ((n) <= 2 ? (n) : (n) <= 4 ? 4 : 8)
@@ -238,16 +245,21 @@ static void rows_portable(const weight_t *w, int64_t r0, int64_t r1, const input
     }
 }
 
-/* ---- the SIMD loops (`_lut_avx2.c`, `_lut_avx512.c`: compiled after this file, as one translation unit) --------- */
+/* ---- the SIMD loops (`_lut_avx2.c`, `_lut_avx512.c`, `_lut_neon.c`: compiled after this file, as one unit) ------ */
 #ifdef HAVE_X86
 static void rows_avx2(const weight_t *w, int64_t r0, int64_t r1, const input_t *in, float *y, void *out);
 static void rows_avx512(const weight_t *w, int64_t r0, int64_t r1, const input_t *in, float *y, void *out);
 static void rows_avx512bf16(const weight_t *w, int64_t r0, int64_t r1, const input_t *in, float *y);
 #endif
+#ifdef HAVE_NEON
+static void rows_neon(const weight_t *w, int64_t r0, int64_t r1, const input_t *in, float *y, void *out);
+#endif
 
 /* ---- dispatch ---------------------------------------------------------------------------------------------------- */
 
-static int max_level = LEVEL_AVX512BF16; /* lut_max_level(n) caps the loops taken (tests and benchmarks compare them) */
+/* lut_max_level(n) caps the loops taken (tests and benchmarks compare them): every level up to n in LEVEL_* order
+ * (the x86-64 levels sit below NEON, so capping an AArch64 CPU at any of them takes its portable loop) */
+static int max_level = LEVEL_NEON;
 
 void lut_max_level(int level) { max_level = level; }
 
@@ -266,17 +278,32 @@ static int cpu_level(void) {
                                                                     : LEVEL_PORTABLE;
     }
     return cpu;
+#elif defined(HAVE_NEON)
+    return LEVEL_NEON;
 #else
     return LEVEL_PORTABLE;
 #endif
 }
 
+/* Whether this CPU can take the loops of `lvl` (portable: every CPU). */
+int lut_has_level(int lvl) {
+    if (lvl == LEVEL_PORTABLE) return 1;
+#ifdef HAVE_NEON
+    return lvl == LEVEL_NEON;
+#else
+    return lvl != LEVEL_NEON && lvl <= cpu_level();
+#endif
+}
+
 /* The loops this CPU takes for this weight and x dtype (SCALE_* codes; 0: a decode): AVX512-BF16 for bfloat16 x
  * and weights up to 4 bits (block scales multiples of 32 columns); AVX-512 up to 4 bits (blocks multiples of 16);
- * AVX2 up to 8 bits (blocks multiples of 8); else portable. */
+ * AVX2 up to 8 bits (blocks multiples of 8); NEON up to 4 bits (blocks multiples of 8); else portable. */
 static int level(const weight_t *w, int x_dtype) {
     const int64_t block = w->block;
     const int best = cpu_level() < max_level ? cpu_level() : max_level;
+#ifdef HAVE_NEON
+    return best == LEVEL_NEON && w->bits <= 4 && block % 8 == 0 ? LEVEL_NEON : LEVEL_PORTABLE;
+#endif
     if (x_dtype == SCALE_BF16 && w->mode == OUT_BF16 && best == LEVEL_AVX512BF16 && w->bits <= 4 && block % 32 == 0)
         return LEVEL_AVX512BF16;
     if (best >= LEVEL_AVX512 && w->bits <= 4 && block % 16 == 0) return LEVEL_AVX512;
@@ -289,6 +316,10 @@ static void rows_at(const weight_t *w, int lvl, int64_t r0, int64_t r1, const in
     if (lvl == LEVEL_AVX512BF16) rows_avx512bf16(w, r0, r1, in, y);
     else if (lvl == LEVEL_AVX512) rows_avx512(w, r0, r1, in, y, out);
     else if (lvl == LEVEL_AVX2) rows_avx2(w, r0, r1, in, y, out);
+    else
+#endif
+#ifdef HAVE_NEON
+    if (lvl == LEVEL_NEON) rows_neon(w, r0, r1, in, y, out);
     else
 #endif
         rows_portable(w, r0, r1, in, y, out);
@@ -394,7 +425,8 @@ int lut_gemv(const weight_args *a, int mode, const void *x, int x_dtype, int64_t
     if (!buffer) return -1;
     float *sums = buffer + 2 * most * cols;
     for (int64_t j = 0; j < m; j += MAXM) { /* the weight is read once per MAXM tokens */
-        const int64_t n = m - j < MAXM ? m - j : MAXM, padded = lvl == LEVEL_AVX2 ? PAD_M(n) : n;
+        const int64_t n = m - j < MAXM ? m - j : MAXM;
+        const int64_t padded = lvl == LEVEL_AVX2 || lvl == LEVEL_NEON ? PAD_M(n) : n;
         input_t in;
         prepare_input(&w, lvl, (const char *)x + (size_t)(j * cols) * item, x_dtype, n, padded, buffer, &in);
         const int direct = y_dtype == OUT_F32 && padded == n;
@@ -422,7 +454,7 @@ void lut_decode_rows(const weight_args *a, int mode, const int64_t *ids, int64_t
 }
 
 /* The loops a weight of `bits` bits with blocks of `block` columns (0: no scales) takes on this CPU for inputs of
- * x_dtype (SCALE_*; bfloat16 inputs meet bfloat16 weights): 3 AVX-512 BF16, 2 AVX-512, 1 AVX2, 0 portable. */
+ * x_dtype (SCALE_*; bfloat16 inputs meet bfloat16 weights): 4 NEON, 3 AVX-512 BF16, 2 AVX-512, 1 AVX2, 0 portable. */
 int lut_level(int bits, int block, int x_dtype) {
     static const float one = 1.0f;
     const weight_args a = {0, 1, block ? block : 64, bits, 0, SCALE_F32, 1, block ? &one : 0, SCALE_F32, 1};

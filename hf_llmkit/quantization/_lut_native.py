@@ -1,9 +1,10 @@
 """The CPU kernel of the packed DKM layers: `_lut_native.c` (portable loops, dispatch), `_lut_avx2.c` and
-`_lut_avx512.c` (the x86-64 loops), built as one library once per machine with the C compiler and loaded through
-ctypes (`hf_llmkit.native.CLibrary`: where it cannot be built, `library()` is None, the reason is logged once, and
-`lut_gemv` takes its torch paths; `HF_LLMKIT_DKM_KERNEL=native` makes that an error).
+`_lut_avx512.c` (the x86-64 loops), `_lut_neon.c` (the AArch64 loop), built as one library once per machine with the
+C compiler and loaded through ctypes (`hf_llmkit.native.CLibrary`: where it cannot be built, `library()` is None, the
+reason is logged once, and `lut_gemv` takes its torch paths; `HF_LLMKIT_DKM_KERNEL=native` makes that an error).
 Inside, the CPU picks the loops at run time: AVX512-BF16 (bfloat16 inputs and weights up to 4 bits), AVX-512 (VBMI,
-up to 4 bits), AVX2 (with FMA and F16C: every table size, 5-8 bits by gathers), or portable C (any CPU).
+up to 4 bits), AVX2 (with FMA and F16C: every table size, 5-8 bits by gathers), NEON (AArch64, up to 4 bits: the
+portable loop's sums bit for bit, `tests/quantization/test_lut_neon.py` under qemu), or portable C (any CPU).
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ import torch
 from hf_llmkit.compat.torch import module_buffers, version_counter
 from hf_llmkit.native import I64, INT, CLibrary, P
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("_lut_native.c", "_lut_avx2.c", "_lut_avx512.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("_lut_native.c", "_lut_avx2.c", "_lut_avx512.c", "_lut_neon.c")
+)
+# No fused multiply-add where the source writes a multiply and an add (compilers fuse them by default where the CPU
+# has FMA: every AArch64 one): the portable loop then gives the same bits on every CPU, and NEON the portable's.
+FLAGS = ("-ffp-contract=off",)
 # the C source's SCALE_* codes, for tables and scales alike
 _DTYPE_CODES = {None: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 _OUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -48,11 +54,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.lut_decode_rows.argtypes = [weight, INT, P, I64, P]
     lib.lut_level.argtypes = [INT, INT, INT]
     lib.lut_max_level.argtypes = [INT]
+    lib.lut_has_level.argtypes = [INT]
+    lib.lut_has_level.restype = INT
     for fn in (lib.lut_decode, lib.lut_decode_rows, lib.lut_max_level):
         fn.restype = None
 
 
-_KERNEL = CLibrary(SOURCES, "lut", "The DKM CPU kernel", "packed layers use torch paths", _declare)
+_KERNEL = CLibrary(SOURCES, "lut", "The DKM CPU kernel", "packed layers use torch paths", _declare, FLAGS)
 
 
 def library() -> ctypes.CDLL | None:
@@ -70,22 +78,31 @@ def unavailable_reason() -> str:
     return _KERNEL.unavailable_reason()
 
 
-LOOPS = ("portable", "avx2", "avx512", "avx512_bf16")  # the C source's LEVEL_* order
+LOOPS = ("portable", "avx2", "avx512", "avx512_bf16", "neon")  # the C source's LEVEL_* order
 
 
 def loops(bits: int, block: int = 0, bf16_inputs: bool = False) -> str | None:
     """The loops a `bits`-bit weight with scale blocks of `block` columns (0: none) takes on this CPU: `avx512_bf16`
     (bfloat16 inputs of a bfloat16 model, up to 4 bits, a CPU with AVX512-BF16), `avx512` (x86-64 with VBMI, up to 4
-    bits), `avx2` (with FMA and F16C), `portable` (any other CPU); None where the kernel did not build. Inputs of
-    every dtype take the float32 loops (widened once per call) where the bfloat16 ones do not serve."""
+    bits), `avx2` (with FMA and F16C), `neon` (AArch64, up to 4 bits), `portable` (any other case); None where the
+    kernel did not build. Inputs of every dtype take the float32 loops (widened once per call) where the bfloat16
+    ones do not serve."""
     lib = library()
     code = _DTYPE_CODES[torch.bfloat16 if bf16_inputs else torch.float32]
     return None if lib is None else LOOPS[lib.lut_level(bits, block, code)]
 
 
+def available_loops() -> tuple[str, ...]:
+    """The loops this CPU can take, best first, down to `portable` (what tests and benchmarks force in turn); empty
+    where the kernel did not build."""
+    lib = library()
+    return () if lib is None else tuple(name for i, name in reversed(list(enumerate(LOOPS))) if lib.lut_has_level(i))
+
+
 def cap_loops(name: str) -> None:
-    """Take at most the `name` loops from now on (`avx512_bf16` lets the CPU choose again): tests and benchmarks
-    measure each level a CPU has this way. A ValueError names the levels for any other name."""
+    """Take at most the `name` loops from now on, in `LOOPS` order (`LOOPS[-1]` lets the CPU choose again; the x86-64
+    levels sit below `neon`, so an AArch64 CPU capped at any of them takes `portable`): tests and benchmarks measure
+    each level a CPU has this way. A ValueError names the levels for any other name."""
     if name not in LOOPS:
         raise ValueError(f"cap_loops({name!r}): use one of {', '.join(LOOPS)}")
     lib = library()

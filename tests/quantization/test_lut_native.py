@@ -1,7 +1,8 @@
 """The C kernel of the packed layers (`hf_llmkit.quantization._lut_native`) on this machine's CPU.
 
 Its decode is bit for bit the hard assignment's weight in float32, bfloat16 and float16, in each of its loops
-(AVX-512 where the CPU has VBMI, AVX2, portable); its product is within float32 rounding of `F.linear` by that weight;
+(AVX-512 where the CPU has VBMI, AVX2, NEON on AArch64, portable; the NEON loop is also run under qemu against the
+portable one in `test_lut_neon.py`); its product is within float32 rounding of `F.linear` by that weight;
 `auto` takes it on CPU; without a C compiler the layers answer through the torch paths with one warning, and asking
 for it by name is refused in one line.
 """
@@ -48,8 +49,7 @@ CASES = {
 def loops(request):
     if native.library() is None:
         pytest.fail(f"the C kernel did not build here: {native.unavailable_reason()}")
-    best = max(native.LOOPS.index(native.loops(4, bf16_inputs=b)) for b in (False, True))
-    if native.LOOPS.index(request.param) > best:
+    if request.param not in native.available_loops():
         pytest.skip(f"this CPU cannot run the {request.param} loops")
     native.cap_loops(request.param)
     yield request.param
@@ -121,8 +121,9 @@ def test_rows_lookup_is_the_decoded_rows_bitwise(name):
 def test_the_loops_a_cpu_takes_are_named_and_capped_in_one_line():
     assert native.loops(3) in native.LOOPS and native.loops(8, 32, bf16_inputs=True) in native.LOOPS
     assert native.loops(4, 4) == "portable"  # blocks of 4 columns: no SIMD loop takes them
-    with pytest.raises(ValueError, match="use one of portable, avx2, avx512, avx512_bf16"):
-        native.cap_loops("neon")
+    assert native.available_loops()[-1] == "portable" and native.loops(3) in native.available_loops()
+    with pytest.raises(ValueError, match="use one of portable, avx2, avx512, avx512_bf16, neon"):
+        native.cap_loops("sve")
     native.cap_loops("portable")
     try:
         assert native.loops(3) == "portable"

@@ -53,8 +53,7 @@ def levels() -> list[str]:
     """The loop levels this CPU runs: each one its kernel can take, from the best down to portable."""
     from hf_llmkit.quantization import _lut_native as native
 
-    best = max(native.LOOPS.index(native.loops(4, 0, bf16)) for bf16 in (False, True))
-    return list(reversed(native.LOOPS[: best + 1]))
+    return list(native.available_loops())
 
 
 def _packed(bits: int, block: int, count: int):
