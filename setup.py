@@ -22,7 +22,7 @@ for name, folder in MAPPED.items():
 # compiled on the user's machine at first use (hf_llmkit/native.py)
 package_data = {
     "hf_llmkit": ["_avx2_level.c"],
-    "hf_llmkit.quantization": ["_lut_native.c", "_lut_avx2.c", "_lut_avx512.c"],
+    "hf_llmkit.quantization": ["_lut_native.c", "_lut_avx2.c", "_lut_avx512.c", "_lut_neon.c"],
     "hf_llmkit.quantization.engines": ["_interval_native.c"],
     "hf_llmkit.parallel.moe": ["_swiglu_native.c", "_routing_native.c"],
 }
