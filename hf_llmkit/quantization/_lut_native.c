@@ -134,9 +134,26 @@ static inline uint64_t index_word(const weight_t *w, const uint8_t *p, const int
 
 /* ---- portable ---------------------------------------------------------------------------------------------------- */
 
+/* 4 float32 lanes (GCC / Clang vector extension: SSE on x86-64, NEON on AArch64, scalar code elsewhere); with
+ * `-ffp-contract=off` a multiply and an add stay two roundings, as in scalar code. */
+typedef float f32x4 __attribute__((vector_size(16)));
+
+static inline f32x4 load4(const float *p) {
+    f32x4 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+/* Entries of the 4 fields from field f of `word` on (a constant shift each after inlining). */
+#define LOOKUP4(table, word, f, bits, mask)                                                                           \
+    ((f32x4){(table)[((word) >> ((f) * (bits))) & (mask)], (table)[((word) >> (((f) + 1) * (bits))) & (mask)],       \
+             (table)[((word) >> (((f) + 2) * (bits))) & (mask)], (table)[((word) >> (((f) + 3) * (bits))) & (mask)]})
+
 /* Columns [c0, cols) of row r from its raw table (and, without scales, that table rounded to the mode: base): into
  * acc[j] += row . x_j (x float32, natural order), or decoded into out_row. `bits` is a constant after inlining (the
- * shifts are immediates); eight partial sums per token, which the compiler may keep in vector registers. */
+ * shifts are immediates). Eight partial sums per token, as two vectors of 4 lanes: lane t of lo (hi) sums columns
+ * 8i + t (8i + 4 + t), one multiply then one add each (the NEON loop sums in this order too, bit for bit). The 8
+ * weights of a word are looked up straight into two vectors (no stores to reload). */
 static inline __attribute__((always_inline)) void span_bits(const weight_t *w, int64_t r, int64_t c0,
                                                             const float *raw, const float *base, const float *x,
                                                             int64_t m, float *acc, void *out_row, const int bits) {
@@ -145,12 +162,13 @@ static inline __attribute__((always_inline)) void span_bits(const weight_t *w, i
     const uint8_t *row = row_bytes(w, r);
     /* with scales, a table of <= 16 entries is scaled and rounded once per block; larger ones per weight */
     const int per_block = block && k <= 16 && block % 8 == 0;
-    float scaled[16], sums[MAXM][8], v[8];
+    float scaled[16];
+    const float *table = base;
+    f32x4 sums[MAXM][2];
     memset(sums, 0, sizeof(sums));
     int64_t next_block = c0;
-    if (m == 1 && !out_row && (!block || per_block)) { /* one token (decoding): eight scalar chains, no stores */
-        float a0 = 0, a1 = 0, a2 = 0, a3 = 0, a4 = 0, a5 = 0, a6 = 0, a7 = 0;
-        const float *table = base;
+    if (m == 1 && !out_row && (!block || per_block)) { /* one token (decoding) */
+        f32x4 lo = {0, 0, 0, 0}, hi = lo;
         for (int64_t c = c0; c < cols; c += 8) {
             if (block && c >= next_block) {
                 next_block = (c / block + 1) * block;
@@ -159,45 +177,41 @@ static inline __attribute__((always_inline)) void span_bits(const weight_t *w, i
                 table = scaled;
             }
             const uint64_t word = index_word(w, row + c * bits / 8, bits);
-            const float *xc = x + c;
-            a0 += table[word & mask] * xc[0];
-            a1 += table[(word >> bits) & mask] * xc[1];
-            a2 += table[(word >> (2 * bits)) & mask] * xc[2];
-            a3 += table[(word >> (3 * bits)) & mask] * xc[3];
-            a4 += table[(word >> (4 * bits)) & mask] * xc[4];
-            a5 += table[(word >> (5 * bits)) & mask] * xc[5];
-            a6 += table[(word >> (6 * bits)) & mask] * xc[6];
-            a7 += table[(word >> (7 * bits)) & mask] * xc[7];
+            lo += LOOKUP4(table, word, 0, bits, mask) * load4(x + c);
+            hi += LOOKUP4(table, word, 4, bits, mask) * load4(x + c + 4);
         }
-        acc[0] += ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
+        acc[0] += ((lo[0] + lo[1]) + (lo[2] + lo[3])) + ((hi[0] + hi[1]) + (hi[2] + hi[3]));
         return;
     }
     for (int64_t c = c0; c < cols; c += 8) {
         const uint64_t word = index_word(w, row + c * bits / 8, bits);
-        if (!block)
-            for (int t = 0; t < 8; t++) v[t] = base[(word >> (t * bits)) & mask];
-        else if (per_block) {
-            if (c >= next_block) {
+        f32x4 v[2];
+        if (block && !per_block) { /* each weight scaled and rounded */
+            float each[8];
+            for (int t = 0; t < 8; t++)
+                each[t] = round_to(raw[(word >> (t * bits)) & mask] * scale_at(w, r * w->nblocks + (c + t) / block),
+                                   w->mode);
+            v[0] = load4(each), v[1] = load4(each + 4);
+        } else {
+            if (block && c >= next_block) {
                 next_block = (c / block + 1) * block;
                 const float s = scale_at(w, r * w->nblocks + c / block);
                 for (int64_t i = 0; i < k; i++) scaled[i] = round_to(raw[i] * s, w->mode);
+                table = scaled;
             }
-            for (int t = 0; t < 8; t++) v[t] = scaled[(word >> (t * bits)) & mask];
-        } else
-            for (int t = 0; t < 8; t++)
-                v[t] = round_to(raw[(word >> (t * bits)) & mask] * scale_at(w, r * w->nblocks + (c + t) / block),
-                                w->mode);
+            v[0] = LOOKUP4(table, word, 0, bits, mask), v[1] = LOOKUP4(table, word, 4, bits, mask);
+        }
         if (out_row)
-            for (int t = 0; t < 8; t++) store_to(out_row, c + t, v[t], w->mode);
-        else if (m == 1)
-            for (int t = 0; t < 8; t++) sums[0][t] += v[t] * x[c + t];
+            for (int t = 0; t < 8; t++) store_to(out_row, c + t, v[t / 4][t % 4], w->mode);
         else
-            for (int64_t j = 0; j < m; j++)
-                for (int t = 0; t < 8; t++) sums[j][t] += v[t] * x[j * cols + c + t];
+            for (int64_t j = 0; j < m; j++) {
+                sums[j][0] += v[0] * load4(x + j * cols + c);
+                sums[j][1] += v[1] * load4(x + j * cols + c + 4);
+            }
     }
     for (int64_t j = 0; j < m && !out_row; j++) {
         float s = 0.0f;
-        for (int t = 0; t < 8; t++) s += sums[j][t];
+        for (int t = 0; t < 8; t++) s += sums[j][t / 4][t % 4];
         acc[j] += s;
     }
 }
