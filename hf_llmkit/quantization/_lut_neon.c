@@ -5,7 +5,8 @@
  * A row is read 16 indices at a time (2 * bits bytes): one byte-table lookup (`tbl`) moves the byte (two bytes at 3
  * bits) that holds each index into its lane, one per-lane shift and a mask leave the index. The table (the row's, or
  * each block's scaled and rounded once) is held as its four byte planes (one `ld4`): four `tbl`s look 16 entries'
- * bytes up and two rounds of zips put them back together as four vectors of 4 float32 weights.
+ * bytes up and two rounds of zips put them back together as four vectors of 4 float32 weights (in a bfloat16
+ * product, whose tables are rounded to bfloat16, two lookups in the high planes and one widening each).
  *
  * Bit for bit the portable loop's sums: each lane accumulates the columns the portable loop's matching scalar does
  * (columns 8i + t into lane t of the pair lo = t 0-3, hi = t 4-7), one multiply then one add (the kernel is built
@@ -21,12 +22,20 @@ INLINE_NEON uint8x16x4_t table_planes(const float *table, const int bits) {
     return vld4q_u8((const uint8_t *)t);
 }
 
-/* Entries idx[0..15] of the table in `planes`, as 4 vectors of 4 float32 (v[i]: entries of idx[4i..4i+3]). */
-INLINE_NEON void lookup16(const uint8x16x4_t planes, const uint8x16_t idx, float32x4_t v[4]) {
-    const uint8x16_t b0 = vqtbl1q_u8(planes.val[0], idx), b1 = vqtbl1q_u8(planes.val[1], idx);
+/* Entries idx[0..15] of the table in `planes`, as 4 vectors of 4 float32 (v[i]: entries of idx[4i..4i+3]). `bf16`:
+ * a table rounded to bfloat16 (its entries' two low bytes are zero), looked up in the two high planes only. */
+INLINE_NEON void lookup16(const uint8x16x4_t planes, const uint8x16_t idx, float32x4_t v[4], const int bf16) {
     const uint8x16_t b2 = vqtbl1q_u8(planes.val[2], idx), b3 = vqtbl1q_u8(planes.val[3], idx);
-    const uint16x8_t lo01 = vreinterpretq_u16_u8(vzip1q_u8(b0, b1)), hi01 = vreinterpretq_u16_u8(vzip2q_u8(b0, b1));
     const uint16x8_t lo23 = vreinterpretq_u16_u8(vzip1q_u8(b2, b3)), hi23 = vreinterpretq_u16_u8(vzip2q_u8(b2, b3));
+    if (bf16) {
+        v[0] = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(lo23), 16));
+        v[1] = vreinterpretq_f32_u32(vshll_high_n_u16(lo23, 16));
+        v[2] = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(hi23), 16));
+        v[3] = vreinterpretq_f32_u32(vshll_high_n_u16(hi23, 16));
+        return;
+    }
+    const uint8x16_t b0 = vqtbl1q_u8(planes.val[0], idx), b1 = vqtbl1q_u8(planes.val[1], idx);
+    const uint16x8_t lo01 = vreinterpretq_u16_u8(vzip1q_u8(b0, b1)), hi01 = vreinterpretq_u16_u8(vzip2q_u8(b0, b1));
     v[0] = vreinterpretq_f32_u16(vzip1q_u16(lo01, lo23));
     v[1] = vreinterpretq_f32_u16(vzip2q_u16(lo01, lo23));
     v[2] = vreinterpretq_f32_u16(vzip1q_u16(hi01, hi23));
@@ -97,7 +106,7 @@ INLINE_NEON void step(const weight_t *w, const unpack_t *u, const uint8x16x4_t p
     const uint8_t *p = row + ((uint64_t)c * (uint64_t)bits >> 3);
     if ((c & 63) == 0) __builtin_prefetch(p + PREFETCH_AHEAD);
     float32x4_t v[4];
-    lookup16(planes, indices16(u->end, u, p, whole ? 2 * bits : bits, three), v);
+    lookup16(planes, indices16(u->end, u, p, whole ? 2 * bits : bits, three), v, w->mode == OUT_BF16);
     if (!M)
         for (int i = 0; i < (whole ? 4 : 2); i++) store4(out_row, c + 4 * i, v[i], w->mode);
     for (int j = 0; j < M; j++) {
