@@ -124,11 +124,18 @@ static inline void row_tables(const weight_t *w, int64_t r, float *raw, float *b
         for (int64_t i = 0; i < ((int64_t)1 << w->bits); i++) base[i] = round_to(raw[i], w->mode);
 }
 
+/* The last words of the stream, read byte by byte (out of line: the loops keep their word in a register). */
+static __attribute__((noinline)) uint64_t tail_word(const uint8_t *p, int bits) {
+    uint64_t word = 0;
+    memcpy(&word, p, (size_t)bits);
+    return word;
+}
+
 /* The 8 indices at p as one word (`bits` bytes), never reading past the stream's end. */
 static inline uint64_t index_word(const weight_t *w, const uint8_t *p, const int bits) {
-    uint64_t word = 0;
+    uint64_t word;
     if (p + 8 <= w->end) memcpy(&word, p, 8);
-    else memcpy(&word, p, (size_t)bits);
+    else word = tail_word(p, bits);
     return bits == 8 ? word : word & ((1ull << (8 * bits)) - 1);
 }
 
@@ -149,14 +156,46 @@ static inline f32x4 load4(const float *p) {
     ((f32x4){(table)[((word) >> ((f) * (bits))) & (mask)], (table)[((word) >> (((f) + 1) * (bits))) & (mask)],       \
              (table)[((word) >> (((f) + 2) * (bits))) & (mask)], (table)[((word) >> (((f) + 3) * (bits))) & (mask)]})
 
+/* A pair table of up to 4 bits: entry p (2 * bits bits: field f in its low bits, field f + 1 above) holds the two
+ * weights (T[f], T[f + 1]), so two fields take one shift, one mask and one 8-byte load. Built from a table that
+ * serves enough weights to pay for its 2^(2 * bits) pairs (a group's, or a long block's); the same values as
+ * LOOKUP4's, so the same bits. */
+#define PAIRS_MAX 512 /* floats: 256 pairs of a 4-bit table */
+typedef uint64_t u64x2 __attribute__((vector_size(16)));
+
+static inline int pairs_pay(int bits, int64_t weights) {
+    return bits <= 4 && weights >= ((int64_t)2 << (2 * bits));
+}
+
+static inline void build_pairs(const float *table, int bits, float *pairs) {
+    const int64_t k = (int64_t)1 << bits;
+    for (int64_t p = 0; p < k * k; p++) pairs[2 * p] = table[p & (k - 1)], pairs[2 * p + 1] = table[p >> bits];
+}
+
+static inline f32x4 pairs4(const float *pairs, uint64_t a, uint64_t b, const int bits) {
+    const uint64_t mask2 = ((uint64_t)1 << (2 * bits)) - 1;
+    uint64_t lo, hi;
+    memcpy(&lo, pairs + 2 * (a & mask2), 8);
+    memcpy(&hi, pairs + 2 * (b & mask2), 8);
+    const u64x2 v = {lo, hi};
+    return (f32x4)v;
+}
+
+/* Weights of fields f..f+3 of `word`: from the pair table where there is one, else the table. */
+#define WEIGHTS4(pairs, table, word, f, bits, mask)                                                                   \
+    ((pairs) ? pairs4(pairs, (word) >> ((f) * (bits)), (word) >> (((f) + 2) * (bits)), bits)                         \
+             : LOOKUP4(table, word, f, bits, mask))
+
 /* Columns [c0, cols) of row r from its raw table (and, without scales, that table rounded to the mode: base): into
  * acc[j] += row . x_j (x float32, natural order), or decoded into out_row. `bits` is a constant after inlining (the
  * shifts are immediates). Eight partial sums per token, as two vectors of 4 lanes: lane t of lo (hi) sums columns
  * 8i + t (8i + 4 + t), one multiply then one add each (the NEON loop sums in this order too, bit for bit). The 8
- * weights of a word are looked up straight into two vectors (no stores to reload). */
+ * weights of a word are looked up straight into two vectors (no stores to reload). `pairs` (PAIRS_MAX floats, or
+ * NULL): without scales, base's pair table (the caller's, where it pays); with scales, room for each block's. */
 static inline __attribute__((always_inline)) void span_bits(const weight_t *w, int64_t r, int64_t c0,
                                                             const float *raw, const float *base, const float *x,
-                                                            int64_t m, float *acc, void *out_row, const int bits) {
+                                                            int64_t m, float *acc, void *out_row, float *pairs,
+                                                            const int bits) {
     const int64_t k = (int64_t)1 << bits, block = w->block, cols = w->cols;
     const uint64_t mask = (uint64_t)k - 1;
     const uint8_t *row = row_bytes(w, r);
@@ -164,6 +203,7 @@ static inline __attribute__((always_inline)) void span_bits(const weight_t *w, i
     const int per_block = block && k <= 16 && block % 8 == 0;
     float scaled[16];
     const float *table = base;
+    if (block && !(per_block && pairs_pay(bits, block))) pairs = 0; /* blocks too short to pay for their pairs */
     f32x4 sums[MAXM][2];
     memset(sums, 0, sizeof(sums));
     int64_t next_block = c0;
@@ -175,10 +215,11 @@ static inline __attribute__((always_inline)) void span_bits(const weight_t *w, i
                 const float s = scale_at(w, r * w->nblocks + c / block);
                 for (int64_t i = 0; i < k; i++) scaled[i] = round_to(raw[i] * s, w->mode);
                 table = scaled;
+                if (pairs) build_pairs(scaled, bits, pairs);
             }
             const uint64_t word = index_word(w, row + c * bits / 8, bits);
-            lo += LOOKUP4(table, word, 0, bits, mask) * load4(x + c);
-            hi += LOOKUP4(table, word, 4, bits, mask) * load4(x + c + 4);
+            lo += WEIGHTS4(pairs, table, word, 0, bits, mask) * load4(x + c);
+            hi += WEIGHTS4(pairs, table, word, 4, bits, mask) * load4(x + c + 4);
         }
         acc[0] += ((lo[0] + lo[1]) + (lo[2] + lo[3])) + ((hi[0] + hi[1]) + (hi[2] + hi[3]));
         return;
@@ -198,8 +239,9 @@ static inline __attribute__((always_inline)) void span_bits(const weight_t *w, i
                 const float s = scale_at(w, r * w->nblocks + c / block);
                 for (int64_t i = 0; i < k; i++) scaled[i] = round_to(raw[i] * s, w->mode);
                 table = scaled;
+                if (pairs) build_pairs(scaled, bits, pairs);
             }
-            v[0] = LOOKUP4(table, word, 0, bits, mask), v[1] = LOOKUP4(table, word, 4, bits, mask);
+            v[0] = WEIGHTS4(pairs, table, word, 0, bits, mask), v[1] = WEIGHTS4(pairs, table, word, 4, bits, mask);
         }
         if (out_row)
             for (int t = 0; t < 8; t++) store_to(out_row, c + t, v[t / 4][t % 4], w->mode);
@@ -218,17 +260,17 @@ static inline __attribute__((always_inline)) void span_bits(const weight_t *w, i
 
 #define SPAN_BITS(B)                                                                                                  \
     static void span_##B(const weight_t *w, int64_t r, int64_t c0, const float *raw, const float *base,               \
-                         const float *x, int64_t m, float *acc, void *out_row) {                                      \
-        span_bits(w, r, c0, raw, base, x, m, acc, out_row, B);                                                        \
+                         const float *x, int64_t m, float *acc, void *out_row, float *pairs) {                        \
+        span_bits(w, r, c0, raw, base, x, m, acc, out_row, pairs, B);                                                 \
     }
 SPAN_BITS(1) SPAN_BITS(2) SPAN_BITS(3) SPAN_BITS(4) SPAN_BITS(5) SPAN_BITS(6) SPAN_BITS(7) SPAN_BITS(8)
 static void (*const spans[9])(const weight_t *, int64_t, int64_t, const float *, const float *, const float *,
-                              int64_t, float *, void *) = {0, span_1, span_2, span_3, span_4,
-                                                           span_5, span_6, span_7, span_8};
+                              int64_t, float *, void *, float *) = {0, span_1, span_2, span_3, span_4,
+                                                                    span_5, span_6, span_7, span_8};
 
 static void span_portable(const weight_t *w, int64_t r, int64_t c0, const float *raw, const float *base,
                           const float *x, int64_t m, float *acc, void *out_row) {
-    spans[w->bits](w, r, c0, raw, base, x, m, acc, out_row);
+    spans[w->bits](w, r, c0, raw, base, x, m, acc, out_row, 0);
 }
 
 /* Columns [c0, cols) of row r, its table read here (the tails of the AVX-512 loops). */
@@ -244,17 +286,23 @@ static void *out_row_of(const weight_t *w, void *out, int64_t i) {
     return out ? (char *)out + i * w->cols * (w->mode == OUT_F32 ? 4 : 2) : 0;
 }
 
-/* Rows [r0, r1): y[j, r] (or the decoded rows), each group's table read once. */
+/* Rows [r0, r1): y[j, r] (or the decoded rows), each group's table read once (and, where its rows here have
+ * enough weights, and no scales, turned into its pair table once). */
 static void rows_portable(const weight_t *w, int64_t r0, int64_t r1, const input_t *in, float *y, void *out) {
-    float raw[256], base[256], acc[MAXM];
+    float raw[256], base[256], acc[MAXM], pairs[PAIRS_MAX];
     int64_t group = -1;
+    int paired = 0;
     for (int64_t r = r0; r < r1; r++) {
         if (r / w->rows_per_group != group) {
             group = r / w->rows_per_group;
             row_tables(w, r, raw, base);
+            const int64_t last = (group + 1) * w->rows_per_group < r1 ? (group + 1) * w->rows_per_group : r1;
+            paired = !w->block && pairs_pay(w->bits, (last - r) * w->cols);
+            if (paired) build_pairs(base, w->bits, pairs);
         }
         memset(acc, 0, sizeof(acc));
-        span_portable(w, r, 0, raw, base, in ? in->xf : 0, in ? in->m : 0, acc, out_row_of(w, out, r));
+        spans[w->bits](w, r, 0, raw, base, in ? in->xf : 0, in ? in->m : 0, acc, out_row_of(w, out, r),
+                       paired || w->block ? pairs : 0);
         for (int64_t j = 0; in && j < in->m; j++) y[j * w->rows + r] = acc[j];
     }
 }

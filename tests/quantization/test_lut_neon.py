@@ -30,8 +30,9 @@ PACKAGES = "gcc-aarch64-linux-gnu qemu-user"
 NEON, PORTABLE = native.LOOPS.index("neon"), native.LOOPS.index("portable")
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # shapes and block scales: (cols, block) with cols a multiple of 8; 200 and 264 end in a half step (8 columns), 72
-# in blocks of 24 that do too, 576 is SmolLM2's hidden size, 1536 its MLP's
-SHAPES = ((200, 0), (576, 64), (264, 8), (192, 16), (384, 128), (72, 24), (1536, 32))
+# in blocks of 24 that do too, 576 is SmolLM2's hidden size, 1536 its MLP's; blocks of 128 and 512 columns are long
+# enough for the portable loop's pair tables at 3 and 4 bits (shorter ones at 1-2 bits)
+SHAPES = ((200, 0), (576, 64), (264, 8), (192, 16), (384, 128), (72, 24), (1536, 32), (1024, 512), (1024, 0))
 # (table, scale, compute mode, input, output) dtypes, taken in turn
 DTYPES = (
     (F32, F32, F32, F32, F32),
