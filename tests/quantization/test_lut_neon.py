@@ -161,6 +161,39 @@ def compare(results: bytes, every: list[tuple[dict, dict]], levels_wanted) -> No
     assert offset == len(results)
 
 
+def summed_in_order(case: dict, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """y [m, rows] float32 as the portable loop sums it (the order the NEON loop keeps): each product rounded to
+    float32, lane t of 8 summing columns 8i + t in turn; a pass over the weight of one token (MAXM = 8 tokens a pass)
+    with no scales, or a table per block (up to 4 bits, blocks of whole words), then adds
+    ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), any other pass 0 + l0 + l1 + ... + l7; then 0 + that."""
+    m, (rows, cols) = x.shape[0], weight.shape
+    products = (weight[None] * x[:, None, :]).reshape(m, rows, cols // 8, 8)  # [m, rows, cols / 8, 8]
+    lanes = torch.zeros(m, rows, 8)
+    for i in range(cols // 8):
+        lanes = lanes + products[:, :, i]
+    s = lanes.unbind(-1)
+    chains = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
+    sequential = torch.zeros(m, rows)
+    for t in range(8):
+        sequential = sequential + s[t]
+    alone = torch.tensor([min(8, m - j // 8 * 8) == 1 for j in range(m)])[:, None]  # [m, 1]: its pass has one token
+    block = case["block"]
+    one_table = not block or (case["bits"] <= 4 and block % 8 == 0)  # a table per block or none: the chains
+    return torch.zeros(m, rows) + torch.where(alone & one_table, chains, sequential)
+
+
+def test_the_portable_loop_sums_in_its_documented_order(inputs):
+    """Here, without qemu: the portable loop's products are `summed_in_order` of its own decoded weight (bit for bit
+    the hard assignment's: test_lut_native.py), so the order NEON keeps is written down and checked on every CPU."""
+    if native.library() is None:
+        pytest.fail(f"the C kernel did not build here: {native.unavailable_reason()}")
+    for case, t in inputs[0]:
+        y, decoded = portable_here(case, t)
+        weight = torch.frombuffer(bytearray(decoded), dtype=case["mode"]).reshape(case["rows"], case["cols"]).float()
+        want = summed_in_order(case, weight, t["x"].float()).to(case["y"])
+        assert raw(want) == y, name(case)
+
+
 @pytest.fixture(scope="module")
 def inputs():
     every = [(case, tensors(case, seed)) for seed, case in enumerate(cases())]
