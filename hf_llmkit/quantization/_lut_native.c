@@ -10,7 +10,8 @@
  * `lut_decode_rows` writes some of its rows (an embedding's lookup), `lut_gemv` multiplies it by x without writing it.
  *
  * Loops, chosen at run time per CPU and weight (`level`), each a small unit the tests force in turn (`lut_max_level`):
- * - portable C (any compiler, any CPU: ARM included), 8 indices per word, one table read per weight;
+ * - portable C (any compiler, any CPU), 8 indices per word looked up into two 4-lane vectors, one table read per
+ *   weight, or one pair-table read per two where a table serves enough weights to pay for its pairs;
  * - AVX2 + FMA (x86-64 since 2013): 64 indices at a time as 8 lanes of 8 fields (one load, a byte shuffle at 3 bits),
  *   one shift and one `vpermps` per 8 weights from a table held in a register (two and a blend at 4 bits), against
  *   inputs rearranged once per call to the lanes' order; 5-8 bit tables (embeddings) are read by `vgatherdps`;
