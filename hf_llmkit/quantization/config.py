@@ -99,9 +99,11 @@ class DKMConfig(QuantizationConfigMixin):
         kmeans_sample (`int`, defaults to 65536):
             At most this many weight vectors per table feed that k-means (a fixed-seed sample; all when fewer).
         dkm_iters (`int`, defaults to 3):
-            Differentiable centroid-update iterations in each soft training forward. They are DKM's unweighted means,
-            so on a table `calibrate` fit for the output error (a calibrated start) they are refused in one line:
-            they would move it off its start before any step (issue 50).
+            Differentiable centroid-update iterations in each soft training forward: DKM's soft k-means means, every
+            weight counted 1, or, on a layer `calibrate` ran on, by its input feature's energy times its block scale
+            squared (the weighting its refit tables were fit by, so they stay near their start; issue 50). A
+            calibrated start without that importance (a training checkpoint from before it was kept) refuses them in
+            one line.
         temperature (`float`, defaults to 0.02):
             Softmax temperature of the soft assignment, in units of the table's weight standard deviation;
             smaller is closer to hard assignment.
