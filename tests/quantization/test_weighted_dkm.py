@@ -2,17 +2,24 @@
 feature's energy `H_jj` times its block scale squared, `C <- A^T H W / A^T H 1`, as `calibrate`'s refit counts it. The
 interval engine (its C kernel and its torch ops) and the naive one equal that formula written out in float64 autograd
 (outputs, weight and input gradients, refined tables); a uniform importance is today's unweighted update bit for bit;
-the engines that cannot weigh refuse in one line; the importance travels with a training checkpoint, and one without
-it loads as uniform."""
+the engines that cannot weigh refuse in one line; the kernel saves nothing per weight for it; the importance travels
+with a Trainer checkpoint, and one without it loads as uniform."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import Trainer, TrainingArguments
 
 from hf_llmkit import DKMConfig
-from hf_llmkit.quantization import DKMLinear, DKMSettings, calibrate, keep_training_state, quantize_model
+from hf_llmkit.quantization import (
+    DKMLinear,
+    DKMSettings,
+    DKMTrainingStateCallback,
+    keep_training_state,
+    quantize_model,
+)
 from hf_llmkit.quantization import _dkm as dkm
 from hf_llmkit.quantization.engines import interval_kernel as kernel
 from hf_llmkit.testing import tiny_llama
@@ -138,36 +145,85 @@ def test_engines_that_cannot_weigh_refuse_in_one_line(engine):
     layer(torch.randn(2, 64)).sum().backward()
 
 
-def test_the_importance_travels_with_a_training_checkpoint(tmp_path):
-    """`calibrate` keeps each layer's input energy; a training checkpoint (`keep_training_state`, what a Trainer
-    writes) restores it bit for bit, and a resumed calibrated start runs DKM's iterations weighted; a checkpoint
-    without it loads as uniform, where a calibrated start refuses the iterations in one line; a compact save carries
-    none."""
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    config = DKMConfig(bits=3, scale_block_size=16, dkm_iters=3, training_forward="soft")
-    source = quantize_model(tiny_llama(), config)
-    assert all(m.importance is None for m in source.modules() if isinstance(m, DKMLinear))
-    calibrate(source, [ids])
-    layers = {n: m for n, m in source.named_modules() if isinstance(m, DKMLinear)}
-    assert all(m.importance.shape == (m.in_features,) and m.importance.dtype == torch.float32 for m in layers.values())
-    keep_training_state(source, True)
-    source.save_pretrained(tmp_path)
-    saved = load_file(tmp_path / "model.safetensors")
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self):
+        self.rows = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return self.rows.shape[0]
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _trainer(model, out, steps):
+    args = TrainingArguments(str(out), max_steps=steps, save_steps=1, per_device_train_batch_size=4, use_cpu=True,
+                             report_to=[], disable_tqdm=True, seed=0)  # fmt: skip
+    return Trainer(model=model, args=args, train_dataset=_Rows(), callbacks=[DKMTrainingStateCallback()])
+
+
+def _importance(model) -> dict[str, torch.Tensor | None]:
+    return {n: m.importance for n, m in model.named_modules() if isinstance(m, DKMLinear)}
+
+
+def test_the_importance_travels_with_a_trainer_checkpoint(tmp_path):
+    """`calibrate` (here the calibrated recipe's, before the first step) keeps each layer's input energy `[in]`; a
+    Trainer checkpoint holds it and a resumed run gets it back bit for bit (it does not calibrate again), so DKM's
+    iterations on that start run weighted; a checkpoint without it loads as uniform, where a calibrated start refuses
+    the iterations in one line; the compact model carries none."""
+    config = DKMConfig(bits=3, recipe="calibrated", scale_block_size=16, calibration_samples=4)
+    torch.manual_seed(0)
+    first = quantize_model(tiny_llama(), config)
+    assert set(_importance(first).values()) == {None}
+    _trainer(first, tmp_path, 1).train()
+    kept = _importance(first)
+    layers = {n: m for n, m in first.named_modules() if isinstance(m, DKMLinear)}
+    assert all(kept[n].shape == (m.in_features,) and kept[n].dtype == torch.float32 for n, m in layers.items())
+    saved = load_file(tmp_path / "checkpoint-1" / "model.safetensors")
+    assert all(torch.equal(saved[f"{n}.importance"], v) for n, v in kept.items())
     resumed = quantize_model(tiny_llama(seed=1), config)
-    resumed.load_state_dict(saved, strict=False)  # what a Trainer resume does
-    for name, m in resumed.named_modules():
-        if isinstance(m, DKMLinear):
-            assert m.start == "calibrated" and torch.equal(m.importance, layers[name].importance)
-    keep_training_state(resumed, False)
-    resumed.train()
-    resumed(input_ids=ids, labels=ids).loss.backward()  # weighted iterations: not refused
-    old = quantize_model(tiny_llama(seed=1), config)
+    _trainer(resumed, tmp_path, 2).train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert all(torch.equal(v, kept[n]) for n, v in _importance(resumed).items())
+    ids = _Rows().rows[:2]
+    soft = DKMConfig(bits=3, scale_block_size=16, dkm_iters=3, training_forward="soft")
+    weighted = quantize_model(tiny_llama(seed=1), soft)
+    weighted.load_state_dict(saved, strict=False)  # a training checkpoint, as a Trainer resume loads it
+    assert {m.start for m in weighted.modules() if isinstance(m, DKMLinear)} == {"calibrated"}
+    keep_training_state(weighted, False)
+    weighted.train()(input_ids=ids, labels=ids).loss.backward()  # the iterations run, weighted
+    old = quantize_model(tiny_llama(seed=1), soft)
     old.load_state_dict({k: v for k, v in saved.items() if not k.endswith(".importance")}, strict=False)
-    assert all(m.importance is None for m in old.modules() if isinstance(m, DKMLinear))
+    assert set(_importance(old).values()) == {None}
     keep_training_state(old, False)
     with pytest.raises(ValueError, match=r"no input importance.*calibrate on the model again.*dkm_iters=0") as e:
         old.train()(input_ids=ids, labels=ids)
     assert "\n" not in str(e.value)
-    keep_training_state(source, False)
-    source.save_pretrained(tmp_path / "compact")
+    first.save_pretrained(tmp_path / "compact")  # after train(): compact
     assert not any(k.endswith(".importance") for k in load_file(tmp_path / "compact" / "model.safetensors"))
+
+
+def _saved_bytes(layer, x) -> int:
+    """Bytes of the storages autograd keeps for backward, the layer input and the weight left out."""
+    skip = {x.untyped_storage().data_ptr(), layer.weight.untyped_storage().data_ptr()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer.dkm_step = None
+        layer(x)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32, scales", "bfloat16"])
+def test_the_weighted_kernel_saves_nothing_per_weight_for_backward(dtype):
+    """Weighted, the kernel keeps what it kept (the table's trajectory, the scales) and the importance `[in]`; 16-bit
+    weights run per weight there (a pattern's weights count differently), still saving nothing per weight."""
+    block = 0 if dtype == torch.bfloat16 else 64
+    layer = _layer(rows=512, cols=256, block=block, dtype=dtype, dkm_iters=3, offload=False)
+    x = torch.randn(4, 256).to(dtype)
+    known = layer.importance.nbytes + (0 if layer.scales is None else layer.scales.nbytes)
+    assert _saved_bytes(layer, x) - known < 4096
