@@ -227,3 +227,26 @@ def test_the_weighted_kernel_saves_nothing_per_weight_for_backward(dtype):
     x = torch.randn(4, 256).to(dtype)
     known = layer.importance.nbytes + (0 if layer.scales is None else layer.scales.nbytes)
     assert _saved_bytes(layer, x) - known < 4096
+
+
+def test_the_weighted_loops_and_thread_counts_agree():
+    """Weighted, the kernel's loops (AVX2 where the CPU has it, portable) agree within float32 rounding, and 1 and 2
+    threads bit for bit (partial sums per fixed chunk of weights)."""
+    layer = _layer(rows=128, cols=192, block=64, dkm_iters=3)
+    gen = torch.Generator().manual_seed(3)
+    x, grad_y = torch.randn(4, 192, generator=gen), torch.randn(4, 128, generator=gen)
+    start, threads = layer.centroids.clone(), torch.get_num_threads()
+    levels = kernel.LOOPS[: kernel.LOOPS.index(kernel.loops()) + 1]
+    runs = {}
+    try:
+        for level in levels:
+            kernel.cap_loops(level)
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                runs[level, n] = _step(layer, x, grad_y, start)
+    finally:
+        torch.set_num_threads(threads)
+        kernel.cap_loops(kernel.LOOPS[-1])
+    for level in levels:
+        assert all(torch.equal(a, b) for a, b in zip(runs[level, 1], runs[level, 2]))
+        assert all(_rel(a, b) < 1e-5 for a, b in zip(runs[level, 1], runs[levels[0], 1]))
