@@ -76,11 +76,12 @@ class DKMConfig(QuantizationConfigMixin):
             fills in the fields left at their defaults with block scales per 64 inputs (`scale_block_size=64`),
             16-bit tables, `calibration_refit=True` and `calibration_samples=128`, and `DKMTrainingStateCallback`
             calibrates before the first step (refit tables, GPTQ-rounded latent weights); training then keeps the
-            tables and block scales of that start (`dkm_iters=0`: DKM's unweighted centroid updates would undo the
-            sensitivity-weighted refit) and moves only the latent weights, whose nearest-entry rounding is the
-            final model (no second calibration: it would take the trained latents for full-precision weights). Its
-            training forward is that rounding itself, the saved model's forward, with straight-through gradients to
-            the latent weights (DKM's soft assignment would blend the entries around GPTQ-compensated weights).
+            tables and block scales of that start (`dkm_iters=0`; DKM's centroid updates, weighted by the importance
+            `calibrate` keeps, run with `recipe="dkm"` on a model calibrated by hand) and moves only the latent
+            weights, whose nearest-entry rounding is the final model (no second calibration: it would take the
+            trained latents for full-precision weights). Its training forward is that rounding itself, the saved
+            model's forward, with straight-through gradients to the latent weights (DKM's soft assignment would blend
+            the entries around GPTQ-compensated weights).
         training_forward (`str`, defaults to `"auto"`):
             What a training forward computes: `"soft"` (DKM's soft assignment: each weight a blend of the table's
             entries by its attention over them, at `temperature`), `"straight_through"` (the hard assignment,
