@@ -8,6 +8,7 @@ own table of `K = 2**bits` centroids (`[G, K, d]`). The soft assignment (trainin
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -166,6 +167,24 @@ def block_scales(weight: torch.Tensor, block: int, dtype: torch.dtype) -> torch.
 def expand_scales(scales: torch.Tensor, cols: int) -> torch.Tensor:
     """Block scales `[rows, blocks]` spread over the `cols` input features they scale, `[rows, cols]`."""
     return scales.repeat_interleave(cols // scales.shape[1], dim=1)
+
+
+@dataclass(frozen=True)
+class Importance:
+    """What each weight counts in DKM's centroid update, as `calibrate` counts its share of the output error (and
+    `calibration.refit_tables` fits the tables by): its input feature's energy `column` `[cols]` (the diagonal of the
+    input moments, `H_jj`) times its block scale squared (`scales` `[rows, cols / block]`; None: 1). Kept factored,
+    so nothing weight-sized is held for backward; `dense` builds the per-weight values where they are needed."""
+
+    column: torch.Tensor
+    scales: torch.Tensor | None = None
+
+    def dense(self, rows: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """Each weight's importance, `[G, n]` in `dtype`, for a `[rows, cols]` weight in `G` groups of rows."""
+        h = self.column.detach().to(dtype).expand(rows, -1)
+        if self.scales is not None:
+            h = h * expand_scales(self.scales.detach().to(dtype), h.shape[1]).square()
+        return h.reshape(groups, -1)
 
 
 def decode(table: torch.Tensor, indices: torch.Tensor, shape, scales: torch.Tensor | None) -> torch.Tensor:

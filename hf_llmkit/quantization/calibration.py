@@ -8,10 +8,12 @@ rounded absorb the error of the layer's output (GPTQ, Frantar et al. 2023, with 
 place of a uniform grid). The latent weights become the compensated values just before their rounding, so their hard
 assignment is that rounding; the tables (and scales) stay as trained, unless `DKMConfig(calibration_refit=True)` first
 refits each table by k-means weighting every weight by its share of the output error (SqueezeLLM's sensitivity-weighted
-k-means, for post-training use). The layers go in model order, in chunks whose moments fit `max_moment_bytes` (float32
-`H` is `4 in_features^2` bytes a layer: a LLaMA-7B holds about 28 GB of them): one pass over the batches per chunk
-(each batch after the first stops after the chunk's last layer), the chunks after the first seeing the inputs of the
-layers already rounded (GPTQ's sequential order). A model whose moments fit takes one pass. Run it after DKM training:
+k-means, for post-training use). Each layer keeps its inputs' energy `H_jj` (`importance`), by which DKM's centroid
+updates then weigh every weight as that refit does (`H_jj s^2`). The layers go in model order, in chunks whose
+moments fit `max_moment_bytes` (float32 `H` is `4 in_features^2` bytes a layer: a LLaMA-7B holds about 28 GB of
+them): one pass over the batches per chunk (each batch after the first stops after the chunk's last layer), the
+chunks after the first seeing the inputs of the layers already rounded (GPTQ's sequential order). A model whose
+moments fit takes one pass. Run it after DKM training:
 training from calibrated weights moves the tables away from the rounding they were calibrated for.
 
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=DKMConfig(bits=3))
@@ -339,7 +341,8 @@ def calibrate(model: nn.Module, batches: Iterable, max_moment_bytes: int = MOMEN
             new = round_onto_table(layer.weight, table.to(device), h.to(device), spread, shared[1])
             with torch.no_grad():  # in place: the version counter moves, so cached hard weights are rebuilt
                 layer.weight.copy_(new.to(layer.weight.dtype))
-            layer.start = "calibrated"  # training keeps its scales and refuses DKM's iterations (check_start)
+            layer.start = "calibrated"  # training keeps its scales; DKM's iterations weigh by the importance:
+            layer.importance = torch.diag(h).float().clamp_min(0).to(device)  # H_jj, as `refit_tables` counts it
         done += len(moments)
     if not done:
         raise ValueError("calibrate got no batches, or none reached a DKM layer: pass model inputs.")

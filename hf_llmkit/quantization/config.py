@@ -76,11 +76,12 @@ class DKMConfig(QuantizationConfigMixin):
             fills in the fields left at their defaults with block scales per 64 inputs (`scale_block_size=64`),
             16-bit tables, `calibration_refit=True` and `calibration_samples=128`, and `DKMTrainingStateCallback`
             calibrates before the first step (refit tables, GPTQ-rounded latent weights); training then keeps the
-            tables and block scales of that start (`dkm_iters=0`: DKM's unweighted centroid updates would undo the
-            sensitivity-weighted refit) and moves only the latent weights, whose nearest-entry rounding is the
-            final model (no second calibration: it would take the trained latents for full-precision weights). Its
-            training forward is that rounding itself, the saved model's forward, with straight-through gradients to
-            the latent weights (DKM's soft assignment would blend the entries around GPTQ-compensated weights).
+            tables and block scales of that start (`dkm_iters=0`; DKM's centroid updates, weighted by the importance
+            `calibrate` keeps, run with `recipe="dkm"` on a model calibrated by hand) and moves only the latent
+            weights, whose nearest-entry rounding is the final model (no second calibration: it would take the
+            trained latents for full-precision weights). Its training forward is that rounding itself, the saved
+            model's forward, with straight-through gradients to the latent weights (DKM's soft assignment would blend
+            the entries around GPTQ-compensated weights).
         training_forward (`str`, defaults to `"auto"`):
             What a training forward computes: `"soft"` (DKM's soft assignment: each weight a blend of the table's
             entries by its attention over them, at `temperature`), `"straight_through"` (the hard assignment,
@@ -99,9 +100,11 @@ class DKMConfig(QuantizationConfigMixin):
         kmeans_sample (`int`, defaults to 65536):
             At most this many weight vectors per table feed that k-means (a fixed-seed sample; all when fewer).
         dkm_iters (`int`, defaults to 3):
-            Differentiable centroid-update iterations in each soft training forward. They are DKM's unweighted means,
-            so on a table `calibrate` fit for the output error (a calibrated start) they are refused in one line:
-            they would move it off its start before any step (issue 50).
+            Differentiable centroid-update iterations in each soft training forward: DKM's soft k-means means, every
+            weight counted 1, or, on a layer `calibrate` ran on, by its input feature's energy times its block scale
+            squared (the weighting its refit tables were fit by, so they stay near their start; issue 50). A
+            calibrated start without that importance (a training checkpoint from before it was kept) refuses them in
+            one line.
         temperature (`float`, defaults to 0.02):
             Softmax temperature of the soft assignment, in units of the table's weight standard deviation;
             smaller is closer to hard assignment.

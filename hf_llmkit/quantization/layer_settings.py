@@ -14,7 +14,7 @@ __all__ = ["TABLES", "DKMSettings", "check_scales", "check_table"]
 
 # Buffers a dtype cast of the model (`.to(torch.float16)`) leaves in their dtype: the tables and block scales, as
 # `from_pretrained(..., dtype=...)` leaves them (the saved checkpoint must match its config's `lut_dtype`).
-TABLES = ("centroids", "scales", "weight_lut", "weight_scale")
+TABLES = ("centroids", "scales", "importance", "weight_lut", "weight_scale")
 
 
 @dataclass(frozen=True)

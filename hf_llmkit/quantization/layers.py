@@ -10,8 +10,10 @@ table checks, in `layer_settings.py`.
 
 No training forward moves a layer off its start (issue 50): the block scales are recomputed from the latent weight
 (`recipe="dkm"`'s soft forward) only where the layer's own k-means set them so (`start == "kmeans"`); scales that came
-with a checkpoint or with `calibrate` are kept, and DKM's centroid iterations, which would pull a calibrated table to
-unweighted means, are refused in one line for a calibrated start (`check_start`).
+with a checkpoint or with `calibrate` are kept. DKM's centroid iterations weigh each weight by its input's importance
+(`importance`, `H_jj` from `calibrate`'s input moments, times its block scale squared: what the calibrated tables were
+refit by) where the layer has one, so they keep a calibrated table near its start; a calibrated start without it (a
+checkpoint written before it was kept) refuses them in one line (`check_start`).
 
 State dicts: a DKM layer's own is `weight`, `centroids` (+ `scales`, `bias`). A checkpoint written by `save_pretrained`
 holds `weight_packed` + `weight_lut` (+ `weight_scale`) instead (compact), plus the layer's own while
@@ -77,6 +79,10 @@ class _Clustered:
     # Where the table and block scales came from (`steps.STARTS`): the layer's own k-means of the weights
     # (`init_centroids`), a checkpoint ("loaded") or `calibrate` ("calibrated"); saved with the training state.
     start: str = "kmeans"
+    # Each input feature's importance in DKM's centroid updates, `[in_features]` float32 (`calibrate` sets the
+    # diagonal of its input moments), None: uniform. A non-persistent buffer (it moves with the layer and keeps float32
+    # through a dtype cast), saved with the training state only (`steps.step_state`), as the start kind is.
+    importance: torch.Tensor | None
 
     def _init_table(self, settings: DKMSettings, device) -> None:
         self.settings = settings
@@ -86,6 +92,7 @@ class _Clustered:
         self.register_buffer("centroids", torch.zeros(settings.groups, k, settings.cluster_dim, device=device))
         scales = settings.scales_shape(self.weight.shape)
         self.register_buffer("scales", None if scales is None else torch.ones(scales, device=device))
+        self.register_buffer("importance", None, persistent=False)
         self._hard_cache: tuple | None = None
         self.dkm_step: steps.Step | None = None
         self.dkm_initialised = False
@@ -213,7 +220,9 @@ class _Clustered:
         with marshal if marshal is not None else contextlib.nullcontext(), torch.autocast(device, enabled=False):
             start = steps.start_of_step(self, self._vectors(self.weight))  # the same for every forward of a step
             if self.scales is None:
-                result, cents = engines.soft_cluster(x, self.weight, start, self.settings, self.shard_group)
+                result, cents = engines.soft_cluster(
+                    x, self.weight, start, self.settings, self.shard_group, importance=self.importance
+                )
             else:
                 result, cents = self._soft_scaled(x, start)
         steps.finish_forward(self, cents)
@@ -222,15 +231,15 @@ class _Clustered:
 
     def check_start(self) -> None:
         """Refuse, in one line, a soft training forward whose centroid iterations would move a calibrated table off
-        its start: they are DKM's unweighted means, and `calibrate` fit the table (and rounded the latent weights)
-        for the output error, so one forward took SmolLM2 from KL 0.645 to 3.06 (issue 50)."""
+        its start: without the layer's `importance` they are DKM's unweighted means, and `calibrate` fit the table
+        (and rounded the latent weights) for the output error, so one forward took SmolLM2 from KL 0.645 to 3.06
+        (issue 50). With it (what `calibrate` keeps) they weigh each weight as the table was fit."""
         iters = self.settings.config.dkm_iters
-        if iters and self.start == "calibrated":
+        if iters and self.start == "calibrated" and self.importance is None:
             raise ValueError(
-                f"DKMConfig(dkm_iters={iters}) would move this layer's calibrated table (hf_llmkit.quantization."
-                "calibrate) off its start at the first step (DKM's centroid updates are unweighted): set dkm_iters=0 "
-                "or recipe='calibrated' (training_forward='soft' keeps DKM's soft assignment), or calibrate after "
-                "training instead of before"
+                f"DKMConfig(dkm_iters={iters}) would move this layer's calibrated table off its start at the first "
+                "step: it has no input importance to weigh DKM's centroid updates by (a checkpoint from before it was "
+                "kept); run hf_llmkit.quantization.calibrate on the model again (it keeps it), or set dkm_iters=0"
             )
 
     def _recomputes_scales(self) -> bool:
@@ -248,7 +257,9 @@ class _Clustered:
             scales = self.fresh_scales(self.weight)
             with torch.no_grad():
                 self.scales.copy_(scales)
-        return engines.soft_cluster(x, self.weight, start, self.settings, self.shard_group, scales=scales)
+        return engines.soft_cluster(
+            x, self.weight, start, self.settings, self.shard_group, scales=scales, importance=self.importance
+        )
 
 
 def _accept_checkpoint_tensors(module, state_dict, prefix, *_args) -> None:
@@ -288,6 +299,7 @@ def _accept_checkpoint_tensors(module, state_dict, prefix, *_args) -> None:
     state_dict[prefix + "centroids"] = lut.float()
     module.dkm_initialised = True
     module.start = "loaded"  # its scales are the checkpoint's, kept in training (the decoded weights' would differ)
+    module.importance = None  # uniform: the decoded latent weights sit on their entries, which any weighing keeps
     logger.warning(
         "%s: loaded from packed indices + lookup table; the latent weights restart from the hard assignment, so a "
         "resumed DKM run will not match an uninterrupted one bit for bit. Train with "

@@ -13,7 +13,8 @@ A Trainer checkpoint (`keep_training_state`) stores the step as `step_start` + `
 `centroids`, so a resumed run makes the same choice as the uninterrupted one even after a step that left the weights
 unchanged (a zero learning rate in warm-up, an fp16 step skipped on overflow), and where the layer's table and block
 scales came from (`start_kind`, one of `STARTS`: see `layers._Clustered.start`), so a resumed run keeps or recomputes
-its scales as the uninterrupted one does.
+its scales as the uninterrupted one does, and the input importance DKM's centroid updates weigh the weights by
+(`importance`, `[in_features]`, where `calibrate` set one; a training checkpoint without it loads as uniform).
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ import torch
 from hf_llmkit.compat.torch import version_counter
 
 # Where a layer's table and block scales came from: its own k-means of the weights (the only start whose block scales
-# a training forward recomputes from the latent weights), a checkpoint, or `calibrate` (a table DKM's unweighted
-# centroid iterations would move off its start).
+# a training forward recomputes from the latent weights), a checkpoint, or `calibrate` (a table DKM's centroid
+# iterations keep only weighted by the layer's importance).
 STARTS = ("kmeans", "loaded", "calibrated")
 START_NAME = "start_kind"
-STEP_NAMES = ("step_start", "step_key", START_NAME)  # what a training checkpoint holds per layer besides its tensors
+IMPORTANCE_NAME = "importance"
+# what a training checkpoint holds per layer besides its tensors
+STEP_NAMES = ("step_start", "step_key", START_NAME, IMPORTANCE_NAME)
 
 
 @dataclass
@@ -70,9 +73,11 @@ def finish_forward(layer, refined: torch.Tensor) -> None:
 
 
 def step_state(layer, prefix: str) -> dict[str, torch.Tensor]:
-    """The step's tensors for a training checkpoint (the step's none before the first training forward) and the
-    layer's start kind."""
+    """The step's tensors for a training checkpoint (the step's none before the first training forward), the layer's
+    start kind and its importance (where it has one)."""
     state = {prefix + START_NAME: torch.tensor(STARTS.index(layer.start), dtype=torch.int8)}
+    if getattr(layer, "importance", None) is not None:
+        state[prefix + IMPORTANCE_NAME] = layer.importance.detach().clone()
     step = layer.dkm_step
     if step is None:
         return state
@@ -80,9 +85,21 @@ def step_state(layer, prefix: str) -> dict[str, torch.Tensor]:
 
 
 def take_step_state(layer, state_dict: dict, prefix: str) -> None:
-    """From a load-state-dict pre-hook: pop a checkpoint's step tensors and restore the step (checked) and the start
-    kind (training tensors without one, such as another model's `state_dict()`, are a start "loaded")."""
-    start, key, kind = (state_dict.pop(prefix + name, None) for name in STEP_NAMES)
+    """From a load-state-dict pre-hook: pop a checkpoint's step tensors and restore the step (checked), the start
+    kind (training tensors without one, such as another model's `state_dict()`, are a start "loaded") and the
+    importance (training tensors without one: uniform)."""
+    start, key, kind, importance = (state_dict.pop(prefix + name, None) for name in STEP_NAMES)
+    if importance is not None:
+        want = (layer.weight.shape[1],)
+        valid = bool(torch.isfinite(importance).all()) and not bool((importance < 0).any())
+        if tuple(importance.shape) != want or not valid:
+            raise ValueError(
+                f"{prefix + IMPORTANCE_NAME!r} (shape {tuple(importance.shape)}) is not a finite, non-negative tensor "
+                f"of shape {want}: the checkpoint is corrupt; restore it from a good copy."
+            )
+        layer.importance = importance.detach().float().to(layer.weight.device)
+    elif kind is not None or prefix + "centroids" in state_dict:
+        layer.importance = None
     if kind is not None:
         if kind.numel() != 1 or not 0 <= int(kind) < len(STARTS):
             raise ValueError(

@@ -12,7 +12,8 @@ distillation batches, steps and optimizer, and are evaluated as they are saved (
 
 The paper's own training from this start (block scales recomputed from the latent weights, DKM's unweighted centroid
 iterations) is no variant any more: no training forward moves a calibrated start (issue 50), the scales are kept and
-the iterations refused (they took SmolLM2 from KL 0.645 to 3.06 in one forward).
+the iterations weigh every weight by the importance `calibrate` kept (unweighted, they took SmolLM2 from KL 0.645 to
+3.06 in one forward); a variant with those weighted iterations is issue 50's study, not measured here yet.
 
 Why one wins is measured at the start and after training: the share of weights the soft assignment blends at its
 temperature (largest attention under 0.99: the only weights whose soft gradient is not near zero), the distillation

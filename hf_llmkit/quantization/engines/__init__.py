@@ -5,8 +5,9 @@ Every engine is a module with
     run(x, weight, centroids, settings, group) -> (x @ W_c^T, or W_c when x is None;  refined centroids [G, K, d])
 
 where `W_c = A(W) C` is DKM's soft-clustered weight after `dkm_iters` differentiable k-means steps, differentiable in
-`weight` and `x`. They differ only in cost (tests/quantization/test_engines.py checks each against naive DKM in
-float64):
+`weight` and `x`; the engines in `WEIGHING` also take `importance=` (`_dkm.Importance`), which weighs each weight in
+those steps (`C <- A^T H W / A^T H 1`), as `calibrate` counts its share of the output error. They differ only in
+cost (tests/quantization/test_engines.py checks each against naive DKM in float64):
 
 - "naive" (`naive.py`): autograd through `[n, K]` attention maps, O(|W| K) memory; the reference.
 - "table" (`table.py`): eDKM's table of unique weight values (16-bit weights hold at most 65,536), optionally
@@ -56,7 +57,10 @@ def unsupported(engine: str, dtype: torch.dtype | None, cluster_dim: int, sharde
     return None
 
 
-def resolve(settings, weight: torch.Tensor, group) -> str:
+WEIGHING = ("naive", "interval")  # the engines that weigh the centroid updates by an importance (`_dkm.Importance`)
+
+
+def resolve(settings, weight: torch.Tensor, group, weighted: bool = False) -> str:
     """The engine a layer runs: the pinned one, or for "auto":
 
     - "naive" when `uniquify=False` and nothing is sharded (DKM as written, its memory included);
@@ -67,10 +71,29 @@ def resolve(settings, weight: torch.Tensor, group) -> str:
     - "table" otherwise: 16-bit weights elsewhere, vectors, sharding, and weights holding NaN/Inf (the bucketed grid
       needs finite values; the table engine propagates NaN like naive DKM, so a diverged step shows as a NaN loss).
 
-    A pinned engine that cannot run this layer raises a ValueError naming the fix.
+    `weighted`: the centroid updates run (`dkm_iters > 0`) weighted by a calibrated importance, which only the
+    engines in `WEIGHING` compute: "auto" takes "interval" for every finite scalar weight, unsharded (on the CPU its
+    kernel, elsewhere its torch ops); what is left, or a pinned engine of the others, raises a ValueError naming the
+    fix.
     """
     cfg = settings.config
     sharded = group is not None
+    if weighted:
+        engine = cfg.engine
+        if engine == "auto":
+            plain = settings.cluster_dim == 1 and not sharded and all_finite(weight)
+            engine = "naive" if not cfg.uniquify and not sharded else "interval" if plain else "table"
+        reason = unsupported(engine, weight.dtype if engine != "interval" else None, settings.cluster_dim, sharded)
+        if reason is None and settings.cluster_dim != 1:
+            reason = "weighs scalar tables only (calibrate makes them): use cluster_dim=1, or dkm_iters=0"
+        if reason is None and engine not in WEIGHING:
+            reason = (
+                "does not weigh DKM's centroid updates by the calibrated importance (hf_llmkit.quantization.calibrate"
+                "): use engine='interval' (or 'auto') with cluster_dim=1 and shard=False, or dkm_iters=0"
+            )
+        if reason is not None:
+            raise ValueError(f"DKMConfig(engine={engine!r}) {reason}.")
+        return engine
     if cfg.engine == "auto":
         if not cfg.uniquify and not sharded:
             return "naive"
@@ -89,19 +112,25 @@ def resolve(settings, weight: torch.Tensor, group) -> str:
     return cfg.engine
 
 
-def soft_cluster(x, weight, centroids, settings, group=None, scales=None):
+def soft_cluster(x, weight, centroids, settings, group=None, scales=None, importance=None):
     """DKM's soft-clustered `x @ W_c^T` (or `W_c`) and refined centroids, by the engine `resolve` picks.
 
     With block `scales` `[rows, cols / block]` (constants to autograd) the table clusters `W / s` and the clustered
     weight is `s` times it: the interval kernel folds them into its passes, the other engines cluster the divided
-    weight."""
-    engine = resolve(settings, weight, group)
+    weight. With `importance` `[in_features]` (a calibrated layer's, see `layers._Clustered.importance`; None:
+    uniform) each weight counts its input's importance times its block scale squared in the centroid updates
+    (`_dkm.Importance`), as `calibrate` counts it; without iterations it changes nothing and is not passed on."""
+    if not settings.config.dkm_iters:
+        importance = None
+    engine = resolve(settings, weight, group, weighted=importance is not None)
+    if engine == "interval" and interval_kernel.serves(x, weight) and weight.dim() == 2:
+        return interval_kernel.run(x, weight, centroids, settings, scales, importance)
+    weigh = None if importance is None else dkm.Importance(importance, scales)
+    extra = {} if weigh is None else {"importance": weigh}
     if scales is None:
-        return RUN[engine](x, weight, centroids, settings, group)
-    if engine == "interval" and interval_kernel.serves(x, weight):
-        return interval_kernel.run(x, weight, centroids, settings, scales)
+        return RUN[engine](x, weight, centroids, settings, group, **extra)
     spread = dkm.expand_scales(scales, weight.shape[1])
     normalized = (weight.float() / spread).to(weight.dtype)
-    clustered, cents = RUN[engine](None, normalized, centroids, settings, group)
+    clustered, cents = RUN[engine](None, normalized, centroids, settings, group, **extra)
     w_c = (clustered.float() * spread).to(weight.dtype)
     return (w_c if x is None else x @ w_c.to(x.dtype).t()), cents

@@ -4,7 +4,9 @@
  *
  * Points: a [rows, cols] matrix of float32 or bfloat16 values `w`, optionally divided by block scales
  * (`scales` [rows, cols / block], float32: the point is w / s, its output o(w / s) * s) and optionally counted with
- * multiplicities (`mult` [rows, cols], float64: a unique value standing for that many weights). Groups of
+ * multiplicities (`mult` [rows, cols], float64: a unique value standing for that many weights), or weighted in the
+ * k-means step by an importance per column (`imp` [cols], float32: a point counts imp s^2 in the sums, its input
+ * feature's energy times its block scale squared, as `calibrate` weighs it; NULL: every point counts 1). Groups of
  * `rows / groups` consecutive rows share a table of K = 2^bits centroids.
  *
  * Sort a group's centroids c_0 <= ... <= c_{K-1}. A point v lies in interval j = #{k : c_k < v} (0..K); there its
@@ -13,7 +15,8 @@
  * L_j = sum_{k<j} e^{-(c_{j-1} - c_k) / tau}, R_j = sum_{k>=j} e^{-(c_k - c_j) / tau}, P, Q their normalised terms
  * (u = 0 in interval 0, 1 in interval K). DKM's output is o = B_j + (A_j - B_j) u (A_j, B_j the left and right
  * attention-weighted centroids) and its k-means step c_k <- num_k / den_k needs, per interval, only the sums
- * N = sum 1, Su = sum u, Suv = sum u v, Sv = sum v, contracted with P and Q.
+ * N = sum h, Su = sum h u, Suv = sum h u v, Sv = sum h v (h the point's importance, 1 without), contracted with P
+ * and Q.
  *
  * Forward (`dkm_forward`): per iteration one pass accumulates the four sums per interval (in double, per chunk of
  * points, the chunks reduced in a fixed order: the result does not depend on the number of threads), then the
@@ -137,6 +140,7 @@ typedef struct {   /* what one pass reads and writes besides the points */
     float *out;         /* OP_OUT / OP_OUT_BWD: the output o * s [rows, cols] (OP_OUT_BWD: may be NULL) */
     float *grad;        /* OP_OUT_BWD: written, OP_STEP_BWD: added to (d loss / d w) [rows, cols] */
     int round_bf16;     /* round the output to bfloat16 */
+    const float *imp;   /* OP_SUMS, OP_STEP_BWD: each column's importance [cols] (a point counts imp s^2), or NULL */
 } io_t;
 
 typedef double sum4 __attribute__((vector_size(32), aligned(8)));
@@ -209,15 +213,27 @@ static inline __attribute__((always_inline)) void scatter1(double *restrict acc,
 /* one block of n <= BLK points at `at`: acc [LANES][K + 1] x 4 doubles (OP_SUMS: N, Su, Suv, Sv; OP_OUT_BWD:
  * sum g u, sum g (1 - u), sum g d u (1 - u); OP_STEP_BWD: sum m (lu + luv v) u (1 - u)) */
 static inline __attribute__((always_inline)) void block(int level, int op, const consts_t *t, const void *src,
-                                                        int kind, int64_t at, float scale, int n, const io_t *io,
-                                                        double *restrict acc) {
-    float v[BLK], u[BLK], x[BLK], y[BLK], z[BLK], one[BLK];
+                                                        int kind, int64_t at, int64_t col, float scale, int n,
+                                                        const io_t *io, double *restrict acc) {
+    float v[BLK], u[BLK], x[BLK], y[BLK], z[BLK], one[BLK], h[BLK];
     int j[BLK];
     load(src, kind, at, scale, n, v);
     locate(t, v, j, u);
     const double *mult = io->mult ? io->mult + at : NULL;
+    if (io->imp) { /* the points' importance imp s^2 (past n: the last one's, like their values) */
+        const float *imp = io->imp + col;
+        float s2 = scale * scale;
+        for (int i = 0; i < BLK; i++) h[i] = imp[i < n ? i : n - 1] * s2;
+    }
     if (op == OP_SUMS) {
-        if (mult) {
+        if (io->imp) {
+            for (int i = 0; i < BLK; i++) {
+                y[i] = h[i] * u[i];
+                x[i] = y[i] * v[i];
+                z[i] = h[i] * v[i];
+            }
+            SCATTER4(level, acc, j, n, h, y, x, z);
+        } else if (mult) {
             for (int i = 0; i < n; i++) {
                 one[i] = (float)mult[i]; /* counts of 16-bit patterns: exact in float up to 2^24 */
                 y[i] = one[i] * u[i];
@@ -272,6 +288,11 @@ static inline __attribute__((always_inline)) void block(int level, int op, const
             x[i] = (q * sl * mk + t->luv[j[i]] * u[i] + t->lv[j[i]]) / scale;
             y[i] = q * sl;
         }
+        if (io->imp) /* d/dv of the weighted sums: the point's importance times the unweighted ones' */
+            for (int i = 0; i < BLK; i++) {
+                x[i] *= h[i];
+                y[i] *= h[i];
+            }
         float *restrict grad = io->grad + at;
         for (int i = 0; i < n; i++) grad[i] += x[i];
         if (mult)
@@ -291,7 +312,7 @@ static inline __attribute__((always_inline)) void run_row(int level, int op, con
         float s = bs ? scales[r * (cols / bs) + c / bs] : 1.0f;
         while (c < end) {
             int n = end - c < BLK ? (int)(end - c) : BLK;
-            block(level, op, t, src, kind, base + c, s, n, io, acc);
+            block(level, op, t, src, kind, base + c, c, s, n, io, acc);
             c += n;
         }
     }
@@ -609,17 +630,17 @@ void dkm_group_std(const void *src, int kind, const double *mult, int64_t rows, 
     free(part);
 }
 
-/* DKM forward. traj [(iters + 1) * groups * K]: traj[0..] holds the start centroids (slot order) and receives each
+/* DKM forward (imp: each column's importance in the k-means step, NULL: uniform). traj [(iters + 1) * groups * K]: traj[0..] holds the start centroids (slot order) and receives each
  * iteration's; sums [iters * groups * (K + 1) * 4] receives each iteration's sums; tau, eps [groups]. Writes the
  * output o(w / s) * s into out [rows, cols] (rounded to bfloat16 values with round_bf16) when out is not NULL.
  * Returns the number of iterations run. */
 int dkm_forward(const void *src, int kind, const double *mult, int64_t rows, int64_t cols, int64_t groups,
-                const float *scales, int64_t bs, int k, const double *tau, const double *eps, int iters,
+                const float *scales, int64_t bs, const float *imp, int k, const double *tau, const double *eps, int iters,
                 double *traj, double *sums, float *out, int round_bf16, int threads) {
     problem_t p = make_problem(src, kind, rows, cols, groups, scales, bs, k);
     table_t *tabs = tables_alloc(groups, k);
     stage_consts_t sc = alloc_consts(groups, k);
-    io_t io = {mult, NULL, NULL, NULL, NULL, round_bf16};
+    io_t io = {mult, NULL, NULL, NULL, NULL, round_bf16, imp};
     int done = 0;
     double den[MAXK], num[MAXK];
     for (int it = 0; it < iters; it++) {
@@ -665,7 +686,7 @@ int dkm_forward(const void *src, int kind, const double *mult, int64_t rows, int
  * not NULL (for unique points: grad holds the output's derivative, grad_steps the iterations' part; zero it first),
  * and, when out is not NULL, the output again (as the forward wrote it). */
 void dkm_backward(const void *src, int kind, const double *mult, int64_t rows, int64_t cols, int64_t groups,
-                  const float *scales, int64_t bs, int k, const double *tau, int done, const double *traj,
+                  const float *scales, int64_t bs, const float *imp, int k, const double *tau, int done, const double *traj,
                   const double *sums, const float *g, const double *gsum, float *grad, float *grad_steps,
                   float *out, int round_bf16, int threads) {
     problem_t p = make_problem(src, kind, rows, cols, groups, scales, bs, k);
@@ -682,7 +703,7 @@ void dkm_backward(const void *src, int kind, const double *mult, int64_t rows, i
         build_table(tabs + gr, ct + gr * k, k, tau[gr]);
         set_consts(&sc, gr, tabs + gr);
     }
-    io_t io = {mult, g, gsum, out, grad, round_bf16};
+    io_t io = {mult, g, gsum, out, grad, round_bf16, NULL};
     pass(&p, OP_OUT_BWD, sc.consts, &io, acc, threads);
     for (int64_t gr = 0; gr < groups && done > 0; gr++) {
         const table_t *t = tabs + gr;
@@ -731,7 +752,7 @@ void dkm_backward(const void *src, int kind, const double *mult, int64_t rows, i
                 lv[j] = (float)z;
             }
         }
-        io_t sio = {mult, NULL, NULL, NULL, grad_steps ? grad_steps : grad, 0};
+        io_t sio = {mult, NULL, NULL, NULL, grad_steps ? grad_steps : grad, 0, imp};
         pass(&p, OP_STEP_BWD, sc.consts, &sio, acc, threads);
         if (it == 0) break; /* the start centroids take no gradient */
         for (int64_t gr = 0; gr < groups; gr++) {

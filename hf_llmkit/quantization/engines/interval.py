@@ -155,18 +155,23 @@ def _offsets(j: torch.Tensor, width: int) -> torch.Tensor:
 
 class _Sums(torch.autograd.Function):
     """Per-interval `sum u`, `sum u w`, `sum w` (`[3, G (K+1)]`) of one DKM step, differentiable in `w` and the
-    intervals' `theta` (flat `[G (K+1)]`); the intervals `j` are given. Saves the intervals in a byte per weight; `u`
-    is recomputed in backward."""
+    intervals' `theta` (flat `[G (K+1)]`); the intervals `j` are given; each weight counted by its importance
+    (`weigh()`: `[G, n]`, rebuilt in backward from its factors, or None: 1). Saves the intervals in a byte per weight;
+    `u` is recomputed in backward."""
 
     @staticmethod
-    def forward(ctx, w, j, theta, kappa):
+    def forward(ctx, w, j, theta, kappa, weigh=None):
         u = _share(w, kappa, j, theta)
         flat = j.view(-1)
         out = w.new_zeros(3, theta.shape[0])
+        h = None if weigh is None else weigh()
+        if h is not None:
+            u.mul_(h)
         out[0].index_add_(0, flat, u.view(-1))
         out[1].index_add_(0, flat, u.mul_(w).view(-1))
-        out[2].index_add_(0, flat, w.reshape(-1))
+        out[2].index_add_(0, flat, w.reshape(-1) if h is None else (h * w).view(-1))
         ctx.save_for_backward(w, _pack(j, theta.shape[0] // w.shape[0]), theta, kappa)
+        ctx.weigh = weigh
         return out
 
     @staticmethod
@@ -177,11 +182,15 @@ class _Sums(torch.autograd.Function):
         flat = j.view(-1)
         u = _share(w, kappa, j, theta)
         g_u, g_uw, g_w = (grad[i].index_select(0, flat).view_as(w) for i in range(3))
-        # d/dw of g_u u + g_uw u w + g_w w, with du/d(theta) = u (1 - u) and du/dw = -kappa u (1 - u)
+        # d/dw of h (g_u u + g_uw u w + g_w w), with du/d(theta) = u (1 - u) and du/dw = -kappa u (1 - u)
         slope = sigmoid_slope(torch.addcmul(g_u, g_uw, w), u)
+        h = None if ctx.weigh is None else ctx.weigh()
+        if h is not None:
+            slope.mul_(h)
+            g_w, g_uw = g_w * h, g_uw * h
         grad_theta = w.new_zeros(theta.shape).index_add_(0, flat, slope.view(-1))
         grad_w = torch.addcmul(g_w, g_uw, u).addcmul_(slope, kappa, value=-1.0)
-        return grad_w, None, grad_theta, None
+        return grad_w, None, grad_theta, None, None
 
 
 class _Output(torch.autograd.Function):
@@ -209,10 +218,12 @@ class _Output(torch.autograd.Function):
         return slope.mul_(-kappa), None, grad_theta, None, grad_b, grad_d
 
 
-def soft_dkm(w: torch.Tensor, centroids: torch.Tensor, tau: torch.Tensor, iters: int, eps: torch.Tensor):
+def soft_dkm(
+    w: torch.Tensor, centroids: torch.Tensor, tau: torch.Tensor, iters: int, eps: torch.Tensor, weigh=None
+):  # fmt: skip
     """DKM on scalar weights `[G, n]` (float32 or float64): (`A @ C` `[G, n]`, refined centroids `[G, K]`, both in
-    `w`'s dtype), differentiable in `w`; `centroids` `[G, K]`, `tau` / `eps` `[G]`. Iterations stop early like naive
-    DKM's."""
+    `w`'s dtype), differentiable in `w`; `centroids` `[G, K]`, `tau` / `eps` `[G]`; `weigh()` the importance of each
+    weight in the k-means steps (`[G, n]`, None: uniform). Iterations stop early like naive DKM's."""
     groups, k = centroids.shape
     cells = Cells.of(w.detach())
     tau = tau.to(w.dtype).view(-1, 1)
@@ -222,8 +233,9 @@ def soft_dkm(w: torch.Tensor, centroids: torch.Tensor, tau: torch.Tensor, iters:
         cs, order = c.sort(1)
         tables = Tables.of(cs, tau)
         j = cells.intervals(w.detach(), cs)
-        count = torch.bincount(j.view(-1), minlength=groups * (k + 1)).to(w.dtype).view(groups, k + 1)
-        sums = _Sums.apply(w, j, tables.theta.reshape(-1), kappa)
+        mass = None if weigh is None else weigh().reshape(-1)
+        count = torch.bincount(j.view(-1), mass, minlength=groups * (k + 1)).to(w.dtype).view(groups, k + 1)
+        sums = _Sums.apply(w, j, tables.theta.reshape(-1), kappa, weigh)
         new = torch.empty_like(c).scatter(1, order, tables.update(cs, count, *sums.view(3, groups, k + 1)))
         converged = bool(((new - c).abs().amax(dim=1) <= eps).all())
         c = new
@@ -236,17 +248,25 @@ def soft_dkm(w: torch.Tensor, centroids: torch.Tensor, tau: torch.Tensor, iters:
     return _Output.apply(w, j, flat[0], kappa, *flat[1:]), c
 
 
-def run(x, weight, centroids, settings, group=None):
-    """The engine interface (see `engines/__init__.py`): `(x @ W_c^T or W_c, refined centroids)`. Clusters scalars
-    (`cluster_dim=1`), unsharded; 16-bit weights compute in float32. On the CPU the C kernel serves
-    (`interval_kernel.py`), elsewhere these torch ops."""
-    if interval_kernel.serves(x, weight):
-        return interval_kernel.run(x, weight, centroids, settings)
+def run(x, weight, centroids, settings, group=None, importance=None):
+    """The engine interface (see `engines/__init__.py`): `(x @ W_c^T or W_c, refined centroids)`; `importance`
+    (`_dkm.Importance`, None: uniform) weighs the k-means steps. Clusters scalars (`cluster_dim=1`), unsharded; 16-bit
+    weights compute in float32. On the CPU the C kernel serves (`interval_kernel.py`), elsewhere these torch ops."""
+    if interval_kernel.serves(x, weight) and (importance is None or importance.scales is None):
+        column = None if importance is None else importance.column  # (scaled weights come to the kernel undivided)
+        return interval_kernel.run(x, weight, centroids, settings, importance=column)
     cfg, groups = settings.config, settings.groups
     w = weight.reshape(groups, -1)
     if w.dtype not in (torch.float32, torch.float64):
         w = w.float()
     std = dkm.group_std(w.unsqueeze(-1)).double()
-    out, cents = soft_dkm(w, centroids[..., 0], cfg.temperature * std, cfg.dkm_iters, cfg.epsilon * std)
+    weigh = None
+    if importance is not None:
+        rows, dtype = weight.shape[0], w.dtype
+
+        def weigh():
+            return importance.dense(rows, groups, dtype)
+
+    out, cents = soft_dkm(w, centroids[..., 0], cfg.temperature * std, cfg.dkm_iters, cfg.epsilon * std, weigh)
     w_c = out.reshape(weight.shape).to(x.dtype if x is not None else weight.dtype)
     return (w_c if x is None else x @ w_c.t()), cents.detach().float().unsqueeze(-1)

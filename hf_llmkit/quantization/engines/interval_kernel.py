@@ -37,8 +37,8 @@ PATTERNS = 1 << 16
 def _declare(lib: ctypes.CDLL) -> None:
     point = [P, INT, P, I64, I64, I64, P, I64]  # src, kind, mult, rows, cols, groups, scales, block
     lib.dkm_group_std.argtypes = [*point, P, INT]
-    lib.dkm_forward.argtypes = [*point, INT, P, P, INT, P, P, P, INT, INT]
-    lib.dkm_backward.argtypes = [*point, INT, P, INT, P, P, P, P, P, P, P, INT, INT]
+    lib.dkm_forward.argtypes = [*point, P, INT, P, P, INT, P, P, P, INT, INT]  # ... imp, k, ...
+    lib.dkm_backward.argtypes = [*point, P, INT, P, INT, P, P, P, P, P, P, P, INT, INT]
     lib.dkm_pattern_counts.argtypes = [P, I64, I64, P, INT]
     lib.dkm_pattern_lookup.argtypes = [P, I64, I64, P, P, INT]
     lib.dkm_pattern_grad_sums.argtypes = [P, P, I64, I64, P, INT]
@@ -106,9 +106,11 @@ def serves(x: torch.Tensor | None, weight: torch.Tensor) -> bool:
     return available(weight) and (x is None or x.device.type == "cpu")
 
 
-def _by_pattern(weight: torch.Tensor, groups: int, scales) -> bool:
-    """16-bit weights without scales and with at least 65,536 weights per table run over their bit patterns."""
-    return scales is None and weight.element_size() == 2 and weight.numel() // groups >= PATTERNS
+def _by_pattern(weight: torch.Tensor, groups: int, scales, importance=None) -> bool:
+    """16-bit weights without scales or importance and with at least 65,536 weights per table run over their bit
+    patterns (weighted by importance, the weights of a pattern would count differently: they run per weight)."""
+    plain = scales is None and importance is None
+    return plain and weight.element_size() == 2 and weight.numel() // groups >= PATTERNS
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -202,8 +204,9 @@ class _Patterns:
         return out
 
 
-def _forward(points: _Points, centroids, cfg, round_bf16: bool):
-    """(the output `[rows, cols]` float32, std-scaled tau, trajectory `[T + 1, G, K]`, sums `[T, G, K + 1, 4]`)."""
+def _forward(points: _Points, centroids, cfg, round_bf16: bool, importance=None):
+    """(the output `[rows, cols]` float32, std-scaled tau, trajectory `[T + 1, G, K]`, sums `[T, G, K + 1, 4]`);
+    `importance` `[cols]` float32 weighs the k-means steps (None: uniform)."""
     lib = library()
     groups, k = centroids.shape[0], centroids.shape[1]
     std = torch.empty(groups, dtype=torch.float64)
@@ -215,17 +218,18 @@ def _forward(points: _Points, centroids, cfg, round_bf16: bool):
     traj[0] = centroids[..., 0].double()
     sums = torch.empty(max(iters, 1), groups, k + 1, 4, dtype=torch.float64)
     out = torch.empty(points.rows, points.cols)
-    done = lib.dkm_forward(*points.args(), k, tau.data_ptr(), eps.data_ptr(), iters, traj.data_ptr(),
+    done = lib.dkm_forward(*points.args(), _ptr(importance), k, tau.data_ptr(), eps.data_ptr(), iters, traj.data_ptr(),
                            sums.data_ptr(), out.data_ptr(), int(round_bf16), _threads())  # fmt: skip
     return out, tau, traj[: done + 1].clone(), sums[:done].clone()
 
 
-def _backward(points: _Points, tau, traj, sums, g=None, gsum=None, grad_steps=None, out=None, round_bf16=False):
+def _backward(points: _Points, tau, traj, sums, g=None, gsum=None, grad_steps=None, out=None, round_bf16=False,
+              importance=None):  # fmt: skip
     """d loss / d points `[rows, cols]` (float32): see `dkm_backward` in the C source."""
     grad = torch.empty(points.rows, points.cols)
     done = traj.shape[0] - 1
     library().dkm_backward(
-        *points.args(), traj.shape[2], tau.data_ptr(), done, traj.data_ptr(), sums.data_ptr(),
+        *points.args(), _ptr(importance), traj.shape[2], tau.data_ptr(), done, traj.data_ptr(), sums.data_ptr(),
         _ptr(g), _ptr(gsum), grad.data_ptr(), _ptr(grad_steps), _ptr(out), int(round_bf16), _threads(),
     )  # fmt: skip
     return grad
@@ -245,14 +249,17 @@ def _rounded(w_c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class IntervalKernel(torch.autograd.Function):
     """`x @ W_c^T` (or `W_c` when `x` is None) of DKM's soft-clustered weight, by the C kernel; also the new
-    centroids. Saves the layer input, the weight, the scales and the table-sized trajectory of the iterations."""
+    centroids. Saves the layer input, the weight, the scales, the importance (`[cols]`, None: uniform) and the
+    table-sized trajectory of the iterations."""
 
     @staticmethod
-    def forward(ctx, x, weight, scales, centroids, cfg, groups):
+    def forward(ctx, x, weight, scales, centroids, cfg, groups, importance=None):
         out_dtype = x.dtype if x is not None else weight.dtype
         round_bf16 = out_dtype == torch.bfloat16
         ctx.patterns = ctx.table = None
-        if _by_pattern(weight, groups, scales):
+        if importance is not None:
+            importance = importance.detach().float().contiguous()
+        if _by_pattern(weight, groups, scales, importance):
             pats = _Patterns(weight, groups)
             per_point, tau, traj, sums = _forward(pats.points(), centroids, cfg, round_bf16)
             table = pats.spread(per_point)
@@ -260,10 +267,11 @@ class IntervalKernel(torch.autograd.Function):
             ctx.patterns, ctx.table = pats, table
         else:
             pats = None
-            w_c, tau, traj, sums = _forward(_weight_points(weight, groups, scales), centroids, cfg, round_bf16)
+            points = _weight_points(weight, groups, scales)
+            w_c, tau, traj, sums = _forward(points, centroids, cfg, round_bf16, importance)
         w_c = _rounded(w_c, out_dtype)
         ctx.cfg, ctx.groups, ctx.out_dtype = cfg, groups, out_dtype
-        ctx.save_for_backward(x, weight, scales, tau, traj, sums)
+        ctx.save_for_backward(x, weight, scales, tau, traj, sums, importance)
         new_cents = traj[-1].float().unsqueeze(-1)
         ctx.mark_non_differentiable(new_cents)
         result = w_c.to(weight.dtype) if x is None else _product(x, w_c)
@@ -272,7 +280,7 @@ class IntervalKernel(torch.autograd.Function):
     @staticmethod
     @autocast_off
     def backward(ctx, grad, _grad_cents):
-        x, weight, scales, tau, traj, sums = ctx.saved_tensors
+        x, weight, scales, tau, traj, sums, importance = ctx.saved_tensors
         rows, cols = weight.shape
         grad = grad.float()  # once (16-bit products are computed in float32 on the CPU)
         if x is not None:
@@ -300,19 +308,21 @@ class IntervalKernel(torch.autograd.Function):
         else:
             points = _weight_points(weight, ctx.groups, scales)
             w_c = torch.empty(rows, cols) if need_x else None
-            grad_w = _backward(points, tau, traj, sums, g=g, out=w_c, round_bf16=round_bf16)
+            grad_w = _backward(points, tau, traj, sums, g=g, out=w_c, round_bf16=round_bf16, importance=importance)
         grad_x = None
         if need_x:
             w_c = _rounded(w_c, ctx.out_dtype)
             grad_x = (grad @ w_c).to(x.dtype)
-        return grad_x, grad_w.to(weight.dtype), None, None, None, None
+        return grad_x, grad_w.to(weight.dtype), None, None, None, None, None
 
 
-def run(x, weight, centroids, settings, scales=None):
+def run(x, weight, centroids, settings, scales=None, importance=None):
     """The engine interface (see `engines/__init__.py`) on the kernel, with block `scales` `[rows, cols / block]`
-    folded in (None: none): `(x @ W_c^T or W_c, refined centroids)`."""
+    folded in (None: none) and the k-means steps weighted by `importance` (`[cols]`: each weight counts its input's
+    importance times its block scale squared; None: uniform): `(x @ W_c^T or W_c, refined centroids)`."""
     if weight.dim() != 2:
         raise ValueError(f"the interval kernel clusters [rows, cols] weights, got shape {tuple(weight.shape)}")
     if x is not None:
         x = x.contiguous()
-    return IntervalKernel.apply(x, weight, scales, centroids, settings.config, settings.groups)
+    assert importance is None or importance.shape == (weight.shape[1],), "one importance per input column"
+    return IntervalKernel.apply(x, weight, scales, centroids, settings.config, settings.groups, importance)
