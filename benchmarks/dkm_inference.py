@@ -281,16 +281,15 @@ def run_peers(args, device: str, work: Path, sizes: list[str], preimported: dict
     """Part `peers`: every size of `sizes` (with --only-missing, completing the file's own sizes where it was
     measured on this CPU and device), then the tables, the verdicts and the plot."""
     cpu = loops.cpu_name()
-    stored = slices.read_results("dkm_inference") if args.only_missing else {}
+    stored = slices.read_results("dkm_inference")
     config = {"prompt": args.prompt, "prefill": args.prefill, "repeats": args.repeats, "threads": args.threads}
-    same = stored.get("cpu") == cpu and stored.get("device") == device and stored.get("config") == config
+    here = {"cpu": cpu, "device": device}
     results: dict = {
         "argv": sys.argv[1:],
-        "device": device,
-        "cpu": cpu,
+        **here,
         "config": config,
         "preimported": preimported,
-        "sizes": dict(stored.get("sizes", {})) if same else {},
+        "sizes": slices.kept_sizes("dkm_inference", stored, here, config, sizes, args.only_missing, loose=()),
     }
     for size in sizes:
         part = run_size(size, args, device, work, results)

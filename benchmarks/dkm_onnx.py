@@ -211,28 +211,6 @@ def _argv(*argv: str, out: Path) -> list[str]:
     return [sys.executable, __file__, *argv, "--out", str(out)]
 
 
-def kept_sizes(stored: dict, config: dict, sizes: list[str], only_missing: bool) -> dict:
-    """The stored sizes this run keeps: every size it does not run, and with `--only-missing` the rows of those it
-    runs, when the file was measured on this CPU with these settings (more rounds keep the rows of fewer). A file
-    of another CPU or other settings is replaced only by a run of every size it holds; anything else stops in one
-    line before measuring, so no size is silently dropped."""
-    if not stored.get("sizes"):
-        return {}
-    settings = {k: v for k, v in config.items() if k != "rounds"}
-    old = {k: v for k, v in stored.get("config", {}).items() if k != "rounds"}
-    if stored.get("cpu") == cpu_model() and old == settings:
-        return {k: v for k, v in stored["sizes"].items() if only_missing or k not in sizes}
-    held = sorted(stored["sizes"])
-    if only_missing or set(held) - set(sizes):
-        raise SystemExit(
-            f"error: {slices.results_path('dkm_onnx')} holds sizes {held} measured on "
-            f"{stored.get('cpu') or 'an unrecorded CPU'} with {stored.get('config')}, not this CPU and these "
-            f"settings: run every size it holds without --only-missing (--sizes {' '.join(held)}) to replace it, or "
-            "move the file away"
-        )
-    return {}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a tiny Llama, one round")
@@ -266,7 +244,7 @@ def main() -> None:
     config = {k: getattr(args, k) for k in ("rounds", "new_tokens", "slow_tokens", "prefill")}
     stored = slices.read_results("dkm_onnx")
     results: dict = {"argv": sys.argv[1:], "cpu": cpu_model(), "config": config}
-    results["sizes"] = kept_sizes(stored, config, sizes, args.only_missing)
+    results["sizes"] = slices.kept_sizes("dkm_onnx", stored, {"cpu": cpu_model()}, config, sizes, args.only_missing)
 
     def save(size: str, entry: dict) -> None:
         results["sizes"][size] = entry

@@ -258,6 +258,31 @@ def _folder_lock(folder: Path):
         os.close(handle)  # closing releases the lock
 
 
+def kept_sizes(
+    name: str, stored: dict, here: dict, config: dict, sizes: list[str], only_missing: bool, *, loose=("rounds",)
+) -> dict:
+    """The sizes of `stored` (results/<name>.json as read) that a run of `sizes` keeps: every size it does not run,
+    and with `--only-missing` the rows of those it runs, when the file was measured here (each key of `here`, e.g.
+    the CPU, recorded the same) with these settings (`config`, less the `loose` keys: more rounds keep the rows of
+    fewer). A file of another machine or other settings is replaced only by a run of every size it holds; anything
+    else stops in one line before measuring, so no size is silently dropped."""
+    if not stored.get("sizes"):
+        return {}
+    settings = {k: v for k, v in config.items() if k not in loose}
+    old = {k: v for k, v in stored.get("config", {}).items() if k not in loose}
+    if all(stored.get(k) == v for k, v in here.items()) and old == settings:
+        return {k: v for k, v in stored["sizes"].items() if only_missing or k not in sizes}
+    held = sorted(stored["sizes"])
+    if only_missing or set(held) - set(sizes):
+        where = ", ".join(f"{k} {stored.get(k) or 'unrecorded'}" for k in here)
+        raise SystemExit(
+            f"error: {results_path(name)} holds sizes {held} measured with {where} and settings "
+            f"{stored.get('config')}, not here or not these: run every size it holds without --only-missing "
+            f"(--sizes {' '.join(held)}) to replace it, or move the file away"
+        )
+    return {}
+
+
 def results_path(name: str) -> Path:
     return RESULTS / f"{results_name(name)}.json"
 

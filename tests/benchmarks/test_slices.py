@@ -4,6 +4,7 @@ benchmark killed mid-run resumes with `--only-missing`, which measures only the 
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -176,21 +177,30 @@ def test_a_part_killed_mid_run_keeps_its_rows_a_crashed_peer_is_a_row_and_only_m
 
 
 def test_a_run_of_some_sizes_never_drops_the_others_from_the_results_file():
-    """`dkm_onnx.py --sizes issue` (with or without --only-missing) keeps the stored smollm2 size when the file is
-    of this CPU and these settings, and stops in one line before measuring when it is not (an older file without
-    its CPU lost the smollm2 rows this way, exit 0)."""
+    """`dkm_onnx.py --sizes issue` or `dkm_inference.py --sizes tiny` (with or without --only-missing) keeps the
+    stored sizes it does not run when the file is of this machine and these settings, and stops in one line before
+    measuring when it is not (an older file without its CPU lost the smollm2 rows this way, exit 0);
+    `slices.kept_sizes` is the rule both scripts call."""
+    import dkm_inference
     import dkm_onnx
     import pytest
+    from harness import slices
 
+    assert "slices.kept_sizes(" in inspect.getsource(dkm_onnx.main)
+    assert "slices.kept_sizes(" in inspect.getsource(dkm_inference.run_peers)
     config = {"rounds": 2, "new_tokens": 16, "slow_tokens": 2, "prefill": 128}
     sizes = {"issue": {"summary": 1}, "smollm2": {"summary": 2}}
-    mine = {"cpu": dkm_onnx.cpu_model(), "config": {**config, "rounds": 1}, "sizes": sizes}
-    assert dkm_onnx.kept_sizes(mine, config, ["issue"], only_missing=False) == {"smollm2": {"summary": 2}}
-    assert dkm_onnx.kept_sizes(mine, config, ["issue"], only_missing=True) == sizes
-    other = {"config": config, "sizes": sizes}  # no CPU recorded
-    for only_missing, run in ((True, ["issue"]), (True, ["issue", "smollm2"]), (False, ["issue"])):
-        with pytest.raises(SystemExit, match=r"^error: .* \(--sizes issue smollm2\) to replace it") as stop:
-            dkm_onnx.kept_sizes(other, config, run, only_missing=only_missing)
-        assert "\n" not in str(stop.value)
-    assert dkm_onnx.kept_sizes(other, config, ["issue", "smollm2"], only_missing=False) == {}
-    assert dkm_onnx.kept_sizes({}, config, ["issue"], only_missing=True) == {}
+    here = {"cpu": dkm_onnx.cpu_model(), "device": "cpu"}
+    mine = {**here, "config": {**config, "rounds": 1}, "sizes": sizes}
+    assert slices.kept_sizes("x", mine, here, config, ["issue"], only_missing=False) == {"smollm2": {"summary": 2}}
+    assert slices.kept_sizes("x", mine, here, config, ["issue"], only_missing=True) == sizes
+    for other in ({"config": config, "sizes": sizes}, {**mine, "device": "cuda"}):  # no CPU recorded; a GPU's file
+        for only_missing, run in ((True, ["issue"]), (True, ["issue", "smollm2"]), (False, ["issue"])):
+            with pytest.raises(SystemExit, match=r"^error: .* \(--sizes issue smollm2\) to replace it") as stop:
+                slices.kept_sizes("x", other, here, config, run, only_missing=only_missing)
+            assert "\n" not in str(stop.value)
+        assert slices.kept_sizes("x", other, here, config, ["issue", "smollm2"], only_missing=False) == {}
+    # without the loose keys (dkm_inference.py: every setting counts) fewer rounds are other settings
+    with pytest.raises(SystemExit, match=r"^error: "):
+        slices.kept_sizes("x", mine, here, config, ["issue"], only_missing=False, loose=())
+    assert slices.kept_sizes("x", {}, here, config, ["issue"], only_missing=True) == {}
