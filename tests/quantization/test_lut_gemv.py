@@ -9,10 +9,8 @@ tests/quantization/test_lut_native.py.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +29,9 @@ from hf_llmkit.quantization import (
     quantize_model,
 )
 from hf_llmkit.testing import tiny_llama
+from tests import warm
 
+REPO = Path(__file__).resolve().parents[2]
 ROWS, COLS = 48, 96
 CASES = {  # name: (DKMSettings.build options, bias)
     "3bit": (dict(bits=3), True),
@@ -172,7 +172,10 @@ def test_compiled_path_matches_decode(name, monkeypatch):
 
 FALLBACK = textwrap.dedent(
     """
-    import logging, torch
+    import logging, os, torch
+    import torch._inductor.config as inductor
+    # inductor reads $CXX when it is first imported: in this process forked from the warm interpreter, already done
+    inductor.cpp.cxx = (None, os.environ["CXX"])
     from tests.quantization.test_lut_gemv import packed_pair, COLS
     logging.basicConfig(level=logging.INFO)
     _, packed = packed_pair("3bit_scales")
@@ -189,10 +192,10 @@ FALLBACK = textwrap.dedent(
 def test_without_a_compiler_the_decoded_path_answers_and_says_so_once(tmp_path):
     """A real failed compile (inductor pointed at a C++ compiler that does not exist, empty cache): the layer answers
     through the decoded path, bit for bit, and one warning names the fallback."""
-    env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(CXX=str(tmp_path / "no-such-c++"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
     env[lut_gemv.ENV] = "compile"  # the C kernel's own missing-compiler case: tests/quantization/test_lut_native.py
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", FALLBACK], env=env, cwd=root, capture_output=True, text=True)
+    (tmp_path / "fallback.py").write_text(FALLBACK)
+    proc = warm.run_script(tmp_path / "fallback.py", env=env, cwd=REPO)  # a new process, forked warm
     assert proc.returncode == 0 and "FALLBACK OK" in proc.stdout, proc.stderr[-3000:]
     assert proc.stderr.count("multiply with the eager path (torch.compile failed") == 1, proc.stderr[-3000:]
 

@@ -20,6 +20,7 @@ from hf_llmkit import DKMConfig
 from hf_llmkit.data.corpus import corpus_texts
 from hf_llmkit.quantization import DKMEmbedding, DKMLinear, DKMOptimumQuantizer, PalettizedLinear
 from hf_llmkit.testing import tiny_llama
+from tests import warm
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -156,15 +157,7 @@ def test_reload_in_fresh_process_identical_logits_and_generate(trained, tmp_path
     model, _, _, out = trained
     ids = _ids()
     torch.save(ids, tmp_path / "ids.pt")
-    script = tmp_path / "reload.py"
-    script.write_text(RELOAD)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    subprocess.run(
-        [sys.executable, str(script), str(out), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
-        check=True,
-        timeout=300,
-        env=env,
-    )
+    _reload_in_a_fresh_process(out, tmp_path / "ids.pt", tmp_path / "out.pt", tmp_path)
     got = torch.load(tmp_path / "out.pt")
     with torch.no_grad():
         expected = model(ids).logits
@@ -278,15 +271,20 @@ def test_trainer_resumes_from_a_compact_checkpoint_with_a_warning(base_dir, tmp_
     assert "will not match an uninterrupted one bit for bit" in caplog.text
 
 
+def _reload_in_a_fresh_process(out: Path, ids: Path, result: Path, tmp_path: Path, **env: str) -> None:
+    """`python reload.py out ids result` (RELOAD) in a process of its own, forked from tests/warm.py's interpreter
+    (the stack imported, no model or state of this process in it)."""
+    (tmp_path / "reload.py").write_text(RELOAD)
+    proc = warm.run_script(tmp_path / "reload.py", [out, ids, result], timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def _assert_reloads_exactly(model, out: Path, tmp_path: Path) -> None:
     """A fresh process loading the checkpoint `out` computes bit for bit the logits `model` computes here."""
     ids = _ids()
     torch.save(ids, tmp_path / "ids.pt")
-    (tmp_path / "reload.py").write_text(RELOAD)
     # the decoded path: bit for bit the hard assignment (the fused LUT-GEMV agrees within rounding, test_lut_gemv.py)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_LLMKIT_DKM_KERNEL="eager")
-    cmd = [sys.executable, str(tmp_path / "reload.py"), str(out), str(tmp_path / "ids.pt"), str(tmp_path / "r.pt")]
-    subprocess.run(cmd, check=True, env=env, timeout=300)
+    _reload_in_a_fresh_process(out, tmp_path / "ids.pt", tmp_path / "r.pt", tmp_path, HF_LLMKIT_DKM_KERNEL="eager")
     with torch.no_grad():
         expected = model(ids).logits
     assert torch.equal(torch.load(tmp_path / "r.pt")["logits"], expected)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,11 +18,10 @@ from safetensors.torch import load_file
 from hf_llmkit import DKMConfig
 from hf_llmkit.quantization import DKMLinear, DKMTrainingStateCallback, PalettizedLinear, keep_training_state
 from hf_llmkit.testing import tiny_llama
+from tests import warm
 
 STEPS, SAVE_EVERY = 6, 3
 Q_PROJ = "model.layers.0.self_attn.q_proj"
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 class _Rows(torch.utils.data.Dataset):
@@ -75,10 +73,12 @@ def train(base: str, out: str, mode: str, ids: str, block: int = 0) -> None:
 
 
 def _fresh_process(base: Path, out: Path, mode: str, ids: Path, block: int) -> int:
-    call = f"train({str(base)!r}, {str(out)!r}, {mode!r}, {str(ids)!r}, {block})"
-    code = f"from tests.quantization.test_training_state import train; {call}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-c", code], timeout=300, env=env, cwd=REPO).returncode
+    """`train` in a process of its own (this file run as a script, forked from tests/warm.py's interpreter: nothing
+    of this process's runs is in it); its exit status."""
+    proc = warm.run_script(__file__, [base, out, mode, ids, block], timeout=300)
+    if proc.returncode not in (0, -9):
+        print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
+    return proc.returncode
 
 
 @pytest.fixture(scope="module", params=[0, 16], ids=["plain", "block_scales"])
@@ -240,3 +240,7 @@ def test_keep_training_state_switch(tmp_path):
     assert model.get_submodule(Q_PROJ).keep_training_state
     callback.on_train_end(None, None, None, model=model)
     assert not model.get_submodule(Q_PROJ).keep_training_state
+
+
+if __name__ == "__main__":  # `python test_training_state.py BASE OUT MODE IDS BLOCK`: one `train` run (_fresh_process)
+    train(*sys.argv[1:5], int(sys.argv[5]))
