@@ -107,7 +107,9 @@ def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float, w
             break
         if any(p.poll() not in (None, 0) for p in procs):
             failed = True
-            time.sleep(2.0)  # let the peers print their own error before they are killed
+            grace = time.monotonic() + 2.0  # let the peers print their own error before they are killed (a peer
+            while any(p.poll() is None for p in procs) and time.monotonic() < grace:  # that ends sooner: no wait)
+                time.sleep(0.05)
             break
         time.sleep(0.05)
     for p in procs:
@@ -233,5 +235,26 @@ def _worker(work: Path) -> None:
     os._exit(0)
 
 
+def _main(work: Path) -> None:
+    """`_worker`, and on an error what the interpreter does for an uncaught one (the installed excepthook prints the
+    traceback, status 1; `SystemExit` its status), then leave without finalisation as on success: tearing down the
+    imported stack takes seconds on a busy machine, and a process group destroyed there can abort the rank."""
+    code = 0
+    try:
+        _worker(work)  # leaves with os._exit(0) once its result is on disk
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:  # sys.exit("message")
+            print(exit_.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - reported as the interpreter does, then status 1
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
+    _main(Path(sys.argv[1]))

@@ -6,6 +6,7 @@ import importlib
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -41,13 +42,55 @@ def test_reimport_and_reload_are_idempotent():
     assert set(before) <= set(vars(hf_llmkit))
 
 
-@pytest.mark.parametrize("order", ["peft,hf_llmkit", "hf_llmkit,peft", "transformers,hf_llmkit,hf_llmkit"])
-def test_import_order_does_not_matter(order):
-    """A fresh interpreter imports in the given order, then imports hf_llmkit again; nothing raises."""
-    imports = "; ".join(f"import {name}" for name in order.split(","))
-    code = f"{imports}; import importlib, hf_llmkit; importlib.reload(hf_llmkit); print('ok')"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+ORDERS = ["peft,hf_llmkit", "hf_llmkit,peft", "transformers,hf_llmkit,hf_llmkit"]
+
+# One cold interpreter imports torch (beneath peft, transformers and hf_llmkit alike, and no party to their order),
+# then forks a child per order: each child imports in its order, then imports hf_llmkit again. Its exit status and
+# output go to files named after the order. (A cold interpreter per order spent a third of its 6-7 s on torch.)
+FORK_PER_ORDER = """
+import os, sys, torch
+folder, orders = sys.argv[1], sys.argv[2:]
+for order in orders:
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        out = os.open(os.path.join(folder, order + ".out"), os.O_WRONLY | os.O_CREAT, 0o644)
+        os.dup2(out, 1); os.dup2(out, 2)
+        try:
+            for name in order.split(","):
+                __import__(name)
+            import importlib, hf_llmkit
+            importlib.reload(hf_llmkit)
+            print("ok")
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code)
+    status = os.waitpid(pid, 0)[1]
+    with open(os.path.join(folder, order + ".code"), "w") as f:
+        f.write(str(os.waitstatus_to_exitcode(status)))
+"""
+
+
+@pytest.fixture(scope="module")
+def import_orders(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("import_orders")
+    proc = subprocess.run(
+        [sys.executable, "-c", FORK_PER_ORDER, str(folder), *ORDERS], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return folder
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_import_order_does_not_matter(order, import_orders):
+    """A fresh interpreter (torch imported, then forked) imports in the given order, then imports hf_llmkit again;
+    nothing raises."""
+    code, out = (import_orders / f"{order}.code").read_text(), (import_orders / f"{order}.out").read_text()
+    assert code == "0" and out.strip().endswith("ok"), out[-3000:]
 
 
 def test_regular_install_wheel_contains_mapped_packages(tmp_path):

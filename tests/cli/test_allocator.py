@@ -3,35 +3,42 @@ again after it was freed comes back from the heap instead of fresh pages, one pa
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 
-# Allocates and frees a 64 MiB tensor 4 times; prints the page faults of the last 3 (the first maps the memory):
-# bare ("default"), after keep_freed_blocks ("keep"), or as the run of a main job ("job": hf_llmkit.cli.job.main).
-PROBE = """
-import resource, sys, torch
-from hf_llmkit.cli import job
-from hf_llmkit.cli.allocator import keep_freed_blocks
+from tests import warm
 
-def run():
-    torch.ones(1 << 24).sum()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(3):
+
+def _probe(mode: str) -> tuple[str, int]:
+    """Allocates and frees a 64 MiB tensor 4 times; the page faults of the last 3 (the first maps the memory): bare
+    ("default"), after keep_freed_blocks ("keep"), or as the run of a main job ("job": hf_llmkit.cli.job.main)."""
+    import resource
+
+    import torch
+
+    from hf_llmkit.cli import job
+    from hf_llmkit.cli.allocator import keep_freed_blocks
+
+    faults = []
+
+    def run():
         torch.ones(1 << 24).sum()
-    print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(3):
+            torch.ones(1 << 24).sum()
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
-kept = keep_freed_blocks() if sys.argv[1] == "keep" else None
-job.main(run, prog="probe") if sys.argv[1] == "job" else run()
-"""
+    kept = keep_freed_blocks() if mode == "keep" else None
+    job.main(run, prog="probe") if mode == "job" else run()
+    return str(kept), faults[0]
 
 
 def probe(mode: str, **env) -> tuple[str, int]:
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True,
-                         env={**os.environ, **env}).stdout.split()  # fmt: skip
-    return out[0], int(out[1])
+    """`_probe(mode)` in a process of its own with `env`: a child forked from the warm interpreter (tests/warm.py),
+    which imported the stack but never touched the allocator's settings (only `job.main` does); a cold `python`
+    would add 7 s of imports to each probe."""
+    return warm.call(_probe, mode, env=env, timeout=120)
 
 
 PAGES = 3 * (1 << 26) // 4096  # three 64 MiB tensors

@@ -11,7 +11,6 @@ import json
 import os
 import resource
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,8 @@ from transformers import PreTrainedTokenizerFast
 from hf_llmkit.data import blocks
 from hf_llmkit.data.blocks import build_lm_datasets, validation_block_count
 from hf_llmkit.data.files import TextFiles
+from hf_llmkit.testing import DistributedRunError
+from tests import warm
 
 MEMORY_RUN = Path(__file__).resolve().parents[2] / "benchmarks" / "lm_data_memory.py"  # its --child mode
 
@@ -146,32 +147,40 @@ def test_a_full_or_unusable_cache_folder_is_one_line_naming_it_and_the_fix(tmp_p
 SMALL_MB, LARGE_MB = 8, 32  # the smaller one already past the first groups (where the memory levels off)
 
 
+def _killed_while_writing(size_mb: int, workdir: str) -> None:
+    """benchmarks/lm_data_memory.py --child SIZE_MB WORKDIR, killed (SIGKILL, from a thread of its own) as soon as a
+    temporary folder stands in its cache folder: while the build writes into it."""
+    import runpy
+    import threading
+
+    cache = Path(workdir) / "cache"
+
+    def kill_when_writing() -> None:
+        while not list(cache.glob("*.tmp-*")):
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=kill_when_writing, daemon=True).start()
+    sys.argv = [str(MEMORY_RUN), "--child", str(size_mb), workdir]
+    sys.path.insert(0, str(MEMORY_RUN.parent))
+    runpy.run_path(str(MEMORY_RUN), run_name="__main__")
+
+
 @pytest.fixture(scope="module")
 def big_single_line(tmp_path_factory):
-    """One measurement of benchmarks/lm_data_memory.py (--child) in each of three fresh interpreters at once: on
-    single-line files of SMALL_MB and of LARGE_MB megabytes to the end (their peak memory), and one killed while it
-    writes into its cache folder."""
+    """One measurement of benchmarks/lm_data_memory.py (--child) in each of three processes of their own, children
+    of the warm interpreter (tests/warm.py; ru_maxrss is the child's own, and the measure is what the build added
+    over the imports and the tokenizer): on single-line files of SMALL_MB and of LARGE_MB megabytes to the end
+    (their peak memory), and one killed while it writes into its cache folder."""
     work = tmp_path_factory.mktemp("big")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-    def start(name: str, size_mb: int, out) -> subprocess.Popen:
-        command = [sys.executable, str(MEMORY_RUN), "--child", str(size_mb), str(work / name)]
-        return subprocess.Popen(command, stdout=out, text=True, env=env)
-
-    measured = {size: start(f"measured-{size}", size, subprocess.PIPE) for size in (SMALL_MB, LARGE_MB)}
-    killed = start("killed", SMALL_MB, subprocess.DEVNULL)
-    cache = work / "killed" / "cache"
-    deadline = time.monotonic() + 240
-    while not list(cache.glob("*.tmp-*")) and killed.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    killed.send_signal(signal.SIGKILL)
-    killed.wait()
     results = {}
-    for size, process in measured.items():
-        out, _ = process.communicate(timeout=400)
-        assert process.returncode == 0
-        results[size] = json.loads(out.strip().splitlines()[-1])
-    return results, cache
+    for size in (SMALL_MB, LARGE_MB):
+        proc = warm.run_script(MEMORY_RUN, ["--child", str(size), str(work / f"measured-{size}")], timeout=400)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[size] = json.loads(proc.stdout.strip().splitlines()[-1])
+    with pytest.raises(DistributedRunError, match=r"exit code -9"):
+        warm.call(_killed_while_writing, SMALL_MB, str(work / "killed"), timeout=240)
+    return results, work / "killed" / "cache"
 
 
 def test_a_large_single_line_file_tokenizes_in_bounded_memory(big_single_line):

@@ -4,12 +4,12 @@ modules without runpy's "found in sys.modules" warning (the package imports none
 from __future__ import annotations
 
 import importlib
-import subprocess
 import sys
 
 import pytest
 
 import hf_llmkit.data as data
+from tests import warm
 
 
 def test_every_listed_name_is_its_modules_object():
@@ -25,14 +25,22 @@ def test_an_unknown_name_is_an_attribute_error():
         data.lm_data  # noqa: B018
 
 
+def _run_as_main(module: str, target: str) -> None:
+    """`python -W error::RuntimeWarning -m hf_llmkit.data.<module> TARGET` in a child of the warm interpreter: every
+    hf_llmkit module is dropped first, so importing the package runs again as in a fresh interpreter (what decides
+    the warning: whether `import hf_llmkit.data` already loaded the module); the third-party stack stays imported."""
+    import runpy
+    import warnings
+
+    for name in [name for name in sys.modules if name == "hf_llmkit" or name.startswith("hf_llmkit.")]:
+        del sys.modules[name]
+    warnings.simplefilter("error", RuntimeWarning)
+    sys.argv = [module, target]
+    runpy.run_module(f"hf_llmkit.data.{module}", run_name="__main__", alter_sys=True)
+
+
 @pytest.mark.parametrize("module", ["corpus", "instructions"])
 def test_python_dash_m_runs_the_module_once(module, tmp_path):
     target = tmp_path / ("texts" if module == "corpus" else "instructions.jsonl")
-    proc = subprocess.run(
-        [sys.executable, "-W", "error::RuntimeWarning", "-m", f"hf_llmkit.data.{module}", str(target)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0 and "RuntimeWarning" not in proc.stderr, proc.stderr[-2000:]
+    warm.call(_run_as_main, module, str(target), timeout=120)  # DistributedRunError with the traceback on a warning
     assert target.exists()

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from hf_llmkit.data.corpus import corpus_texts
+from tests import warm
 from tests.conftest import EXAMPLES
 from tests.examples.test_run_clm import TINY
 from tests.examples.test_seed_recipe import UNACTIONABLE
@@ -34,13 +33,9 @@ def test_quiet_run_writes_results_files_and_our_metrics_to_tensorboard(tmp_path)
              "tensorboard", "--validation_file", str(held), "--output_dir", str(out)]  # fmt: skip
     flags.remove("--max_eval_samples")
     flags.remove(TINY[TINY.index("--max_eval_samples") + 1])
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / "run_clm.py"), *flags],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
+    # `python run_clm.py ...` forked from the warm interpreter (tests/warm.py): everything the run prints is its own;
+    # what importing the stack prints is the cold test_run_pt_sh_runs_the_seed_recipe_on_two_ranks_quietly's to check
+    proc = warm.run_script(EXAMPLES / "run_clm.py", flags, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     noise = [line for line in proc.stderr.splitlines() if UNACTIONABLE.search(line)]
     assert noise == [], noise  # nothing a user cannot act on
