@@ -11,10 +11,10 @@ typed `--block_size 16384` runs with 16,384-token blocks). Each command must tra
 command trained in (resuming only its own run) or stop with one line. Commands for a CUDA device (`Command.gpu`)
 are left to the tests marked gpu (`run_gpu`).
 
-`bash examples/run_pt.sh` is also the subject of tests/examples/test_seed_recipe.py, which makes its own assertions
-on the same run: it runs once per pytest run (`shared_run`), by whichever test comes first, as this test runs it
-(`run_pt_as_documented`), in the page's folder or in a fresh clone's look after the quickstart (the state it reads
-there: the quickstart's model; it writes only under outputs/run_pt, which the later reader copies).
+Two commands of docs/main_job.md are also the subject of a test of the examples, which makes its own assertions on
+the same run (`SHARED_COMMANDS`): each runs once per pytest run (`shared_run`), by whichever test comes first, as
+this test runs it (`documented_run`), in the page's folder or in a fresh clone's look after the quickstart (all of
+the page's folder that the command reads); the output folder it wrote is copied into the page's folder.
 """
 
 from __future__ import annotations
@@ -126,18 +126,24 @@ def shared_run(
     return Path(made["folder"]), proc
 
 
-def run_pt_as_documented(shared: Path, run_clm) -> tuple[Path, subprocess.CompletedProcess]:
-    """docs/main_job.md's `bash examples/run_pt.sh` as the docs test runs it, made once per pytest run: the folder it
-    ran in and the finished process. Made here (the docs test did not come first), it runs in a fresh clone's look
-    after the page's quickstart, `python examples/run_clm.py`, whose model it continues."""
-    command = next(c for c in group_commands("main_job") if c.kind == "run_pt")
+# docs/main_job.md's commands that a test of the examples asserts on too (tests/examples/test_run_clm.py,
+# test_seed_recipe.py), each made once per pytest run (`documented_run`). Of what the page's folder holds when each
+# comes, they read only a fresh clone's look and the quickstart's run (run_pt.sh continues its model).
+SHARED_COMMANDS = ("accelerate launch --multi_gpu --num_processes 2 examples/run_clm.py", "bash examples/run_pt.sh")
+
+
+def documented_run(shared: Path, run_clm, line: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """The run of docs/main_job.md's command `line` (one of `SHARED_COMMANDS`) as the docs test runs it, made once per
+    pytest run: the folder it ran in and the finished process. Made here (the docs test did not come first), it runs
+    in a fresh clone's look after the page's quickstart, `python examples/run_clm.py`."""
+    command = next(c for c in group_commands("main_job") if c.line == line and line in SHARED_COMMANDS)
 
     def produce() -> tuple[Path, subprocess.CompletedProcess]:
-        folder = Path(tempfile.mkdtemp(prefix="run_pt-", dir=shared))
+        folder = Path(tempfile.mkdtemp(prefix="docs-run-", dir=shared))
         prepare_folder(folder)
         with contextlib.chdir(folder):
             run_clm.run(capped([]))  # the quickstart, as the page's first command runs in its folder
-        return folder, PageRun(folder, run_clm, None)._run_pt_here(command)
+        return folder, PageRun(folder, run_clm, None)._proc(command)
 
     return shared_run(shared, command.line, produce)
 
@@ -218,10 +224,17 @@ class PageRun:
         return "trained"
 
     def _launcher(self, command: Command) -> str:
+        return self._trained(command, self._made(command))
+
+    def _launch_here(self, command: Command) -> subprocess.CompletedProcess:
+        """The launcher (the environment's console script, which PATH finds) as the interpreter runs it, in a fresh
+        child of the warm interpreter (tests/warm.py): it starts its ranks as new interpreters, as typed."""
         argv = _with_free_port(command.argv)
         script = next(i for i, a in enumerate(argv) if a.startswith("examples/") and a.endswith(".py"))
         argv = [*argv[: script + 1], *capped(argv[script + 1 :], argv[script])]
-        return self._trained(command, self._subprocess(argv, command.env))
+        launcher = shutil.which(argv[0], path=self.env["PATH"])
+        env = {**self.env, **command.env}
+        return warm.run_script(launcher, argv[1:], env=env, cwd=self.folder, timeout=TIMEOUT_S)
 
     def _python(self, command: Command) -> str:
         """`python -c CODE ...` / `python -m MODULE ...` in this process, as the interpreter runs them (`sys.argv`,
@@ -245,12 +258,30 @@ class PageRun:
         return "ran"
 
     def _run_pt(self, command: Command) -> str:
-        if self.shared is None:
-            return self._trained(command, self._run_pt_here(command))
-        folder, proc = shared_run(self.shared, command.line, lambda: (self.folder, self._run_pt_here(command)))
-        if folder != self.folder:  # made by tests/examples/test_seed_recipe.py: what it wrote, as if written here
-            shutil.copytree(folder / "outputs" / "run_pt", self.folder / "outputs" / "run_pt", symlinks=True)
-        return self._trained(command, proc)
+        return self._trained(command, self._made(command))
+
+    def _made(self, command: Command) -> subprocess.CompletedProcess:
+        """The finished process of a launcher or run_pt.sh command: run here, or, for one of `SHARED_COMMANDS`, the
+        run made once per pytest run (here, when this test comes first)."""
+        if self.shared is None or command.line not in SHARED_COMMANDS:
+            return self._proc(command)
+
+        here = []
+
+        def produce() -> tuple[Path, subprocess.CompletedProcess]:
+            here.append(self._proc(command))
+            # the run's output folder, kept in the shared folder: this test's own folder goes when it passes
+            kept = Path(tempfile.mkdtemp(prefix="docs-run-", dir=self.shared))
+            _copy_output_dir(here[0], self.folder, kept)
+            return kept, here[0]
+
+        folder, proc = shared_run(self.shared, command.line, produce)
+        if not here:  # made by a test of the examples: what the run wrote, as if written here
+            _copy_output_dir(proc, folder, self.folder)
+        return proc
+
+    def _proc(self, command: Command) -> subprocess.CompletedProcess:
+        return self._run_pt_here(command) if command.kind == "run_pt" else self._launch_here(command)
 
     def _run_pt_here(self, command: Command) -> subprocess.CompletedProcess:
         env = {**command.env, "BLOCK_SIZE": "32", "GRAD_ACC": "2", "MASTER_PORT": str(free_port())}
@@ -352,6 +383,13 @@ class PageRun:
             f"{command.line!r} trains in {output_dir}, the folder of {earlier['command']!r}"
         )
         assert not resumed or earlier["command"] == same
+
+
+def _copy_output_dir(proc: subprocess.CompletedProcess, source: Path, target: Path) -> None:
+    """Copy the output folder a finished run names in its results table (relative to `source`) to `target`."""
+    output_dir = re.search(r"^\| outputs +\| (\S+)", proc.stdout, flags=re.M)
+    if output_dir and not Path(output_dir.group(1)).is_absolute():
+        shutil.copytree(source / output_dir.group(1), target / output_dir.group(1), symlinks=True)
 
 
 def _typed_output_dir(command: Command) -> bool:

@@ -92,10 +92,10 @@ def test_run_pt_sh_runs_the_seed_recipe_on_two_ranks_quietly(run_clm, shared_run
     """The seed's script as shipped (extra flags only cap the steps): trains LoRA under ZeRO-2 on 2 ranks. The run is
     docs/main_job.md's `bash examples/run_pt.sh` as the docs test runs it (the quickstart's model, the embedded corpus
     written as a folder of .txt files, `--max_steps 2`): made once per pytest run, by that test or this one
-    (tests/docs/runner.py: run_pt_as_documented)."""
-    from tests.docs.runner import run_pt_as_documented
+    (tests/docs/runner.py: documented_run)."""
+    from tests.docs.runner import documented_run
 
-    folder, proc = run_pt_as_documented(shared_runs, run_clm)
+    folder, proc = documented_run(shared_runs, run_clm, "bash examples/run_pt.sh")
     out = folder / "outputs" / "run_pt"
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| ranks                  | 2 " in proc.stdout and re.search(r"\| steps +\| 2 ", proc.stdout)
