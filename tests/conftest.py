@@ -98,6 +98,13 @@ def run_folder(tmp_path_factory, name: str) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory) -> Path:
+    """A folder of runs made once per pytest run and read by every test that asserts on them, of either xdist
+    worker (tests/docs/runner.py: shared_run)."""
+    return run_folder(tmp_path_factory, "shared-runs")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def hermetic_bench_results(tmp_path_factory):
     """Benchmarks the suite runs (quick modes, the docs' `python benchmarks/...` commands) write their results to a

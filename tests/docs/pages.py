@@ -7,8 +7,10 @@ lines joined); Python from ```python blocks. Each command gets a kind that says 
   in this process (an import of torch and transformers per command would cost more than the training);
 - `script`: `python examples/<other>.py ...` (the other main job, `run_sft.py`), in this process too;
 - `python`: `python -c CODE` and `python -m MODULE ...`, in this process as the interpreter runs them (same reason);
-- `bench`: `python benchmarks/<name>.py ...`, a subprocess with `--quick` appended;
-- `launcher`: `accelerate launch`, `torchrun`, `deepspeed` on this machine;
+- `bench`: `python benchmarks/<name>.py ...` with `--quick` appended, as the interpreter runs it, in a fresh child of
+  the warm interpreter (tests/warm.py; a new interpreter for a CUDA device's);
+- `launcher`: `accelerate launch`, `torchrun`, `deepspeed` on this machine (the launcher in a fresh child of the warm
+  interpreter, tests/warm.py; its ranks start as new interpreters, as typed);
 - `machines`: a command for one machine of several (it names `MACHINE0`, the first machine's address): the commands
   of one block are the machines of one job, started together with `MACHINE0` = 127.0.0.1 (a block with one such
   command is run on two "machines", as the page says the same command runs on every machine);

@@ -10,24 +10,34 @@ the step caps (`STEPS`, always: the last value of a flag wins), and the tiny siz
 typed `--block_size 16384` runs with 16,384-token blocks). Each command must train in a folder no other documented
 command trained in (resuming only its own run) or stop with one line. Commands for a CUDA device (`Command.gpu`)
 are left to the tests marked gpu (`run_gpu`).
+
+Two commands of docs/main_job.md are also the subject of a test of the examples, which makes its own assertions on
+the same run (`SHARED_COMMANDS`): each runs once per pytest run (`shared_run`), by whichever test comes first, as
+this test runs it (`documented_run`), in the page's folder or in a fresh clone's look after the quickstart (all of
+the page's folder that the command reads); the output folder it wrote is copied into the page's folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
 import runpy
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from hf_llmkit.testing import corpus_texts, corpus_tokenizer, free_port, tiny_llama
+from tests import warm
 from tests.conftest import REPO, load_example
 from tests.docs.pages import MACHINE_PLACEHOLDER, Command, group_commands
 
@@ -43,6 +53,8 @@ SMALL = {"--per_device_train_batch_size": "1", "--per_device_eval_batch_size": "
          "--max_eval_samples": "2", "--logging_steps": "1", "--warmup_steps": "0",
          "--disable_tqdm": "true"}  # fmt: skip
 TIMEOUT_S = 600
+# run_pt.sh's step cap: two optimizer steps (tests/examples/test_seed_recipe.py asserts on the same run)
+RUN_PT_STEPS = "2"
 
 
 def prepare_folder(folder: Path) -> None:
@@ -75,18 +87,65 @@ def capped(args: list[str], script: str = "examples/run_clm.py") -> list[str]:
     return [*args, *sizes, *small, *STEPS]
 
 
-def run_group(group: str, run_clm, folder: Path, capsys, monkeypatch, record: Path) -> None:
+def run_group(
+    group: str, run_clm, folder: Path, capsys, monkeypatch, record: Path, shared: Path | None = None
+) -> None:
     """Run the commands of `group`'s pages in reading order in `folder` (a fresh clone's look), then compare the
-    output folders they trained in with those of the groups that `record` holds (`share_folders`)."""
+    output folders they trained in with those of the groups that `record` holds (`share_folders`). `shared`: the
+    run-wide folder of runs other tests read too (`shared_run`)."""
     prepare_folder(folder)
     monkeypatch.chdir(folder)
     commands = group_commands(group)
-    run = PageRun(folder, run_clm, capsys)
+    run = PageRun(folder, run_clm, capsys, shared)
     outcome = run.run(commands)
     stopped = {line: what for line, what in outcome.items() if what.startswith("stopped")}
     assert not stopped, stopped  # every command works as typed, each in a folder of its own
     assert len(outcome) == len({c.line for c in commands}), outcome
     share_folders(record, group, run.folders)
+
+
+def shared_run(
+    shared: Path, line: str, produce: Callable[[], tuple[Path, subprocess.CompletedProcess]]
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """The run of the command `line` made once per pytest run: the first caller (of either xdist worker) makes it
+    with `produce` (the folder it ran in, the finished process) under a lock; later callers get the recorded one."""
+    shared.mkdir(parents=True, exist_ok=True)
+    key = re.sub(r"[^A-Za-z0-9]+", "-", line).strip("-")
+    record = shared / f"{key}.json"
+    with open(shared / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits here while the first makes the run
+        if not record.is_file():
+            folder, proc = produce()
+            made = {"folder": str(folder), "args": proc.args, "returncode": proc.returncode,
+                    "stdout": proc.stdout, "stderr": proc.stderr}  # fmt: skip
+            written = shared / f".{key}.{os.getpid()}.tmp"
+            written.write_text(json.dumps(made), encoding="utf-8")
+            os.replace(written, record)
+    made = json.loads(record.read_text(encoding="utf-8"))
+    proc = subprocess.CompletedProcess(made["args"], made["returncode"], made["stdout"], made["stderr"])
+    return Path(made["folder"]), proc
+
+
+# docs/main_job.md's commands that a test of the examples asserts on too (tests/examples/test_run_clm.py,
+# test_seed_recipe.py), each made once per pytest run (`documented_run`). Of what the page's folder holds when each
+# comes, they read only a fresh clone's look and the quickstart's run (run_pt.sh continues its model).
+SHARED_COMMANDS = ("accelerate launch --multi_gpu --num_processes 2 examples/run_clm.py", "bash examples/run_pt.sh")
+
+
+def documented_run(shared: Path, run_clm, line: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """The run of docs/main_job.md's command `line` (one of `SHARED_COMMANDS`) as the docs test runs it, made once per
+    pytest run: the folder it ran in and the finished process. Made here (the docs test did not come first), it runs
+    in a fresh clone's look after the page's quickstart, `python examples/run_clm.py`."""
+    command = next(c for c in group_commands("main_job") if c.line == line and line in SHARED_COMMANDS)
+
+    def produce() -> tuple[Path, subprocess.CompletedProcess]:
+        folder = Path(tempfile.mkdtemp(prefix="docs-run-", dir=shared))
+        prepare_folder(folder)
+        with contextlib.chdir(folder):
+            run_clm.run(capped([]))  # the quickstart, as the page's first command runs in its folder
+        return folder, PageRun(folder, run_clm, None)._proc(command)
+
+    return shared_run(shared, command.line, produce)
 
 
 def share_folders(record: Path, group: str, folders: dict[str, dict]) -> None:
@@ -115,8 +174,8 @@ class PageRun:
     """The commands of one group of pages, run in order in `folder`; `outcome` maps each command line to what
     happened."""
 
-    def __init__(self, folder: Path, run_clm, capsys):
-        self.folder, self.run_clm, self.capsys = folder, run_clm, capsys
+    def __init__(self, folder: Path, run_clm, capsys, shared: Path | None = None):
+        self.folder, self.run_clm, self.capsys, self.shared = folder, run_clm, capsys, shared
         self.outcome: dict[str, str] = {}
         # output_dir -> the command that trained there first: {"command", "typed" (its --output_dir), "flags"}
         self.folders: dict[str, dict] = {}
@@ -165,10 +224,17 @@ class PageRun:
         return "trained"
 
     def _launcher(self, command: Command) -> str:
+        return self._trained(command, self._made(command))
+
+    def _launch_here(self, command: Command) -> subprocess.CompletedProcess:
+        """The launcher (the environment's console script, which PATH finds) as the interpreter runs it, in a fresh
+        child of the warm interpreter (tests/warm.py): it starts its ranks as new interpreters, as typed."""
         argv = _with_free_port(command.argv)
         script = next(i for i, a in enumerate(argv) if a.startswith("examples/") and a.endswith(".py"))
         argv = [*argv[: script + 1], *capped(argv[script + 1 :], argv[script])]
-        return self._trained(command, self._subprocess(argv, command.env))
+        launcher = shutil.which(argv[0], path=self.env["PATH"])
+        env = {**self.env, **command.env}
+        return warm.run_script(launcher, argv[1:], env=env, cwd=self.folder, timeout=TIMEOUT_S)
 
     def _python(self, command: Command) -> str:
         """`python -c CODE ...` / `python -m MODULE ...` in this process, as the interpreter runs them (`sys.argv`,
@@ -192,15 +258,46 @@ class PageRun:
         return "ran"
 
     def _run_pt(self, command: Command) -> str:
+        return self._trained(command, self._made(command))
+
+    def _made(self, command: Command) -> subprocess.CompletedProcess:
+        """The finished process of a launcher or run_pt.sh command: run here, or, for one of `SHARED_COMMANDS`, the
+        run made once per pytest run (here, when this test comes first)."""
+        if self.shared is None or command.line not in SHARED_COMMANDS:
+            return self._proc(command)
+
+        here = []
+
+        def produce() -> tuple[Path, subprocess.CompletedProcess]:
+            here.append(self._proc(command))
+            # the run's output folder, kept in the shared folder: this test's own folder goes when it passes
+            kept = Path(tempfile.mkdtemp(prefix="docs-run-", dir=self.shared))
+            _copy_output_dir(here[0], self.folder, kept)
+            return kept, here[0]
+
+        folder, proc = shared_run(self.shared, command.line, produce)
+        if not here:  # made by a test of the examples: what the run wrote, as if written here
+            _copy_output_dir(proc, folder, self.folder)
+        return proc
+
+    def _proc(self, command: Command) -> subprocess.CompletedProcess:
+        return self._run_pt_here(command) if command.kind == "run_pt" else self._launch_here(command)
+
+    def _run_pt_here(self, command: Command) -> subprocess.CompletedProcess:
         env = {**command.env, "BLOCK_SIZE": "32", "GRAD_ACC": "2", "MASTER_PORT": str(free_port())}
-        argv = ["bash", *command.argv[1:], "--max_steps", STEPS[1], "--disable_tqdm", "true"]
-        return self._trained(command, self._subprocess(argv, env))
+        argv = ["bash", *command.argv[1:], "--max_steps", RUN_PT_STEPS, "--disable_tqdm", "true"]
+        return self._subprocess(argv, env)
 
     def _bench(self, command: Command) -> str:
         argv = [*command.argv, "--quick"]
         if command.argv[1:] == ["benchmarks/report.py", "--write"]:  # would rewrite the pages: check they are written
             argv = ["python", "benchmarks/report.py", "--check"]
-        proc = self._subprocess(argv, command.env)
+        if command.gpu:  # a new interpreter: the warm one's children must not meet a CUDA context made before a fork
+            proc = self._subprocess(argv, command.env)
+        else:  # `python SCRIPT ...` as the interpreter runs it, in a fresh child of the warm interpreter
+            # (tests/warm.py): a cold one would import torch and transformers again for a quick mode of seconds
+            env = {**self.env, **command.env}
+            proc = warm.run_script(argv[1], argv[2:], env=env, cwd=self.folder, timeout=TIMEOUT_S)
         assert proc.returncode == 0, (command.line, proc.stdout[-3000:], proc.stderr[-3000:])
         return "measured (quick)"
 
@@ -286,6 +383,13 @@ class PageRun:
             f"{command.line!r} trains in {output_dir}, the folder of {earlier['command']!r}"
         )
         assert not resumed or earlier["command"] == same
+
+
+def _copy_output_dir(proc: subprocess.CompletedProcess, source: Path, target: Path) -> None:
+    """Copy the output folder a finished run names in its results table (relative to `source`) to `target`."""
+    output_dir = re.search(r"^\| outputs +\| (\S+)", proc.stdout, flags=re.M)
+    if output_dir and not Path(output_dir.group(1)).is_absolute():
+        shutil.copytree(source / output_dir.group(1), target / output_dir.group(1), symlinks=True)
 
 
 def _typed_output_dir(command: Command) -> bool:

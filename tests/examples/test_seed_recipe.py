@@ -7,10 +7,7 @@ embed_tokens and lm_head trained in full, gradient checkpointing) and prints not
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,8 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from hf_llmkit.testing import corpus_tokenizer, free_port, tiny_llama
+from hf_llmkit.testing import corpus_tokenizer, tiny_llama
+from tests import warm
 from tests.conftest import EXAMPLES
 from tests.examples.test_run_clm_peft import TINY
 
@@ -90,24 +88,20 @@ UNACTIONABLE = re.compile(
 )
 
 
-def test_run_pt_sh_runs_the_seed_recipe_on_two_ranks_quietly(tmp_path):
-    """The seed's script as shipped (extra flags only cap the steps): trains LoRA under ZeRO-2 on 2 ranks."""
-    model = tmp_path / "pretrained"
-    tiny_llama().save_pretrained(model)
-    corpus_tokenizer(vocab_size=512).save_pretrained(model)
-    env = {**os.environ, "PYTHON": sys.executable, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
-           "PRETRAINED_MODEL": str(model), "DATASET_DIR": str(tmp_path / "dataset"),
-           "DATA_CACHE": str(tmp_path / "cache"), "OUTPUT_DIR": str(tmp_path / "out"), "BLOCK_SIZE": "32",
-           "GRAD_ACC": "2"}  # fmt: skip
-    proc = subprocess.run(
-        ["bash", str(EXAMPLES / "run_pt.sh"), "--max_steps", "2", "--disable_tqdm", "true"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+def test_run_pt_sh_runs_the_seed_recipe_on_two_ranks_quietly(run_clm, shared_runs):
+    """The seed's script as shipped (extra flags only cap the steps): trains LoRA under ZeRO-2 on 2 ranks. The run is
+    docs/main_job.md's `bash examples/run_pt.sh` as the docs test runs it (the quickstart's model, the embedded corpus
+    written as a folder of .txt files, `--max_steps 2`): made once per pytest run, by that test or this one
+    (tests/docs/runner.py: documented_run)."""
+    from tests.docs.runner import documented_run
+
+    folder, proc = documented_run(shared_runs, run_clm, "bash examples/run_pt.sh")
+    out = folder / "outputs" / "run_pt"
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| ranks                  | 2 " in proc.stdout and re.search(r"\| steps +\| 2 ", proc.stdout)
     assert "LoRA (rank 8, alpha 16)" in proc.stdout
-    assert len(list((tmp_path / "dataset").glob("*.txt"))) == 8  # the corpus as a folder of .txt files
-    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+    assert len(list((out / "dataset").glob("*.txt"))) == 8  # the corpus as a folder of .txt files
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
     noise = [line for line in proc.stderr.splitlines() if UNACTIONABLE.search(line)]
     assert noise == [], noise
     info = [line for line in proc.stderr.splitlines() if " INFO run_clm: blocks of" in line]
@@ -120,11 +114,11 @@ PROJECTIONS = "q_proj,v_proj,k_proj,o_proj,gate_proj,down_proj,up_proj"
 
 def test_the_seed_script_itself_trains_lora_under_zero2_on_two_ranks(tmp_path):
     """The seed's own training script (examples/seed/, adapted only where transformers 5 removed an API) with
-    run_pt.sh's flags: torchrun on 2 CPU ranks, DeepSpeed ZeRO-2, LoRA on every projection with embed_tokens and
-    lm_head trained in full, gradient checkpointing, a per-file block cache -- and our SavePeftModelCallback
-    writing an adapter that reloads in this process."""
+    run_pt.sh's flags: 2 CPU ranks with torchrun's environment (forked from the warm interpreter, tests/warm.py: the
+    subject is the script; run_pt.sh's test above runs torchrun itself), DeepSpeed ZeRO-2, LoRA on every projection
+    with embed_tokens and lm_head trained in full, gradient checkpointing, a per-file block cache -- and our
+    SavePeftModelCallback writing an adapter that reloads in this process."""
     from hf_llmkit.data.corpus import write_corpus_files
-    from hf_llmkit.testing import launch_script
 
     model = tmp_path / "pretrained"
     tiny_llama().save_pretrained(model)
@@ -204,7 +198,7 @@ def test_the_seed_script_itself_trains_lora_under_zero2_on_two_ranks(tmp_path):
         "--disable_tqdm",
         "true",
     ]  # fmt: skip  (the seed's run_pt.sh, with --fp16 left out: DeepSpeed on CPU has no fp16)
-    launch_script(SEED_SCRIPT, flags, nprocs=2, launcher="torchrun", timeout=600)
+    warm.torchrun(SEED_SCRIPT, flags, nprocs=2, timeout=600)
     assert json.loads((out / "train_results.json").read_text())["train_samples"] > 0
     assert sorted(p.name for p in cache.iterdir() if not p.name.endswith("_text_32")) == sorted(
         f"{f.stem}_32" for f in files
