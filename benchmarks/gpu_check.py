@@ -85,7 +85,7 @@ PARTS = (
          ("--sp", "1", "--model", "1b", "--dtype", "bf16", "--budget-mib", "2048", "--probe", "512",
           "--time-seq", "4096", "--rounds", "3"),
          ("--model", "tiny", "--budget-mib", "4", "--probe", "64", "--time-seq", "128", "--rounds", "1",
-          "--offload-seq", "256")),
+          "--offload-seq", "256", "--fork-ranks")),
     Part("peft_methods", 45, ("--workloads", "llama", "--batch", "8", "--seq", "512", "--rounds", "6"),
          ("--quick", "--workloads", "llama", "bert")),
     Part("quickstart", 70, ("--rounds", "1"), ("--quick",)),
