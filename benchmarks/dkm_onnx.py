@@ -1,7 +1,7 @@
 """onnxruntime serving of DKM exports against the dense ONNX export: batch-1 generate speed, prefill, memory.
 
     python benchmarks/dkm_onnx.py                  # the issue's Llama (hidden 1024, 8 layers) and the real SmolLM2
-    python benchmarks/dkm_onnx.py --quick          # a tiny Llama, one round: a smoke test
+    python benchmarks/dkm_onnx.py --quick          # a tiny Llama, one round, children forked: a smoke test
     python benchmarks/dkm_onnx.py --sizes smollm2  # only the real model (the whole 30 layers)
     python benchmarks/dkm_onnx.py --only-missing   # the rows a killed (or loaded) run left missing
 
@@ -138,10 +138,17 @@ def run_size(size: str, args, work: Path, stored: dict | None, save) -> dict:
     fresh process; `save(size, entry)` after every row. `stored` (--only-missing): the size's entry in the file."""
     prepared: dict = {}
 
+    def child(argv: list[str], out: Path, target, target_args: tuple, name: str, timeout: float) -> dict:
+        """A fresh interpreter (`python dkm_onnx.py --prepare/--measure ...`); with --quick a child forked from this
+        process after one import of the stack (`_preimport`), running the same function."""
+        if args.quick:
+            return slices.run_child(target, target_args, out, name=name, timeout=timeout)
+        return slices.run_command(_argv(*argv, out=out), out, timeout=timeout)
+
     def measure(name: str, r: int) -> dict:
         if not prepared:
             out = work / "prepared.json"
-            got = slices.run_command(_argv("--prepare", size, str(work), out=out), out, timeout=7200)
+            got = child(["--prepare", size, str(work)], out, _prepare_to, (size, str(work)), "prepare", 7200)
             if "error" in got:  # our own export: nothing of this size can be measured without it
                 raise SystemExit(f"error: the exports of {size} failed: {got['error']}")
             prepared.update(got)
@@ -156,7 +163,7 @@ def run_size(size: str, args, work: Path, stored: dict | None, save) -> dict:
             new_tokens=args.new_tokens if v["kernel"] or v["file"] == "dense" else args.slow_tokens,
         )
         out = work / f"measure-{time.monotonic_ns()}.json"
-        return slices.run_command(_argv("--measure", json.dumps(spec), out=out), out, timeout=3600)
+        return child(["--measure", json.dumps(spec)], out, _measure_to, (spec,), name, 3600)
 
     entry = {"prepared": (stored or {}).get("prepared"), "before": machine_state()}
 
@@ -207,13 +214,35 @@ def summarize(runs: dict) -> dict:
     return {"summary": summary, "not_run": errors, "wrong_tokens": wrong}
 
 
+def _prepare_to(size: str, work: str, out: str) -> None:
+    Path(out).write_text(json.dumps(prepare(size, Path(work))))
+
+
+def _measure_to(spec: dict, out: str) -> None:
+    Path(out).write_text(json.dumps(measure(spec)))
+
+
+def _preimport() -> None:
+    """--quick: what the children import, once here before they fork (torch, transformers, hf_llmkit, onnxruntime)."""
+    import onnxruntime  # noqa: F401
+    import onnxruntime_extensions  # noqa: F401
+    import torch
+    import transformers  # noqa: F401
+
+    import hf_llmkit  # noqa: F401
+    from hf_llmkit.quantization import export  # noqa: F401
+
+    torch.set_num_threads(1)
+
+
 def _argv(*argv: str, out: Path) -> list[str]:
     return [sys.executable, __file__, *argv, "--out", str(out)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a tiny Llama, one round")
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny Llama, one round, the children forked from this process")  # fmt: skip
     parser.add_argument("--sizes", nargs="*", choices=list(SHAPES), default=None, help="(default: issue smollm2)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens timed (dense and our kernel)")
@@ -238,8 +267,9 @@ def main() -> None:
     if args.device not in (None, "cpu"):
         parser.error("onnxruntime runs here on the CPU: --device cpu (or leave it out)")
     sizes = args.sizes or (["tiny"] if args.quick else ["issue", "smollm2"])
-    if args.quick:
+    if args.quick:  # a smoke test: the children fork from this process, the stack imported once
         args.rounds, args.new_tokens, args.slow_tokens, args.prefill = 1, 4, 2, 16
+        _preimport()
     started = time.perf_counter()
     config = {k: getattr(args, k) for k in ("rounds", "new_tokens", "slow_tokens", "prefill")}
     stored = slices.read_results("dkm_onnx")

@@ -206,8 +206,8 @@ def job_times(args) -> list[dict]:
             job_section.run("tiny", methods[0], Path(work))  # and the tokenized data for the first row
     for shape in args.job_shapes or (["tiny"] if args.quick else ["280M", "1B"]):
         for method in methods:
-            with tempfile.TemporaryDirectory(prefix="dkm_quality_job_") as work:
-                row = job_section.run(shape, method, Path(work))
+            with tempfile.TemporaryDirectory(prefix="dkm_quality_job_") as work:  # --quick: forked, not cold
+                row = job_section.run(shape, method, Path(work), fork=args.quick)
             shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}
             print(f"  job: {shown}", file=sys.stderr, flush=True)
             rows.append(row)

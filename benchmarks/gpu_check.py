@@ -24,14 +24,19 @@ root. The exit code is 0 only when every part passed.
 The plumbing mode (`--device cpu`) runs the same parts with `--device cpu` at tiny sizes, writes the results as
 `<name>.cuda.json` into a temporary folder (`$HF_LLMKIT_BENCH_RESULTS`, `$HF_LLMKIT_BENCH_TAG=cuda`), never into
 `benchmarks/results/`, and renders every CUDA fragment from there instead of writing pages
-(tests/benchmarks/test_gpu_check.py runs it).
+(tests/benchmarks/test_gpu_check.py runs it). There each part's `python ...` command runs in a process forked from
+this one after it imported the stack once (torch, transformers, peft, hf_llmkit: 6-7 s of CPU a cold interpreter
+would pay per part), with the part's own argv, environment, process group, log and exit status; the benchmarks'
+own modules are imported afresh in it. On a GPU every part is a fresh interpreter (the installed wheels come first).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -80,7 +85,7 @@ PARTS = (
          ("--sp", "1", "--model", "1b", "--dtype", "bf16", "--budget-mib", "2048", "--probe", "512",
           "--time-seq", "4096", "--rounds", "3"),
          ("--model", "tiny", "--budget-mib", "4", "--probe", "64", "--time-seq", "128", "--rounds", "1",
-          "--offload-seq", "256")),
+          "--offload-seq", "256", "--fork-ranks")),
     Part("peft_methods", 45, ("--workloads", "llama", "--batch", "8", "--seq", "512", "--rounds", "6"),
          ("--quick", "--workloads", "llama", "bert")),
     Part("quickstart", 70, ("--rounds", "1"), ("--quick",)),
@@ -140,23 +145,102 @@ def _quote(arg: str) -> str:
     return shlex.quote(arg)
 
 
-def run_part(cmd: list[str], log: Path, budget: float, env: dict[str, str]) -> tuple[str, float]:
+def run_part(cmd: list[str], log: Path, budget: float, env: dict[str, str], fork: bool = False) -> tuple[str, float]:
     """Runs `cmd` in its own process group, output to `log`; (status, seconds). Past `budget` the whole group is
-    killed (a benchmark's spawned ranks too) and the status is `timeout`."""
+    killed (a benchmark's spawned ranks too) and the status is `timeout`. `fork` (the plumbing mode): a `python ...`
+    command runs in a child forked from this process (`_forked`) instead of a new interpreter."""
     start = time.monotonic()
     with log.open("w") as out:
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=max(budget, 1.0))
-            status = "ok" if rc == 0 else f"failed (exit {rc})"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if fork and cmd[0] == PY:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _forked(cmd[1:], out.fileno(), env)
+            rc = _wait(pid, max(budget, 1.0))
+        else:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # fmt: skip
+            try:
+                rc = proc.wait(timeout=max(budget, 1.0))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = None
+        if rc is None:
             status = "timeout"
             out.write(f"\n[gpu_check] stopped after {budget:.0f} s (its budget)\n")
+        else:
+            status = "ok" if rc == 0 else f"failed (exit {rc})"
     return status, time.monotonic() - start
+
+
+def _wait(pid: int, budget: float) -> int | None:
+    """The exit status of the forked part `pid`, or None when it ran past `budget` (its process group killed)."""
+    deadline = time.monotonic() + budget
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return None
+        time.sleep(0.05)
+
+
+def _forked(args: list[str], log: int, env: dict[str, str]) -> None:
+    """A forked part: `python ARGS` (a script, `-m module` or `-c code`) run as `__main__` in this child, in its own
+    process group, with `env`, output to `log`; the benchmarks' modules imported afresh (a script's load sampler and
+    results record are its own). Leaves with the status the interpreter would give."""
+    code = 0
+    try:
+        os.setsid()
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(REPO)
+        ours = [name for name, module in sys.modules.items() if name != "__main__"
+                and HERE in Path(getattr(module, "__file__", None) or "/").resolve().parents]  # fmt: skip
+        for name in ours:
+            del sys.modules[name]
+        if args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        elif args[0] == "-c":
+            sys.argv = ["-c", *args[2:]]
+            exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102 - our own code
+        else:
+            sys.argv = list(args)
+            sys.path[0] = str(Path(args[0]).resolve().parent)
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_.code if exit_.code is None or isinstance(exit_.code, int) else 1
+        if code == 1 and not isinstance(exit_.code, int):  # sys.exit("message"): printed, status 1
+            print(exit_.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - reported as the interpreter does: a traceback and status 1
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code or 0)
+
+
+def _preimport() -> None:
+    """The stack every forked part imports, once here (the plumbing mode)."""
+    import torch
+
+    torch.set_num_threads(1)
+    import hf_llmkit  # noqa: F401  (first: it imports peft and transformers after its filters of their noise)
 
 
 def record(summary: dict, start: float, results: Path) -> None:
@@ -209,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         results = Path(env.get("HF_LLMKIT_BENCH_RESULTS") or tempfile.mkdtemp(prefix="gpu_check_"))
         env.update(HF_LLMKIT_BENCH_RESULTS=str(results), HF_LLMKIT_BENCH_TAG="cuda")
         os.environ.update(HF_LLMKIT_BENCH_RESULTS=str(results), HF_LLMKIT_BENCH_TAG="cuda")
+        _preimport()  # every part forks from this process
     parts = [p for p in PARTS if args.only is None or p.name in args.only]
     budgets = [p.budget_s if args.device == "cuda" else CPU_BUDGET_S for p in parts]
     total = args.total if args.device == "cuda" else sum(budgets)
@@ -226,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         elif budget < 1:
             row = {"status": "not run", "seconds": 0.0, "budget_s": 0.0, "why": "no time left"}
         else:
-            status, seconds = run_part(cmd, out / f"{part.name}.log", budget, env)
+            status, seconds = run_part(cmd, out / f"{part.name}.log", budget, env, fork=args.device == "cpu")
             row = {"status": status, "seconds": round(seconds, 1), "budget_s": round(budget, 1)}
             row["command"] = " ".join(cmd[1:] if cmd[0] == PY else cmd)
         summary["parts"][part.name] = row

@@ -10,7 +10,7 @@ steps on the embedded corpus and is scored by masked-LM perplexity on a held-out
 
     python benchmarks/peft_methods.py                      # ~3 minutes on 2 idle CPU cores
     python benchmarks/peft_methods.py --adapters-python /path/to/venv/bin/python   # or $HF_LLMKIT_ADAPTERS_PYTHON
-    python benchmarks/peft_methods.py --quick               # batch 2 x 32 tokens, 2 rounds, 1 quality step: smoke test
+    python benchmarks/peft_methods.py --quick               # batch 2 x 32 tokens, 1 round, 1 quality step: smoke test
     python benchmarks/peft_methods.py --device cuda         # the default when a GPU is present (both processes)
 
 The AdapterHub venv: `python3 -m venv VENV && VENV/bin/pip install adapters 'transformers==4.57.*' torch`.
@@ -198,13 +198,13 @@ def main() -> None:
                         help="llama alone: no MiniLM weights needed, and no quality run (it is MiniLM's)")  # fmt: skip
     parser.add_argument("--out", default=None, help="(default: results/peft_methods.json, .cuda.json on CUDA)")
     parser.add_argument(
-        "--quick", action="store_true", help="batch 2 x 32 tokens, 2 rounds, 1 quality step on 8 held-out blocks"
+        "--quick", action="store_true", help="batch 2 x 32 tokens, 1 round, 1 quality step on 8 held-out blocks"
     )
     add_device_argument(parser)
     args = parser.parse_args()
     device = pick_device(args.device)
     if args.quick:
-        args.batch, args.seq, args.rounds, args.quality_steps = 2, 32, 2, 1
+        args.batch, args.seq, args.rounds, args.quality_steps = 2, 32, 1, 1
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 

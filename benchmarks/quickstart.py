@@ -11,7 +11,8 @@ peer; torch threads and the load before and after.
     python benchmarks/quickstart.py              # 2 rounds: 4 quickstarts and a short first run (about 10 minutes
                                                  # on 2 idle cores; over an hour on 2 cores loaded 5x)
     python benchmarks/quickstart.py --rounds 1   # the bounded run for a loaded machine: one quickstart of each
-    python benchmarks/quickstart.py --quick          # 1 round of 5 steps, 16 eval blocks, no untimed first run
+    python benchmarks/quickstart.py --quick          # 1 round of 2 steps, 4 eval blocks, no untimed first run,
+                                                     # each variant forked from this process: a smoke test
     python benchmarks/quickstart.py --device cuda    # the default when a GPU is present (both variants)
 """
 
@@ -69,11 +70,43 @@ def peer(output_dir: str, steps: int, device: str, eval_blocks: int | None = Non
     trainer.evaluate()
 
 
+RUN_CLM = "run_clm (make quickstart)"
+
+
+def forked_variant(name: str, steps: int, device: str, eval_blocks: int | None, result: str) -> None:
+    """`--quick`: the variant in this process (a child forked from the benchmark after it imported the stack once,
+    `harness.slices.run_child`), its wall time and train_runtime written to `result` as `run_variant` returns them."""
+    with tempfile.TemporaryDirectory(prefix="quickstart_") as out:
+        start = time.perf_counter()
+        if name == RUN_CLM:
+            import run_clm
+
+            argv = ["--output_dir", out, "--disable_tqdm", "true", "--max_steps", str(steps)]
+            argv += ["--use_cpu", str(device == "cpu").lower(), "--max_eval_samples", str(eval_blocks)]
+            run_clm.run(argv)
+        else:
+            peer(out, steps, device, eval_blocks)
+        wall = time.perf_counter() - start
+        train = json.loads((Path(out) / "train_results.json").read_text())
+    Path(result).write_text(json.dumps({"wall_s": wall, "train_s": train["train_runtime"]}))
+
+
+def run_forked(name: str, steps: int, device: str, eval_blocks: int | None) -> dict[str, float]:
+    from harness import slices
+
+    with tempfile.TemporaryDirectory(prefix="quickstart_child_") as work:
+        got = slices.run_child(forked_variant, (name, steps, device, eval_blocks), Path(work) / "result.json",
+                               name=name, timeout=3600)  # fmt: skip
+    if "error" in got:
+        raise RuntimeError(f"{name} failed: {got['error']}")
+    return got
+
+
 def run_variant(name: str, steps: int, device: str, eval_blocks: int | None = None) -> dict[str, float]:
     """One fresh process of `name` on `device`; its wall time and the Trainer's train_runtime (the Trainer
     synchronizes the GPU before it reads its clock)."""
     with tempfile.TemporaryDirectory(prefix="quickstart_") as out:
-        if name == "run_clm (make quickstart)":
+        if name == RUN_CLM:
             cmd = [
                 sys.executable,
                 str(REPO / "examples" / "run_clm.py"),
@@ -102,15 +135,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--peer-run", help=argparse.SUPPRESS)
     parser.add_argument("--eval-blocks", type=int, default=None, help="evaluate on this many validation blocks")
-    parser.add_argument("--quick", action="store_true", help="1 round of 5 steps, 16 eval blocks, no untimed run")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 round of 2 steps, 4 eval blocks, no untimed run, the variants forked from this "
+                        "process (CPU)")  # fmt: skip
     add_device_argument(parser)
     options = parser.parse_args()
     device = pick_device(options.device).type
     if options.quick:
-        options.rounds, options.steps, options.eval_blocks = 1, 5, 16
+        options.rounds, options.steps, options.eval_blocks = 1, 2, 4
     if options.peer_run:
         return peer(options.peer_run, options.steps, device, options.eval_blocks)
-    names = ["run_clm (make quickstart)", "plain Trainer (peer)"]
+    names = [RUN_CLM, "plain Trainer (peer)"]
+    measure = run_variant
+    if options.quick and device == "cpu":  # a smoke test of the whole script: the stack imported once, not per run
+        sys.path.insert(0, str(REPO / "examples"))
+        import run_clm  # noqa: F401
+
+        measure = run_forked
     if not options.quick:  # untimed: builds the tokenizer and the data cache, as the first quickstart does
         run_variant(names[0], 1, device, options.eval_blocks)
     before = machine_state()
@@ -118,7 +159,7 @@ def main() -> None:
     for index in range(options.rounds):
         order = names[index % 2 :] + names[: index % 2]
         for name in order:
-            samples[name].append(run_variant(name, options.steps, device, options.eval_blocks))
+            samples[name].append(measure(name, options.steps, device, options.eval_blocks))
     after = machine_state()
     rows = [["variant", "wall s (min / median)", "train s (min / median)", "train x peer (min / median)"]]
     summary = {}

@@ -40,7 +40,7 @@ are not on an accelerator), and `offload_saved_activations()` around the whole f
 before: everything autograd saves outside the checkpointed layers too, the logits included). Deterministic: it
 does not depend on the load. `--offload-only` runs this part alone.
 
-    python benchmarks/sequence_parallel.py --quick     # sp 2, 8 MiB, 256 tokens timed, 2 rounds: a smoke test
+    python benchmarks/sequence_parallel.py --quick     # sp 2, 8 MiB, 256 tokens, 2 rounds, forked ranks: a smoke test
     python benchmarks/sequence_parallel.py --offload-only   # the offload bytes alone (seconds)
     python benchmarks/sequence_parallel.py             # sp 1, 2, 4, 32 MiB: about 30 minutes
     python benchmarks/sequence_parallel.py --device cuda --budget-mib 4096   # one GPU per rank, over NCCL
@@ -276,6 +276,68 @@ def bench_rank(config: dict) -> dict:
     }
 
 
+def forked_ranks(fn, config: dict, *, nprocs: int, timeout: float) -> list:
+    """`launch(fn, config, nprocs=...)`'s results with ranks forked from this process (gloo on 127.0.0.1), for a smoke
+    run (`--fork-ranks`: this process ran torch on one thread, so a fork is safe); a rank that fails gives the others
+    2 s, then every rank left is killed and the run stops with the exit codes."""
+    import pickle
+    import signal
+    import tempfile
+    import time
+    import traceback
+
+    from hf_llmkit.testing import free_port
+
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="sp_ranks_") as tmp:
+        pids = []
+        for rank in range(nprocs):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    world = str(nprocs)
+                    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)
+                    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                    dist.init_process_group("gloo")
+                    result = fn(config)
+                    dist.barrier()
+                    dist.destroy_process_group()
+                    Path(tmp, f"result{rank}.pkl").write_bytes(pickle.dumps(result))
+                    code = 0
+                except BaseException:  # noqa: BLE001 - the rank's traceback, then its exit status
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            pids.append(pid)
+        codes: dict[int, int] = {}
+        deadline, failed_at = time.monotonic() + timeout, None
+        while len(codes) < nprocs:
+            for pid in pids:
+                done, status = os.waitpid(pid, os.WNOHANG) if pid not in codes else (0, 0)
+                if done:
+                    codes[pid] = os.waitstatus_to_exitcode(status)
+            if failed_at is None and any(codes.values()):
+                failed_at = time.monotonic()
+            if len(codes) < nprocs and (
+                time.monotonic() > deadline or (failed_at and time.monotonic() > failed_at + 2)
+            ):
+                for pid in pids:
+                    if pid not in codes:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                        os.waitpid(pid, 0)
+                        codes[pid] = -signal.SIGKILL
+            time.sleep(0.02)
+        if any(codes.values()):
+            raise RuntimeError(f"{fn.__qualname__} on {nprocs} forked ranks: exit codes {[codes[p] for p in pids]}")
+        return [pickle.loads(Path(tmp, f"result{rank}.pkl").read_bytes()) for rank in range(nprocs)]
+
+
 OFFLOAD_DESIGNS = {
     "hf_llmkit offload_activation_checkpoints (transformers' offload=True)": "transformers",
     "DeepSpeed CheckpointHiddenStatesOffload": "deepspeed",
@@ -403,7 +465,11 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny", help="the Llama shape (MODELS)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and activations")
     parser.add_argument("--time-only", action="store_true", help="skip the longest-sequence search")
-    parser.add_argument("--quick", action="store_true", help="sp 2, 8 MiB, 256 tokens timed, 2 rounds")
+    parser.add_argument("--quick", action="store_true",
+                        help="sp 2, 8 MiB, 256 tokens timed, 2 rounds, ranks forked (--fork-ranks)")  # fmt: skip
+    parser.add_argument("--fork-ranks", action="store_true",
+                        help="a smoke run: on CPU with one torch thread, the ranks forked from this process instead "
+                        "of fresh interpreters (their imports: seconds each)")  # fmt: skip
     parser.add_argument("--offload-seq", type=int, default=4096, help="tokens of the offload-bytes step")
     parser.add_argument("--offload-only", action="store_true", help="only the offload bytes (seconds)")
     add_device_argument(parser)
@@ -413,6 +479,7 @@ def main() -> None:
         args.budget_mib = 4096.0 if device.type == "cuda" else 32.0
     if args.quick:
         args.sp, args.budget_mib, args.probe, args.time_seq, args.rounds = [2], 8.0, 64, 256, 2
+        args.fork_ranks = True
     if device.type == "cuda" and any(sp > torch.cuda.device_count() for sp in args.sp):
         print(f"--device cuda: one GPU per rank; sp > {torch.cuda.device_count()} left out", file=sys.stderr)
         args.sp = [sp for sp in args.sp if sp <= torch.cuda.device_count()]
@@ -439,7 +506,10 @@ def main() -> None:
     shape = {"model": MODELS[args.model], "model_name": args.model, "chunk": CHUNK}
     results = {"config": {**config, **shape}, "machine": machine_state(), "runs": {}}
     for sp in args.sp:
-        results["runs"][str(sp)] = launch(bench.bench_rank, config, nprocs=sp, timeout=3600, env=env)[0]
+        if args.fork_ranks and device.type == "cpu" and torch.get_num_threads() == 1:
+            results["runs"][str(sp)] = forked_ranks(bench.bench_rank, config, nprocs=sp, timeout=3600)[0]
+        else:
+            results["runs"][str(sp)] = launch(bench.bench_rank, config, nprocs=sp, timeout=3600, env=env)[0]
     report(results)
     if not config["memory"]:
         print(f"\nwrote {write_results('sequence_parallel_time', results)}")

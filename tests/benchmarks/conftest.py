@@ -1,6 +1,9 @@
 """The benchmark runs the tests of this folder read, each made once per test run (issue 49): every script's `--quick`
-mode and the GPU check's CPU plumbing mode. A run is a fresh process, as a user starts it; its results go to a
-folder of this test run (never over benchmarks/results/), and every test that needs them reads the same files.
+mode and the GPU check's CPU plumbing mode. A run is a process of its own, as a user starts it (`python
+benchmarks/<script> ...`: the script runs as `__main__`, with its own argv, environment, exit status and output),
+forked from the warm interpreter of tests/warm.py instead of a cold `python` (whose imports of torch, transformers and
+peft cost 6-7 s of CPU per run); its results go to a folder of this test run (never over benchmarks/results/), and
+every test that needs them reads the same files.
 
 Across pytest-xdist's workers (`make test`: two, each test file whole on one of them) the first worker to ask for a
 run makes it under a file lock in the run's shared temporary folder; a worker asking meanwhile waits for it, and one
@@ -15,14 +18,13 @@ import fcntl
 import json
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests import warm
 from tests.conftest import run_folder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,8 +66,10 @@ def bench_env(tmp_path_factory: pytest.TempPathFactory, results: Path) -> dict[s
                 PYTHONUNBUFFERED="1")  # fmt: skip
 
 
-def run_command(command: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+def run_script(script: str, args: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
+    """`python benchmarks/<script> <args>` from the repository's root, forked from the warm interpreter (a run past
+    `timeout` is killed with everything it started: exit status -9)."""
+    proc = warm.run_script(BENCHMARKS / script, args, env=env, cwd=REPO, timeout=timeout)
     return proc.returncode, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -79,8 +83,8 @@ def quick_run(tmp_path_factory) -> Callable[[str], Run]:
 
     def get(script: str) -> Run:
         def make(folder: Path) -> tuple[int, str]:
-            command = [sys.executable, str(BENCHMARKS / script), "--quick", "--device", "cpu"]
-            return run_command(command, bench_env(tmp_path_factory, folder), QUICK_TIMEOUT_S)
+            args = ["--quick", "--device", "cpu"]
+            return run_script(script, args, bench_env(tmp_path_factory, folder), QUICK_TIMEOUT_S)
 
         return run_once(tmp_path_factory, f"quick-{script[:-3]}", make)
 
@@ -96,7 +100,7 @@ def plumbing_run(tmp_path_factory) -> Run:
 
     def make(folder: Path) -> tuple[int, str]:
         results, out = folder / "results", folder / "out"
-        command = [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--device", "cpu", "--out", str(out)]
-        return run_command(command, bench_env(tmp_path_factory, results), PLUMBING_TIMEOUT_S)
+        args = ["--device", "cpu", "--out", str(out)]
+        return run_script("gpu_check.py", args, bench_env(tmp_path_factory, results), PLUMBING_TIMEOUT_S)
 
     return run_once(tmp_path_factory, "gpu_check", make)

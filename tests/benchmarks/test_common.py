@@ -41,9 +41,9 @@ def test_cuda_without_a_gpu_exits_2_with_one_line(capsys):
 
 @pytest.mark.skipif(not NO_CUDA, reason="a CUDA device is present")
 def test_a_script_asked_for_cuda_without_a_gpu_stops_before_any_work():
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "moe.py"), "--device", "cuda"], capture_output=True, text=True, timeout=120
-    )
+    from tests import warm  # `python benchmarks/moe.py --device cuda`, forked from the warm interpreter
+
+    proc = warm.run_script(BENCHMARKS / "moe.py", ["--device", "cuda"], timeout=120)
     assert proc.returncode == 2 and "--device cuda: torch sees no CUDA device" in proc.stderr
     assert proc.stdout == ""
 

@@ -126,7 +126,7 @@ def test_a_part_killed_mid_run_keeps_its_rows_a_crashed_peer_is_a_row_and_only_m
     exactly the rows missing (or recorded loaded) and keeps the others."""
     results, work = tmp_path / "results", tmp_path / "work"
     work.mkdir()
-    env = dict(os.environ, HF_LLMKIT_BENCH_RESULTS=str(results), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, HF_LLMKIT_BENCH_RESULTS=str(results), PYTHONUNBUFFERED="1", TOY_SECONDS="0.2")
     env[slices.CRASH_ENV] = "crasher"
     command = [sys.executable, str(TOY), "--work", str(work)]
     first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)

@@ -49,17 +49,32 @@ def flags(shape: str, method: str, out_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def run(shape: str, method: str, work: Path) -> dict:
-    """One job in a fresh process: wall seconds, seconds per phase, peak RSS and parameters."""
+def run(shape: str, method: str, work: Path, fork: bool = False) -> dict:
+    """One job in a fresh process: wall seconds, seconds per phase, peak RSS and parameters. `fork` (dkm_quality.py
+    --quick, a smoke test): a child forked from this process instead, so "the rest" holds no interpreter start and
+    no imports; only for a method without environment settings (those act at an interpreter's start) and where this
+    process's torch ran one thread (a fork of a process whose OpenMP pool ran several threads can hang in it)."""
+    import torch
+
     out = work / "phases.json"
     argv = flags(shape, method, work / "run")
     start = time.perf_counter()
-    env = {**os.environ, **METHODS[method][1]}
-    proc = subprocess.run([sys.executable, __file__, str(out), *argv], capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        return {"shape": shape, "method": method, "error": f"exit {proc.returncode}: {tail[0][:200]}"}
+    if fork and not METHODS[method][1] and torch.get_num_threads() == 1:
+        import multiprocessing
+
+        child = multiprocessing.get_context("fork").Process(target=_child, args=(out, argv))
+        child.start()
+        child.join()
+        wall = time.perf_counter() - start
+        if child.exitcode != 0:
+            return {"shape": shape, "method": method, "error": f"exit {child.exitcode} (its output is above)"}
+    else:
+        env = {**os.environ, **METHODS[method][1]}
+        proc = subprocess.run([sys.executable, __file__, str(out), *argv], capture_output=True, text=True, env=env)
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            return {"shape": shape, "method": method, "error": f"exit {proc.returncode}: {tail[0][:200]}"}
     row = {"shape": shape, "method": method, "wall_s": wall, **json.loads(out.read_text())}
     row["other_s"] = wall - sum(row[phase] for phase in PHASES if phase != "kmeans")  # start, imports, data
     return row
