@@ -250,7 +250,16 @@ def _preload() -> None:
 
     if importlib.util.find_spec("deepspeed"):  # accelerate imports it lazily: once here, not in every job
         import deepspeed  # noqa: F401
+    import pydoc_data.topics  # noqa: F401  (the embedded corpus)
+
     import torch
+    import transformers.models.llama.modeling_llama  # noqa: F401  (the tiny models' classes, loaded lazily)
+    import transformers.models.mixtral.modeling_mixtral  # noqa: F401
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    # transformers builds its table of weight renamings (900 regular expressions, 0.1-0.4 s) at a process's first
+    # save or load of a model: once here, as a fresh process would build it, not in every job.
+    get_checkpoint_conversion_mapping("llama")
 
     torch.set_num_threads(1)
 

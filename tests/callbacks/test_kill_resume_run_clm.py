@@ -15,12 +15,13 @@ import pytest
 from tests import warm
 from tests.callbacks.clm_kill_harness import run_cases
 
-# The tiny settings of tests/examples, 6 steps with a checkpoint every 2 (the kill lands after checkpoint-2).
+# The tiny settings of tests/examples, 4 steps with a checkpoint every 2 (the kill lands after checkpoint-2, the
+# resumed run trains the last two and saves checkpoint-4); one evaluation batch.
 TINY = [
     "--vocab_size", "512", "--hidden_size", "64", "--intermediate_size", "128", "--num_hidden_layers", "2",
     "--max_position_embeddings", "64", "--block_size", "32", "--per_device_train_batch_size", "4",
-    "--per_device_eval_batch_size", "8", "--max_train_samples", "64", "--max_eval_samples", "16",
-    "--logging_steps", "1", "--disable_tqdm", "true", "--warmup_steps", "0", "--max_steps", "6", "--save_steps", "2",
+    "--per_device_eval_batch_size", "8", "--max_train_samples", "64", "--max_eval_samples", "8",
+    "--logging_steps", "1", "--disable_tqdm", "true", "--warmup_steps", "0", "--max_steps", "4", "--save_steps", "2",
 ]  # fmt: skip
 QUICK = {
     "full": {"flags": []},

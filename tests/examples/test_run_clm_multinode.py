@@ -5,8 +5,10 @@ complete checkpoint in the shared output folder and end with the final files of 
 byte. Each node has its own cache folder (tokenizer and tokenized blocks), built once on each node at the same time.
 The slow cells share one two-node run killed twice: first a worker of rank 1 after a checkpoint, then, in the group
 the agents restarted, rank 0 half way through a checkpoint; the uninterrupted run it is compared with is the same
-command on two ranks forked from the warm interpreter (tests/warm.py). Output folders that not every machine sees,
-and `--save_on_each_node` on several machines, stop before any work with one line.
+command on two ranks forked from the warm interpreter (tests/warm.py). The agents are torchrun's own
+(`torch.distributed.run`) in children of the warm interpreter, forking their workers (two_nodes.py): the six workers
+start without importing the stack (the command as typed, cold, runs in the docs test). Output folders that not every
+machine sees, and `--save_on_each_node` on several machines, stop before any work with one line.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from tests.examples.two_nodes import TwoNodes
 RUN_CLM = EXAMPLES / "run_clm.py"
 # 8 steps, a checkpoint every 2, sequence parallel over the two nodes.
 FLAGS = [*TINY, "--max_steps", "8", "--save_steps", "2", "--sequence_parallel_size", "2"]
-TIMEOUT = 240.0  # per launch; a healthy one takes 20-60 s on 2 busy cores
+TIMEOUT = 240.0  # per launch; a healthy one takes 5-30 s on 2 busy cores
 
 
 def _reference(workdir: Path) -> Path:
@@ -132,7 +134,7 @@ def _check_final_files(reference: Path, run: dict) -> None:
         assert len(blocks) == 1 and blocks[0].startswith("lm-blocks-") and ".tmp-" not in blocks[0], blocks
 
 
-@pytest.mark.slow  # 2 agents, 6 workers (~70 s), shared with the next cell; the output-folder and restart-store
+@pytest.mark.slow  # 2 agents, 6 forked workers (~20 s), shared with the next cell; the output-folder and store
 def test_two_nodes_sequence_parallel_survive_a_killed_worker(killed_twice):  # checks stay in `make test`
     reference, run = killed_twice
     assert len(run["restarted"]) == 1, run["output"][-6000:]  # the restarted group resumed, every rank from one
