@@ -390,10 +390,14 @@ def main(run, *, prog: str) -> None:
     preempted) ends with the exit status its arguments set (`--divergence_exit_code`, `--preemption_exit_code`).
     The process keeps freed large blocks for reuse (`allocator.keep_freed_blocks`: a job owns its process)."""
     keep_freed_blocks()
+    finished = False
     try:
         exit_on_error(run, prog=prog)
+        finished = True
     finally:
         # Tear the process groups down before interpreter exit: gloo groups (the sequence-parallel ones too)
         # destroyed during finalisation can abort the process ("terminate called without an active exception").
         if torch.distributed.is_available() and torch.distributed.is_initialized():
+            if finished:  # every rank tears down together: rank 0 hosts the store the others' groups still use
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()

@@ -8,7 +8,8 @@ import re
 import pytest
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from hf_llmkit.testing import minilm_path
+from hf_llmkit.testing import launch_script, minilm_path
+from tests.conftest import EXAMPLES
 from tests.examples.test_seed_recipe import UNACTIONABLE
 
 # A model and data small enough that a few steps take a second or two on 2 cores.
@@ -61,23 +62,20 @@ def test_real_pretrained_model_folder(run_clm, tmp_path):
     assert len(saved) == len(AutoTokenizer.from_pretrained(model_dir)) == 30522
 
 
-def test_two_ranks_with_accelerate_launch(run_clm, shared_runs):
-    """docs/main_job.md's `accelerate launch --multi_gpu --num_processes 2 examples/run_clm.py` as the docs test runs
-    it (a fresh clone's look after the quickstart; the runner's tiny sizes and step cap): made once per pytest run, by
-    that test or this one (tests/docs/runner.py: documented_run)."""
-    from tests.docs.runner import STEPS, documented_run
-
-    line = "accelerate launch --multi_gpu --num_processes 2 examples/run_clm.py"
-    folder, proc = documented_run(shared_runs, run_clm, line)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-4000:])
-    output = (proc.stdout + proc.stderr).splitlines()
-    assert "| ranks " in proc.stdout and "| 2 " in proc.stdout.split("| ranks")[1].splitlines()[0]
-    assert [line for line in output if UNACTIONABLE.search(line)] == []  # no DDP / DeepSpeed noise
-    assert sum(" INFO run_clm: blocks of" in line for line in output) == 1  # from rank 0 only
-    out = folder / re.search(r"^\| outputs +\| (\S+)", proc.stdout, flags=re.M).group(1)
-    state = json.loads((out / "trainer_state.json").read_text())
-    assert state["global_step"] == int(STEPS[1])  # the steps asked for
-    assert (out / "model.safetensors").is_file()
+def test_two_ranks_with_accelerate_launch(tmp_path):
+    out = launch_script(
+        EXAMPLES / "run_clm.py",
+        [*TINY, "--output_dir", str(tmp_path), "--max_steps", "3"],
+        nprocs=2,
+        launcher="accelerate",
+        timeout=300,
+    )
+    assert "| ranks " in out.stdout and "| 2 " in out.stdout.split("| ranks")[1].splitlines()[0]
+    assert [line for line in out.stdout.splitlines() if UNACTIONABLE.search(line)] == []  # no DDP / DeepSpeed noise
+    assert sum(" INFO run_clm: blocks of" in line for line in out.stdout.splitlines()) == 1  # from rank 0 only
+    state = json.loads((tmp_path / "trainer_state.json").read_text())
+    assert state["global_step"] == 3
+    assert (tmp_path / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize(
