@@ -23,6 +23,7 @@ from hf_llmkit.quantization import (
 from hf_llmkit.quantization import _dkm as dkm
 from hf_llmkit.quantization.engines import interval_kernel as kernel
 from hf_llmkit.testing import tiny_llama
+from tests.quantization.test_interval_kernel import _step
 
 
 def _layer(groups=1, bits=3, rows=48, cols=64, block=0, dtype=torch.float32, **options):
@@ -66,16 +67,6 @@ def _reference(layer, x, grad_y, start):
     y = xd @ w_c.t()
     (y * grad_y.double()).sum().backward()
     return y, w.grad, xd.grad, c.transpose(1, 2)
-
-
-def _step(layer, x, grad_y, start, torch_ops=False):
-    layer.centroids.copy_(start)
-    layer.dkm_step, layer.weight.grad = None, None
-    xi = x.clone().requires_grad_()
-    with kernel.torch_ops() if torch_ops else torch.enable_grad():
-        y = layer(xi)
-        (y.float() * grad_y).sum().backward()
-    return y.detach(), layer.weight.grad.clone(), xi.grad, layer.centroids.clone()
 
 
 def _rel(a, b) -> float:
