@@ -15,6 +15,7 @@ from hf_llmkit.cli import job
 from hf_llmkit.cli.model_loading import load_tokenizer
 from hf_llmkit.quantization import keep_training_state
 from hf_llmkit.testing import corpus_tokenizer, tiny_llama
+from hf_llmkit.trainers import ResumeError
 
 SHORT = ["--block_size", "32", "--per_device_train_batch_size", "4", "--max_train_samples", "16",
          "--max_eval_samples", "4", "--logging_steps", "1", "--disable_tqdm", "true", "--warmup_steps", "0",
@@ -76,19 +77,24 @@ def test_the_training_loss_is_the_kl_from_the_source_on_the_same_batch(run_clm, 
 
 def test_a_distilled_run_in_bf16_with_accumulation_and_its_flag_is_part_of_the_run(run_clm, source, tmp_path):
     """A real run: bf16 autocast, 2 micro-batches per step, a logged KL above 0, the results saying which loss it
-    is; the flag is in the run's record, and the same folder without it is refused before any work."""
-    flags = ["--model_name_or_path", str(source), *DISTIL, *SHORT, "--output_dir", str(tmp_path), "--max_steps", "2",
-             "--bf16", "true", "--use_cpu", "true", "--gradient_accumulation_steps", "2",
-             "--save_strategy", "no"]  # fmt: skip
-    results = run_clm.run(flags)
+    is; the flag is in the folder's record and the loss in the checkpoint's: the same folder, or a resume from its
+    checkpoint into another, without it is refused."""
+    out = tmp_path / "run"
+    flags = ["--model_name_or_path", str(source), *DISTIL, *SHORT, "--max_steps", "2", "--bf16", "true",
+             "--use_cpu", "true", "--gradient_accumulation_steps", "2", "--save_steps", "2"]  # fmt: skip
+    results = run_clm.run([*flags, "--output_dir", str(out)])
     assert results["global_step"] == 2 and results["train_loss_of"].startswith("KL(source || model)")
-    logged = [row["loss"] for row in json.loads((tmp_path / "trainer_state.json").read_text())["log_history"]
+    logged = [row["loss"] for row in json.loads((out / "trainer_state.json").read_text())["log_history"]
               if "loss" in row]  # fmt: skip
     assert len(logged) == 2 and all(0 < loss < 1 for loss in logged), logged
-    assert json.loads((tmp_path / "llmkit_flags.json").read_text())["distill_from_source"] is True
+    assert json.loads((out / "llmkit_flags.json").read_text())["distill_from_source"] is True
+    assert json.loads((out / "checkpoint-2" / "llmkit_run.json").read_text())["distillation"] is True
     without = [*flags, "--distill_from_source", "false"]  # the last value of a flag wins
     with pytest.raises(run_clm.UsageError, match=r"--distill_from_source: true -> false"):
-        run_clm.run(without)
+        run_clm.run([*without, "--output_dir", str(out)])
+    elsewhere = [*without, "--output_dir", str(tmp_path / "b"), "--resume_from_checkpoint", str(out / "checkpoint-2")]
+    with pytest.raises(ResumeError, match=r"belongs to a different run \(distillation: true -> false\)"):
+        run_clm.run(elsewhere)
 
 
 def test_a_lora_adapter_on_the_dkm_model_learns_from_the_source(run_clm, source, tmp_path):
