@@ -95,6 +95,12 @@ def test_a_distilled_run_in_bf16_with_accumulation_and_its_flag_is_part_of_the_r
     elsewhere = [*without, "--output_dir", str(tmp_path / "b"), "--resume_from_checkpoint", str(out / "checkpoint-2")]
     with pytest.raises(ResumeError, match=r"belongs to a different run \(distillation: true -> false\)"):
         run_clm.run(elsewhere)
+    # the compact model it saved, continued by distillation from its source named as the teacher
+    again = ["--model_name_or_path", str(out), *DISTIL, TEACHER, str(source), *SHORT, "--max_steps", "1",
+             "--do_eval", "false", "--save_strategy", "no", "--output_dir", str(tmp_path / "again")]  # fmt: skip
+    results = run_clm.run(again)
+    assert results["train_loss"] > 0
+    assert results["train_loss_of"] == f"KL(teacher || model), distillation from {source}"
 
 
 def test_a_lora_adapter_on_the_dkm_model_learns_from_the_source(run_clm, source, tmp_path):
@@ -104,15 +110,18 @@ def test_a_lora_adapter_on_the_dkm_model_learns_from_the_source(run_clm, source,
     assert results["train_loss"] > 0 and results["trainable_parameters"] < results["parameters"]
 
 
-def _compact_checkpoint(folder):
+def _config_only(folder, **sizes):
+    """A folder with only a config.json (what the checks before any work read), DKM-compact without `sizes`."""
     folder.mkdir()
-    config = tiny_llama().config.to_dict()
-    config["quantization_config"] = {"quant_method": "dkm", "bits": 3}
+    config = tiny_llama(**sizes).config.to_dict()
+    if not sizes:
+        config["quantization_config"] = {"quant_method": "dkm", "bits": 3}
     (folder / "config.json").write_text(json.dumps(config))
-    return folder
+    return str(folder)
 
 
 ON = ["--distill_from_source", "true"]
+TEACHER = "--teacher_model_name_or_path"
 
 
 @pytest.mark.parametrize(
@@ -125,18 +134,25 @@ ON = ["--distill_from_source", "true"]
             "a --load_in_kbits 4 base is not supported",
         ),
         (None, DISTIL, "a model built from scratch has no source: pass --model_name_or_path"),
-        ("compact", DISTIL, "is a compact DKM checkpoint (3-bit), which holds no uncompressed source"),
+        ("compact", DISTIL, "is a compact DKM checkpoint (3-bit), which holds no uncompressed source: pass that"),
+        ("source", [*DISTIL, TEACHER, "compact"], "is a compact DKM checkpoint: pass the uncompressed model"),
+        ("source", [*DISTIL, TEACHER, "small"], "has a vocabulary of 256 tokens and the model 512"),
         ("source", [*DISTIL, "--do_train", "false"], "it is a training loss and --do_train false trains nothing"),
         ("source", [*DISTIL, "--tiled_loss", "true"], "--tiled_loss never forms the whole logits"),
         ("source", [*DISTIL, "--label_smoothing_factor", "0.1"], "--label_smoothing_factor smooths the LM loss"),
         ("source", [*DISTIL, "--peft_method", "ptuning"], "--peft_method ptuning adds virtual tokens the source"),
     ],
-    ids=["no-dkm", "kbit", "scratch", "compact", "no-train", "tiled-loss", "smoothing", "ptuning"],
-)
+    ids=["no-dkm", "kbit", "scratch", "compact", "compact-teacher", "other-vocabulary", "no-train", "tiled-loss",
+         "smoothing", "ptuning"],
+)  # fmt: skip
 def test_what_cannot_distil_is_refused_in_one_line(run_clm, source, tmp_path, model, flags, line):
-    folders = {"source": source, "compact": _compact_checkpoint(tmp_path / "compact") if model == "compact" else None}
-    argv = ["--model_name_or_path", str(folders[model])] if model else []
+    folders = {"source": str(source), "compact": _config_only(tmp_path / "compact"),
+               "small": _config_only(tmp_path / "small", vocab_size=256)}  # fmt: skip
+    argv = ["--model_name_or_path", folders[model]] if model else []
     with pytest.raises(run_clm.UsageError) as error:
-        run_clm.parse_args([*argv, *flags, "--output_dir", str(tmp_path / "out")])
+        run_clm.parse_args([*argv, *[folders.get(f, f) for f in flags], "--output_dir", str(tmp_path / "out")])
     assert str(error.value).startswith("--distill_from_source true: ") and line in str(error.value)
     assert "\n" not in str(error.value)
+    if model == "source" and flags == ON:  # a teacher folder alone needs the flag
+        with pytest.raises(run_clm.UsageError, match=f"^{TEACHER} has no effect without --distill_from_source true"):
+            run_clm.parse_args([*argv, TEACHER, str(source), "--output_dir", str(tmp_path / "out")])
