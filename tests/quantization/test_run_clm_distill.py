@@ -110,6 +110,16 @@ def test_a_lora_adapter_on_the_dkm_model_learns_from_the_source(run_clm, source,
     assert results["train_loss"] > 0 and results["trainable_parameters"] < results["parameters"]
 
 
+def test_another_model_of_the_vocabulary_teaches_a_run_without_quantization(run_clm, source, tmp_path):
+    teacher = tmp_path / "teacher"
+    tiny_llama(hidden_size=32, intermediate_size=64).save_pretrained(teacher)
+    flags = ["--model_name_or_path", str(source), "--distill_from_source", "true", "--teacher_model_name_or_path",
+             str(teacher), *SHORT, "--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--do_eval", "false",
+             "--save_strategy", "no"]  # fmt: skip
+    results = run_clm.run(flags)
+    assert results["train_loss"] > 0 and results["train_loss_of"].startswith("KL(teacher || model)")
+
+
 def _config_only(folder, **sizes):
     """A folder with only a config.json (what the checks before any work read), DKM-compact without `sizes`."""
     folder.mkdir()
