@@ -132,6 +132,7 @@ def _config_only(folder, **sizes):
 
 ON = ["--distill_from_source", "true"]
 TEACHER = "--teacher_model_name_or_path"
+ZERO3 = '{"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}'
 
 
 @pytest.mark.parametrize(
@@ -151,9 +152,10 @@ TEACHER = "--teacher_model_name_or_path"
         ("source", [*DISTIL, "--tiled_loss", "true"], "--tiled_loss never forms the whole logits"),
         ("source", [*DISTIL, "--label_smoothing_factor", "0.1"], "--label_smoothing_factor smooths the LM loss"),
         ("source", [*DISTIL, "--peft_method", "ptuning"], "--peft_method ptuning adds virtual tokens the source"),
+        ("source", [*DISTIL, "--deepspeed", ZERO3], "DeepSpeed ZeRO-3 would partition the source as it loads"),
     ],
     ids=["no-dkm", "kbit", "scratch", "compact", "compact-teacher", "other-vocabulary", "no-train", "tiled-loss",
-         "smoothing", "ptuning"],
+         "smoothing", "ptuning", "zero3"],
 )  # fmt: skip
 def test_what_cannot_distil_is_refused_in_one_line(run_clm, source, tmp_path, model, flags, line):
     folders = {"source": str(source), "compact": _config_only(tmp_path / "compact"),
