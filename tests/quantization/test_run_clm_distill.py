@@ -4,6 +4,7 @@ the model as loaded before quantization; what cannot distil is refused in one li
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from hf_llmkit.cli.model_loading import load_tokenizer
 from hf_llmkit.quantization import keep_training_state
 from hf_llmkit.testing import corpus_tokenizer, tiny_llama
 from hf_llmkit.trainers import ResumeError
+from tests.one_launch import fresh_trainer_state
 
 SHORT = ["--block_size", "32", "--per_device_train_batch_size", "4", "--max_train_samples", "16",
          "--max_eval_samples", "4", "--logging_steps", "1", "--disable_tqdm", "true", "--warmup_steps", "0",
@@ -161,8 +163,13 @@ def test_what_cannot_distil_is_refused_in_one_line(run_clm, source, tmp_path, mo
     folders = {"source": str(source), "compact": _config_only(tmp_path / "compact"),
                "small": _config_only(tmp_path / "small", vocab_size=256)}  # fmt: skip
     argv = ["--model_name_or_path", folders[model]] if model else []
-    with pytest.raises(run_clm.UsageError) as error:
-        run_clm.parse_args([*argv, *[folders.get(f, f) for f in flags], "--output_dir", str(tmp_path / "out")])
+    environ = dict(os.environ)
+    try:
+        with pytest.raises(run_clm.UsageError) as error:
+            run_clm.parse_args([*argv, *[folders.get(f, f) for f in flags], "--output_dir", str(tmp_path / "out")])
+    finally:
+        if "--deepspeed" in flags:  # its arguments set a process-wide ZeRO-3 config that later models would obey
+            fresh_trainer_state(environ)
     assert str(error.value).startswith("--distill_from_source true: ") and line in str(error.value)
     assert "\n" not in str(error.value)
     if model == "source" and flags == ON:  # a teacher folder alone needs the flag
