@@ -29,6 +29,7 @@ from hf_llmkit.parallel.host_clashes import check_expert_parallel_model
 from hf_llmkit.parallel.moe.routing_stats import watch_native_routers
 from hf_llmkit.trainers.changed_settings import apply_changed_settings
 from hf_llmkit.trainers.checkpoint_writes import save_checkpoint, save_final_model
+from hf_llmkit.trainers.distillation import TrainerDistillation
 from hf_llmkit.trainers.eval_preparation import forget_evaluation_preparation
 from hf_llmkit.trainers.expert_parallel import TrainerExpertParallel
 from hf_llmkit.trainers.long_sequence import TrainerLongSequence
@@ -47,6 +48,9 @@ from hf_llmkit.trainers.sequence_parallel import TrainerSequenceParallel
 class LLMKitTrainer(Trainer):
     """Drop-in `transformers.Trainer`; pass `LLMKitTrainingArguments` to enable hf_llmkit's features.
 
+    `teacher_model`: train on KL(teacher || model) of the next-token distributions instead of the model's loss
+    (`hf_llmkit.trainers.distillation`; evaluation keeps the model's loss).
+
     Example:
         ```python
         from hf_llmkit import LLMKitTrainingArguments
@@ -57,7 +61,7 @@ class LLMKitTrainer(Trainer):
         ```
     """
 
-    def __init__(self, model=None, args=None, *rest, **kwargs):
+    def __init__(self, model=None, args=None, *rest, teacher_model=None, **kwargs):
         if model is not None:  # before the Trainer builds its Accelerator (which may refuse the model first)
             check_expert_parallel_model(getattr(args, "expert_parallel_size", 1), model)
         super().__init__(model, args, *rest, **kwargs)
@@ -80,16 +84,21 @@ class LLMKitTrainer(Trainer):
         self._long_sequence = TrainerLongSequence.for_trainer(self)
         # Expert parallelism (hf_llmkit.trainers.expert_parallel): sharded experts, DDP reduction, clipping, saving.
         self._expert_parallel = TrainerExpertParallel.for_trainer(self)
+        # Distillation (hf_llmkit.trainers.distillation): training steps on KL(teacher || model).
+        self._distillation = TrainerDistillation.for_trainer(self, teacher_model)
         # DKM (hf_llmkit.quantization.training_state): resumable checkpoints and the final calibration, once.
         from hf_llmkit.quantization.training_state import add_training_state_callback
 
         add_training_state_callback(self)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """`Trainer.compute_loss`, plus the MoE auxiliary losses of the forward it ran (training only)."""
+        """`Trainer.compute_loss` (with `teacher_model`, training steps distil: `hf_llmkit.trainers.distillation`),
+        plus the MoE auxiliary losses of the forward it ran (training only)."""
         if model.training:
             self._moe_loss.begin_forward(model)
-        if self._sequence_parallel is not None:
+        if self._distillation is not None and model.training:
+            result = self._distillation.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        elif self._sequence_parallel is not None:
             result = self._sequence_parallel.compute_loss(
                 self, model, inputs, return_outputs, num_items_in_batch, long_sequence=self._long_sequence
             )

@@ -28,6 +28,7 @@ from transformers import Trainer
 from hf_llmkit.parallel.sequence.data import IGNORE_INDEX
 from hf_llmkit.parallel.sequence.tiled_loss import TARGETS_KWARG, TiledLoss, chunk_count
 from hf_llmkit.parallel.sequence.tiled_mlp import TiledMLP
+from hf_llmkit.trainers.token_loss import per_target_token
 
 
 class TrainerLongSequence:
@@ -88,12 +89,7 @@ class TrainerLongSequence:
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # [B, S], target of position i
         with self.forward(model, shift_labels.shape[1]):
             outputs = model(**inputs, **self.loss_kwargs(shift_labels))
-        total = outputs["loss"]
-        if trainer.model_accepts_loss_kwargs and num_items_in_batch is not None:  # as the model's own loss would
-            loss = total / torch.as_tensor(num_items_in_batch, device=total.device)
-            if trainer.args.average_tokens_across_devices:
-                loss = loss * (trainer.accelerator.num_processes // trainer.get_tp_size())  # as Trainer.compute_loss
-        else:
-            loss = total / (shift_labels != IGNORE_INDEX).sum().clamp(min=1).to(total.device)
+        targets = (shift_labels != IGNORE_INDEX).sum()
+        loss = per_target_token(trainer, outputs["loss"], targets=targets, num_items_in_batch=num_items_in_batch)
         outputs["loss"] = loss
         return (loss, outputs) if return_outputs else loss

@@ -2,7 +2,8 @@
 
 Every checkpoint `LLMKitTrainer` writes holds `llmkit_run.json`: the model's architecture and sizes (its config,
 without dtype / attention implementation / version fields), the PEFT method and its config, the quantization
-config, the MoE settings (part of the config), the parameters' names and shapes, the sequence-parallel size, the
+config, the MoE settings (part of the config), whether the loss is distillation from a teacher model, the
+parameters' names and shapes, the sequence-parallel size, the
 training data (number of samples and a digest of a few evenly spread samples: the files, block size, split and
 sample limits all show there), the seed, the number of ranks and the batch geometry (per-device batch size,
 gradient accumulation), and the optimizer's type and settings other than the learning rate (they live in
@@ -60,7 +61,7 @@ _VOLATILE = {
 _PEFT_VOLATILE = {"base_model_name_or_path", "revision", "inference_mode"}
 _DATA_SAMPLES = 8
 # most telling first
-_ORDER = ("model", "peft", "quantization", "sequence_parallel_size", "training", "data", "parameters")
+_ORDER = ("model", "peft", "quantization", "distillation", "sequence_parallel_size", "training", "data", "parameters")
 # TrainingArguments fields that shape the checkpoint (refused when changed); "ranks" is the world size.
 _TRAINING = (
     "seed",
@@ -160,6 +161,7 @@ def run_identity(trainer) -> dict:
             "model": _config_dict(config) if config is not None else type(model).__name__,
             "peft": _peft_configs(model),
             "quantization": quantization,
+            "distillation": getattr(trainer, "_distillation", None) is not None,  # the loss: KL from a teacher
             "sequence_parallel_size": getattr(trainer.args, "sequence_parallel_size", 1),
             "training": _training(trainer.args),
             "data": _data_identity(trainer.train_dataset),

@@ -230,6 +230,7 @@ class Model(NamedTuple):
     tokenizer: Any
     template: Any = None  # P-tuning v1: places each sample in the template
     base: Any = None  # from-scratch PEFT runs: (base model, tokenizer) the adapter trains on (write_adapter_base)
+    teacher: Any = None  # --distill_from_source: the source model, the trainer's teacher_model
 
 
 def build_model(args: Args, tokenizer) -> Model:
@@ -239,7 +240,7 @@ def build_model(args: Args, tokenizer) -> Model:
     loaded_with = features.load_config(args)
     model = load_model(args.model, tokenizer, quantization_config=loaded_with, required=required)
     state = features.build_stages(args, BuildState(model, tokenizer, loaded_with=loaded_with))
-    return Model(state.model, tokenizer, state.template, state.base)
+    return Model(state.model, tokenizer, state.template, state.base, state.teacher)
 
 
 def build_trainer(args: Args, built: Model, train, evaluation, *, data_collator) -> LLMKitTrainer:
@@ -255,6 +256,7 @@ def build_trainer(args: Args, built: Model, train, evaluation, *, data_collator)
         processing_class=built.tokenizer,
         data_collator=data_collator,
         callbacks=callbacks,
+        teacher_model=built.teacher,
     )
     keep_tensorboard_in_output_dir(trainer)
     return trainer

@@ -115,6 +115,10 @@ def _calibration_row(results: dict[str, Any]) -> str:
     return f"{results['dkm_calibration_samples']:,} training examples, {when}"
 
 
+def _train_loss_title(results: dict[str, Any]) -> str:
+    return f"train loss ({results['train_loss_of']})" if results.get("train_loss_of") else "train loss"
+
+
 def results_table(setup: list[tuple[str, str]], results: dict[str, Any], *, loss_of: str | None = None) -> str:
     """The markdown table a run ends with: `setup` rows, then the results of `train_and_evaluate`; evaluation as
     perplexity, or with `loss_of` as the loss on those tokens ("response tokens")."""
@@ -142,7 +146,7 @@ def results_table(setup: list[tuple[str, str]], results: dict[str, Any], *, loss
         ("parameters (trainable)", f"{results['parameters']:,} ({results['trainable_parameters']:,})"),
         ("steps", steps),
         *([("resumed from", str(results["resumed_from"]))] if results.get("resumed_from") else []),
-        ("train loss", fmt("train_loss")),
+        (_train_loss_title(results), fmt("train_loss", ".4g" if results.get("train_loss_of") else ".3f")),
         *([("DKM calibration", _calibration_row(results))] if results.get("dkm_calibration_samples") else []),
         *(evaluation if loss_of is None else losses),
         ("wall time", f"{results['wall_time_s']:.1f} s"),

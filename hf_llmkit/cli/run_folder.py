@@ -58,7 +58,8 @@ FREE = frozenset(
 TRAINING = ("seed", "data_seed", "per_device_train_batch_size", "gradient_accumulation_steps", "optim",
             "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "sequence_parallel_size")  # fmt: skip
 RESULT_FILES = ("all_results.json", "train_results.json")
-_PATHS = ("model_name_or_path", "tokenizer_name_or_path", "dataset_dir", "train_file", "validation_file")
+_PATHS = ("model_name_or_path", "tokenizer_name_or_path", "dataset_dir", "train_file", "validation_file",
+          "teacher_model_name_or_path")  # fmt: skip
 _MAX_FOLDERS = 100
 # What a folder holding a run without a flag record shows in place of the flags that differ.
 UNRECORDED = f"its flags are not recorded: no {FLAG_RECORD}"

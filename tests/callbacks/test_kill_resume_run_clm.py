@@ -118,3 +118,18 @@ def test_sigterm_saves_exits_143_with_one_line_and_the_same_command_finishes_the
     assert "model.safetensors" not in result["left_after_interruption"]  # a preempted run writes no final model
     assert any(saved in row for row in result["resumed_from"]), result["resumed_from"]
     _check_same_final_artifacts("full-sigterm", QUICK["full-sigterm"], result, workdir)
+
+
+def test_a_run_distilled_from_its_source_resumes_to_the_same_final_artifacts(tmp_path):
+    """Issue 51: `--distill_from_source true`; the resumed run loads the source again, and its targets are the same
+    (no evaluation: the cheapest case that checks it)."""
+    from hf_llmkit.testing import corpus_tokenizer, tiny_llama
+
+    source = tmp_path / "source"
+    tiny_llama().save_pretrained(source)
+    corpus_tokenizer(vocab_size=512).save_pretrained(source)
+    pretrained = ["--model_name_or_path", str(source), *TINY[TINY.index("--block_size") :]]
+    flags = ["--quantization", "dkm", "--dkm_bits", "3", "--distill_from_source", "true", "--do_eval", "false"]
+    case = {"flags": [*flags, "--max_train_samples", "16"]}
+    result = _harness(tmp_path / "work", {"distill": case}, tiny=pretrained)["distill"]
+    _check_same_final_artifacts("distill", {"flags": [*pretrained, *case["flags"]]}, result, tmp_path / "work")

@@ -115,10 +115,11 @@ def test_off_it_changes_nothing(run_clm, with_toy, tmp_path):
 
 def test_the_registry_order_is_the_folder_and_table_order():
     """The shipped features, in the order that names output folders and orders the results table."""
-    assert [f.name for f in FEATURES] == ["peft", "dkm", "kbit", "moe", "sequence_parallel", "run"]
+    assert [f.name for f in FEATURES] == ["peft", "dkm", "distillation", "kbit", "moe", "sequence_parallel", "run"]
     stages = sorted((f for f in FEATURES if f.stage is not None), key=lambda f: f.stage)
-    assert [f.name for f in stages] == ["moe", "dkm", "sequence_parallel", "kbit", "peft"]
-    values = {"peft_method": "lora", "quantization": None, "load_in_kbits": 4, "upcycle_moe": True,
+    assert [f.name for f in stages] == ["distillation", "moe", "dkm", "sequence_parallel", "kbit", "peft"]
+    values = {"peft_method": "lora", "quantization": None, "distill_from_source": False, "load_in_kbits": 4,
+              "upcycle_moe": True,
               "sequence_parallel_size": 2, "overwrite_output_dir": False, "warmup_ratio": None}  # fmt: skip
     assert features.folder_suffixes(values) == ["lora", "4bit", "moe", "sp2"]
 

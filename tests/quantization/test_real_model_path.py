@@ -1,6 +1,7 @@
 """The whole path of docs/dkm.md's recipe on a two-layer slice of the real SmolLM2-135M-Instruct (issue 43): SFT with
 LoRA on instruction records, the adapter merged by the job (`--merge_adapter`), DKM 3-bit from the calibrated start
-plus training (`--dkm_recipe calibrated`) with its compact save, reload, generate, and the ONNX export, whose greedy
+plus training by distillation from the merged model (`--dkm_recipe calibrated --distill_from_source true`) with its
+compact save, reload, generate, and the ONNX export, whose greedy
 generation in onnxruntime equals ours. The same commands `benchmarks/areas/dkm/recipe.py` times on the whole model.
 
 At this size the slice is no language model (its next-token losses are far above the whole model's), so the
@@ -45,9 +46,9 @@ def test_sft_merge_dkm_reload_generate_export_on_a_slice_of_the_real_model(tmp_p
     merged = tmp_path / "sft" / "merged"
     assert sft["merged_model"] == str(merged) and sft["global_step"] == 1
     dkm = run_sft.run(["--model_name_or_path", str(merged), "--quantization", "dkm", "--dkm_bits", "3",
-                       "--dkm_recipe", "calibrated", "--dkm_calibration_samples", "4", "--learning_rate", "2e-5",
-                       "--output_dir", str(tmp_path / "dkm"), *SIZES])  # fmt: skip
-    assert dkm["global_step"] == 1
+                       "--dkm_recipe", "calibrated", "--distill_from_source", "true", "--dkm_calibration_samples", "4",
+                       "--learning_rate", "2e-5", "--output_dir", str(tmp_path / "dkm"), *SIZES])  # fmt: skip
+    assert dkm["global_step"] == 1 and dkm["train_loss"] > 0 and dkm["train_loss_of"].startswith("KL(source")
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "dkm").eval()  # the compact checkpoint
     assert sum(isinstance(m, PalettizedLinear) for m in model.modules()) == 14  # every decoder Linear, packed

@@ -2,9 +2,9 @@
 
     1. SFT with LoRA on instruction records, the adapter merged by the job:
        python examples/run_sft.py --model_name_or_path MODEL --peft_method lora --merge_adapter ...
-    2. DKM 3-bit, calibrated start + training, compact save:
+    2. DKM 3-bit, calibrated start + training by distillation from the merged model, compact save:
        python examples/run_sft.py --model_name_or_path SFT/merged --quantization dkm --dkm_bits 3
-           --dkm_recipe calibrated ...
+           --dkm_recipe calibrated --distill_from_source true ...
     3. reload the compact checkpoint (`PalettizedLinear` layers) and generate greedily
     4. export: python -m hf_llmkit.quantization.export onnx DKM ONNX_FOLDER
 
@@ -29,7 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 PROMPT = "Explain what the assert statement does."
 SFT = ["--peft_method", "lora", "--merge_adapter", "--learning_rate", "2e-4"]
-DKM = ["--quantization", "dkm", "--dkm_bits", "3", "--dkm_recipe", "calibrated", "--learning_rate", "2e-5"]
+DKM = ["--quantization", "dkm", "--dkm_bits", "3", "--dkm_recipe", "calibrated", "--distill_from_source", "true",
+       "--learning_rate", "2e-5"]  # fmt: skip
 COMMON = ["--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true", "--lr_scheduler_type", "constant",
           "--warmup_steps", "0", "--weight_decay", "0"]  # fmt: skip
 FULL = {"steps": 24, "batch": 4, "length": 256, "eval": 64, "calibration": 128}
@@ -69,8 +70,9 @@ def run(model: str, work: Path, quick: bool = False) -> dict:
     plan = [
         ("SFT with LoRA, adapter merged (run_sft.py --peft_method lora --merge_adapter)", "sft",
          [*me, "job", str(work / "sft.json"), *flags["sft"]]),
-        ("DKM 3-bit, calibrated start + training, compact save (run_sft.py --quantization dkm --dkm_recipe "
-         "calibrated)", "dkm", [*me, "job", str(work / "dkm.json"), *flags["dkm"]]),
+        ("DKM 3-bit, calibrated start + training by distillation from the merged model, compact save (run_sft.py "
+         "--quantization dkm --dkm_recipe calibrated --distill_from_source true)", "dkm",
+         [*me, "job", str(work / "dkm.json"), *flags["dkm"]]),
         ("reload the compact checkpoint and generate", "generate",
          [*me, "generate", str(work / "generate.json"), str(work / "dkm")]),
         ("export ONNX (python -m hf_llmkit.quantization.export onnx)", "export",

@@ -1,8 +1,9 @@
 """The main jobs' features and the fixed pipeline that walks them (`hf_llmkit.cli.job` calls these functions).
 
 `FEATURES` is the registry, in the order the job walks them for flags, checks, the output folder's name, callbacks
-and the results table; model stages run in the order of each feature's `stage` (upcycle 10, DKM 20, sequence
-parallel 30, k-bit 40, PEFT 50). Each feature is one module of this package (`base.Feature`).
+and the results table; model stages run in the order of each feature's `stage` (the distillation's source 5,
+upcycle 10, DKM 20, sequence parallel 30, k-bit 40, PEFT 50). Each feature is one module of this package
+(`base.Feature`).
 
 Add a feature: write `features/<name>.py` with its arguments dataclass and a `Feature` subclass instance, and add
 it to `FEATURES` below (CONTRIBUTING.md, "Add a main-job feature"; `tests/cli/test_features.py` builds one).
@@ -16,6 +17,7 @@ from typing import Any
 
 from hf_llmkit.cli.feature_flags import FlagGroup
 from hf_llmkit.cli.features.base import BuildState, Feature
+from hf_llmkit.cli.features.distillation import DISTILLATION
 from hf_llmkit.cli.features.dkm import DKM
 from hf_llmkit.cli.features.kbit import KBIT
 from hf_llmkit.cli.features.moe import MOE
@@ -29,7 +31,7 @@ __all__ = [
     "folder_suffixes", "load_config", "setup_rows", "train_results",
 ]  # fmt: skip
 
-FEATURES: tuple[Feature, ...] = (PEFT, DKM, KBIT, MOE, SEQUENCE_PARALLEL, RUN)
+FEATURES: tuple[Feature, ...] = (PEFT, DKM, DISTILLATION, KBIT, MOE, SEQUENCE_PARALLEL, RUN)
 
 
 def _registry() -> tuple[Feature, ...]:

@@ -38,6 +38,7 @@ class BuildState:
     loaded_with: Any = None  # the quantization_config the model was loaded with (None: loaded as is)
     template: Any = None  # P-tuning v1: places each sample in the template
     base: Any = None  # from-scratch PEFT runs: (base model, tokenizer) the adapter trains on
+    teacher: Any = None  # --distill_from_source: the source model the run distils from
 
 
 class Feature:
