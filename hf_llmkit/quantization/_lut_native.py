@@ -81,7 +81,9 @@ def unavailable_reason() -> str:
 LOOPS = ("portable", "avx2", "avx512", "avx512_bf16", "neon")  # the C source's LEVEL_* order
 
 
-def loops(bits: int, block: int = 0, bf16_inputs: bool = False, table_dtype: torch.dtype = torch.float32) -> str | None:
+def loops(
+    bits: int, block: int = 0, bf16_inputs: bool = False, table_dtype: torch.dtype = torch.float32
+) -> str | None:
     """The loops a `bits`-bit weight with scale blocks of `block` columns (0: none) and tables saved as `table_dtype`
     takes on this CPU: `avx512_bf16` (bfloat16 inputs of a bfloat16 model, up to 4 bits, a CPU with AVX512-BF16),
     `avx512` (x86-64 with VBMI, up to 4 bits, and 8 bits with 16-bit tables), `avx2` (with FMA and F16C), `neon`
