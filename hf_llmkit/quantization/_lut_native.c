@@ -16,7 +16,8 @@
  *   one shift and one `vpermps` per 8 weights from a table held in a register (two and a blend at 4 bits), against
  *   inputs rearranged once per call to the lanes' order; 5-8 bit tables (embeddings) are read by `vgatherdps`;
  * - AVX-512 VBMI (float32 inputs) and AVX512-BF16 (bfloat16 inputs and weights): 64 indices with one byte permute
- *   and one multishift, 16 (or 32) lookups per permute;
+ *   and one multishift, 16 (or 32) lookups per permute; 8-bit tables saved in 16 bits (embeddings, a tied LM head)
+ *   held in 8 registers, 32 lookups by four word permutes and two blends;
  * - NEON (`_lut_neon.c`, every AArch64 CPU: Apple silicon, Graviton), up to 4 bits: 16 indices at a time, looked up
  *   by four byte-table lookups (`tbl`) in the table's byte planes, multiplied and added in the portable loop's order,
  *   so its sums are the portable loop's bit for bit (both built with `-ffp-contract=off`: no fused multiply-add).
@@ -70,7 +71,8 @@ typedef struct {
     int16_t wshift[2][32];         /* ... and are shifted right by its bit offset */
 } weight_t;
 
-/* One call's inputs: x as given (x_dtype), widened to float32 (xf), and rearranged for the AVX2 chunks (xt). */
+/* One call's inputs: x as given (x_dtype), widened to float32 (xf), and rearranged for the AVX2 chunks or the AVX-512
+ * loop's shifted order (xt). */
 typedef struct {
     const void *x;
     int x_dtype;
@@ -359,7 +361,8 @@ int lut_has_level(int lvl) {
 }
 
 /* The loops this CPU takes for this weight and x dtype (SCALE_* codes; 0: a decode): AVX512-BF16 for bfloat16 x
- * and weights up to 4 bits (block scales multiples of 32 columns); AVX-512 up to 4 bits (blocks multiples of 16);
+ * and weights up to 4 bits (block scales multiples of 32 columns); AVX-512 up to 4 bits (blocks multiples of 16)
+ * and at 8 bits with 16-bit tables (blocks multiples of 32);
  * AVX2 up to 8 bits (blocks multiples of 8); NEON up to 4 bits (blocks multiples of 8); else portable. */
 static int level(const weight_t *w, int x_dtype) {
     const int64_t block = w->block;
@@ -370,6 +373,7 @@ static int level(const weight_t *w, int x_dtype) {
     if (x_dtype == SCALE_BF16 && w->mode == OUT_BF16 && best == LEVEL_AVX512BF16 && w->bits <= 4 && block % 32 == 0)
         return LEVEL_AVX512BF16;
     if (best >= LEVEL_AVX512 && w->bits <= 4 && block % 16 == 0) return LEVEL_AVX512;
+    if (best >= LEVEL_AVX512 && w->bits == 8 && w->lut_dtype != SCALE_F32 && block % 32 == 0) return LEVEL_AVX512;
     if (best >= LEVEL_AVX2 && block % 8 == 0) return LEVEL_AVX2;
     return LEVEL_PORTABLE;
 }
@@ -443,7 +447,13 @@ static weight_t make_weight(const weight_args *a, int mode) {
     return w;
 }
 
-/* x [m, cols] widened to float32 (xf; rows m..padded zero) and, for the AVX2 chunk loops, each chunk of 64 columns
+/* Whether the AVX-512 float32 loop reads x in its shifted order: up to 4 bits, blocks of whole 64-column chunks. */
+static int shifted_order(const weight_t *w, int lvl) {
+    return lvl == LEVEL_AVX512 && w->bits <= 4 && w->block % 64 == 0 && w->cols >= 64;
+}
+
+/* x [m, cols] widened to float32 (xf; rows m..padded zero), for the AVX-512 loop put in its shifted order (xt), or
+ * for the AVX2 chunk loops, each chunk of 64 columns
  * rearranged so that the 8 weights one step of a chunk yields, lane l holding column 8l + t at step t, meet their
  * inputs (xt). */
 static void prepare_input(const weight_t *w, int lvl, const void *x, int x_dtype, int64_t m, int64_t padded,
@@ -455,6 +465,19 @@ static void prepare_input(const weight_t *w, int lvl, const void *x, int x_dtype
         for (int64_t i = 0; i < n; i++) xf[i] = value_at(x, x_dtype, i);
         memset(xf + n, 0, (size_t)((padded - m) * cols) * sizeof(float));
         in->xf = xf;
+    }
+    if (shifted_order(w, lvl)) { /* the AVX-512 loop's order: column 4l + t of a chunk at 16t + l */
+        float *xs = buffer + padded * cols;
+        const int64_t cols64 = cols / 64 * 64;
+        for (int64_t j = 0; j < padded; j++) {
+            const float *src = in->xf + j * cols;
+            float *dst = xs + j * cols;
+            for (int64_t c = 0; c < cols64; c += 64)
+                for (int t = 0; t < 4; t++)
+                    for (int l = 0; l < 16; l++) dst[c + 16 * t + l] = src[c + 4 * l + t];
+            memcpy(dst + cols64, src + cols64, (size_t)(cols - cols64) * 4);
+        }
+        in->xt = xs;
     }
     if (lvl == LEVEL_AVX2 && w->bits <= 4) {
         float *xt = buffer + padded * cols;
@@ -516,11 +539,12 @@ void lut_decode_rows(const weight_args *a, int mode, const int64_t *ids, int64_t
     }
 }
 
-/* The loops a weight of `bits` bits with blocks of `block` columns (0: no scales) takes on this CPU for inputs of
- * x_dtype (SCALE_*; bfloat16 inputs meet bfloat16 weights): 4 NEON, 3 AVX-512 BF16, 2 AVX-512, 1 AVX2, 0 portable. */
-int lut_level(int bits, int block, int x_dtype) {
+/* The loops a weight of `bits` bits with blocks of `block` columns (0: no scales) and tables saved as lut_dtype
+ * (SCALE_*) takes on this CPU for inputs of x_dtype (bfloat16 inputs meet bfloat16 weights): 4 NEON, 3 AVX-512 BF16,
+ * 2 AVX-512, 1 AVX2, 0 portable. */
+int lut_level(int bits, int block, int x_dtype, int lut_dtype) {
     static const float one = 1.0f;
-    const weight_args a = {0, 1, block ? block : 64, bits, 0, SCALE_F32, 1, block ? &one : 0, SCALE_F32, 1};
+    const weight_args a = {0, 1, block ? block : 64, bits, 0, lut_dtype, 1, block ? &one : 0, SCALE_F32, 1};
     const weight_t w = make_weight(&a, x_dtype == SCALE_BF16 ? OUT_BF16 : OUT_F32);
     return level(&w, x_dtype);
 }

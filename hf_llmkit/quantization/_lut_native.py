@@ -52,7 +52,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.lut_gemv.restype = INT
     lib.lut_decode.argtypes = [weight, INT, P, INT]
     lib.lut_decode_rows.argtypes = [weight, INT, P, I64, P]
-    lib.lut_level.argtypes = [INT, INT, INT]
+    lib.lut_level.argtypes = [INT, INT, INT, INT]
     lib.lut_max_level.argtypes = [INT]
     lib.lut_has_level.argtypes = [INT]
     lib.lut_has_level.restype = INT
@@ -81,15 +81,17 @@ def unavailable_reason() -> str:
 LOOPS = ("portable", "avx2", "avx512", "avx512_bf16", "neon")  # the C source's LEVEL_* order
 
 
-def loops(bits: int, block: int = 0, bf16_inputs: bool = False) -> str | None:
-    """The loops a `bits`-bit weight with scale blocks of `block` columns (0: none) takes on this CPU: `avx512_bf16`
-    (bfloat16 inputs of a bfloat16 model, up to 4 bits, a CPU with AVX512-BF16), `avx512` (x86-64 with VBMI, up to 4
-    bits), `avx2` (with FMA and F16C), `neon` (AArch64, up to 4 bits), `portable` (any other case); None where the
-    kernel did not build. Inputs of every dtype take the float32 loops (widened once per call) where the bfloat16
-    ones do not serve."""
+def loops(
+    bits: int, block: int = 0, bf16_inputs: bool = False, table_dtype: torch.dtype = torch.float32
+) -> str | None:
+    """The loops a `bits`-bit weight with scale blocks of `block` columns (0: none) and tables saved as `table_dtype`
+    takes on this CPU: `avx512_bf16` (bfloat16 inputs of a bfloat16 model, up to 4 bits, a CPU with AVX512-BF16),
+    `avx512` (x86-64 with VBMI, up to 4 bits, and 8 bits with 16-bit tables), `avx2` (with FMA and F16C), `neon`
+    (AArch64, up to 4 bits), `portable` (any other case); None where the kernel did not build. Inputs of every dtype
+    take the float32 loops (widened once per call) where the bfloat16 ones do not serve."""
     lib = library()
     code = _DTYPE_CODES[torch.bfloat16 if bf16_inputs else torch.float32]
-    return None if lib is None else LOOPS[lib.lut_level(bits, block, code)]
+    return None if lib is None else LOOPS[lib.lut_level(bits, block, code, _DTYPE_CODES[table_dtype])]
 
 
 def available_loops() -> tuple[str, ...]:

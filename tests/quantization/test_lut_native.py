@@ -42,6 +42,9 @@ CASES = {
     "6bit_scales16": (72, dict(bits=6, scale_block_size=8)),
     "8bit": (136, dict(bits=8, lut_dtype="bfloat16")),
     "8bit_scales": (64, dict(bits=8, scale_block_size=32)),
+    # 16-bit tables of 8 bits (embeddings): the AVX-512 word-permute loop, its 32-column chunks and tail
+    "8bit_scales32_fp16_groups": (96, dict(bits=8, scale_block_size=32, lut_dtype="float16", groups=3)),
+    "8bit_bf16_tail": (200, dict(bits=8, lut_dtype="bfloat16")),
 }
 
 
@@ -121,6 +124,9 @@ def test_rows_lookup_is_the_decoded_rows_bitwise(name):
 def test_the_loops_a_cpu_takes_are_named_and_capped_in_one_line():
     assert native.loops(3) in native.LOOPS and native.loops(8, 32, bf16_inputs=True) in native.LOOPS
     assert native.loops(4, 4) == "portable"  # blocks of 4 columns: no SIMD loop takes them
+    if "avx512" in native.available_loops():  # 8-bit tables saved in 16 bits: the AVX-512 loop; in 32 bits: AVX2
+        assert native.loops(8, 32, table_dtype=torch.bfloat16) == "avx512" == native.loops(8, 0, True, torch.float16)
+        assert native.loops(8, 32, table_dtype=torch.float32) == "avx2" == native.loops(8, 16, True, torch.bfloat16)
     assert native.available_loops()[-1] == "portable" and native.loops(3) in native.available_loops()
     with pytest.raises(ValueError, match="use one of portable, avx2, avx512, avx512_bf16, neon"):
         native.cap_loops("sve")

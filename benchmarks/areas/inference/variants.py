@@ -324,7 +324,8 @@ def loops_taken(model: nn.Module, spec: dict) -> str:
             if isinstance(module, (PalettizedLinear, PalettizedEmbedding)):
                 scale = module.weight_scale
                 block = 0 if scale is None else module.weight_shape[1] // scale.shape[1]
-                levels.add(f"{module.settings.bits}-bit {native.loops(module.settings.bits, block, bf16)}")
+                bits = module.settings.bits
+                levels.add(f"{bits}-bit {native.loops(bits, block, bf16, module.weight_lut.dtype)}")
         return "DKM kernel: " + ", ".join(sorted(levels))
     return f"torch {torch.backends.cpu.get_cpu_capability()}"
 
