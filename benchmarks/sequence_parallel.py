@@ -149,8 +149,9 @@ def _ours(switches: str, group) -> callable:
     model = _model()
     if group is not None:
         apply_sequence_parallel(model, group=group)
-    if switches in ("ckpt", "alst"):  # alst: offload_activation_checkpoints = transformers' offload=True
-        model.activation_checkpointing_enable(offload=switches == "alst")
+    if switches in ("ckpt", "alst"):  # alst: offload_activation_checkpoints = transformers' offload=True, where it
+        # runs (a CPU-only torch build has no pinned memory: checkpointing without offload, as the job does there)
+        model.activation_checkpointing_enable(offload=switches == "alst" and transformers_offload_runs())
     if switches in ("tiled", "alst"):
         TiledLoss(model, chunk_size=CHUNK)
         TiledMLP(model, chunk_size=CHUNK)
@@ -338,6 +339,20 @@ def forked_ranks(fn, config: dict, *, nprocs: int, timeout: float) -> list:
         return [pickle.loads(Path(tmp, f"result{rank}.pkl").read_bytes()) for rank in range(nprocs)]
 
 
+def transformers_offload_runs() -> bool:
+    """Whether transformers' `offload=True` runs on this torch build: it pins host memory for the current accelerator,
+    or for the CPU where torch reports none (a CPU-only build), whose pinning raises "pin_memory=True requires a CUDA
+    or other accelerator backend" (a CUDA build without a GPU still names cuda, and copies host to host)."""
+    try:
+        return torch.accelerator.current_accelerator() is not None
+    except RuntimeError:
+        return False
+
+
+NO_PINNED_MEMORY = (
+    "not run: transformers' offload=True keeps activations in pinned host memory, which a torch build without an "
+    "accelerator cannot allocate (offload_activation_checkpoints checkpoints without offload there)"
+)
 OFFLOAD_DESIGNS = {
     "hf_llmkit offload_activation_checkpoints (transformers' offload=True)": "transformers",
     "DeepSpeed CheckpointHiddenStatesOffload": "deepspeed",
@@ -365,7 +380,9 @@ def offload_bytes(seq: int, device: torch.device) -> dict:
 
     plain = checkpointed()
     designs = {
-        "transformers": lambda: step(checkpointed(offload=True)),
+        "transformers": (lambda: step(checkpointed(offload=True)))
+        if transformers_offload_runs()
+        else RuntimeError(NO_PINNED_MEMORY),
         "whole_forward": lambda: step(plain, offload_saved_activations(include_cpu=True, min_bytes=0)),
     }
     try:
@@ -406,6 +423,8 @@ def _ratio(seconds: dict, a: str, b: str) -> str:
 
 def report(results: dict) -> None:
     runs, config = results["runs"], results["config"]
+    if not config.get("alst_offloads", True):
+        print("hf_llmkit alst: checkpointing without offload (this torch build has no pinned host memory)")
     if config["memory"]:
         report_memory(runs, config)
     report_time(runs, config)
@@ -495,6 +514,7 @@ def main() -> None:
         "device": device.type,
         "model": args.model,
         "dtype": args.dtype,
+        "alst_offloads": transformers_offload_runs(),  # False: alst checkpoints without offload (no pinned memory)
     }
     offload = offload_bytes(256 if args.quick else args.offload_seq, device)
     report_offload(offload)
