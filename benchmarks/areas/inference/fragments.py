@@ -33,6 +33,7 @@ def dkm_inference(results: dict) -> str:
 def dkm_inference_loops(results: dict) -> str:
     """benchmarks/dkm_inference.py --parts loops: every loop level of the DKM CPU kernel on each CPU measured."""
     from areas.inference.loops import kernel_rows, model_rows
+    from areas.inference.switch import switch_rows
 
     parts = []
     for cpu, part in results["dkm_inference_loops"]["machines"].items():
@@ -47,6 +48,7 @@ def dkm_inference_loops(results: dict) -> str:
             f"{shape['intermediate']:,}), batch-1 `generate` of {part['new_tokens']} tokens, 1 torch thread, "
             f"{part['rounds']} round(s), each variant a fresh process per round, order rotated:\n\n"
             + model_rows(part, "1")
+            + switch_rows(part.get("switch"))
             + "\n\n"
             + "\n".join(f"- {line}" for line in part["verdicts"])
             + "\n\n"
