@@ -16,7 +16,9 @@ its CPU:
   product is faster decoded and multiplied by one GEMM than fused, per shape; whether `MAX_FUSED_TOKENS` agrees).
 - `real` (`areas/inference/real.py`, dkm_inference_real.json): the real SmolLM2-135M-Instruct, dense, ours at 3 and 4
   bits with its tied embedding / LM head clustered at 8 bits, bitsandbytes nf4, and llama.cpp on the same weights
-  (the shipped Q4_1 file and the K-quants it makes); prefill time and where a token's time goes.
+  (the shipped Q4_1 file, and the Q4_0 and K-quant files it makes); prefill time and where a token's time goes;
+  the verdicts: ours at 4 bits at least as fast as llama.cpp's Q4_0 on one thread, at 3 bits within 10% of every
+  llama.cpp file.
 - `peers` (dkm_inference.json): the random-weight bf16 Llama of `SHAPES` (details in `areas/inference/variants.py`):
   dense fp32 and bf16; ours, `DKMConfig` at 3 and 4 bits, with and without `scale_block_size=64`, a table per tensor
   and a table per output channel, 16-bit tables (from a short k-means: the speed does not depend on the tables'
