@@ -252,3 +252,20 @@ def test_use_extra_bufts_false_is_set_on_the_model_params_llama_builds(monkeypat
     module.llama_model_params = Old
     with pytest.raises(llama.Unavailable, match="has no use_extra_bufts"), llama._model_params(package, False):
         pass
+
+
+def test_the_onnx_prefill_verdict_is_the_issues_target_and_judges_no_loaded_row():
+    """dkm_onnx.py's verdict (issue 53): our kernel's prefill at most 1.5x the dense export's, per size."""
+    from areas.inference.onnxrt import DENSE_ROW, KERNEL_ROW, onnx_verdicts
+
+    row = {"prefill_x_dense": 1.5, "b1_x_dense": 1.04, "peak_x_dense": 0.15}
+    cell = {"summary": {DENSE_ROW: {"prefill_x_dense": 1.0}, KERNEL_ROW: row}}
+    assert onnx_verdicts("issue", cell) == [
+        f"[issue, 1 onnxruntime thread] {KERNEL_ROW}: prefill 1.50x the dense export's (holds <= 1.5); batch 1 1.04x "
+        "its tokens/s at 0.15x its peak memory"
+    ]
+    row["prefill_x_dense"] = 1.51
+    assert "(FAILS <= 1.5)" in onnx_verdicts("issue", cell)[0]
+    row.update(loaded=True, load_1min=5.0, cores=2)
+    cell["summary"] = {f"{KERNEL_ROW} (LOADED: load 5.0 > 2 cores)": row, DENSE_ROW: {"prefill_x_dense": 1.0}}
+    assert "no verdict (measured at a 1-minute load of 5.0 on 2 cores" in onnx_verdicts("issue", cell)[0]
