@@ -370,17 +370,25 @@ def test_prefill_decodes_above_the_switch_and_keeps_the_fused_tokens(exported, m
     assert np.abs(decoded_logits - fused_logits).max() <= 1e-5
 
 
+def _kernel_layer(model, weight):
+    """What the `LutMatMul` kernel reads of one palettized weight: its node's arrays as onnxruntime hands them over."""
+    from hf_llmkit.quantization.export import onnx_runtime
+
+    packed, table, meta, *_, offsets, scale = lut_op.OnnxPalettized(model.get_submodule(weight.name), weight).tensors()
+    scale = None if scale is None else scale.numpy()
+    return onnx_runtime._layer(packed.numpy(), table.numpy(), meta.numpy(), offsets.shape[0], scale)
+
+
 def test_the_decoded_product_reads_whole_row_groups_in_blocks():
-    """`onnx_runtime._decoded_product` over tables per group of 16 rows, in blocks of whole groups: bit for bit the
-    whole decoded weight's GEMM, and within float32 rounding of the fused kernel's product (the node's arrays as
-    onnxruntime hands them to the kernel)."""
+    """`onnx_runtime._decoded_product` over tables per group of 16 rows, in blocks of whole groups: the whole decoded
+    weight's GEMM within float32 rounding (the BLAS kernel may differ with the block's width), and the fused kernel's
+    product too (the node's arrays as onnxruntime hands them to the kernel)."""
     from hf_llmkit.quantization import _lut_native as native
     from hf_llmkit.quantization.export import onnx_runtime
 
     model = quantize_model(tiny_llama(num_hidden_layers=1), DECODE_CASES["4bit-per-grouped-channel-bf16"]).eval()
     weight = next(w for w in palettized_weights(model) if w.name.endswith("up_proj"))  # [128, 64]: 8 tables
-    packed, table, meta, *_, offsets, scale = lut_op.OnnxPalettized(model.get_submodule(weight.name), weight).tensors()
-    layer = onnx_runtime._layer(packed.numpy(), table.numpy(), meta.numpy(), offsets.shape[0], scale)
+    layer = _kernel_layer(model, weight)
     if not native.supports(layer):
         pytest.skip(f"the DKM CPU kernel does not serve the layer here ({native.unavailable_reason()})")
     x = torch.randn(20, layer.weight_shape[1])
@@ -389,5 +397,38 @@ def test_the_decoded_product_reads_whole_row_groups_in_blocks():
         patch.setattr(onnx_runtime, "DECODE_CHUNK", 40 * 64)  # 40 rows fit: blocks of 32 rows (2 groups), 4 blocks
         assert [(a, b) for _, a, b in onnx_runtime._row_blocks(layer)] == [(0, 32), (32, 64), (64, 96), (96, 128)]
         blocks = onnx_runtime._decoded_product(layer, x)
-    assert torch.equal(blocks, whole)
+    assert torch.allclose(blocks, whole, rtol=0, atol=1e-6)
     assert torch.allclose(blocks, native.gemv(layer, x, torch.float32), rtol=0, atol=1e-5)
+
+
+def test_sessions_in_two_threads_decode_into_buffers_of_their_own():
+    """The decode and the GEMM release the GIL: two threads prefilling at once (two sessions, or onnxruntime's
+    parallel executor) each decode into a buffer of their own, and each gets its own layer's product."""
+    import threading
+
+    from hf_llmkit.quantization import _lut_native as native
+    from hf_llmkit.quantization.export import onnx_runtime
+
+    model = quantize_model(tiny_llama(num_hidden_layers=1), DECODE_CASES["3bit-block-scales-fp16"]).eval()
+    layers = [_kernel_layer(model, weight) for weight in palettized_weights(model)[-2:]]
+    if not all(native.supports(layer) for layer in layers):
+        pytest.skip(f"the DKM CPU kernel does not serve the layers here ({native.unavailable_reason()})")
+    xs = [torch.randn(32, layer.weight_shape[1]) for layer in layers]
+    wrong, start = [], threading.Barrier(2)
+
+    def run(i: int) -> None:
+        start.wait()
+        for _ in range(200):
+            if not torch.equal(onnx_runtime._decoded_product(layers[i], xs[i]), expected[i]):
+                wrong.append(i)
+                return
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(onnx_runtime, "DECODE_CHUNK", 512)  # many blocks: many chances to overwrite a shared buffer
+        expected = [onnx_runtime._decoded_product(layer, x) for layer, x in zip(layers, xs)]  # one thread
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert wrong == []

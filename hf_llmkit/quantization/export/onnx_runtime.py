@@ -13,14 +13,17 @@ included) and its output through Python, about 0.1-0.2 ms per node on this proje
 the package's own hook turns them into Python lists, which cost more than the product at prefill lengths).
 
 Above `lut_gemv.MAX_FUSED_TOKENS` tokens (`lut_gemv.decodes`: a prompt's prefill), a `LutMatMul` node decodes its
-weight with the C kernel into one float32 buffer that every node reuses, `DECODE_CHUNK` weights (whole row groups)
-at a time, and multiplies each block of rows with one GEMM (torch's): the packed bytes are read once instead of once
-per 8 tokens, and the buffer is the only dense memory, a few MiB whatever the model. The products differ from the
+weight with the C kernel into one float32 buffer that every node reuses (one per thread: the decode and the GEMM
+release the GIL, so sessions run from several threads, or onnxruntime's parallel executor, must not share it),
+`DECODE_CHUNK` weights (whole row groups) at a time, and multiplies each block of rows with one GEMM (torch's): the
+packed bytes are read once instead of once per 8 tokens, and the buffer is the only dense memory, a few MiB whatever
+the model. The products differ from the
 fused kernel's by float32 rounding of the sums (the same decoded weights, another summation order).
 """
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -30,7 +33,7 @@ from hf_llmkit.quantization.export import _onnx_lut as lut_op
 
 _REGISTERED = False
 DECODE_CHUNK = 1 << 20  # weights decoded at a time above the token threshold: a 4 MiB float32 buffer, reused
-_buffer = torch.empty(0)
+_local = threading.local()  # .buffer: this thread's decode buffer
 
 
 def extensions_available() -> bool:
@@ -75,15 +78,15 @@ def matmul(x, packed, table, meta, first_byte, shift, kmod, group_offsets, scale
 def _decoded_product(layer, flat: torch.Tensor) -> torch.Tensor:
     """`flat @ W^T` `[tokens, rows]`: W decoded by the C kernel a block of rows at a time into the shared buffer, each
     block multiplied by one GEMM."""
-    global _buffer
     from hf_llmkit.quantization import _lut_native as native
 
     rows, cols = layer.weight_shape
     y = torch.empty(flat.shape[0], rows)
     for part, start, stop in _row_blocks(layer):
-        if _buffer.numel() < (stop - start) * cols:
-            _buffer = torch.empty((stop - start) * cols)
-        w = native.decode(part, torch.float32, out=_buffer[: (stop - start) * cols].view(stop - start, cols))
+        buffer = getattr(_local, "buffer", None)
+        if buffer is None or buffer.numel() < (stop - start) * cols:
+            buffer = _local.buffer = torch.empty((stop - start) * cols)
+        w = native.decode(part, torch.float32, out=buffer[: (stop - start) * cols].view(stop - start, cols))
         y[:, start:stop] = flat @ w.t()
     return y
 
