@@ -13,15 +13,15 @@ is the one place that decides how they multiply:
   C++ on CPU, Triton on GPU); used where it compiles, else `"eager"` (the failure is logged once).
 - `"eager"`: the weight is decoded with a few whole-tensor ops (`decode_weight`) and `F.linear` multiplies.
 
-The fused paths serve up to `MAX_FUSED_TOKENS` tokens (token-by-token decoding, where the product is bound by
-reading the weight); longer inputs (prefill), inputs that need a gradient and `HF_LLMKIT_DKM_KERNEL=eager` decode the
-weight once per forward (with the C kernel where it serves, else whole-tensor torch ops) and let the matmul library
-multiply. `decodes(tokens)` is that switch, for the ONNX export's kernels too (`export/onnx_runtime.py`);
-`benchmarks/dkm_prefill_switch.py` measures, per layer shape, from how many tokens decoding and one GEMM beats the
-fused product, and says whether `MAX_FUSED_TOKENS` agrees. `HF_LLMKIT_DKM_KERNEL` (`auto`, `eager`, `native`,
-`compile`, `triton`) forces a path; the path each device type takes is logged once. All paths decode the same
-float32 weight as the hard assignment (`_dkm.decode`): the decoded paths give the same logits bit for bit,
-the fused ones within float32 rounding of the reduction.
+The fused paths serve up to `MAX_FUSED_TOKENS` tokens (token-by-token decoding, where the product is bound by reading
+the weight); longer inputs (prefill), inputs that need a gradient and `HF_LLMKIT_DKM_KERNEL=eager` decode the weight
+once per forward (with the C kernel where it serves, else whole-tensor torch ops) and let the matmul library multiply.
+`decodes(tokens)` is that switch, for the ONNX export's kernels too (`export/onnx_runtime.py`);
+`benchmarks/dkm_inference.py --parts loops` (`areas/inference/switch.py`) measures, per layer shape and compute dtype,
+from how many tokens decoding and one GEMM beats the fused product, and says whether `MAX_FUSED_TOKENS` agrees.
+`HF_LLMKIT_DKM_KERNEL` (`auto`, `eager`, `native`, `compile`, `triton`) forces a path; the path each device type takes
+is logged once. All paths decode the same float32 weight as the hard assignment (`_dkm.decode`): the decoded paths give
+the same logits bit for bit, the fused ones within float32 rounding of the reduction.
 """
 
 from __future__ import annotations
