@@ -76,17 +76,20 @@ def matmul(x, packed, table, meta, first_byte, shift, kmod, group_offsets, scale
 
 
 def _decoded_product(layer, flat: torch.Tensor) -> torch.Tensor:
-    """`flat @ W^T` `[tokens, rows]`: W decoded by the C kernel a block of rows at a time into the shared buffer, each
-    block multiplied by one GEMM."""
+    """`flat @ W^T` `[tokens, rows]`: W decoded by the C kernel a block of rows at a time into this thread's buffer,
+    each block multiplied by one GEMM (a layer of one block: straight into the output)."""
     from hf_llmkit.quantization import _lut_native as native
 
     rows, cols = layer.weight_shape
-    y = torch.empty(flat.shape[0], rows)
-    for part, start, stop in _row_blocks(layer):
+    blocks = list(_row_blocks(layer))
+    y = None if len(blocks) == 1 else torch.empty(flat.shape[0], rows)
+    for part, start, stop in blocks:
         buffer = getattr(_local, "buffer", None)
         if buffer is None or buffer.numel() < (stop - start) * cols:
             buffer = _local.buffer = torch.empty((stop - start) * cols)
         w = native.decode(part, torch.float32, out=buffer[: (stop - start) * cols].view(stop - start, cols))
+        if y is None:
+            return flat @ w.t()
         y[:, start:stop] = flat @ w.t()
     return y
 
