@@ -12,10 +12,13 @@ its CPU:
 - `loops` (`areas/inference/loops.py`, dkm_inference_loops.json): every loop level of the packed layers' CPU kernel
   this CPU has, each forced in turn: one packed layer against `F.linear` and the time to stream its bytes, and the
   issue's random Llama (hidden 1,024, 4 layers) at 2-4 bits, with and without block scales, bf16 and fp32, against
-  dense bf16 / fp32.
+  dense bf16 / fp32; and the prefill switch (`areas/inference/switch.py`: from how many tokens a packed layer's
+  product is faster decoded and multiplied by one GEMM than fused, per shape; whether `MAX_FUSED_TOKENS` agrees).
 - `real` (`areas/inference/real.py`, dkm_inference_real.json): the real SmolLM2-135M-Instruct, dense, ours at 3 and 4
   bits with its tied embedding / LM head clustered at 8 bits, bitsandbytes nf4, and llama.cpp on the same weights
-  (the shipped Q4_1 file and the K-quants it makes); prefill time and where a token's time goes.
+  (the shipped Q4_1 file, and the Q4_0 and K-quant files it makes); prefill time and where a token's time goes;
+  the verdicts: ours at 4 bits at least as fast as llama.cpp's Q4_0 on one thread, at 3 bits within 10% of every
+  llama.cpp file.
 - `peers` (dkm_inference.json): the random-weight bf16 Llama of `SHAPES` (details in `areas/inference/variants.py`):
   dense fp32 and bf16; ours, `DKMConfig` at 3 and 4 bits, with and without `scale_block_size=64`, a table per tensor
   and a table per output channel, 16-bit tables (from a short k-means: the speed does not depend on the tables'
@@ -50,7 +53,7 @@ import time
 from pathlib import Path
 
 from areas.inference import llamacpp as llama
-from areas.inference import loops, real, runner
+from areas.inference import loops, real, runner, switch
 from areas.inference.report import plot, print_tables, summarize, verdicts
 from areas.inference.variants import preimport
 from harness import slices
@@ -197,8 +200,14 @@ def run_loops(args, device: str, work: Path) -> dict:
         before = slices.load_1min()
         kernels = runner.child("kernels", dict(name="kernel table", quick=args.quick, device=device), work, 3600)
         kernels.update(quick=args.quick, **slices.stamp(before))
+    prefill_switch = (stored or {}).get("switch")
+    if not (prefill_switch and slices.present(prefill_switch) and prefill_switch.get("quick") == args.quick):
+        before = slices.load_1min()
+        spec = dict(name="prefill switch", quick=args.quick, device=device)
+        prefill_switch = runner.child("switch", spec, work, 3600)
+        prefill_switch.update(quick=args.quick, **slices.stamp(before))
     rounds = 1 if args.quick else args.rounds["issue"]
-    meta = dict(cpu=cpu, kernels=kernels, shape=shape, new_tokens=new_tokens)
+    meta = dict(cpu=cpu, kernels=kernels, switch=prefill_switch, shape=shape, new_tokens=new_tokens)
     save = lambda part: save_part("dkm_inference_loops", {**part, **meta}, loops.verdicts)  # noqa: E731
     part = runner.run_part("loops", loops.model_plan(args.quick), common, args, work, [1], rounds, stored=stored,
                            save=save)  # fmt: skip
@@ -262,7 +271,8 @@ def main() -> None:
             part = run_loops(args, device, Path(tmp))
             failures += runner.must_run_failures(part)
             print(f"\n### loops ({part['cpu']})\n\n" + loops.kernel_rows(part["kernels"]))
-            print("\n" + loops.model_rows(part, "1") + "\n\n" + "\n".join(part["verdicts"]), flush=True)
+            print("\n" + loops.model_rows(part, "1") + switch.switch_rows(part["switch"]), flush=True)
+            print("\n" + "\n".join(part["verdicts"]), flush=True)
             print(f"wrote {slices.results_path('dkm_inference_loops')}", flush=True)
         if "real" in args.parts:
             part = run_real(args, device, Path(tmp))

@@ -13,10 +13,12 @@ C kernel through onnxruntime-extensions). Each variant runs in a fresh process p
 round, one intra-op thread: `greedy_generate` of batch 1 (tokens/s after a warm-up, the standard-op path over fewer
 tokens: it decodes every weight per token), one prefill forward, the file's bytes and the peak resident memory over
 the imports (`VmHWM` after `clear_refs`: the session's creation and serving). The tokens each variant generates must
-equal the PyTorch model's. Writes benchmarks/results/dkm_onnx.json, row by row as they are measured
-(`harness/slices.py`): a variant whose process crashes or hangs is a row with its reason (the run then fails at its
-end, as it does when a variant's tokens differ), and `--only-missing` measures only the rows the file lacks or holds
-from a loaded machine (their table rows marked LOADED). docs/dkm.md's export section renders it.
+equal the PyTorch model's; the target (issue 53): our kernel's prefill at most 1.5x the dense export's
+(`areas/inference/onnxrt.py`'s verdict, printed and rendered). Writes benchmarks/results/dkm_onnx.json, row by row
+as they are measured (`harness/slices.py`): a variant whose process crashes or hangs is a row with its reason (the
+run then fails at its end, as it does when a variant's tokens differ), and `--only-missing` measures only the rows
+the file lacks or holds from a loaded machine (their table rows marked LOADED). docs/dkm.md's export section renders
+it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from areas.inference.onnxrt import onnx_verdicts  # noqa: E402
 from harness import slices  # noqa: E402
 from harness.common import add_device_argument, cpu_model, machine_state  # noqa: E402
 from harness.process_memory import reset_peak, status_kib  # noqa: E402
@@ -286,7 +289,7 @@ def main() -> None:
             kept = results["sizes"].get(size, {}) if args.only_missing else None
             save(size, run_size(size, args, Path(tmp), kept, save))
     for size, data in results["sizes"].items():
-        print(f"\n{size}: " + json.dumps(data["summary"], indent=1))
+        print(f"\n{size}: " + json.dumps(data["summary"], indent=1) + "\n" + "\n".join(onnx_verdicts(size, data)))
     print(f"\nwrote {slices.results_path('dkm_onnx')}")
     failed = []
     for size in sizes:

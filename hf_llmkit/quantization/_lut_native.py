@@ -188,9 +188,13 @@ def gemv(layer, x: torch.Tensor, mode: torch.dtype, out_dtype: torch.dtype = tor
     return y
 
 
-def decode(layer, dtype: torch.dtype) -> torch.Tensor:
-    """The dense weight `[rows, cols]` in `dtype` (float32, bfloat16 or float16), bit for bit `_dkm.decode`'s."""
-    out = torch.empty(layer.weight_shape, dtype=dtype)
+def decode(layer, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense weight `[rows, cols]` in `dtype` (float32, bfloat16 or float16), bit for bit `_dkm.decode`'s;
+    written into `out` where given (contiguous, that shape and dtype: a buffer the caller reuses)."""
+    if out is None:
+        out = torch.empty(layer.weight_shape, dtype=dtype)
+    elif out.shape != tuple(layer.weight_shape) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"decode: out must be a contiguous {dtype} tensor of shape {tuple(layer.weight_shape)}")
     library().lut_decode(entry(layer), _OUT_CODES[dtype], out.data_ptr(), torch.get_num_threads())
     return out
 

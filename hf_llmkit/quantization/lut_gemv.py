@@ -13,12 +13,15 @@ is the one place that decides how they multiply:
   C++ on CPU, Triton on GPU); used where it compiles, else `"eager"` (the failure is logged once).
 - `"eager"`: the weight is decoded with a few whole-tensor ops (`decode_weight`) and `F.linear` multiplies.
 
-The fused paths serve up to `MAX_FUSED_TOKENS` tokens (token-by-token decoding, where the product is bound by
-reading the weight); longer inputs (prefill), inputs that need a gradient and `HF_LLMKIT_DKM_KERNEL=eager` decode the
-weight once per forward (with the C kernel where it serves, else whole-tensor torch ops) and let the matmul library
-multiply. `HF_LLMKIT_DKM_KERNEL` (`auto`, `eager`, `native`, `compile`, `triton`) forces a path; the path each
-device type takes is logged once. All paths decode the same float32 weight as the hard assignment (`_dkm.decode`):
-the decoded paths give the same logits bit for bit, the fused ones within float32 rounding of the reduction.
+The fused paths serve up to `MAX_FUSED_TOKENS` tokens (token-by-token decoding, where the product is bound by reading
+the weight); longer inputs (prefill), inputs that need a gradient and `HF_LLMKIT_DKM_KERNEL=eager` decode the weight
+once per forward (with the C kernel where it serves, else whole-tensor torch ops) and let the matmul library multiply.
+`decodes(tokens)` is that switch, for the ONNX export's kernels too (`export/onnx_runtime.py`);
+`benchmarks/dkm_inference.py --parts loops` (`areas/inference/switch.py`) measures, per layer shape and compute dtype,
+from how many tokens decoding and one GEMM beats the fused product, and says whether `MAX_FUSED_TOKENS` agrees.
+`HF_LLMKIT_DKM_KERNEL` (`auto`, `eager`, `native`, `compile`, `triton`) forces a path; the path each device type takes
+is logged once. All paths decode the same float32 weight as the hard assignment (`_dkm.decode`): the decoded paths give
+the same logits bit for bit, the fused ones within float32 rounding of the reduction.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ logger = logging.getLogger(__name__)
 PATHS = ("auto", "eager", "native", "compile", "triton")
 ENV = "HF_LLMKIT_DKM_KERNEL"
 RECOMPILE_LIMIT = 64  # compiled specialisations of the kernel (dtype x bits x table kind x scales...) per process
-MAX_FUSED_TOKENS = 8  # above: decode the weight once and let the matmul library multiply (prefill)
+MAX_FUSED_TOKENS = 8  # above: decode the weight once and let the matmul library multiply (prefill; `decodes`)
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # others (float64) decode
 _logged: set[tuple[str, str]] = set()
@@ -63,6 +66,12 @@ def requested_path() -> str:
     if value not in PATHS:
         raise ValueError(f"{ENV}={value!r} is not a DKM inference path: use one of {', '.join(PATHS)}.")
     return value
+
+
+def decodes(tokens: int) -> bool:
+    """Whether a product of `tokens` tokens decodes the weight and lets the matmul library multiply (prefill) instead
+    of taking a fused path (the C kernel reads the weight once per 8 tokens: MAXM in `_lut_native.c`)."""
+    return tokens > MAX_FUSED_TOKENS
 
 
 def triton_available() -> bool:
@@ -177,7 +186,7 @@ def linear(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x = x.to(dtype)
     tokens = x.numel() // max(x.shape[-1], 1)
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
-    if tokens > MAX_FUSED_TOKENS or needs_grad or dtype not in FUSED_DTYPES:
+    if decodes(tokens) or needs_grad or dtype not in FUSED_DTYPES:
         return F.linear(x, decode_weight(layer, dtype), None if bias is None else bias.to(dtype))
     if x.device.type == "cpu" and requested_path() in ("auto", "native"):
         # the path `choose_path` takes where the C kernel serves the layer, decided with the fewest Python steps

@@ -193,15 +193,39 @@ def test_llama_cpp_loads_without_extra_buffer_types_where_the_cpu_reports_amx():
         and "llama.cpp Q3_K_M (no AMX/repack buffers: use_extra_bufts=False)" in plan
     )
     assert "llama.cpp Q4_1 (the shipped file)" in real.plan(quick=True, compile_=False)  # elsewhere: as before
-    # the verdicts find llama.cpp's rows by their file, whatever their names say
-    ours = "ours DKM 4-bit scales/64, 8-bit tied embedding, bf16"
+    # the verdicts find llama.cpp's rows by their file, whatever their names say; the issue's targets on one thread:
+    # 4 bits at least Q4_0's tokens/s, 3 bits at least 0.9x every llama.cpp file's
+    ours, ours3 = (f"ours DKM {bits}-bit scales/64, 8-bit tied embedding, bf16" for bits in (4, 3))
+    q4_0 = "llama.cpp Q4_0 (no AMX/repack buffers: use_extra_bufts=False)"
     row = {"tokens_per_s_b1": 50.0, "kernel_ms_per_token": 5.0}
-    summary = {ours: row, name: {"tokens_per_s_b1": 40.0, "kernel_ms_per_token": 20.0}}
-    part = {"cpu": "X", "specs": plan, "threads": {"1": {"summary": summary}}}
+    summary = {ours: row, ours3: dict(row, tokens_per_s_b1=36.0), name: {"tokens_per_s_b1": 40.0},
+               q4_0: {"tokens_per_s_b1": 50.5}}  # fmt: skip
+    part = {"cpu": "X", "specs": plan, "threads": {"1": {"summary": summary}, "2": {"summary": summary}}}
     lines = real.verdicts(part)
-    assert any(f"{ours}: 50.0 tokens/s, 1.25x {name}'s 40.0 (holds >= 0.5)" in line for line in lines), lines
+    one, two = ([line for line in lines if line.startswith(f"[SmolLM2-135M, X, {t} thread(s)]")] for t in (1, 2))
+    assert any(f"{ours}: 50.0 tokens/s, 0.99x {q4_0}'s 50.5 (FAILS >= 1.0)" in line for line in one), lines
+    assert not any(f"{ours}: 50.0 tokens/s, 1.25x {name}" in line for line in one), lines  # Q4_1: no 4-bit target
+    assert any(f"{ours3}: 36.0 tokens/s, 0.90x {name}'s 40.0 (holds >= 0.9)" in line for line in one), lines
+    assert any(f"{ours3}: 36.0 tokens/s, 0.71x {q4_0}'s 50.5 (FAILS >= 0.9)" in line for line in one), lines
+    assert any("llama.cpp Q3_K_M (no AMX" in line and "no comparison (not run)" in line for line in one), lines
+    assert any(f"0.99x {q4_0}'s 50.5 (the target >= 1.0 is for 1 thread)" in line for line in two), lines
     summary[name]["loaded"], summary[name]["load_1min"], summary[name]["cores"] = True, 3.0, 2
     assert any(f"vs {name}: no comparison (measured on a loaded machine)" in line for line in real.verdicts(part))
+
+
+def test_only_missing_measures_just_the_rows_of_a_new_llama_cpp_file():
+    """A results entry of part `real` from before the Q4_0 row: `--only-missing` measures its rows and no other."""
+    from areas.inference import real, runner
+    from harness import slices
+
+    common = {"device": "cpu", "prompt": 16, "new_tokens": 32, "prefill": 512, "repeats": 1, "shape": None}
+    specs = {n: {k: v for k, v in dict(common, **s, name=n).items() if k not in runner.HIDDEN}
+             for n, s in real.plan(quick=False, compile_=False).items()}  # fmt: skip
+    old = {n: s for n, s in specs.items() if n != "llama.cpp Q4_0"}
+    runs = {n: [{"tokens_per_s_b1": [1.0]}] * 2 for n in old}
+    stored = {"common": runner._json(common), "specs": runner._json(old), "threads": {"1": {"runs": runs}}}
+    kept = runner.reusable(stored, specs, common)
+    assert slices.to_measure(list(specs), 2, kept["1"]) == [("llama.cpp Q4_0", 0), ("llama.cpp Q4_0", 1)]
 
 
 def test_use_extra_bufts_false_is_set_on_the_model_params_llama_builds(monkeypatch):
@@ -228,3 +252,20 @@ def test_use_extra_bufts_false_is_set_on_the_model_params_llama_builds(monkeypat
     module.llama_model_params = Old
     with pytest.raises(llama.Unavailable, match="has no use_extra_bufts"), llama._model_params(package, False):
         pass
+
+
+def test_the_onnx_prefill_verdict_is_the_issues_target_and_judges_no_loaded_row():
+    """dkm_onnx.py's verdict (issue 53): our kernel's prefill at most 1.5x the dense export's, per size."""
+    from areas.inference.onnxrt import DENSE_ROW, KERNEL_ROW, onnx_verdicts
+
+    row = {"prefill_x_dense": 1.5, "b1_x_dense": 1.04, "peak_x_dense": 0.15}
+    cell = {"summary": {DENSE_ROW: {"prefill_x_dense": 1.0}, KERNEL_ROW: row}}
+    assert onnx_verdicts("issue", cell) == [
+        f"[issue, 1 onnxruntime thread] {KERNEL_ROW}: prefill 1.50x the dense export's (holds <= 1.5); batch 1 1.04x "
+        "its tokens/s at 0.15x its peak memory"
+    ]
+    row["prefill_x_dense"] = 1.51
+    assert "(FAILS <= 1.5)" in onnx_verdicts("issue", cell)[0]
+    row.update(loaded=True, load_1min=5.0, cores=2)
+    cell["summary"] = {f"{KERNEL_ROW} (LOADED: load 5.0 > 2 cores)": row, DENSE_ROW: {"prefill_x_dense": 1.0}}
+    assert "no verdict (measured at a 1-minute load of 5.0 on 2 cores" in onnx_verdicts("issue", cell)[0]

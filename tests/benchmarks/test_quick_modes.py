@@ -75,6 +75,11 @@ def check_dkm_inference_parts(results: Path) -> None:
     summary = part["threads"]["1"]["summary"]
     assert {name.split("[")[-1].rstrip("]") for name in summary if name.startswith("ours")} == set(levels)
     assert all(row["loops"].startswith("DKM kernel") for name, row in summary.items() if name.startswith("ours"))
+    switch = part["switch"]  # the prefill switch: every shape, dtype, path and token count timed, and judged
+    assert len(switch["seconds"]) == len(switch["shapes"]) * len(switch["tokens"]) * 5 and all(
+        s > 0 for s in switch["seconds"].values()
+    ), switch
+    assert any(line.startswith("[prefill switch]") for line in part["verdicts"]), part["verdicts"]
     real = json.loads((results / "dkm_inference_real.json").read_text())["machines"][cpu]["threads"]["1"]["summary"]
     ours = [row for name, row in real.items() if name.startswith("ours")]
     assert ours and all("8-bit" in row["loops"] and row["kernel_ms_per_token"] > 0 for row in ours), real

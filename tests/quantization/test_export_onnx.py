@@ -338,3 +338,97 @@ def test_command_exports_a_folder_that_generates_like_the_model(exported):
     with torch.no_grad():
         ours = model.generate(input_ids=torch.from_numpy(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert np.array_equal(got, ours.numpy())
+
+
+def test_prefill_decodes_above_the_switch_and_keeps_the_fused_tokens(exported, monkeypatch):
+    """Issue 53: above `lut_gemv.MAX_FUSED_TOKENS` tokens (`lut_gemv.decodes`, the PyTorch layers' switch too) the
+    kernel session's `LutMatMul` nodes decode their weight into the reused buffer, a few rows at a time here
+    (`DECODE_CHUNK`), and multiply with one GEMM; greedy tokens from a short prompt (fused) and a long one (decoded)
+    equal the model's and the all-fused session's (the kernel before the switch), the long prompt's logits within
+    1e-5 of the fused ones (the tolerance of the padded-prompt test above). The file is unchanged: no dense weight in
+    it (`test_the_file_holds_the_checkpoint_tensors_and_onnxruntime_folds_nothing_weight_sized`)."""
+    from hf_llmkit.quantization import lut_gemv
+    from hf_llmkit.quantization.export import onnx_runtime
+
+    model, folder, *_ = exported
+    session = onnxruntime_session(folder / "model.onnx")
+    monkeypatch.setattr(onnx_runtime, "DECODE_CHUNK", 1000)  # blocks of 15 rows of 64 weights, 7 of 128: uneven
+    short = np.array([[5, 9, 33, 2, 7]])
+    long = np.random.default_rng(0).integers(3, model.config.vocab_size, (1, 3 * lut_gemv.MAX_FUSED_TOKENS + 5))
+    assert not lut_gemv.decodes(short.shape[1]) and lut_gemv.decodes(long.shape[1])
+    feed = _feed(model, long, np.ones_like(long), np.arange(long.shape[1])[None])
+    decoded = {prompt.shape[1]: greedy_generate(session, prompt, max_new_tokens=6) for prompt in (short, long)}
+    (decoded_logits, *_) = session.run(None, feed)
+    with torch.no_grad():
+        for prompt in (short, long):
+            ours = model.generate(input_ids=torch.from_numpy(prompt), max_new_tokens=6, do_sample=False).numpy()
+            assert np.array_equal(decoded[prompt.shape[1]][:, : ours.shape[1]], ours)  # generate stops at EOS
+    monkeypatch.setattr(lut_gemv, "MAX_FUSED_TOKENS", 10**9)  # every product fused, as before the switch
+    for prompt in (short, long):
+        assert np.array_equal(greedy_generate(session, prompt, max_new_tokens=6), decoded[prompt.shape[1]])
+    (fused_logits, *_) = session.run(None, feed)
+    assert np.abs(decoded_logits - fused_logits).max() <= 1e-5
+
+
+def _kernel_layer(model, weight):
+    """What the `LutMatMul` kernel reads of one palettized weight: its node's arrays as onnxruntime hands them over."""
+    from hf_llmkit.quantization.export import onnx_runtime
+
+    packed, table, meta, *_, offsets, scale = lut_op.OnnxPalettized(model.get_submodule(weight.name), weight).tensors()
+    scale = None if scale is None else scale.numpy()
+    return onnx_runtime._layer(packed.numpy(), table.numpy(), meta.numpy(), offsets.shape[0], scale)
+
+
+def test_the_decoded_product_reads_whole_row_groups_in_blocks():
+    """`onnx_runtime._decoded_product` over tables per group of 16 rows, in blocks of whole groups: the whole decoded
+    weight's GEMM within float32 rounding (the BLAS kernel may differ with the block's width), and the fused kernel's
+    product too (the node's arrays as onnxruntime hands them to the kernel)."""
+    from hf_llmkit.quantization import _lut_native as native
+    from hf_llmkit.quantization.export import onnx_runtime
+
+    model = quantize_model(tiny_llama(num_hidden_layers=1), DECODE_CASES["4bit-per-grouped-channel-bf16"]).eval()
+    weight = next(w for w in palettized_weights(model) if w.name.endswith("up_proj"))  # [128, 64]: 8 tables
+    layer = _kernel_layer(model, weight)
+    if not native.supports(layer):
+        pytest.skip(f"the DKM CPU kernel does not serve the layer here ({native.unavailable_reason()})")
+    x = torch.randn(20, layer.weight_shape[1])
+    whole = x @ native.decode(layer, torch.float32).t()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(onnx_runtime, "DECODE_CHUNK", 40 * 64)  # 40 rows fit: blocks of 32 rows (2 groups), 4 blocks
+        assert [(a, b) for _, a, b in onnx_runtime._row_blocks(layer)] == [(0, 32), (32, 64), (64, 96), (96, 128)]
+        blocks = onnx_runtime._decoded_product(layer, x)
+    assert torch.allclose(blocks, whole, rtol=0, atol=1e-6)
+    assert torch.allclose(blocks, native.gemv(layer, x, torch.float32), rtol=0, atol=1e-5)
+
+
+def test_sessions_in_two_threads_decode_into_buffers_of_their_own():
+    """The decode and the GEMM release the GIL: two threads prefilling at once (two sessions, or onnxruntime's
+    parallel executor) each decode into a buffer of their own, and each gets its own layer's product."""
+    import threading
+
+    from hf_llmkit.quantization import _lut_native as native
+    from hf_llmkit.quantization.export import onnx_runtime
+
+    model = quantize_model(tiny_llama(num_hidden_layers=1), DECODE_CASES["3bit-block-scales-fp16"]).eval()
+    layers = [_kernel_layer(model, weight) for weight in palettized_weights(model)[-2:]]
+    if not all(native.supports(layer) for layer in layers):
+        pytest.skip(f"the DKM CPU kernel does not serve the layers here ({native.unavailable_reason()})")
+    xs = [torch.randn(32, layer.weight_shape[1]) for layer in layers]
+    wrong, start = [], threading.Barrier(2)
+
+    def run(i: int) -> None:
+        start.wait()
+        for _ in range(200):
+            if not torch.equal(onnx_runtime._decoded_product(layers[i], xs[i]), expected[i]):
+                wrong.append(i)
+                return
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(onnx_runtime, "DECODE_CHUNK", 512)  # many blocks: many chances to overwrite a shared buffer
+        expected = [onnx_runtime._decoded_product(layer, x) for layer, x in zip(layers, xs)]  # one thread
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert wrong == []

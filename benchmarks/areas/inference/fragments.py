@@ -33,6 +33,7 @@ def dkm_inference(results: dict) -> str:
 def dkm_inference_loops(results: dict) -> str:
     """benchmarks/dkm_inference.py --parts loops: every loop level of the DKM CPU kernel on each CPU measured."""
     from areas.inference.loops import kernel_rows, model_rows
+    from areas.inference.switch import switch_rows
 
     parts = []
     for cpu, part in results["dkm_inference_loops"]["machines"].items():
@@ -47,6 +48,7 @@ def dkm_inference_loops(results: dict) -> str:
             f"{shape['intermediate']:,}), batch-1 `generate` of {part['new_tokens']} tokens, 1 torch thread, "
             f"{part['rounds']} round(s), each variant a fresh process per round, order rotated:\n\n"
             + model_rows(part, "1")
+            + switch_rows(part.get("switch"))
             + "\n\n"
             + "\n".join(f"- {line}" for line in part["verdicts"])
             + "\n\n"
@@ -76,6 +78,8 @@ def dkm_inference_real(results: dict) -> str:
 @fragment("dkm_onnx", "dkm_onnx")
 def dkm_onnx(results: dict) -> str:
     """benchmarks/dkm_onnx.py: onnxruntime serving of the DKM export against the dense ONNX export."""
+    from areas.inference.onnxrt import onnx_verdicts
+
     data = results["dkm_onnx"]
     titles = {"tiny": "tiny Llama (smoke test)", "issue": "Llama hidden 1,024, 8 layers, MLP 2,816, vocabulary 4,096",
               "smollm2": "SmolLM2-135M-Instruct (the real model, 30 layers)"}  # fmt: skip
@@ -92,6 +96,9 @@ def dkm_onnx(results: dict) -> str:
             f"{titles.get(size, size)}, DKM 3-bit (bf16 tables); batch-1 greedy tokens after a 16-token prompt "
             f"({config['new_tokens']} timed, {config['slow_tokens']} on the standard-op path), prefill of "
             f"{config['prefill']} tokens; {config['rounds']} round(s), a fresh process per variant and round, order "
-            "rotated; every variant generated the PyTorch model's tokens:\n\n" + markdown_table(rows)
+            "rotated; every variant generated the PyTorch model's tokens:\n\n"
+            + markdown_table(rows)
+            + "\n\n"
+            + "\n".join(f"- {line}" for line in onnx_verdicts(size, cell))
         )
     return "\n\n".join(parts) + "\n\n" + measured(data, "1 onnxruntime thread")

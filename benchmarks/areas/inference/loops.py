@@ -56,15 +56,15 @@ def levels() -> list[str]:
     return list(native.available_loops())
 
 
-def _packed(bits: int, block: int, count: int):
+def _packed(bits: int, block: int, count: int, rows: int = ROWS, cols: int = COLS):
     """`count` packed layers with random indices, tables and scales (the kernel's speed does not depend on them)."""
     from hf_llmkit.quantization import DKMSettings, PalettizedLinear
 
-    settings = DKMSettings.build(ROWS, bits=bits, scale_block_size=block, lut_dtype="bfloat16")
+    settings = DKMSettings.build(rows, bits=bits, scale_block_size=block, lut_dtype="bfloat16")
     layers = []
     generator = torch.Generator().manual_seed(bits)
     for _ in range(count):
-        layer = PalettizedLinear(COLS, ROWS, False, settings)
+        layer = PalettizedLinear(cols, rows, False, settings)
         layer.weight_packed.copy_(torch.randint(0, 256, layer.weight_packed.shape, generator=generator))
         layer.weight_lut.copy_(torch.randn(layer.weight_lut.shape, generator=generator))
         if layer.weight_scale is not None:
@@ -157,7 +157,10 @@ def _x(value: float | None) -> str:
 
 def verdicts(part: dict) -> list[str]:
     """Per loop level and variant: ours >= 1.5x dense bf16 and >= dense fp32 in batch-1 tokens/s (the per-round
-    ratio for bf16, medians for fp32); rows (or bases) measured on a loaded machine are judged by none."""
+    ratio for bf16, medians for fp32); rows (or bases) measured on a loaded machine are judged by none; then the
+    prefill switch's (`areas/inference/switch.py`)."""
+    from areas.inference import switch
+
     lines = []
     for threads, cell in part["threads"].items():
         s = cell.get("summary", {})
@@ -175,7 +178,7 @@ def verdicts(part: dict) -> list[str]:
                 f"({'holds' if v['b1_x_bf16'] >= 1.5 else 'FAILS'} >= 1.5), {fp32:.2f}x dense fp32 "
                 f"({'holds' if fp32 >= 1 else 'FAILS'} >= 1)"
             )
-    return lines
+    return lines + switch.verdicts(part.get("switch"))
 
 
 def kernel_rows(table: dict) -> str:

@@ -103,3 +103,29 @@ def measure(spec: dict) -> dict:
         "modules": "onnxruntime " + ("LutMatMul (our kernel)" if spec["onnx_kernel"] else "standard ops"),
         "dkm_paths": [],
     }
+
+
+KERNEL_ROW = "onnxruntime DKM 3-bit, our kernel (onnxruntime-extensions)"  # dkm_onnx.py's rows (their names)
+DENSE_ROW = "onnxruntime dense fp32 export"
+PREFILL_TARGET = 1.5  # issue 53: our kernel's prefill at most 1.5x the dense export's
+
+
+def onnx_verdicts(size: str, cell: dict) -> list[str]:
+    """dkm_onnx.py's target for one size: our kernel's prefill at most `PREFILL_TARGET` times the dense export's
+    (the median of per-round ratios), with its batch-1 speed and peak memory against dense beside it; a row measured
+    on a loaded machine is judged by none."""
+    from harness.slices import no_verdict, usable
+
+    rows = {name.split(" (LOADED")[0]: v for name, v in cell.get("summary", {}).items()}
+    ours, dense = rows.get(KERNEL_ROW), rows.get(DENSE_ROW)
+    where = f"[{size}, 1 onnxruntime thread]"
+    if ours is None or dense is None:
+        return [f"{where} {KERNEL_ROW}: no verdict (it or the dense export did not run)"]
+    if not (usable(ours) and usable(dense)):
+        return [f"{where} {no_verdict(KERNEL_ROW, ours if ours.get('loaded') else dense)}"]
+    ratio = ours["prefill_x_dense"]
+    judged = "holds" if ratio <= PREFILL_TARGET else "FAILS"
+    return [
+        f"{where} {KERNEL_ROW}: prefill {ratio:.2f}x the dense export's ({judged} <= {PREFILL_TARGET}); batch 1 "
+        f"{ours['b1_x_dense']:.2f}x its tokens/s at {ours['peak_x_dense']:.2f}x its peak memory"
+    ]

@@ -6,11 +6,12 @@ Variants: dense bf16 / fp32; ours at 3 and 4 bits from the dequantized weights (
 training: the speed does not depend on it) with the tied embedding / LM head clustered at 8 bits
 (`quantize_embeddings=True, embedding_bits=8`, tied weights kept tied), saved and reloaded, in bf16 (and fp32 at 3
 bits), and at 3 bits with transformers' static cache, with and without `torch.compile` of the forward;
-bitsandbytes nf4; llama.cpp on the shipped Q4_1 file (Q4_1 layers, Q8_0 embedding) and on the K-quants it makes
-from it (`areas/inference/llamacpp.py`). Prompts are real text (the corpus, SmolLM2's tokenizer), the same ids for
-every variant. Besides tokens/s and prefill time, each of ours and the dense rows reports the milliseconds per
-generated token spent inside the modules that multiply by weights (the kernel) and the rest (the framework:
-norms, attention, cache, `generate`'s own steps, Python), and llama.cpp its own evaluation time per token.
+bitsandbytes nf4; llama.cpp on the shipped Q4_1 file (Q4_1 layers, Q8_0 embedding) and on the files it makes from
+it, Q4_0 and the K-quants (`areas/inference/llamacpp.py`). Prompts are real text (the corpus, SmolLM2's tokenizer),
+the same ids for every variant. Besides tokens/s and prefill time, each of ours and the dense rows reports the
+milliseconds per generated token spent inside the modules that multiply by weights (the kernel) and the rest (the
+framework: norms, attention, cache, `generate`'s own steps, Python), and llama.cpp its own evaluation time per
+token. The verdicts are the issue's targets (`TARGETS`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,16 @@ from harness.slices import mark, no_verdict, usable
 
 from areas.inference.llamacpp import EXTRA_BUFTS_OFF
 
-LLAMA = {"llama.cpp Q4_1 (the shipped file)": "Q4_1", "llama.cpp Q4_K_M": "Q4_K_M", "llama.cpp Q3_K_M": "Q3_K_M"}
-SAME_BITS = {4: ("Q4_1", "Q4_K_M"), 3: ("Q3_K_M",)}  # llama.cpp's files at ours' bits
+LLAMA = {
+    "llama.cpp Q4_1 (the shipped file)": "Q4_1",
+    "llama.cpp Q4_0": "Q4_0",
+    "llama.cpp Q4_K_M": "Q4_K_M",
+    "llama.cpp Q3_K_M": "Q3_K_M",
+}
+# The issue's targets on one thread, ours' batch-1 tokens/s over llama.cpp's (medians): at 4 bits at least Q4_0's,
+# at 3 bits within 10% of every llama.cpp file's. (bits: (the llama.cpp files, the least ratio))
+TARGETS = {4: (("Q4_0",), 1.0), 3: (tuple(LLAMA.values()), 0.9)}
+TARGET_THREADS = "1"
 EMBEDDING_8BIT = dict(quantize_embeddings=True, embedding_bits=8)
 TAIL = " scales/64, 8-bit tied embedding"
 DTYPE = {"bfloat16": "bf16", "float32": "fp32"}
@@ -86,9 +95,10 @@ def text_ids(folder, count: int) -> list[int]:
 
 
 def verdicts(part: dict) -> list[str]:
-    """At each thread count: ours within 2x of llama.cpp's tokens/s at the same bits (medians), and where the time
-    of a token goes: our kernel and framework milliseconds, llama.cpp's evaluation. A row measured on a loaded
-    machine is judged by none."""
+    """On one thread, the issue's targets (`TARGETS`): ours at 4 bits at least as fast as llama.cpp's Q4_0, at 3 bits
+    at least 0.9x every llama.cpp file (batch-1 tokens/s, medians); the same ratios at other thread counts, judged by
+    none; and where the time of a token goes: our kernel and framework milliseconds, llama.cpp's evaluation. A row
+    measured on a loaded machine is judged by none."""
     lines = []
     files = {spec.get("gguf"): name for name, spec in part["specs"].items() if spec["kind"] == "llama_cpp"}
     for threads, cell in part["threads"].items():
@@ -101,7 +111,8 @@ def verdicts(part: dict) -> list[str]:
                 lines.append(f"{where} {no_verdict(name, v)}")
                 continue
             bits = int(name.split("DKM ")[1][0])
-            for gguf in SAME_BITS[bits]:
+            ggufs, least = TARGETS[bits]
+            for gguf in ggufs:
                 peer = files.get(gguf, f"llama.cpp {gguf}")
                 p = s.get(peer)
                 if not usable(p):
@@ -109,9 +120,13 @@ def verdicts(part: dict) -> list[str]:
                     lines.append(f"{where} {name} vs {peer}: no comparison ({why})")
                     continue
                 ratio = v["tokens_per_s_b1"] / p["tokens_per_s_b1"]
+                if threads == TARGET_THREADS:
+                    judged = f"{'holds' if ratio >= least else 'FAILS'} >= {least}"
+                else:
+                    judged = f"the target >= {least} is for {TARGET_THREADS} thread"
                 lines.append(
                     f"{where} {name}: {v['tokens_per_s_b1']:.1f} tokens/s, {ratio:.2f}x {peer}'s "
-                    f"{p['tokens_per_s_b1']:.1f} ({'holds' if ratio >= 0.5 else 'FAILS'} >= 0.5); a token takes us "
+                    f"{p['tokens_per_s_b1']:.1f} ({judged}); a token takes us "
                     f"{1e3 / v['tokens_per_s_b1']:.1f} ms: {v.get('kernel_ms_per_token', 0):.1f} in the kernels, "
                     f"{v.get('framework_ms_per_token', 0):.1f} in the framework; llama.cpp "
                     f"{1e3 / p['tokens_per_s_b1']:.1f} ms, {p.get('kernel_ms_per_token', 0):.1f} in its evaluation"

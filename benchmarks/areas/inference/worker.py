@@ -154,6 +154,11 @@ def run(mode: str, spec: dict, out: str) -> None:
 
         Path(out).write_text(json.dumps(loops.kernel_table(spec["quick"])))
         return
+    if mode == "switch":  # part loops' prefill switch table (torch work too)
+        from areas.inference import switch
+
+        Path(out).write_text(json.dumps(switch.switch_table(spec["quick"])))
+        return
     if mode == "real_setup":  # part real: the SmolLM2 folder (built once into the cache) and the prompt's ids
         from areas.inference import llamacpp, real
         from hf_llmkit.testing import smollm2_path

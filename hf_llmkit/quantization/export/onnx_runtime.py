@@ -9,11 +9,21 @@ decoded weight kept anywhere) where it serves the layer (tables of scalars, rows
 loops), and decode with the function's own torch ops otherwise. onnxruntime's wheel ships no C headers, so the
 kernels are Python functions that onnxruntime-extensions calls: each call copies its inputs (the packed bytes
 included) and its output through Python, about 0.1-0.2 ms per node on this project's CPUs, which the speed rows of
-`benchmarks/dkm_inference.py` include.
+`benchmarks/dkm_inference.py` include; the outputs come back as arrays (`hf_llmkit.compat.onnxruntime_extensions`:
+the package's own hook turns them into Python lists, which cost more than the product at prefill lengths).
+
+Above `lut_gemv.MAX_FUSED_TOKENS` tokens (`lut_gemv.decodes`: a prompt's prefill), a `LutMatMul` node decodes its
+weight with the C kernel into one float32 buffer that every node reuses (one per thread: the decode and the GEMM
+release the GIL, so sessions run from several threads, or onnxruntime's parallel executor, must not share it),
+`DECODE_CHUNK` weights (whole row groups) at a time, and multiplies each block of rows with one GEMM (torch's): the
+packed bytes are read once instead of once per 8 tokens, and the buffer is the only dense memory, a few MiB whatever
+the model. The products differ from the
+fused kernel's by float32 rounding of the sums (the same decoded weights, another summation order).
 """
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,6 +32,8 @@ import torch
 from hf_llmkit.quantization.export import _onnx_lut as lut_op
 
 _REGISTERED = False
+DECODE_CHUNK = 1 << 20  # weights decoded at a time above the token threshold: a 4 MiB float32 buffer, reused
+_local = threading.local()  # .buffer: this thread's decode buffer
 
 
 def extensions_available() -> bool:
@@ -47,15 +59,61 @@ def _layer(packed, table, meta, groups: int, scale):
 def matmul(x, packed, table, meta, first_byte, shift, kmod, group_offsets, scale=None):
     """`x @ W^T` of a `LutMatMul[Scaled]` node, float32."""
     from hf_llmkit.quantization import _lut_native as native
+    from hf_llmkit.quantization import lut_gemv
 
     rows = int(meta[0])
     layer = _layer(packed, table, meta, group_offsets.shape[0], scale)
     flat = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).reshape(-1, x.shape[-1])
     if native.supports(layer):
-        y = native.gemv(layer, flat, torch.float32)
+        y = (
+            _decoded_product(layer, flat)
+            if lut_gemv.decodes(flat.shape[0])
+            else native.gemv(layer, flat, torch.float32)
+        )
     else:
         y = flat @ _decoded(packed, table, meta, first_byte, shift, kmod, group_offsets, scale).t()
     return y.reshape(*x.shape[:-1], rows).numpy()
+
+
+def _decoded_product(layer, flat: torch.Tensor) -> torch.Tensor:
+    """`flat @ W^T` `[tokens, rows]`: W decoded by the C kernel a block of rows at a time into this thread's buffer,
+    each block multiplied by one GEMM (a layer of one block: straight into the output)."""
+    from hf_llmkit.quantization import _lut_native as native
+
+    rows, cols = layer.weight_shape
+    blocks = list(_row_blocks(layer))
+    y = None if len(blocks) == 1 else torch.empty(flat.shape[0], rows)
+    for part, start, stop in blocks:
+        buffer = getattr(_local, "buffer", None)
+        if buffer is None or buffer.numel() < (stop - start) * cols:
+            buffer = _local.buffer = torch.empty((stop - start) * cols)
+        w = native.decode(part, torch.float32, out=buffer[: (stop - start) * cols].view(stop - start, cols))
+        if y is None:
+            return flat @ w.t()
+        y[:, start:stop] = flat @ w.t()
+    return y
+
+
+def _row_blocks(layer):
+    """(sub-layer, first row, end row) of blocks of whole row groups holding about `DECODE_CHUNK` weights: views of
+    the layer's packed bytes (rows of whole bytes), tables and scales, nothing copied."""
+    rows, cols = layer.weight_shape
+    s = layer.settings
+    per_group = rows // s.groups if s.groups > 1 else 1  # one table: any block of rows reads it
+    step = max(1, DECODE_CHUNK // cols // per_group) * per_group
+    row_bytes = cols * s.bits // 8
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        lut = layer.weight_lut if s.groups == 1 else layer.weight_lut[start // per_group : stop // per_group]
+        part = SimpleNamespace(
+            weight_packed=layer.weight_packed[start * row_bytes : stop * row_bytes],
+            weight_lut=lut,
+            weight_scale=None if layer.weight_scale is None else layer.weight_scale[start:stop],
+            weight_shape=(stop - start, cols),
+            settings=SimpleNamespace(bits=s.bits, groups=lut.shape[0], cluster_dim=1),
+            count=(stop - start) * cols,
+        )
+        yield part, start, stop
 
 
 def gather(ids, packed, table, meta, first_byte, shift, kmod, group_offsets, scale=None):
@@ -86,6 +144,9 @@ def register_kernels() -> None:
             f"the palettized ONNX kernels need onnxruntime-extensions ({error}): pip install onnxruntime-extensions "
             "(or open the file with onnxruntime.InferenceSession: its standard-op definitions decode the weights)."
         ) from error
+    from hf_llmkit.compat.onnxruntime_extensions import array_outputs
+
+    array_outputs()
     d = PyCustomOpDef
     common = [d.dt_uint8, d.dt_float, d.dt_int64, d.dt_int64, d.dt_int32, d.dt_int32, d.dt_int64]
     for gathers in (False, True):
