@@ -16,7 +16,8 @@ is the one place that decides how they multiply:
 The fused paths serve up to `MAX_FUSED_TOKENS` tokens (token-by-token decoding, where the product is bound by reading
 the weight); longer inputs (prefill), inputs that need a gradient and `HF_LLMKIT_DKM_KERNEL=eager` decode the weight
 once per forward (with the C kernel where it serves, else whole-tensor torch ops) and let the matmul library multiply.
-`decodes(tokens)` is that switch, for the ONNX export's kernels too (`export/onnx_runtime.py`);
+`decodes(tokens, weights)` is that switch (`MAX_FUSED_TOKENS_LARGE` for weights of `LARGE_WEIGHTS` or more), for
+the ONNX export's kernels too (`export/onnx_runtime.py`);
 `benchmarks/dkm_inference.py --parts loops` (`areas/inference/switch.py`) measures, per layer shape and compute dtype,
 from how many tokens decoding and one GEMM beats the fused product, and says whether `MAX_FUSED_TOKENS` agrees.
 `HF_LLMKIT_DKM_KERNEL` (`auto`, `eager`, `native`, `compile`, `triton`) forces a path; the path each device type takes
@@ -43,7 +44,12 @@ logger = logging.getLogger(__name__)
 PATHS = ("auto", "eager", "native", "compile", "triton")
 ENV = "HF_LLMKIT_DKM_KERNEL"
 RECOMPILE_LIMIT = 64  # compiled specialisations of the kernel (dtype x bits x table kind x scales...) per process
-MAX_FUSED_TOKENS = 8  # above: decode the weight once and let the matmul library multiply (prefill; `decodes`)
+# Above these token counts the weight is decoded once and the matmul library multiplies (prefill; `decodes`), from
+# the quiet measurement of `benchmarks/dkm_inference.py --parts loops` (docs/dkm.md, the prefill switch): layer shapes
+# cross over at 12-32 tokens; a weight of LARGE_WEIGHTS or more (an LM head: SmolLM2's 49,152 x 576) costs more to
+# decode than the fused product spends up to about 64.
+MAX_FUSED_TOKENS = 16
+MAX_FUSED_TOKENS_LARGE, LARGE_WEIGHTS = 64, 8 * 2**20
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # others (float64) decode
 _logged: set[tuple[str, str]] = set()
@@ -68,10 +74,11 @@ def requested_path() -> str:
     return value
 
 
-def decodes(tokens: int) -> bool:
-    """Whether a product of `tokens` tokens decodes the weight and lets the matmul library multiply (prefill) instead
-    of taking a fused path (the C kernel reads the weight once per 8 tokens: MAXM in `_lut_native.c`)."""
-    return tokens > MAX_FUSED_TOKENS
+def decodes(tokens: int, weights: int = 0) -> bool:
+    """Whether a product of `tokens` tokens by a weight of `weights` entries decodes the weight and lets the matmul
+    library multiply (prefill) instead of taking a fused path (the C kernel reads the weight once per 8 tokens: MAXM
+    in `_lut_native.c`)."""
+    return tokens > (MAX_FUSED_TOKENS_LARGE if weights >= LARGE_WEIGHTS else MAX_FUSED_TOKENS)
 
 
 def triton_available() -> bool:
@@ -186,7 +193,7 @@ def linear(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x = x.to(dtype)
     tokens = x.numel() // max(x.shape[-1], 1)
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
-    if decodes(tokens) or needs_grad or dtype not in FUSED_DTYPES:
+    if decodes(tokens, layer.weight_shape[0] * layer.weight_shape[1]) or needs_grad or dtype not in FUSED_DTYPES:
         return F.linear(x, decode_weight(layer, dtype), None if bias is None else bias.to(dtype))
     if x.device.type == "cpu" and requested_path() in ("auto", "native"):
         # the path `choose_path` takes where the C kernel serves the layer, decided with the fewest Python steps

@@ -88,16 +88,19 @@ def crossover(table: dict, shape: str, dtype: str, path: str) -> int | None:
     return best
 
 
-def worst_loss(table: dict, threshold: int) -> tuple[float, str]:
+def worst_loss(table: dict, threshold: int | None) -> tuple[float, str]:
     """The largest ratio of the switch's path over the faster one, over shapes, dtypes, decoded paths and counts, if
-    the switch decoded above `threshold` tokens; and where."""
+    the switch decoded above `threshold` tokens (None: as `lut_gemv.decodes` does, by the weight's size); and where."""
+    from hf_llmkit.quantization import lut_gemv
+
     worst, where = 1.0, ""
-    for shape in table["shapes"]:
+    for shape, (rows, cols) in table["shapes"].items():
         for dtype, paths in PATHS.items():
             for path in paths:
                 for count in table["tokens"]:
                     fused, decoded = (_median(table, shape, dtype, count, p) for p in ("fused", path))
-                    taken = decoded if count > threshold else fused
+                    decode = lut_gemv.decodes(count, rows * cols) if threshold is None else count > threshold
+                    taken = decoded if decode else fused
                     if taken / min(fused, decoded) > worst:
                         worst, where = taken / min(fused, decoded), f"{shape} {dtype} {path} at {count} tokens"
     return worst, where
@@ -110,14 +113,17 @@ def verdicts(table: dict | None) -> list[str]:
     where = "[prefill switch]"
     if table.get("loaded"):
         return [f"{where} no verdict: measured on a loaded machine"]
-    current = table["max_fused_tokens"]
-    loss, at = worst_loss(table, current)
+    from hf_llmkit.quantization import lut_gemv
+
+    loss, at = worst_loss(table, None)
     best = min([0, *table["tokens"]], key=lambda t: worst_loss(table, t)[0])
     best_loss = worst_loss(table, best)[0]
+    rule = (f"fused up to {lut_gemv.MAX_FUSED_TOKENS} tokens ({lut_gemv.MAX_FUSED_TOKENS_LARGE} for weights of "
+            f"{lut_gemv.LARGE_WEIGHTS / 2**20:g}M entries or more)")  # fmt: skip
     return [
-        f"{where} fused up to MAX_FUSED_TOKENS = {current} tokens: at most {loss:.2f}x the faster path "
-        f"({'holds' if loss <= MAX_LOSS else 'FAILS'} <= {MAX_LOSS}; worst: {at}); the threshold that costs least "
-        f"here: {best} tokens ({best_loss:.2f}x at worst)"
+        f"{where} {rule}: at most {loss:.2f}x the faster path ({'holds' if loss <= MAX_LOSS else 'FAILS'} <= "
+        f"{MAX_LOSS}; worst: {at}); one threshold for every size would cost least at {best} tokens "
+        f"({best_loss:.2f}x at worst)"
     ]
 
 
