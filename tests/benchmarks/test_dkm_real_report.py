@@ -49,6 +49,8 @@ def test_a_width_measured_again_replaces_its_rows_and_keeps_the_others():
     later = _section([_row("GPTQ 3-bit", 3, 3.3, 24.0, 0.2)])  # the same run saved again after its next row
     later["measured"] = {**later["measured"], "date": "2026-11-29 07:00"}
     assert [r["date"] for r in real.merge(again, later)["runs"]] == ["2026-11-29 06:00", "2026-11-29 07:00"]
+    idle = _section([], command="--bits 3 again")  # a rerun that found every row recorded: no run of these rows
+    assert [r["command"] for r in real.merge(again, idle)["runs"]] == [r["command"] for r in again["runs"]]
 
 
 def test_verdicts_hold_against_every_row_up_to_the_next_whole_bit_and_llama_cpp_below_5_bits():

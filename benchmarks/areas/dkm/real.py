@@ -391,7 +391,8 @@ def merge(earlier: dict | None, new: dict) -> dict:
     out["llama_cpp_tokenizer"] = new.get("llama_cpp_tokenizer") or earlier.get("llama_cpp_tokenizer")
     run = new["measured"]  # a run saves after every row: its latest record replaces its earlier ones
     same = lambda r: (r.get("command"), r.get("started")) == (run.get("command"), run.get("started"))  # noqa: E731
-    out["runs"] = [*(r for r in earlier.get("runs", []) if not same(r)), run]
+    wrote = new["rows"] or new["embedding_rows"]  # a rerun that found every row recorded measured nothing
+    out["runs"] = [*(r for r in earlier.get("runs", []) if not same(r)), *([run] if wrote else [])]
     return out
 
 
