@@ -4,13 +4,16 @@
     python benchmarks/dkm_quality.py          # both workloads (tens of minutes on 2 busy cores)
     python benchmarks/dkm_quality.py --quick  # MiniLM at 2 and 4 bits, 1 step, no GPTQ; steps, soft, job: small
     python benchmarks/dkm_quality.py --only smollm2 --bits 3   # the real LLM's table, one width (hours)
+    python benchmarks/dkm_quality.py --only smollm2 --bits 4 --data-free   # its cheap rows first (minutes)
     python benchmarks/dkm_quality.py --only calibration        # our calibrated start against GPTQ's time
     python benchmarks/dkm_quality.py --only recipe             # the whole path on the real LLM, stage by stage
 
 The real decoder LLM, SmolLM2-135M-Instruct (`areas/dkm/smollm2.py`, `areas/dkm/real.py`, `areas/dkm/llamacpp.py`,
 `areas/dkm/recipe.py`; rendered by `areas/dkm/real_report.py`): perplexity, KL from the source model, top-1 agreement
-and the worst block on held-out text, against every peer including llama.cpp's K-quants; rows of a width measured again
-replace that width's rows only, and every row is saved as it is measured.
+and the worst block on held-out text, against every peer including llama.cpp's formats; every row is saved as it is
+measured, and a run (the same command after a kill, say) measures only the rows the results file does not hold yet,
+our calibrated start of each width read from its cache on disk (`--remeasure` measures the chosen rows again,
+`--rows TEXT` chooses rows by name, `--data-free` the rows that read no training text).
 
 Workloads (`areas/dkm/workloads.py`): all-MiniLM-L6-v2 (embedding cosine to fp32, mean / worst sentence, Spearman of
 pairwise similarities) and a Llama pretrained here by `examples/run_clm.py` (held-out perplexity, worst block's
