@@ -4,13 +4,16 @@
     python benchmarks/dkm_quality.py          # both workloads (tens of minutes on 2 busy cores)
     python benchmarks/dkm_quality.py --quick  # MiniLM at 2 and 4 bits, 1 step, no GPTQ; steps, soft, job: small
     python benchmarks/dkm_quality.py --only smollm2 --bits 3   # the real LLM's table, one width (hours)
+    python benchmarks/dkm_quality.py --only smollm2 --bits 4 --data-free   # its cheap rows first (minutes)
     python benchmarks/dkm_quality.py --only calibration        # our calibrated start against GPTQ's time
     python benchmarks/dkm_quality.py --only recipe             # the whole path on the real LLM, stage by stage
 
 The real decoder LLM, SmolLM2-135M-Instruct (`areas/dkm/smollm2.py`, `areas/dkm/real.py`, `areas/dkm/llamacpp.py`,
 `areas/dkm/recipe.py`; rendered by `areas/dkm/real_report.py`): perplexity, KL from the source model, top-1 agreement
-and the worst block on held-out text, against every peer including llama.cpp's K-quants; rows of a width measured again
-replace that width's rows only, and every row is saved as it is measured.
+and the worst block on held-out text, against every peer including llama.cpp's formats; every row is saved as it is
+measured, and a run (the same command after a kill, say) measures only the rows the results file does not hold yet,
+our calibrated start of each width read from its cache on disk (`--remeasure` measures the chosen rows again,
+`--rows TEXT` chooses rows by name, `--data-free` the rows that read no training text).
 
 Workloads (`areas/dkm/workloads.py`): all-MiniLM-L6-v2 (embedding cosine to fp32, mean / worst sentence, Spearman of
 pairwise similarities) and a Llama pretrained here by `examples/run_clm.py` (held-out perplexity, worst block's
@@ -52,6 +55,7 @@ from areas.dkm import soft as soft_section
 from areas.dkm import steps as steps_section
 from areas.dkm.workloads import CALIBRATION_SAMPLES, CausalLM, MiniLM, lm_recipe, make_trainer
 from harness.common import (
+    RESULTS,
     PeakMemory,
     load_note,
     machine_state,
@@ -64,15 +68,14 @@ from harness.common import (
 BITS = (2, 3, 4)
 WORKLOAD_SETTINGS = ("steps", "lr", "calibration_samples", "dropout", "machine_before")  # the tables ran with
 QUICK_BITS = (2, 4)  # --quick: the 2-bit rows' branch and the 4-bit one (nf4 included), seconds each
+RESULTS_PATH = RESULTS / "dkm_quality.json"
 LM_DIR = Path.home() / ".cache" / "hf_llmkit" / "dkm_quality_lm"  # + "_<size>"
 
 
 def save(results: dict) -> Path:
     """Write the results, keeping the sections of an earlier run that this one did not measure (`--only`); the real
     model's rows of the widths this run did not measure (`--bits`) stay too (`areas.dkm.real.merge`)."""
-    from harness.common import RESULTS
-
-    path = RESULTS / "dkm_quality.json"
+    path = RESULTS_PATH
     with _locked(path):  # two runs of other sections or widths may save at once: read, merge and write as one
         return _merge_into(path, results)
 
@@ -304,6 +307,17 @@ def main() -> None:
     parser.add_argument("--job-shapes", nargs="*", default=None, choices=list(job_section.SHAPES),
                         help="the job section's Llama shapes (default 280M and 1B; --quick: tiny)")  # fmt: skip
     parser.add_argument("--bits", type=int, nargs="*", choices=BITS, default=None, help="only these widths")
+    parser.add_argument("--rows", nargs="*", default=None, metavar="TEXT",
+                        help="smollm2: only the rows whose name holds one of these (case-insensitive)")  # fmt: skip
+    parser.add_argument("--data-free", action="store_true",
+                        help="smollm2: only the rows that read no training text (llama.cpp, HQQ, torchao PTQ, "
+                             "coremltools k-means, nf4): minutes, where ours and GPTQ take tens")  # fmt: skip
+    parser.add_argument("--remeasure", action="store_true",
+                        help="smollm2: measure the chosen rows again (by default a run measures only the rows the "
+                             "results file lacks under the same settings, so a killed run resumes)")  # fmt: skip
+    parser.add_argument("--new-table", action="store_true",
+                        help="smollm2: measure a new table in place of the rows the results file holds (other "
+                             "settings); without it a run with other settings is refused")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0,
                         help="another order of the training data and calibration samples; a seed other than 0 "
                              "is kept beside the main tables (the seed-spread table), not in them")  # fmt: skip
@@ -372,7 +386,10 @@ def main() -> None:
                 results["real_model"] = section
             save(results)
 
-        keep_real(real.run(args, keep_real))
+        with _locked(RESULTS_PATH):
+            held = json.loads(RESULTS_PATH.read_text()) if RESULTS_PATH.is_file() else {}
+        stored = held.get("real_model_seeds", {}).get(str(args.seed)) if args.seed else held.get("real_model")
+        keep_real(real.run(args, keep_real, stored))
     if "recipe" in sections:
         results["real_model_recipe"] = recipe_section(args)
         save(results)

@@ -27,7 +27,8 @@ def _row(method, bits, bpw, ppl, kl, top1=0.8, worst=1.2, **extra):
 def _section(rows, command="python benchmarks/dkm_quality.py --only smollm2 --bits 3"):
     return {"model": "SmolLM2-135M-Instruct", "parameters": 134.5e6, "layers": 30, "quantized_parameters": 106e6,
             "split": {"held_out_texts": 20, "texts": 1993, "eval_tokens": 16384, "train_tokens": 90000},
-            "block": 512, "calibration": [128, 256], "train_batch": [4, 128], "metrics": METRICS, "steps": 40,
+            "embedding_parameters": 28.3e6, "block": 512, "calibration": [128, 256], "train_batch": [4, 128],
+            "metrics": METRICS, "steps": 40,
             "lr": 2e-5, "rows": rows, "embedding_rows": [], "llama_cpp_tokenizer": None,
             "measured": {**RECORD, "command": command}}  # fmt: skip
 
@@ -48,31 +49,40 @@ def test_a_width_measured_again_replaces_its_rows_and_keeps_the_others():
     later = _section([_row("GPTQ 3-bit", 3, 3.3, 24.0, 0.2)])  # the same run saved again after its next row
     later["measured"] = {**later["measured"], "date": "2026-11-29 07:00"}
     assert [r["date"] for r in real.merge(again, later)["runs"]] == ["2026-11-29 06:00", "2026-11-29 07:00"]
+    idle = _section([], command="--bits 3 again")  # a rerun that found every row recorded: no run of these rows
+    assert [r["command"] for r in real.merge(again, idle)["runs"]] == [r["command"] for r in again["runs"]]
 
 
-def test_verdicts_hold_only_against_every_peer_at_the_same_or_more_bits():
+def test_verdicts_hold_against_every_row_up_to_the_next_whole_bit_and_llama_cpp_below_5_bits():
+    every = "every row at 3.25 to 4 bits/weight"
     rows = [
         _row(START, 3, 3.25, 24.0, 0.20, top1=0.80, worst=1.30, trained=False),
         _row(TRAINED, 3, 3.25, 23.0, 0.15, top1=0.82, worst=1.25, trained=True),
         _row("GPTQ 3-bit g64 (llmcompressor)", 3, 3.30, 23.5, 0.18),
         _row("coremltools k-means 3-bit", 3, 3.00, 22.0, 0.40),  # fewer bits, a lower perplexity
+        _row("llama.cpp Q3_K_S", 3, 4.23, 21.0, 0.05),  # labelled 3-bit, 4.23 bits/weight: not below 4, no rival
+        _row("HQQ 2-bit g64", 2, 3.5, 30.0, 0.12),  # labelled 2-bit, 3.5 bits/weight: a rival at 3 bits
         _row("llama.cpp, the source Q4_1 file", 4, 5.0, 20.0, 0.001, reference=True),  # never a rival
     ]
     lines = verdicts(_section(rows), {})
     kl, ppl = lines[0], lines[1]
-    assert kl.startswith("- 3-bit, kl 0.1500 (" + TRAINED) and "lowest of every peer at the same or more bits" in kl
-    assert "nearest: GPTQ 3-bit g64 (llmcompressor) 0.1800, 3.30" in kl
-    assert "with fewer bits: coremltools k-means 3-bit 0.4000 (3.00, behind us)" in kl
-    assert "lowest of every peer" in ppl and "coremltools k-means 3-bit 22.00 (3.00, AHEAD OF us)" in ppl
+    assert kl.startswith("- 3-bit, kl 0.1500 (" + TRAINED) and f"NOT the lowest of {every}: HQQ 2-bit g64" in kl
+    assert "Q3_K_S" not in kl and "with fewer bits: coremltools k-means 3-bit 0.4000 (3.00, behind us)" in kl
+    assert f"lowest of {every}" in ppl and "coremltools k-means 3-bit 22.00 (3.00, AHEAD OF us)" in ppl
     assert lines[2] == (f"- 3-bit, {TRAINED}: improves on its start on every metric: ppl 24.00 -> 23.00, "
                         "kl 0.2000 -> 0.1500, top1 0.8000 -> 0.8200, worst_block_ratio 1.3000 -> 1.2500")  # fmt: skip
+    rows[5]["kl"] = 0.3
     rows[2] = _row("GPTQ 3-bit g64 (llmcompressor)", 3, 3.30, 22.5, 0.10, top1=0.9)
     rows[1]["worst_block_ratio"] = 1.4
     lines = verdicts(_section(rows), {})
-    assert "NOT the lowest: GPTQ 3-bit g64 (llmcompressor) 0.1000 (3.30)" in lines[0]
+    assert f"NOT the lowest of {every}: GPTQ 3-bit g64 (llmcompressor) 0.1000 (3.30)" in lines[0]
     assert "does NOT improve on its start" in lines[2]
-    alone = verdicts(_section(rows[:2] + rows[3:]), {})  # no peer at the same or more bits: nothing is claimed
-    assert "NOT SHOWN: no peer measured at the same or more bits yet" in alone[0] and "lowest" not in alone[0]
+    alone = verdicts(_section([r for r in rows if "GPTQ" not in r["method"] and "HQQ" not in r["method"]]), {})
+    assert f"NOT SHOWN: {every}: none measured yet" in alone[0] and "lowest" not in alone[0]
+    four = [_row(START.replace("3-bit", "4-bit"), 4, 4.25, 13.0, 0.06), _row("llama.cpp Q4_0", 4, 4.5, 13.5, 0.08),
+            _row("llama.cpp Q5_0", 4, 5.5, 12.5, 0.01), _row("HQQ 4-bit g64", 4, 4.5, 12.9, 0.03)]  # fmt: skip
+    (line,) = verdicts(_section(four), {})
+    assert line.startswith("- 4-bit, kl 0.0600") and "lowest of every llama.cpp format below 5 bits/weight" in line
 
 
 def test_the_seed_margin_counts_a_data_free_peer_as_the_same_at_every_seed():
@@ -93,6 +103,12 @@ def test_every_real_model_fragment_renders_from_results_and_says_when_not_measur
     text = dkm_smollm2({"dkm_quality": {"recorded": RECORD, "real_model": real.merge(None, _section(rows))}})
     assert f"**{TRAINED}**" in text and "| 23.00 " in text and "| 0.1500 " in text
     assert "did not run: ImportError: hqq" in text and "_Measured 2026-11-29 06:00" in text
+    # whole model MB: the decoder at its bits, the tied embedding float32 / 8-bit, the rest float32; llama.cpp's files
+    assert "| 157.1 / 72.2 " in text
+    gguf = _row("llama.cpp Q4_0 (its own mix)", 4, 4.5, 21.0, 0.1, weights_mb=173.4, embedding="F32",
+                default_file_mb=88.5, default_embedding="Q8_0")  # fmt: skip
+    text = dkm_smollm2({"dkm_quality": {"recorded": RECORD, "real_model": real.merge(None, _section([gguf]))}})
+    assert "| 173.4 (F32) / 88.5 (Q8_0) " in text
     cost = {"summary": {"ours": {"min_s": 90, "median_s": 95, "ratio_min": 0.5, "ratio_median": 0.55},
                         "GPTQ": {"min_s": 180, "median_s": 185, "ratio_min": 1.0, "ratio_median": 1.0}},
             "seconds": {"ours": [90, 100], "GPTQ": [180, 190]}, "cpu_seconds": {"ours": [80, 85], "GPTQ": [170, 175]},

@@ -55,10 +55,13 @@ def dkm(model, bits: int, skip, train: Callable | None, *, calibration=None, sta
     if start is not None:
         with torch.no_grad():
             for name, layer in layers.items():
-                for tensor, saved in zip((layer.weight, layer.centroids, layer.scales), start[name]):
+                weight, table, scales, *importance = start[name]
+                for tensor, saved in zip((layer.weight, layer.centroids, layer.scales), (weight, table, scales)):
                     if saved is not None:
                         tensor.copy_(saved)
-                layer.start = "calibrated"  # its scales are kept, DKM's iterations refused (issue 50)
+                layer.start = "calibrated"  # its scales are kept; DKM's iterations weigh by its importance (issue 50)
+                if importance and importance[0] is not None:
+                    layer.importance = importance[0].clone()
     elif calibration is not None and first:
         calibrate(model, _rows(calibration))
     if train is not None:
@@ -70,11 +73,12 @@ def dkm(model, bits: int, skip, train: Callable | None, *, calibration=None, sta
 
 
 def dkm_state(model) -> dict[str, tuple]:
-    """{name: (latent weight, table, block scales or None)} of every DKM Linear: a start `dkm` can train from."""
+    """{name: (latent weight, table, block scales or None, importance or None)} of every DKM Linear: a start `dkm`
+    can train from (the importance `calibrate` keeps weighs DKM's centroid iterations)."""
     from hf_llmkit.quantization import DKMLinear
 
     return {
-        n: tuple(None if t is None else t.detach().clone() for t in (m.weight, m.centroids, m.scales))
+        n: tuple(None if t is None else t.detach().clone() for t in (m.weight, m.centroids, m.scales, m.importance))
         for n, m in model.named_modules()
         if isinstance(m, DKMLinear)
     }

@@ -18,6 +18,7 @@ the source's on the same block. The source's log-probabilities are computed once
 
 from __future__ import annotations
 
+import functools
 import math
 import tempfile
 from pathlib import Path
@@ -63,7 +64,6 @@ class SmolLM2:
                       "train_tokens": len(self.train_ids)}  # fmt: skip
         self._work = tempfile.TemporaryDirectory(prefix="dkm_smollm2_")
         self.teacher = self.load().eval()
-        self.reference = self._reference()
 
     def load(self):
         from transformers import AutoModelForCausalLM
@@ -72,9 +72,10 @@ class SmolLM2:
 
     # -- evaluation ---------------------------------------------------------------------------------------------
 
-    def _reference(self) -> dict:
+    @functools.cached_property
+    def reference(self) -> dict:
         """The source model's log-probabilities on every held-out block (a float32 file), its per-block losses and
-        its top-1 tokens."""
+        its top-1 tokens; computed at the first evaluation (a run that measures nothing skips it)."""
         blocks, block = self.eval_ids.shape
         vocab = self.teacher.config.vocab_size
         path = Path(self._work.name) / "teacher.f32"
