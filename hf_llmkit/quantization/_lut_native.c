@@ -452,6 +452,21 @@ static int shifted_order(const weight_t *w, int lvl) {
     return lvl == LEVEL_AVX512 && w->bits <= 4 && w->block % 64 == 0 && w->cols >= 64;
 }
 
+/* Rows [0, m) of x [m, cols] with each chunk of 64 columns put in the order of `steps` steps of 64 / steps lanes:
+ * column steps * l + t at (64 / steps) * t + l; the columns after the last chunk as they are. Returns dst. */
+static const float *interleaved(const float *x, float *dst, int64_t m, int64_t cols, const int steps) {
+    const int64_t cols64 = cols / 64 * 64, lanes = 64 / steps;
+    for (int64_t j = 0; j < m; j++) {
+        const float *src = x + j * cols;
+        float *out = dst + j * cols;
+        for (int64_t c = 0; c < cols64; c += 64)
+            for (int t = 0; t < steps; t++)
+                for (int64_t l = 0; l < lanes; l++) out[c + lanes * t + l] = src[c + steps * l + t];
+        memcpy(out + cols64, src + cols64, (size_t)(cols - cols64) * 4);
+    }
+    return dst;
+}
+
 /* x [m, cols] widened to float32 (xf; rows m..padded zero), for the AVX-512 loop put in its shifted order (xt), or
  * for the AVX2 chunk loops, each chunk of 64 columns
  * rearranged so that the 8 weights one step of a chunk yields, lane l holding column 8l + t at step t, meet their
@@ -466,32 +481,9 @@ static void prepare_input(const weight_t *w, int lvl, const void *x, int x_dtype
         memset(xf + n, 0, (size_t)((padded - m) * cols) * sizeof(float));
         in->xf = xf;
     }
-    if (shifted_order(w, lvl)) { /* the AVX-512 loop's order: column 4l + t of a chunk at 16t + l */
-        float *xs = buffer + padded * cols;
-        const int64_t cols64 = cols / 64 * 64;
-        for (int64_t j = 0; j < padded; j++) {
-            const float *src = in->xf + j * cols;
-            float *dst = xs + j * cols;
-            for (int64_t c = 0; c < cols64; c += 64)
-                for (int t = 0; t < 4; t++)
-                    for (int l = 0; l < 16; l++) dst[c + 16 * t + l] = src[c + 4 * l + t];
-            memcpy(dst + cols64, src + cols64, (size_t)(cols - cols64) * 4);
-        }
-        in->xt = xs;
-    }
-    if (lvl == LEVEL_AVX2 && w->bits <= 4) {
-        float *xt = buffer + padded * cols;
-        const int64_t cols64 = cols / 64 * 64;
-        for (int64_t j = 0; j < padded; j++) {
-            const float *src = in->xf + j * cols;
-            float *dst = xt + j * cols;
-            for (int64_t c = 0; c < cols64; c += 64)
-                for (int t = 0; t < 8; t++)
-                    for (int l = 0; l < 8; l++) dst[c + 8 * t + l] = src[c + 8 * l + t];
-            memcpy(dst + cols64, src + cols64, (size_t)(cols - cols64) * 4);
-        }
-        in->xt = xt;
-    }
+    /* the AVX-512 loop's shifted order (column 4l + t of a chunk at 16t + l) or the AVX2 lanes' (8l + t at 8t + l) */
+    if (shifted_order(w, lvl)) in->xt = interleaved(in->xf, buffer + padded * cols, padded, cols, 4);
+    else if (lvl == LEVEL_AVX2 && w->bits <= 4) in->xt = interleaved(in->xf, buffer + padded * cols, padded, cols, 8);
 }
 
 /* y[m, rows] = x[m, cols] @ W^T for any m tokens, each weight rounded to `mode` (OUT_*) first; x float32, bfloat16
