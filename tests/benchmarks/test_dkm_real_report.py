@@ -83,6 +83,10 @@ def test_verdicts_hold_against_every_row_up_to_the_next_whole_bit_and_llama_cpp_
             _row("llama.cpp Q5_0", 4, 5.5, 12.5, 0.01), _row("HQQ 4-bit g64", 4, 4.5, 12.9, 0.03)]  # fmt: skip
     (line,) = verdicts(_section(four), {})
     assert line.startswith("- 4-bit, kl 0.0600") and "lowest of every llama.cpp format below 5 bits/weight" in line
+    # a verdict over part of the planned rows says which are missing (the GPTQ g128 and QAT rows, ours trained ...)
+    assert "NOT MEASURED YET (a verdict over the rows above only): " in line and "torchao QAT int4 g64" in line
+    assert "HQQ 4-bit g64" not in line.split("NOT MEASURED YET")[1]
+    assert "GPTQ 3-bit g128 (llmcompressor)" in lines[0] and "GPTQ 3-bit g64 (llmcompressor), " not in lines[0]
 
 
 def test_the_seed_margin_counts_a_data_free_peer_as_the_same_at_every_seed():

@@ -67,6 +67,11 @@ SOURCE_EMBEDDING = f"source decoder + embedding / tied LM head {EMBEDDING_BITS}-
 REFERENCE = "fp32 (reference)"
 
 
+def planned_rows(bits: int) -> list[str]:
+    """The names of the rows a full run measures at `bits`: ours, then the peers (llama.cpp's apart)."""
+    return [*_names(bits).values(), *peer_plan(bits, quick=False)]
+
+
 def peer_plan(bits: int, quick: bool) -> dict[str, tuple]:
     """{name: (function, trained, data_free, extra kwargs)} of the peers at `bits`, the data-free ones first."""
     plan = {f"torchao int{bits} g64 asymmetric, weight-only PTQ": (peers.torchao_ptq, False, True, {}),

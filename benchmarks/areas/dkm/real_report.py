@@ -107,6 +107,9 @@ def verdicts(section: dict, seeds: dict) -> list[str]:
             for r in cheaper:
                 said += (f"; with fewer bits: {r['method']} {_value(m, r[m])} ({r['bpw']:.2f}, "
                          f"{'behind' if _better(m, best[m], r[m]) else 'AHEAD OF'} us)")  # fmt: skip
+            missing = _not_measured(section, bits)
+            if missing:
+                said += f"; NOT MEASURED YET (a verdict over the rows above only): {', '.join(missing)}"
             lines.append(f"- {bits}-bit, {said}")
     for bits in sorted({r["bits"] for r in rows}):
         start = next((r for r in rows if r["bits"] == bits and "no training (ours)" in r["method"]), None)
@@ -118,6 +121,14 @@ def verdicts(section: dict, seeds: dict) -> list[str]:
             parts = ", ".join(f"{m} {_value(m, start[m])} -> {_value(m, trained[m])}" for m, _ in moved)
             lines.append(f"- {bits}-bit, {trained['method']}: {verdict} its start on every metric: {parts}")
     return lines
+
+
+def _not_measured(section: dict, bits: int) -> list[str]:
+    """The rows a full run measures at `bits` (`real.planned_rows`) that the section holds no measurement of."""
+    from areas.dkm import real
+
+    held = {r["method"] for r in section["rows"] if "error" not in r}
+    return [name for name in real.planned_rows(bits) if name not in held]
 
 
 def _seed_margin(section: dict, seeds: dict, bits: int, metric: str, best: dict) -> str:
