@@ -16,8 +16,8 @@ is the one place that decides how they multiply:
 The fused paths serve up to `MAX_FUSED_TOKENS` tokens (token-by-token decoding, where the product is bound by reading
 the weight); longer inputs (prefill), inputs that need a gradient and `HF_LLMKIT_DKM_KERNEL=eager` decode the weight
 once per forward (with the C kernel where it serves, else whole-tensor torch ops) and let the matmul library multiply.
-`decodes(tokens, weights)` is that switch (`MAX_FUSED_TOKENS_LARGE` for weights of `LARGE_WEIGHTS` or more), for
-the ONNX export's kernels too (`export/onnx_runtime.py`);
+`decodes(tokens, weights, blocked)` is that switch (`MAX_FUSED_TOKENS_LARGE` for weights of `LARGE_WEIGHTS` or more
+decoded whole), for the ONNX export's kernels too (`export/onnx_runtime.py`, which decode in blocks);
 `benchmarks/dkm_inference.py --parts loops` (`areas/inference/switch.py`) measures, per layer shape and compute dtype,
 from how many tokens decoding and one GEMM beats the fused product, and says whether `MAX_FUSED_TOKENS` agrees.
 `HF_LLMKIT_DKM_KERNEL` (`auto`, `eager`, `native`, `compile`, `triton`) forces a path; the path each device type takes
@@ -46,8 +46,9 @@ ENV = "HF_LLMKIT_DKM_KERNEL"
 RECOMPILE_LIMIT = 64  # compiled specialisations of the kernel (dtype x bits x table kind x scales...) per process
 # Above these token counts the weight is decoded once and the matmul library multiplies (prefill; `decodes`), from
 # the quiet measurement of `benchmarks/dkm_inference.py --parts loops` (docs/dkm.md, the prefill switch): layer shapes
-# cross over at 12-32 tokens; a weight of LARGE_WEIGHTS or more (an LM head: SmolLM2's 49,152 x 576) costs more to
-# decode than the fused product spends up to about 64.
+# cross over at 12-32 tokens; decoded whole (the PyTorch layers), a weight of LARGE_WEIGHTS or more (an LM head:
+# SmolLM2's 49,152 x 576) costs more than the fused product spends up to about 64; decoded in blocks that stay in
+# cache (the ONNX kernels) it crosses over where the others do.
 MAX_FUSED_TOKENS = 16
 MAX_FUSED_TOKENS_LARGE, LARGE_WEIGHTS = 64, 8 * 2**20
 
@@ -74,11 +75,12 @@ def requested_path() -> str:
     return value
 
 
-def decodes(tokens: int, weights: int = 0) -> bool:
+def decodes(tokens: int, weights: int = 0, blocked: bool = False) -> bool:
     """Whether a product of `tokens` tokens by a weight of `weights` entries decodes the weight and lets the matmul
     library multiply (prefill) instead of taking a fused path (the C kernel reads the weight once per 8 tokens: MAXM
-    in `_lut_native.c`)."""
-    return tokens > (MAX_FUSED_TOKENS_LARGE if weights >= LARGE_WEIGHTS else MAX_FUSED_TOKENS)
+    in `_lut_native.c`); `blocked`: the decode goes a block of rows at a time (the ONNX kernels), not whole."""
+    large = weights >= LARGE_WEIGHTS and not blocked
+    return tokens > (MAX_FUSED_TOKENS_LARGE if large else MAX_FUSED_TOKENS)
 
 
 def triton_available() -> bool:

@@ -226,3 +226,19 @@ def test_reloaded_model_generates_like_the_decoded_path_and_saves_the_same_tenso
     assert sorted(before) == sorted(after)
     for key, value in before.items():
         assert value.dtype == after[key].dtype and torch.equal(value, after[key]), key
+
+
+def test_the_prefill_switch_keeps_a_large_weight_decoded_whole_fused_longer():
+    """`decodes`: fused up to MAX_FUSED_TOKENS tokens; a weight of LARGE_WEIGHTS entries or more (an LM head) decoded
+    whole stays fused up to MAX_FUSED_TOKENS_LARGE; decoded in blocks (the ONNX kernels) it switches with the others
+    (the crossovers measured by benchmarks/areas/inference/switch.py)."""
+    small, large, n, n_large = (
+        576 * 576,
+        lut_gemv.LARGE_WEIGHTS,
+        lut_gemv.MAX_FUSED_TOKENS,
+        lut_gemv.MAX_FUSED_TOKENS_LARGE,
+    )
+    assert n < n_large
+    assert not lut_gemv.decodes(n, small) and lut_gemv.decodes(n + 1, small)
+    assert not lut_gemv.decodes(n_large, large) and lut_gemv.decodes(n_large + 1, large)
+    assert lut_gemv.decodes(n + 1, large, blocked=True) and not lut_gemv.decodes(n, large, blocked=True)

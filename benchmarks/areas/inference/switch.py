@@ -99,7 +99,8 @@ def worst_loss(table: dict, threshold: int | None) -> tuple[float, str]:
             for path in paths:
                 for count in table["tokens"]:
                     fused, decoded = (_median(table, shape, dtype, count, p) for p in ("fused", path))
-                    decode = lut_gemv.decodes(count, rows * cols) if threshold is None else count > threshold
+                    blocked = path == "decoded, ONNX"  # the ONNX kernels decode a block of rows at a time
+                    decode = lut_gemv.decodes(count, rows * cols, blocked) if threshold is None else count > threshold
                     taken = decoded if decode else fused
                     if taken / min(fused, decoded) > worst:
                         worst, where = taken / min(fused, decoded), f"{shape} {dtype} {path} at {count} tokens"
@@ -119,7 +120,7 @@ def verdicts(table: dict | None) -> list[str]:
     best = min([0, *table["tokens"]], key=lambda t: worst_loss(table, t)[0])
     best_loss = worst_loss(table, best)[0]
     rule = (f"fused up to {lut_gemv.MAX_FUSED_TOKENS} tokens ({lut_gemv.MAX_FUSED_TOKENS_LARGE} for weights of "
-            f"{lut_gemv.LARGE_WEIGHTS / 2**20:g}M entries or more)")  # fmt: skip
+            f"{lut_gemv.LARGE_WEIGHTS / 2**20:g}M entries or more decoded whole)")  # fmt: skip
     return [
         f"{where} {rule}: at most {loss:.2f}x the faster path ({'holds' if loss <= MAX_LOSS else 'FAILS'} <= "
         f"{MAX_LOSS}; worst: {at}); one threshold for every size would cost least at {best} tokens "

@@ -67,7 +67,7 @@ def matmul(x, packed, table, meta, first_byte, shift, kmod, group_offsets, scale
     if native.supports(layer):
         y = (
             _decoded_product(layer, flat)
-            if lut_gemv.decodes(flat.shape[0], rows * flat.shape[1])
+            if lut_gemv.decodes(flat.shape[0], rows * flat.shape[1], blocked=True)
             else native.gemv(layer, flat, torch.float32)
         )
     else:
