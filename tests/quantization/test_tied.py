@@ -13,7 +13,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from hf_llmkit import DKMConfig
-from hf_llmkit.quantization import DKMEmbedding, PalettizedEmbedding, trainable_from_packed
+from hf_llmkit.quantization import DKMEmbedding, PalettizedEmbedding, lut_gemv, trainable_from_packed
 from hf_llmkit.quantization.tied import TiedDKMHead
 from hf_llmkit.testing import tiny_llama
 
@@ -53,10 +53,11 @@ def test_saved_once_and_reloaded_packed(tied_dir, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()
     assert isinstance(reloaded.lm_head, TiedDKMHead) and isinstance(reloaded.model.embed_tokens, PalettizedEmbedding)
     assert reloaded.lm_head.embedding is reloaded.model.embed_tokens
-    ids = torch.tensor([[1, 5, 9, 22, 7, 3, 4, 8, 2, 6, 11]])  # 11 tokens: the decoded path, bit for bit
+    ids = torch.tensor([[1, 5, 9, 22, 7, 3, 4, 8, 2, 6, 11] * 2])  # above MAX_FUSED_TOKENS: decoded, bit for bit
+    assert lut_gemv.decodes(ids.shape[1], 512 * 64)
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
-        short = ids[:, :4]  # up to 8 tokens: the kernel, within float32 rounding of the reduction
+        short = ids[:, :4]  # up to MAX_FUSED_TOKENS: the kernel, within float32 rounding of the reduction
         torch.testing.assert_close(reloaded(short).logits, model(short).logits, rtol=1e-5, atol=1e-5)
         want = model.generate(short, max_new_tokens=4, do_sample=False)
         assert torch.equal(reloaded.generate(short, max_new_tokens=4, do_sample=False), want)

@@ -22,6 +22,9 @@ import torch.nn.functional as F
 from harness.common import Bench, markdown_table
 from harness.slices import mark, no_verdict, usable
 
+from areas.inference import switch
+from areas.inference.switch import packed_layers
+
 ROWS, COLS = 2816, 1024
 COLD_BYTES = 96 * 2**20  # well above the last-level cache of the CPUs measured: every call streams from memory
 MODEL = dict(hidden=1024, layers=4, intermediate=2816, vocab=4096, heads=16)
@@ -56,21 +59,8 @@ def levels() -> list[str]:
     return list(native.available_loops())
 
 
-def _packed(bits: int, block: int, count: int, rows: int = ROWS, cols: int = COLS):
-    """`count` packed layers with random indices, tables and scales (the kernel's speed does not depend on them)."""
-    from hf_llmkit.quantization import DKMSettings, PalettizedLinear
-
-    settings = DKMSettings.build(rows, bits=bits, scale_block_size=block, lut_dtype="bfloat16")
-    layers = []
-    generator = torch.Generator().manual_seed(bits)
-    for _ in range(count):
-        layer = PalettizedLinear(cols, rows, False, settings)
-        layer.weight_packed.copy_(torch.randint(0, 256, layer.weight_packed.shape, generator=generator))
-        layer.weight_lut.copy_(torch.randn(layer.weight_lut.shape, generator=generator))
-        if layer.weight_scale is not None:
-            layer.weight_scale.copy_(torch.rand(layer.weight_scale.shape, generator=generator) + 0.5)
-        layers.append(layer.eval())
-    return layers
+def _packed(bits: int, block: int, count: int):
+    return packed_layers(bits, block, count, ROWS, COLS)
 
 
 def _copies(nbytes: int, quick: bool) -> int:
@@ -159,7 +149,6 @@ def verdicts(part: dict) -> list[str]:
     """Per loop level and variant: ours >= 1.5x dense bf16 and >= dense fp32 in batch-1 tokens/s (the per-round
     ratio for bf16, medians for fp32); rows (or bases) measured on a loaded machine are judged by none; then the
     prefill switch's (`areas/inference/switch.py`)."""
-    from areas.inference import switch
 
     lines = []
     for threads, cell in part["threads"].items():

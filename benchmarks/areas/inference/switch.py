@@ -41,9 +41,25 @@ MAX_LOSS = 1.10  # the switch's path may take at most 10% longer than the faster
 PATHS = {"bfloat16": ("decoded",), "float32": ("decoded", "decoded, ONNX")}
 
 
+def packed_layers(bits: int, block: int, count: int, rows: int, cols: int):
+    """`count` packed layers with random indices, tables and scales (the kernel's speed does not depend on them)."""
+    from hf_llmkit.quantization import DKMSettings, PalettizedLinear
+
+    settings = DKMSettings.build(rows, bits=bits, scale_block_size=block, lut_dtype="bfloat16")
+    layers = []
+    generator = torch.Generator().manual_seed(bits)
+    for _ in range(count):
+        layer = PalettizedLinear(cols, rows, False, settings)
+        layer.weight_packed.copy_(torch.randint(0, 256, layer.weight_packed.shape, generator=generator))
+        layer.weight_lut.copy_(torch.randn(layer.weight_lut.shape, generator=generator))
+        if layer.weight_scale is not None:
+            layer.weight_scale.copy_(torch.rand(layer.weight_scale.shape, generator=generator) + 0.5)
+        layers.append(layer.eval())
+    return layers
+
+
 def switch_table(quick: bool) -> dict:
     """Median seconds per shape, dtype, path and token count; crossovers; the verdict's inputs."""
-    from areas.inference.loops import _packed
     from hf_llmkit.quantization import _lut_native as native
     from hf_llmkit.quantization import lut_gemv
     from hf_llmkit.quantization.export.onnx_runtime import _decoded_product
@@ -52,7 +68,7 @@ def switch_table(quick: bool) -> dict:
     shapes, tokens = (QUICK_SHAPES, QUICK_TOKENS) if quick else (SHAPES, TOKENS)
     variants = {}
     for shape, (rows, cols) in shapes.items():
-        (layer,) = _packed(3, 64, 1, rows=rows, cols=cols)
+        (layer,) = packed_layers(3, 64, 1, rows, cols)
         for dtype_name, paths in PATHS.items():
             dtype = getattr(torch, dtype_name)
             for count in tokens:
